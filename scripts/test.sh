@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install everything (CPU) and run the default test suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install.sh --dev
+VENV=${TOKENFLEET_VENV:-.venv}
+"$VENV/bin/tokenfleet" models import
+set +e
+"$VENV/bin/python" -m pytest "$@"
+rc=$?
+set -e
+if [[ $rc -eq 5 ]]; then
+  echo "pytest collected no tests: failing on purpose" >&2
+  exit 1
+fi
+exit $rc

@@ -1,0 +1,1 @@
+"""tokenfleet services, installed as the tokenfleet.services namespace."""

@@ -1,0 +1,1 @@
+"""The decode service (arrives with the service-suite issue)."""

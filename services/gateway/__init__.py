@@ -1,0 +1,1 @@
+"""The gateway service (arrives with the service-suite issue)."""

@@ -1,0 +1,1 @@
+"""The prefill service (arrives with the service-suite issue)."""

@@ -1,0 +1,1 @@
+"""The registry service (arrives with the service-suite issue)."""

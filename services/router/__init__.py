@@ -1,0 +1,1 @@
+"""The router service (arrives with the service-suite issue)."""

@@ -1,0 +1,37 @@
+"""Device choice and CPU thread sizing for the torch backend."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tokenfleet import envs
+
+
+def resolve_device(name: str) -> torch.device:
+    name = envs.device() or name
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available")
+    return device
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def configure_threads(requested: int | None) -> int:
+    """Set torch's intra-op threads. OpenMP threads that share cores with other busy
+    processes spin at barriers and slow a step 8-20x, so callers sharing the machine
+    (services, load generators) should pass fewer threads than cores."""
+    threads = requested or envs.num_threads() or usable_cores()
+    if threads < 1:
+        raise ValueError(f"num_threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    return threads

@@ -1,0 +1,115 @@
+"""Torch model runner: scheduler output -> one forward over paged KV -> sampled tokens.
+
+Owns every tensor of the engine: the model weights, the KV cache, the inputs it builds each
+step, and the sampler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenfleet.engine.request import Request
+from tokenfleet.engine.sampler import Sampler, TokenLogprobs
+from tokenfleet.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tokenfleet.models.attention import ForwardBatch, PrefillSpan
+from tokenfleet.models.llama import KVCache, LlamaModel
+
+
+@dataclass(frozen=True)
+class ExecuteResult:
+    sampled: dict[str, int]  # request id -> token, for entries that sample
+    logprobs: dict[str, TokenLogprobs]
+
+
+class TorchModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None):
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        self.kv = KVCache(model.config, num_blocks, block_size, kv_dtype or model.dtype, model.device)
+        self.sampler = Sampler(model.device)
+
+    def execute(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> ExecuteResult:
+        logits = self.compute_logits(output, requests)
+        sampling = [s for s in output.scheduled if s.samples]
+        if not sampling:
+            return ExecuteResult({}, {})
+        rows = [requests[s.request_id] for s in sampling]
+        result = self.sampler.sample(logits, rows)
+        sampled = {r.request_id: t for r, t in zip(rows, result.token_ids)}
+        logprobs = {r.request_id: lp for r, lp in zip(rows, result.logprobs) if lp is not None}
+        return ExecuteResult(sampled, logprobs)
+
+    def compute_logits(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> torch.Tensor:
+        """float32 logits [num sampling entries, vocab] in ``output.scheduled`` order."""
+        if output.copies:
+            self.kv.copy_blocks(list(output.copies))
+        token_ids, batch = self.build_batch(output.scheduled, requests)
+        return self.model.forward(token_ids, batch, self.kv)
+
+    def release(self, request_id: str) -> None:
+        self.sampler.release(request_id)
+
+    def build_batch(
+        self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]
+    ) -> tuple[torch.Tensor, ForwardBatch]:
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        decode_entries: list[ScheduledRequest] = []
+        prefills: list[PrefillSpan] = []
+        for entry in scheduled:
+            start, end = entry.start, entry.start + entry.num_new_tokens
+            row = len(tokens)
+            tokens += requests[entry.request_id].token_ids_range(start, end)
+            positions += range(start, end)
+            table = entry.block_ids
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            if entry.samples:
+                logits_indices.append(len(tokens) - 1)
+            if entry.num_new_tokens == 1:
+                if prefills:
+                    raise ValueError("decode entries must precede prefill chunks")
+                decode_entries.append(entry)
+            else:
+                context = self._slots(table, end) if start > 0 else None
+                prefills.append(PrefillSpan(row, entry.num_new_tokens, end, context))
+        batch = ForwardBatch(
+            positions=self._tensor(positions),
+            slot_mapping=self._tensor(slots),
+            logits_indices=self._tensor(logits_indices),
+            prefills=prefills,
+        )
+        if decode_entries:
+            self._add_decode_metadata(batch, decode_entries)
+        return self._tensor(tokens), batch
+
+    def _add_decode_metadata(self, batch: ForwardBatch, entries: list[ScheduledRequest]) -> None:
+        bs = self.block_size
+        lengths = [e.start + 1 for e in entries]
+        max_len = max(lengths)
+        max_blocks = -(-max_len // bs)
+        tables = torch.zeros((len(entries), max_blocks), dtype=torch.long)
+        for i, e in enumerate(entries):
+            n = -(-lengths[i] // bs)
+            tables[i, :n] = torch.tensor(e.block_ids[:n], dtype=torch.long)
+        pos = torch.arange(max_len)
+        slots = tables[:, pos // bs] * bs + pos % bs  # [D, max_len]
+        valid = pos[None, :] < torch.tensor(lengths)[:, None]
+        bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
+        batch.num_decode = len(entries)
+        batch.decode_slots = slots.to(self.device)
+        batch.decode_bias = bias.view(len(entries), 1, 1, max_len).to(self.device)
+
+    def _slots(self, table: Sequence[int], length: int) -> torch.Tensor:
+        bs = self.block_size
+        blocks = torch.tensor(table[: -(-length // bs)], dtype=torch.long)
+        return (blocks[:, None] * bs + torch.arange(bs)[None, :]).flatten()[:length].to(self.device)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

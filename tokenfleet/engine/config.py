@@ -1,0 +1,44 @@
+"""Engine configuration: one frozen object, each component gets its own slice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenfleet.engine.scheduler import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # path of an HF folder (config.json, *.safetensors, tokenizer.json)
+    dtype: str = "bfloat16"  # serving default; "float32" for equality tests
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    block_size: int = 16
+    kv_cache_bytes: int = 1 << 30  # KV budget; ignored when num_blocks is set
+    num_blocks: int | None = None
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_batched_tokens: int = 2048
+    max_num_running: int = 128
+    max_num_waiting: int = 1024
+    max_prefill_chunk: int = 0
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # CPU torch threads; None = TOKENFLEET_NUM_THREADS or all usable cores
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.dtype not in ("bfloat16", "float32", "float16"):
+            raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_running=self.max_num_running,
+            max_num_waiting=self.max_num_waiting,
+            max_prefill_chunk=self.max_prefill_chunk,
+            max_model_len=max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )

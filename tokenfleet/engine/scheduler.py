@@ -1,0 +1,253 @@
+"""Iteration-level scheduler: pure Python over plain data (no torch, no I/O, no clock).
+
+One token-budget model covers everything: each step a request is given ``num_new_tokens``
+so that ``num_computed_tokens`` catches up with ``num_tokens`` (prompt + output). A chunk
+that reaches ``num_tokens`` samples one token. Order of a step:
+
+1. running requests, highest priority and earliest arrival first: decodes (1 token) and the
+   rest of partially prefilled prompts. If blocks run out, the lowest-priority,
+   latest-arrived running request is preempted (blocks freed, recomputed later).
+2. waiting requests, by (priority, arrival), fill the remaining budget with prefill chunks,
+   admitted only if their blocks can be allocated (prefix-cache hits are reused).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tokenfleet.engine.block_hash import hash_blocks
+from tokenfleet.engine.block_manager import BlockManager
+from tokenfleet.engine.request import FinishReason, Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at capacity; the caller should reject the request (e.g. 503)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_running: int = 128
+    max_num_waiting: int = 1024
+    max_prefill_chunk: int = 0  # per-request chunk cap; 0 = limited only by the budget
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_running < 1 or self.max_num_waiting < 0:
+            raise ValueError(f"invalid scheduler limits: {self}")
+        if self.max_prefill_chunk < 0:
+            raise ValueError(f"max_prefill_chunk must be >= 0, got {self.max_prefill_chunk}")
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    start: int  # num_computed_tokens before this step
+    num_new_tokens: int
+    block_ids: tuple[int, ...]  # the request's whole block table after allocation
+    samples: bool  # the chunk reaches the end of the known tokens: sample one token
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledRequest, ...]  # single-token entries first, then longer chunks
+    copies: tuple[tuple[int, int], ...]  # (src, dst) blocks to copy before the forward
+    preempted_ids: tuple[str, ...]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, hash_salt: str):
+        self.config = config
+        self.block_manager = block_manager
+        self.hash_salt = hash_salt
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[tuple[tuple, Request]] = []  # sorted by (priority, arrival, seq)
+        self.running: list[Request] = []
+        self._seq = itertools.count()
+        self._order: dict[str, tuple] = {}
+        self.num_preemptions = 0
+
+    # ---- queue management --------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request. Raises QueueFullError or ValueError (can never fit)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if len(self.waiting) >= self.config.max_num_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_num_waiting} requests)")
+        bs = self.block_manager.block_size
+        num_prompt_blocks = -(-request.num_prompt_tokens // bs)
+        if num_prompt_blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt needs {num_prompt_blocks} KV blocks; the cache has {self.block_manager.num_blocks}"
+            )
+        request.block_hashes = hash_blocks(request.prompt_token_ids, bs, self.hash_salt)
+        self.requests[request.request_id] = request
+        self._order[request.request_id] = (request.priority, request.arrival_time, next(self._seq))
+        self._push_waiting(request)
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
+        """End a request (abort, stop string): free its blocks and drop it from the queues."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting = [(k, r) for k, r in self.waiting if r is not request]
+        self.block_manager.free(request_id)
+        self._order.pop(request_id, None)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        return request
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        copies: list[tuple[int, int]] = []
+        preempted: list[str] = []
+        self.running.sort(key=lambda r: self._order[r.request_id])
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._chunk(request, request.num_computed_tokens, budget)
+            allocation = self._allocate_or_preempt(request, n, preempted)
+            if allocation is None:
+                break  # the request itself was preempted; it was the last running one
+            copies.extend(allocation.copies)
+            scheduled.append(self._entry(request, n))
+            budget -= n
+            i += 1
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled, copies)
+        scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        return SchedulerOutput(tuple(scheduled), tuple(copies), tuple(preempted))
+
+    def _chunk(self, request: Request, num_computed: int, budget: int) -> int:
+        n = min(request.num_tokens - num_computed, budget)
+        if self.config.max_prefill_chunk:
+            n = min(n, self.config.max_prefill_chunk)
+        return n
+
+    def _allocate_or_preempt(self, request: Request, n: int, preempted: list[str]):
+        while True:
+            allocation = self.block_manager.allocate_slots(request.request_id, request.num_computed_tokens + n)
+            if allocation is not None:
+                return allocation
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return None
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], copies: list) -> int:
+        bm, bs = self.block_manager, self.block_manager.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_running:
+            request = self.waiting[0][1]
+            prefix: list[int] = []
+            if self.config.enable_prefix_caching:
+                # Always leave at least one token to compute: its logits are needed.
+                prefix = bm.match_prefix(request.block_hashes[: (request.num_tokens - 1) // bs])
+            computed = len(prefix) * bs
+            n = self._chunk(request, computed, budget)
+            allocation = bm.allocate_slots(request.request_id, computed + n, prefix)
+            if allocation is None:
+                break
+            self.waiting.pop(0)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = min(computed, request.num_prompt_tokens)
+            request.num_computed_tokens = computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            copies.extend(allocation.copies)
+            scheduled.append(self._entry(request, n))
+            budget -= n
+        return budget
+
+    def _entry(self, request: Request, n: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            start=start,
+            num_new_tokens=n,
+            block_ids=tuple(self.block_manager.block_table(request.request_id)),
+            samples=start + n == request.num_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(request)
+
+    def _push_waiting(self, request: Request) -> None:
+        key = self._order[request.request_id]
+        bisect.insort(self.waiting, (key, request), key=lambda item: item[0])
+
+    # ---- after the forward -----------------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, apply token-level stops.
+
+        ``sampled`` maps request id -> token for entries with ``samples``. Returns the
+        requests that finished in this step (already removed, blocks freed).
+        """
+        bs = self.block_manager.block_size
+        finished = []
+        for entry in output.scheduled:
+            request = self.requests.get(entry.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += entry.num_new_tokens
+            if entry.samples:
+                request.output_token_ids.append(sampled[entry.request_id])
+                if request.num_tokens % bs == 0:
+                    request.block_hashes = hash_blocks(
+                        request.all_token_ids, bs, self.hash_salt, request.block_hashes
+                    )
+            if self.config.enable_prefix_caching:
+                self.block_manager.cache_blocks(
+                    entry.request_id, request.block_hashes[: request.num_computed_tokens // bs]
+                )
+            reason = self._check_stop(request) if entry.samples else None
+            if reason is not None:
+                finished.append(self.finish_request(entry.request_id, reason))
+        return finished
+
+    def _check_stop(self, request: Request) -> FinishReason | None:
+        params = request.sampling_params
+        num_output = len(request.output_token_ids)
+        token = request.output_token_ids[-1]
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                return FinishReason.STOP
+        if num_output >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None

