@@ -6,12 +6,16 @@ Layout of one forward's tokens:
       one token per         prefill chunk of      next chunk
       decoding request      request 0
 
-CPU implementation, chosen by measurement (benchmarks/attention_impls.py):
-- decode tokens: gather every decoding request's context from the cache into one padded
-  [D, kv_heads, L, head_dim] tensor and run two batched matmuls with an additive mask. One
-  op per layer for the whole decode group; GQA is done by viewing the query heads as
-  [kv_heads, group] so K/V are never repeated. CPU SDPA with q_len=1 in bf16 was several
-  times slower than this in our measurements.
+KV cache layout per layer: [kv_heads, num_blocks, block_size, head_dim]. Gathering a
+request's context is then one ``index_select`` of whole blocks (contiguous 2 KB runs), and
+the gathered [kv_heads, D, L, head_dim] tensor feeds the batched matmuls with no permute
+copy. Measured on the 2-core CPU for 32 decodes at L=320, one layer, bf16
+(benchmarks/attention_impls.py): token-major [slots, kv_heads, head_dim] gather + permute
+2.4-3.2 ms; this layout 1.2-1.5 ms; CPU SDPA with q_len=1 7.7 ms; fp32 upcast 5-6 ms.
+
+- decode tokens: all decoding requests in one pair of batched matmuls over the padded
+  gathered context with an additive mask; GQA by viewing query heads as [kv_heads, group],
+  so K/V are never repeated. Softmax in fp32.
 - prefill chunks: one SDPA per request (q_len = chunk length, where SDPA's blocked kernel
   is efficient); a chunk with no earlier context attends to its own fresh K/V, skipping the
   gather.
@@ -32,7 +36,7 @@ class PrefillSpan:
     start: int  # index of the chunk's first token in the batch
     num_tokens: int  # chunk length
     context_len: int  # tokens attended to by the chunk's last token (earlier context + chunk)
-    context_slots: torch.Tensor | None  # [context_len] cache slots; None when there is no earlier context
+    context_block_ids: torch.Tensor | None  # [num_context_blocks]; None when there is no earlier context
 
 
 @dataclass
@@ -40,11 +44,11 @@ class ForwardBatch:
     """Everything a forward needs besides token ids; built once per step by the model runner."""
 
     positions: torch.Tensor  # [num_tokens] long
-    slot_mapping: torch.Tensor  # [num_tokens] long: where each token's K/V is written
+    slot_mapping: torch.Tensor  # [num_tokens] long: block_id * block_size + offset of each token's K/V
     logits_indices: torch.Tensor  # [num_logits] long: batch rows whose logits are sampled
     num_decode: int = 0
-    decode_slots: torch.Tensor | None = None  # [num_decode, max_len] long, padded with slot 0
-    decode_bias: torch.Tensor | None = None  # [num_decode, 1, 1, max_len] 0 or -inf
+    decode_block_ids: torch.Tensor | None = None  # [num_decode * max_blocks] long, padded with block 0
+    decode_bias: torch.Tensor | None = None  # [1, num_decode, 1, max_blocks * block_size] 0 or -inf
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -52,48 +56,54 @@ def paged_attention(
     q: torch.Tensor,  # [num_tokens, heads, head_dim]
     k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
     v: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]
+    v_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]
     batch: ForwardBatch,
 ) -> torch.Tensor:
     """Write k/v into the cache at ``batch.slot_mapping``, then attend. Returns [num_tokens, heads * head_dim]."""
-    k_cache.index_copy_(0, batch.slot_mapping, k)
-    v_cache.index_copy_(0, batch.slot_mapping, v)
-    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    k_cache.view(num_kv_heads, num_blocks * block_size, head_dim).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
+    v_cache.view(num_kv_heads, num_blocks * block_size, head_dim).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+    num_tokens, num_heads, _ = q.shape
     out = torch.empty_like(q)
     if batch.num_decode:
         d = batch.num_decode
         out[:d] = _decode_attention(q[:d], k_cache, v_cache, batch)
     for span in batch.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
-        if span.context_slots is None:
-            out[rows] = _prefill_attention(q[rows], k[rows], v[rows], causal_offset=0)
+        if span.context_block_ids is None:
+            out[rows] = _prefill_attention(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), 0)
         else:
-            ctx_k, ctx_v = k_cache[span.context_slots], v_cache[span.context_slots]
-            out[rows] = _prefill_attention(q[rows], ctx_k, ctx_v, causal_offset=span.context_len - span.num_tokens)
+            ctx_k = _gather(k_cache, span.context_block_ids)[:, : span.context_len]
+            ctx_v = _gather(v_cache, span.context_block_ids)[:, : span.context_len]
+            out[rows] = _prefill_attention(q[rows], ctx_k, ctx_v, span.context_len - span.num_tokens)
     return out.view(num_tokens, num_heads * head_dim)
 
 
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, len(block_ids) * block_size, head_dim]: the blocks' tokens in order."""
+    num_kv_heads, _, block_size, head_dim = cache.shape
+    return cache.index_select(1, block_ids).view(num_kv_heads, -1, head_dim)
+
+
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    assert batch.decode_slots is not None and batch.decode_bias is not None
     d, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
-    keys = k_cache[batch.decode_slots].permute(0, 2, 3, 1)  # [D, kv_heads, head_dim, L]
-    values = v_cache[batch.decode_slots].transpose(1, 2)  # [D, kv_heads, L, head_dim]
-    qg = q.view(d, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg, keys).float() * (head_dim**-0.5) + batch.decode_bias  # [D, kv_heads, group, L]
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).view(d, num_heads, head_dim)
+    keys = _gather(k_cache, batch.decode_block_ids).view(num_kv_heads, d, -1, head_dim)  # [kvh, D, L, hd]
+    values = _gather(v_cache, batch.decode_block_ids).view(num_kv_heads, d, -1, head_dim)
+    qh = q.view(d, num_kv_heads, group, head_dim).transpose(0, 1)  # [kvh, D, group, hd]
+    scores = torch.matmul(qh, keys.transpose(-1, -2)).float() * (head_dim**-0.5) + batch.decode_bias
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [kvh, D, group, L]
+    return torch.matmul(probs, values).transpose(0, 1).reshape(d, num_heads, head_dim)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int) -> torch.Tensor:
-    """q: [n, heads, hd]; k, v: [L, kv_heads, hd] with L = causal_offset + n. Query i sees keys <= offset + i."""
+    """q: [n, heads, hd]; k, v: [kv_heads, L, hd] with L = causal_offset + n. Query i sees keys <= offset + i."""
     n, num_heads, head_dim = q.shape
-    length, num_kv_heads, _ = k.shape
+    num_kv_heads, length, _ = k.shape
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]
-    kt = k.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, L, hd]
-    vt = v.transpose(0, 1).unsqueeze(0)
+    kt, vt = k.unsqueeze(0), v.unsqueeze(0)  # [1, kv_heads, L, hd]
     gqa = num_heads != num_kv_heads
     if causal_offset == 0:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)

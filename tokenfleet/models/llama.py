@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from tokenfleet.models.attention import ForwardBatch, paged_attention
 from tokenfleet.models.config import ModelConfig, RopeScaling
+from tokenfleet.models.linear import LinearKernel
 
 
 @dataclass
@@ -35,21 +36,20 @@ class LlamaWeights:
 
 
 class KVCache:
-    """Preallocated K and V for every layer, addressed by slot = block_id * block_size + offset."""
+    """Preallocated K and V for every layer; a token's slot is block_id * block_size + offset."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-        shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, head_dim]
+        shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, kv_heads, blocks, block_size, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write of shared blocks)."""
-        bs = self.block_size
         for src, dst in pairs:
             for cache in (self.k, self.v):
-                cache[:, dst * bs : (dst + 1) * bs] = cache[:, src * bs : (src + 1) * bs]
+                cache[:, :, dst].copy_(cache[:, :, src])
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -74,9 +74,14 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: LlamaWeights, dtype: torch.dtype, device: torch.device):
+    """``weights`` hold matrices already prepared by ``linear`` (see models.linear)."""
+
+    def __init__(
+        self, config: ModelConfig, weights: LlamaWeights, dtype: torch.dtype, device: torch.device, linear: LinearKernel
+    ):
         self.config = config
         self.weights = weights
+        self.linear = linear
         self.dtype = dtype
         self.device = device
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
@@ -91,7 +96,7 @@ class LlamaModel:
 
         token_ids: [num_tokens]. Returns float32 logits [num_logits, vocab].
         """
-        cfg, w = self.config, self.weights
+        cfg, w, linear = self.config, self.weights, self.linear
         h = F.embedding(token_ids, w.embed)  # [num_tokens, hidden]
         cos = self.cos[batch.positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.sin[batch.positions].unsqueeze(1)
@@ -99,17 +104,17 @@ class LlamaModel:
         residual = h
         for i, layer in enumerate(w.layers):
             x = rms_norm(residual, layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = F.linear(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = linear(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
             q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention(q, k, v, kv.k[i], kv.v[i], batch)  # [num_tokens, heads * head_dim]
-            residual = residual + F.linear(attn, layer.o_proj)
+            residual = residual + linear(attn, layer.o_proj)
             x = rms_norm(residual, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            residual = residual + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
+            residual = residual + linear(F.silu(gate) * up, layer.down)
         last = residual[batch.logits_indices]
-        return F.linear(rms_norm(last, w.norm, cfg.rms_norm_eps), w.lm_head).float()
+        return linear(rms_norm(last, w.norm, cfg.rms_norm_eps), w.lm_head).float()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from tokenfleet.models.config import ModelConfig
+from tokenfleet.models.linear import LinearKernel, select_linear
 from tokenfleet.models.llama import LayerWeights, LlamaModel, LlamaWeights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,8 +23,9 @@ def parse_dtype(name: str) -> torch.dtype:
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaModel:
     config = ModelConfig.from_dir(model_dir)
     tensors = _read_safetensors(Path(model_dir))
-    weights = _build_weights(config, tensors, dtype, device)
-    return LlamaModel(config, weights, dtype, device)
+    linear = select_linear(dtype, device)
+    weights = _build_weights(config, tensors, dtype, device, linear)
+    return LlamaModel(config, weights, dtype, device, linear)
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -39,7 +41,7 @@ def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _build_weights(
-    config: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    config: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, linear: LinearKernel
 ) -> LlamaWeights:
     def take(name: str) -> torch.Tensor:
         if name not in t:
@@ -52,11 +54,11 @@ def _build_weights(
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
-                o_proj=take(p + "self_attn.o_proj.weight"),
+                qkv=linear.prepare(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])),
+                o_proj=linear.prepare(take(p + "self_attn.o_proj.weight")),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                down=take(p + "mlp.down_proj.weight"),
+                gate_up=linear.prepare(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                down=linear.prepare(take(p + "mlp.down_proj.weight")),
             )
         )
     embed = take("embed_tokens.weight")
@@ -66,4 +68,4 @@ def _build_weights(
         lm_head = embed
     else:
         lm_head = take("lm_head.weight")
-    return LlamaWeights(embed=embed, layers=layers, norm=take("norm.weight"), lm_head=lm_head)
+    return LlamaWeights(embed=embed, layers=layers, norm=take("norm.weight"), lm_head=linear.prepare(lm_head))

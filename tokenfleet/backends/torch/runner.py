@@ -77,7 +77,7 @@ class TorchModelRunner:
                     raise ValueError("decode entries must precede prefill chunks")
                 decode_entries.append(entry)
             else:
-                context = self._slots(table, end) if start > 0 else None
+                context = self._tensor(list(table[: -(-end // bs)])) if start > 0 else None
                 prefills.append(PrefillSpan(row, entry.num_new_tokens, end, context))
         batch = ForwardBatch(
             positions=self._tensor(positions),
@@ -92,24 +92,16 @@ class TorchModelRunner:
     def _add_decode_metadata(self, batch: ForwardBatch, entries: list[ScheduledRequest]) -> None:
         bs = self.block_size
         lengths = [e.start + 1 for e in entries]
-        max_len = max(lengths)
-        max_blocks = -(-max_len // bs)
-        tables = torch.zeros((len(entries), max_blocks), dtype=torch.long)
-        for i, e in enumerate(entries):
-            n = -(-lengths[i] // bs)
-            tables[i, :n] = torch.tensor(e.block_ids[:n], dtype=torch.long)
-        pos = torch.arange(max_len)
-        slots = tables[:, pos // bs] * bs + pos % bs  # [D, max_len]
-        valid = pos[None, :] < torch.tensor(lengths)[:, None]
+        max_blocks = -(-max(lengths) // bs)
+        block_ids = []
+        for e in entries:
+            table = list(e.block_ids[:max_blocks])
+            block_ids += table + [0] * (max_blocks - len(table))
+        valid = torch.arange(max_blocks * bs)[None, :] < torch.tensor(lengths)[:, None]
         bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
         batch.num_decode = len(entries)
-        batch.decode_slots = slots.to(self.device)
-        batch.decode_bias = bias.view(len(entries), 1, 1, max_len).to(self.device)
-
-    def _slots(self, table: Sequence[int], length: int) -> torch.Tensor:
-        bs = self.block_size
-        blocks = torch.tensor(table[: -(-length // bs)], dtype=torch.long)
-        return (blocks[:, None] * bs + torch.arange(bs)[None, :]).flatten()[:length].to(self.device)
+        batch.decode_block_ids = self._tensor(block_ids)
+        batch.decode_bias = bias.view(1, len(entries), 1, -1).to(self.device)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,49 @@
+"""Shared factories and fixtures."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from tokenfleet.engine.block_manager import BlockManager
+from tokenfleet.engine.request import Request
+from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig
+
+_ids = itertools.count()
+
+
+def make_request(
+    num_prompt_tokens: int = 10,
+    max_tokens: int = 8,
+    priority: int = 0,
+    arrival_time: float | None = None,
+    prompt_token_ids: list[int] | None = None,
+    request_id: str | None = None,
+    eos_token_ids: tuple[int, ...] = (),
+    **params: object,
+) -> Request:
+    n = next(_ids)
+    prompt = prompt_token_ids if prompt_token_ids is not None else [100 + (n * 7 + i) % 500 for i in range(num_prompt_tokens)]
+    return Request(
+        request_id=request_id or f"r{n}",
+        prompt_token_ids=list(prompt),
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, **params),  # type: ignore[arg-type]
+        arrival_time=float(n) if arrival_time is None else arrival_time,
+        priority=priority,
+        max_tokens=max_tokens,
+        eos_token_ids=eos_token_ids,
+    )
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, **config: object) -> Scheduler:
+    return Scheduler(SchedulerConfig(**config), BlockManager(num_blocks, block_size), hash_salt="test")  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from tokenfleet.models.gguf_import import ensure_default_model
+
+    return ensure_default_model()
