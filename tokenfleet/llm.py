@@ -9,9 +9,8 @@ from typing import Any
 from tokenfleet.api.chat_template import render_chat
 from tokenfleet.engine.builder import build_engine_core
 from tokenfleet.engine.config import EngineConfig
-from tokenfleet.engine.output import RequestOutput
+from tokenfleet.engine.output import RequestOutput, TokenLogprobs
 from tokenfleet.engine.request import FinishReason
-from tokenfleet.engine.sampler import TokenLogprobs
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.models.gguf_import import ensure_default_model
 

@@ -12,23 +12,23 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenfleet.engine.detokenizer import Decoder
-from tokenfleet.engine.output import OutputState, RequestOutput
+from tokenfleet.engine.output import OutputState, RequestOutput, TokenLogprobs
 from tokenfleet.engine.request import FinishReason, Priority, Request
-from tokenfleet.engine.sampler import TokenLogprobs
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import Scheduler, SchedulerOutput
 from tokenfleet.engine.stats import EngineStats, StepTimer
 
 
-class ExecuteResultLike(Protocol):
-    sampled: dict[str, int]
+@dataclass(frozen=True)
+class ExecuteResult:
+    sampled: dict[str, int]  # request id -> token, for scheduled entries that sample
     logprobs: dict[str, TokenLogprobs]
 
 
 class ModelRunner(Protocol):
     """What the core needs from a backend: run one scheduled batch, forget a request."""
 
-    def execute(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> ExecuteResultLike: ...
+    def execute(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> ExecuteResult: ...
 
     def release(self, request_id: str) -> None: ...
 
@@ -116,18 +116,17 @@ class EngineCore:
         for entry in output.scheduled:
             if entry.samples and entry.request_id in result.sampled:
                 outputs.append(self._process(entry.request_id, result, finished))
-        self.stats.record_step(self._timer.last, output.num_scheduled_tokens, len(output.preempted_ids))
+        self.stats.record_step(self._timer.last, output.num_scheduled_tokens)
         return outputs
 
-    def _process(self, request_id: str, result: ExecuteResultLike, finished: dict[str, Request]) -> RequestOutput:
+    def _process(self, request_id: str, result: ExecuteResult, finished: dict[str, Request]) -> RequestOutput:
         state = self._states[request_id]
         request = finished.get(request_id)
         by_token = request is not None and request.finish_reason is FinishReason.STOP
         out = state.on_token(result.sampled[request_id], result.logprobs.get(request_id), by_token)
         if request is None and state.matcher.matched is not None:
             request = self.scheduler.finish_request(request_id, FinishReason.STOP)
-        if request is not None:
-            assert request.finish_reason is not None
+        if request is not None and request.finish_reason is not None:
             self._states.pop(request_id)
             self.runner.release(request_id)
             self.stats.record_finished(request)

@@ -6,7 +6,14 @@ from dataclasses import dataclass, field
 
 from tokenfleet.engine.detokenizer import Decoder, IncrementalDetokenizer, StopStringMatcher
 from tokenfleet.engine.request import FinishReason, Request
-from tokenfleet.engine.sampler import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float  # log-softmax of the raw logits (before temperature and penalties)
+    rank: int  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
 @dataclass

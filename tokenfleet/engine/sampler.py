@@ -15,15 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenfleet.engine.output import TokenLogprobs
 from tokenfleet.engine.request import Request
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
 @dataclass(frozen=True)

@@ -236,7 +236,8 @@ class Scheduler:
                 )
             reason = self._check_stop(request) if entry.samples else None
             if reason is not None:
-                finished.append(self.finish_request(entry.request_id, reason))
+                self.finish_request(entry.request_id, reason)
+                finished.append(request)
         return finished
 
     def _check_stop(self, request: Request) -> FinishReason | None:

@@ -32,7 +32,7 @@ class EngineStats:
     def mean_step_seconds(self) -> float:
         return self.total_step_seconds / self.num_steps if self.num_steps else 0.0
 
-    def record_step(self, seconds: float, num_tokens: int, num_preempted: int) -> None:
+    def record_step(self, seconds: float, num_tokens: int) -> None:
         self.num_steps += 1
         self.num_scheduled_tokens += num_tokens
         self.total_step_seconds += seconds

@@ -71,7 +71,7 @@ def paged_attention(
         out[:d] = _decode_attention(q[:d], k_cache, v_cache, batch)
     for span in batch.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
-        if span.context_block_ids is None:
+        if span.context_block_ids is None:  # no earlier context: attend to the chunk's own K/V
             out[rows] = _prefill_attention(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), 0)
         else:
             ctx_k = _gather(k_cache, span.context_block_ids)[:, : span.context_len]
@@ -87,6 +87,8 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    if batch.decode_block_ids is None or batch.decode_bias is None:
+        raise ValueError("decode tokens scheduled without decode metadata")
     d, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads

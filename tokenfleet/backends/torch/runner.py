@@ -7,21 +7,15 @@ step, and the sampler.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
+from tokenfleet.engine.core import ExecuteResult
 from tokenfleet.engine.request import Request
-from tokenfleet.engine.sampler import Sampler, TokenLogprobs
+from tokenfleet.engine.sampler import Sampler
 from tokenfleet.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenfleet.models.attention import ForwardBatch, PrefillSpan
 from tokenfleet.models.llama import KVCache, LlamaModel
-
-
-@dataclass(frozen=True)
-class ExecuteResult:
-    sampled: dict[str, int]  # request id -> token, for entries that sample
-    logprobs: dict[str, TokenLogprobs]
 
 
 class TorchModelRunner:
