@@ -46,13 +46,15 @@ def run_ours(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
 
 
 def run_hf(model, prompts: list[list[int]], output_len: int) -> dict:
-    ids = torch.tensor(prompts)  # equal lengths: the padded batch needs no padding
+    ids = torch.tensor(prompts, device=model.device)  # equal lengths: the padded batch needs no padding
+    _sync(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
             min_new_tokens=output_len, do_sample=False, pad_token_id=0,
         )
+    _sync(model.device)
     wall = time.perf_counter() - start
     produced = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     return {"wall_s": wall, "out_tok_s": produced / wall, "mean_step_ms": 1000 * wall / output_len}
@@ -65,11 +67,18 @@ def prefill_ours(llm: LLM, prompt: list[int]) -> float:
 
 
 def prefill_hf(model, prompt: list[int]) -> float:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
+    _sync(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         model(ids, attention_mask=torch.ones_like(ids))
+    _sync(model.device)
     return len(prompt) / (time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -82,20 +91,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--model", help="HF folder (default: the imported SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--json", help="write results to this file")
     args = parser.parse_args()
 
-    model_dir = str(ensure_default_model())
-    llm = LLM(model_dir, dtype=args.dtype, num_threads=args.threads,
+    model_dir = args.model or str(ensure_default_model())
+    llm = LLM(model_dir, dtype=args.dtype, num_threads=args.threads, device=args.device,
               max_num_batched_tokens=args.max_num_batched_tokens)
+    device = llm.core.runner.device
     vocab = llm.core.model.vocab_size
     hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(device)
         hf.eval()
-    print(f"threads={torch.get_num_threads()} dtype={args.dtype} prompt={args.prompt_len} output={args.output_len}")
+    print(f"device={device} threads={torch.get_num_threads()} dtype={args.dtype} "
+          f"prompt={args.prompt_len} output={args.output_len}")
 
     # Warm up both (first calls allocate and pick kernels).
     warm = fresh_prompts(2, 32, vocab, seed=999)

@@ -39,9 +39,9 @@ def save_tiny_llama(path, **overrides):
     return model
 
 
-def stepwise_logits(model_dir, dtype, prompts, num_steps, block_size=4, chunk=0):
+def stepwise_logits(model_dir, dtype, prompts, num_steps, block_size=4, chunk=0, device="cpu"):
     """Run prompts together through scheduler + runner; feed back argmax; return logits per request per step."""
-    model = load_model(model_dir, dtype, torch.device("cpu"))
+    model = load_model(model_dir, dtype, torch.device(device))
     runner = TorchModelRunner(model, num_blocks=64, block_size=block_size)
     scheduler = Scheduler(
         SchedulerConfig(max_prefill_chunk=chunk, max_model_len=512), BlockManager(64, block_size), hash_salt="t"
@@ -56,7 +56,7 @@ def stepwise_logits(model_dir, dtype, prompts, num_steps, block_size=4, chunk=0)
         step_logits = runner.compute_logits(out, scheduler.requests)
         sampling = [s.request_id for s in out.scheduled if s.samples]
         for request_id, row in zip(sampling, step_logits):
-            logits[request_id].append(row)
+            logits[request_id].append(row.cpu())
         scheduler.update(out, {rid: int(row.argmax()) for rid, row in zip(sampling, step_logits)})
     scheduler.block_manager.check_invariants()
     return logits
