@@ -15,7 +15,10 @@ def tokenizer(default_model_dir) -> Tokenizer:
 
 @pytest.mark.parametrize(
     "text",
-    ["Hello there, how are you?", "  leading spaces and   gaps", "🚀🎉 launch!", "日本語のテキスト", "café naïve façade", "a\nb\tc"],
+    [
+        "Hello there, how are you?", "  leading spaces and   gaps", "🚀🎉 launch!",
+        "日本語のテキスト", "café naïve façade", "a\nb\tc",
+    ],
 )
 def test_streamed_text_equals_full_decode_and_never_has_replacement_chars(tokenizer, text):
     prompt = tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n")
