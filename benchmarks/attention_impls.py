@@ -5,6 +5,7 @@ bf16, 16-token blocks), one layer:
   token_major  KV as [slots, kv_heads, hd]; gather tokens, permute, batched matmuls
   block_major  KV as [kv_heads, blocks, block_size, hd]; index_select whole blocks, batched
                matmuls without permute copies (what the engine uses)
+  engine       the engine's own _decode_attention (block_major, as shipped)
   fp32         block_major with K/V/Q upcast to fp32
   sdpa         block_major gather + torch SDPA with q_len=1 (enable_gqa)
 
@@ -18,6 +19,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from tokenfleet.models.attention import ForwardBatch, _decode_attention
 
 KVH, G, HD, BS, NUM_BLOCKS = 3, 3, 64, 16, 4096
 
@@ -44,7 +47,8 @@ def main() -> None:
     k_blk = k_tok.view(NUM_BLOCKS, BS, KVH, HD).permute(2, 0, 1, 3).contiguous()
     v_blk = v_tok.view(NUM_BLOCKS, BS, KVH, HD).permute(2, 0, 1, 3).contiguous()
     print(f"threads={torch.get_num_threads()}  ms per layer")
-    print(f"{'D':>3} {'L':>5} | {'token_major':>11} {'block_major':>11} {'fp32':>8} {'sdpa':>8}")
+    names = ["token_major", "block_major", "engine", "fp32", "sdpa"]
+    print(f"{'D':>3} {'L':>5} | " + " ".join(f"{n:>11}" for n in names))
     for d, length in ((1, 320), (8, 320), (32, 320), (64, 320), (32, 1024)):
         nb = length // BS
         tables = torch.randperm(NUM_BLOCKS)[: d * nb].view(d, nb)
@@ -69,13 +73,20 @@ def main() -> None:
             s = torch.matmul(qh, keys.transpose(-1, -2)).float() * HD**-0.5 + bias
             return torch.matmul(torch.softmax(s, -1).to(values.dtype), values)
 
+        batch = ForwardBatch(
+            positions=pos, slot_mapping=pos, logits_indices=pos, num_decode=d, decode_block_ids=flat, decode_bias=bias
+        )
+
+        def engine():
+            return _decode_attention(q, k_blk, v_blk, batch)
+
         def sdpa():
             keys = k_blk.index_select(1, flat).view(KVH, d, length, HD).transpose(0, 1)
             values = v_blk.index_select(1, flat).view(KVH, d, length, HD).transpose(0, 1)
             return F.scaled_dot_product_attention(q.view(d, KVH * G, 1, HD), keys, values, enable_gqa=True)
 
-        times = [bench(token_major), bench(block_major), bench(lambda: block_major(True)), bench(sdpa)]
-        print(f"{d:>3} {length:>5} | {times[0]:>11.2f} {times[1]:>11.2f} {times[2]:>8.2f} {times[3]:>8.2f}")
+        times = [bench(token_major), bench(block_major), bench(engine), bench(lambda: block_major(True)), bench(sdpa)]
+        print(f"{d:>3} {length:>5} | " + " ".join(f"{t:>11.2f}" for t in times))
 
 
 if __name__ == "__main__":
