@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -60,6 +62,17 @@ def run_hf(model, prompts: list[list[int]], output_len: int) -> dict:
     return {"wall_s": wall, "out_tok_s": produced / wall, "mean_step_ms": 1000 * wall / output_len}
 
 
+def run_vllm(python: str, model_dir: str, dtype: str, batches: list[list[list[int]]], output_len: int) -> list[dict]:
+    """vLLM-CPU's offline API on the same prompts, in its own virtualenv (a subprocess)."""
+    spec = {"model": model_dir, "dtype": dtype, "output_len": output_len, "batches": batches}
+    script = Path(__file__).parent / "peers" / "vllm_offline.py"
+    done = subprocess.run([python, str(script)], input=json.dumps(spec), capture_output=True, text=True, timeout=1800)
+    for line in done.stdout.splitlines():
+        if line.startswith("VLLM_RESULT "):
+            return json.loads(line.removeprefix("VLLM_RESULT "))
+    raise RuntimeError(f"vLLM run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+
+
 def prefill_ours(llm: LLM, prompt: list[int]) -> float:
     start = time.perf_counter()
     llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
@@ -94,6 +107,7 @@ def main() -> None:
     parser.add_argument("--model", help="HF folder (default: the imported SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--json", help="write results to this file")
+    parser.add_argument("--vllm-python", help="python of a vLLM-CPU virtualenv: also run vLLM on the same prompts")
     args = parser.parse_args()
 
     model_dir = args.model or str(ensure_default_model())
@@ -116,20 +130,27 @@ def main() -> None:
     if hf is not None:
         run_hf(hf, warm, 4)
 
+    batches = [int(b) for b in args.batches.split(",")]
+    all_prompts = [fresh_prompts(b, args.prompt_len, vocab, seed=1000 + i) for i, b in enumerate(batches)]
     rows = []
-    header = f"{'batch':>5} | {'ours tok/s':>10} {'step ms':>8} | {'HF tok/s':>9} {'step ms':>8} | {'ratio':>5}"
-    print(header)
-    print("-" * len(header))
-    for i, batch in enumerate(int(b) for b in args.batches.split(",")):
-        prompts = fresh_prompts(batch, args.prompt_len, vocab, seed=1000 + i)
+    for batch, prompts in zip(batches, all_prompts):
         ours = run_ours(llm, prompts, args.output_len)
         base = run_hf(hf, prompts, args.output_len) if hf is not None else None
         ratio = ours["out_tok_s"] / base["out_tok_s"] if base else float("nan")
         rows.append({"batch": batch, "ours": ours, "hf": base, "ratio": ratio})
-        print(
-            f"{batch:>5} | {ours['out_tok_s']:>10.1f} {ours['mean_step_ms']:>8.1f} | "
-            + (f"{base['out_tok_s']:>9.1f} {base['mean_step_ms']:>8.1f} | {ratio:>5.2f}" if base else "-")
-        )
+    if args.vllm_python:
+        for row, peer in zip(rows, run_vllm(args.vllm_python, model_dir, args.dtype, all_prompts, args.output_len)):
+            row["vllm"] = peer
+    header = (
+        f"{'batch':>5} | {'ours tok/s':>10} {'step ms':>8} | {'HF tok/s':>9} {'step ms':>8} | {'ratio':>5} | {'vLLM tok/s':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        ours, base = row["ours"], row["hf"]
+        hf_cols = f"{base['out_tok_s']:>9.1f} {base['mean_step_ms']:>8.1f} | {row['ratio']:>5.2f}" if base else "-"
+        peer = f"{row['vllm']['out_tok_s']:>10.1f}" if "vllm" in row else "-"
+        print(f"{row['batch']:>5} | {ours['out_tok_s']:>10.1f} {ours['mean_step_ms']:>8.1f} | {hf_cols} | {peer}")
 
     prompt = fresh_prompts(1, args.prefill_len, vocab, seed=7)[0]
     ours_prefill = prefill_ours(llm, prompt)
