@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh --dev
 VENV=${TOKENFLEET_VENV:-.venv}
+"$VENV/bin/python" scripts/gen_protos.py --check
 "$VENV/bin/ruff" check tokenfleet services tests benchmarks
 "$VENV/bin/mypy" tokenfleet/engine tokenfleet/routing
 "$VENV/bin/tokenfleet" models import

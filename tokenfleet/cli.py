@@ -7,8 +7,15 @@ import sys
 import time
 from collections.abc import Sequence
 
+WORKER_COMMANDS = {"decode": "decode", "prefill": "prefill"}
+
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in WORKER_COMMANDS:  # services own their flags
+        from tokenfleet.services.decode.main import main as worker_main
+
+        return worker_main(argv[1:], default_role=WORKER_COMMANDS[argv[0]])
     parser = _parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):
@@ -40,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="system prompt")
     _engine_args(chat)
     chat.set_defaults(func=_cmd_chat)
+
+    for name in WORKER_COMMANDS:
+        sub.add_parser(name, help=f"run an engine worker ({name} role) serving gRPC; --help for its flags")
     return parser
 
 

@@ -1,0 +1,1 @@
+"""What every tokenfleet gRPC server shares: bootstrap (health, reflection, graceful stop) and error mapping."""

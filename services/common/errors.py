@@ -1,0 +1,62 @@
+"""The one place where domain exceptions become gRPC status codes."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from tokenfleet.engine.interface import EngineOverloadedError, EngineStoppedError
+
+log = structlog.get_logger()
+
+_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (EngineOverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),
+    (LookupError, grpc.StatusCode.NOT_FOUND),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+]
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    code = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("handler failed", method=method)
+        await context.abort(code, f"internal error: {type(exc).__name__}")
+    await context.abort(code, str(exc))
+
+
+def map_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a servicer method (coroutine or async generator) so exceptions become statuses."""
+    name = handler.__name__
+    if inspect.isasyncgenfunction(handler):
+
+        @functools.wraps(handler)
+        async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for item in handler(self, request, context):
+                    yield item
+            except Exception as exc:  # noqa: BLE001 - mapped to a status, INTERNAL is logged
+                await _abort(context, exc, name)
+
+        return stream
+
+    @functools.wraps(handler)
+    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await handler(self, request, context)
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc, name)
+
+    return unary

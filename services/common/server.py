@@ -1,0 +1,51 @@
+"""gRPC server bootstrap: health, reflection, graceful stop on SIGTERM/SIGINT with a grace period."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = structlog.get_logger()
+
+
+class GrpcServer:
+    """One grpc.aio server with the standard services; ``add`` registers the service's servicers."""
+
+    def __init__(self, service_names: Sequence[str], host: str = "127.0.0.1", port: int = 0):
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = list(service_names)
+        names = [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {host}:{port}")
+        self.address = f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self._set_status(health_pb2.HealthCheckResponse.SERVING)
+
+    async def _set_status(self, status: int) -> None:
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def run_until_signal(self, on_drain: Callable[[], Awaitable[None]], grace_seconds: float) -> None:
+        """Serve until SIGTERM/SIGINT, then: report NOT_SERVING, ``on_drain()``, stop with a grace period."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("draining", address=self.address)
+        await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await on_drain()
+        await self.server.stop(grace_seconds)
+        log.info("stopped", address=self.address)

@@ -1,0 +1,80 @@
+"""Proto <-> domain conversion for the engine worker; nothing else touches *_pb2 here."""
+
+from __future__ import annotations
+
+from tokenfleet.engine.output import RequestOutput, TokenLogprobs
+from tokenfleet.engine.request import FinishReason, Priority
+from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.v1 import common_pb2, engine_pb2
+
+_FINISH = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+_PRIORITY = {
+    common_pb2.PRIORITY_UNSPECIFIED: Priority.INTERACTIVE,
+    common_pb2.PRIORITY_INTERACTIVE: Priority.INTERACTIVE,
+    common_pb2.PRIORITY_BATCH: Priority.BATCH,
+}
+
+
+def sampling_params(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises ValueError (-> INVALID_ARGUMENT) for invalid values."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        skip_special_tokens=not msg.keep_special_tokens,
+    )
+
+
+def priority(value: int) -> int:
+    if value not in _PRIORITY:
+        raise ValueError(f"unknown priority {value}")
+    return _PRIORITY[value]
+
+
+def _logprob(lp: TokenLogprobs) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
+def responses(out: RequestOutput) -> list[engine_pb2.GenerateResponse]:
+    """A chunk for new tokens/text, then a final message when the request is done."""
+    messages = []
+    if out.new_token_ids or out.text:
+        chunk = engine_pb2.TokenChunk(
+            token_ids=out.new_token_ids, text=out.text, logprobs=[_logprob(lp) for lp in out.logprobs]
+        )
+        messages.append(engine_pb2.GenerateResponse(chunk=chunk))
+    if out.finished:
+        final = engine_pb2.GenerateFinal(
+            finish_reason=_FINISH.get(out.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED) if out.finish_reason
+            else common_pb2.FINISH_REASON_UNSPECIFIED,
+            usage=common_pb2.Usage(
+                prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                cached_prompt_tokens=out.num_cached_tokens,
+            ),
+            request_id=out.request_id,
+        )
+        if isinstance(out.stop_reason, str):
+            final.stop_string = out.stop_reason
+        elif isinstance(out.stop_reason, int):
+            final.stop_token_id = out.stop_reason
+        messages.append(engine_pb2.GenerateResponse(final=final))
+    return messages

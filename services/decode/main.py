@@ -1,0 +1,83 @@
+"""Engine worker process: load the model, serve EngineService over gRPC until SIGTERM, then drain."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Sequence
+
+import structlog
+from tokenfleet.services.common.server import GrpcServer
+from tokenfleet.services.decode.worker import EngineWorker
+
+from tokenfleet.engine.async_engine import AsyncEngine
+from tokenfleet.engine.builder import build_engine_core
+from tokenfleet.engine.config import EngineConfig
+from tokenfleet.telemetry.logging import configure_logging
+from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
+
+ROLES = ("decode", "prefill", "both")
+log = structlog.get_logger()
+
+
+def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"tokenfleet {default_role}", description="tokenfleet engine worker")
+    p.add_argument("--role", choices=ROLES, default=default_role)
+    p.add_argument("--model", help="HF model folder (default: the imported SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, help="torch CPU threads (leave cores for other processes)")
+    p.add_argument("--num-blocks", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-waiting", type=int, default=1024)
+    p.add_argument("--grace-seconds", type=float, default=30.0, help="drain deadline on SIGTERM")
+    return p.parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from tokenfleet.models.gguf_import import ensure_default_model
+
+    return EngineConfig(
+        model=args.model or str(ensure_default_model()),
+        dtype=args.dtype,
+        device=args.device,
+        num_threads=args.threads,
+        num_blocks=args.num_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_waiting=args.max_num_waiting,
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    config = engine_config(args)
+    engine = AsyncEngine(lambda: build_engine_core(config))
+    await engine.start()
+    worker = EngineWorker(engine, args.role)
+    server = GrpcServer([engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name], args.host, args.port)
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(worker, server.server)
+    await server.start()
+    log.info("worker serving", address=server.address, role=args.role, model=config.model)
+    print(f"LISTENING {server.address}", flush=True)  # machine-readable line for launchers and tests
+
+    async def on_drain() -> None:
+        await asyncio.wait_for(worker.drain(), timeout=args.grace_seconds)
+
+    try:
+        await server.run_until_signal(on_drain, args.grace_seconds)
+    finally:
+        await engine.shutdown()
+
+
+def main(argv: Sequence[str] | None = None, default_role: str = "decode") -> int:
+    args = parse_args(argv, default_role)
+    configure_logging(f"worker-{args.role}")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(args))
+    return 0

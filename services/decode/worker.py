@@ -1,0 +1,110 @@
+"""The engine worker servicer: Generate / Abort / Load / Drain over any ``Engine``.
+
+Shared by the decode and prefill services (role decides what placement sends it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+from tokenfleet.services.common.errors import map_errors
+from tokenfleet.services.decode import convert
+
+from tokenfleet.engine.interface import Engine, EngineStoppedError
+from tokenfleet.telemetry.latency import RecentLatencies
+from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
+
+log = structlog.get_logger()
+DEFAULT_LOAD_INTERVAL_MS = 500
+
+
+class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
+    def __init__(self, engine: Engine, role: str):
+        self.engine = engine
+        self.role = role
+        self.draining = False
+        self.in_flight: set[str] = set()
+        self.latencies = RecentLatencies()
+
+    @map_errors
+    async def Generate(
+        self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        if self.draining:
+            raise EngineStoppedError("worker is draining")
+        params = convert.sampling_params(request.sampling)
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self.in_flight:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        start, first, last, count = time.monotonic(), None, None, 0
+        self.in_flight.add(request_id)
+        stream = self.engine.generate(
+            list(request.prompt_token_ids), params, request_id, convert.priority(request.priority)
+        )
+        try:
+            # aclosing: a cancelled call closes the engine stream now, which aborts the request.
+            async with contextlib.aclosing(stream) as outputs:
+                async for out in outputs:
+                    if out.new_token_ids:
+                        last = time.monotonic()
+                        first = first or last
+                        count += len(out.new_token_ids)
+                    for message in convert.responses(out):
+                        yield message
+        finally:
+            self.in_flight.discard(request_id)
+            self.latencies.record(start, first, last, count)
+
+    @map_errors
+    async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
+        await self.engine.abort(request.request_id)
+        return engine_pb2.AbortResponse()
+
+    @map_errors
+    async def Load(
+        self, request: engine_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.LoadReport]:
+        interval = (request.interval_ms or DEFAULT_LOAD_INTERVAL_MS) / 1000
+        while True:
+            yield self.report()
+            await asyncio.sleep(interval)
+
+    @map_errors
+    async def Drain(self, request: engine_pb2.DrainRequest, context: grpc.aio.ServicerContext) -> engine_pb2.DrainResponse:
+        num = await self.drain()
+        return engine_pb2.DrainResponse(num_drained=num)
+
+    async def drain(self) -> int:
+        """Refuse new requests and wait for open streams to finish. Returns how many were open."""
+        self.draining = True
+        num = len(self.in_flight)
+        log.info("drain started", in_flight=num)
+        await self.engine.drain()
+        while self.in_flight:
+            await asyncio.sleep(0.02)
+        return num
+
+    def report(self) -> engine_pb2.LoadReport:
+        stats = self.engine.stats()
+        state = engine_pb2.WORKER_STATE_DRAINING if self.draining else engine_pb2.WORKER_STATE_SERVING
+        return engine_pb2.LoadReport(
+            state=state,
+            num_waiting=stats.num_waiting,
+            num_running=stats.num_running,
+            num_blocks_used=stats.num_blocks_used,
+            num_blocks_free=stats.num_blocks_free,
+            num_in_flight=len(self.in_flight),
+            num_prefix_hit_tokens=stats.num_prefix_hit_tokens,
+            num_preemptions=stats.num_preemptions,
+            num_aborted=stats.num_aborted,
+            num_steps=stats.num_steps,
+            ttft_ms_recent=self.latencies.ttft_ms,
+            tpot_ms_recent=self.latencies.tpot_ms,
+            step_ms_mean=1000 * stats.mean_step_seconds,
+        )

@@ -1,0 +1,56 @@
+"""Real service processes on loopback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+
+@dataclass
+class ServiceProcess:
+    proc: subprocess.Popen
+    address: str
+    stderr_lines: list[str] = field(default_factory=list)
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        return self.proc.wait(timeout=timeout)
+
+
+def start_service(module: str, *args: str, startup_timeout: float = 180) -> ServiceProcess:
+    """Start ``python -m module args`` and wait for its ``LISTENING host:port`` line."""
+    env = {**os.environ, "TOKENFLEET_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    service = ServiceProcess(proc, "")
+    threading.Thread(target=lambda: service.stderr_lines.extend(proc.stderr), daemon=True).start()
+    deadline = time.monotonic() + startup_timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("LISTENING "):
+            service.address = line.split()[1]
+            return service
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError(f"{module} did not start: {''.join(service.stderr_lines[-20:])}")
+
+
+@pytest.fixture(scope="module")
+def worker(default_model_dir) -> Iterator[ServiceProcess]:
+    service = start_service(
+        "tokenfleet.services.decode", "--model", str(default_model_dir), "--dtype", "float32",
+        "--threads", "1", "--num-blocks", "256",
+    )
+    yield service
+    service.stop()
