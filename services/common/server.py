@@ -24,6 +24,7 @@ class GrpcServer:
         self.service_names = list(service_names)
         names = [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
+        self.stop_requested = asyncio.Event()  # set by SIGTERM/SIGINT or by the service itself (e.g. Drain)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}")
@@ -38,12 +39,12 @@ class GrpcServer:
             await self.health.set(name, status)
 
     async def run_until_signal(self, on_drain: Callable[[], Awaitable[None]], grace_seconds: float) -> None:
-        """Serve until SIGTERM/SIGINT, then: report NOT_SERVING, ``on_drain()``, stop with a grace period."""
-        stop = asyncio.Event()
+        """Serve until SIGTERM/SIGINT or ``stop_requested``, then: report NOT_SERVING, ``on_drain()``,
+        stop with a grace period."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+            loop.add_signal_handler(sig, self.stop_requested.set)
+        await self.stop_requested.wait()
         log.info("draining", address=self.address)
         await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
         await on_drain()

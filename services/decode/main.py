@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 from collections.abc import Sequence
+from pathlib import Path
 
 import structlog
 from tokenfleet.services.common.server import GrpcServer
 from tokenfleet.services.decode.worker import EngineWorker
 
+from tokenfleet.cluster.etcd import EtcdClient
+from tokenfleet.cluster.membership import DRAINING, ReplicaRecord, ReplicaRegistration
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.engine.builder import build_engine_core
 from tokenfleet.engine.config import EngineConfig
@@ -33,6 +37,11 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-waiting", type=int, default=1024)
     p.add_argument("--grace-seconds", type=float, default=30.0, help="drain deadline on SIGTERM")
+    p.add_argument("--etcd", help="etcd endpoint host:port; register in replicas/<model>/<id> (omit: standalone)")
+    p.add_argument("--etcd-root", default="/tokenfleet/v1/")
+    p.add_argument("--lease-ttl", type=int, default=10, help="seconds a dead worker stays registered")
+    p.add_argument("--model-name", help="registered model name (default: the model folder's name)")
+    p.add_argument("--replica-id", help="default: <hostname>-<port>")
     return p.parse_args(argv)
 
 
@@ -54,8 +63,17 @@ async def serve(args: argparse.Namespace) -> None:
     config = engine_config(args)
     engine = AsyncEngine(lambda: build_engine_core(config))
     await engine.start()
-    worker = EngineWorker(engine, args.role)
     server = GrpcServer([engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name], args.host, args.port)
+    registration = await register(args, config, server.address) if args.etcd else None
+
+    async def mark_draining() -> None:
+        if registration is not None:
+            await registration.set_state(DRAINING)  # routers stop placing here
+
+    async def request_exit() -> None:
+        server.stop_requested.set()
+
+    worker = EngineWorker(engine, args.role, on_draining=mark_draining, on_drained=request_exit)
     engine_pb2_grpc.add_EngineServiceServicer_to_server(worker, server.server)
     await server.start()
     log.info("worker serving", address=server.address, role=args.role, model=config.model)
@@ -67,7 +85,25 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await server.run_until_signal(on_drain, args.grace_seconds)
     finally:
+        if registration is not None:
+            await registration.stop()
+            await registration.client.close()
         await engine.shutdown()
+
+
+async def register(args: argparse.Namespace, config: EngineConfig, address: str) -> ReplicaRegistration:
+    roles = ("decode", "prefill") if args.role == "both" else (args.role,)
+    record = ReplicaRecord(
+        replica_id=args.replica_id or f"{socket.gethostname()}-{address.rpartition(':')[2]}",
+        model=args.model_name or Path(config.model).name,
+        address=address,
+        roles=roles,
+        num_blocks=config.num_blocks or 0,
+        max_running=config.max_num_running,
+    )
+    registration = ReplicaRegistration(EtcdClient(args.etcd, args.etcd_root), record, ttl=args.lease_ttl)
+    await registration.start()
+    return registration
 
 
 def main(argv: Sequence[str] | None = None, default_role: str = "decode") -> int:

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import structlog
@@ -24,10 +24,22 @@ log = structlog.get_logger()
 DEFAULT_LOAD_INTERVAL_MS = 500
 
 
+Hook = Callable[[], Awaitable[None]]
+
+
+async def _nothing() -> None:
+    return None
+
+
 class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
-    def __init__(self, engine: Engine, role: str):
+    """``on_draining`` runs when a drain begins (mark the replica draining in etcd);
+    ``on_drained`` when a Drain RPC has finished every stream (the process then exits)."""
+
+    def __init__(self, engine: Engine, role: str, on_draining: Hook = _nothing, on_drained: Hook = _nothing):
         self.engine = engine
         self.role = role
+        self.on_draining = on_draining
+        self.on_drained = on_drained
         self.draining = False
         self.in_flight: set[str] = set()
         self.latencies = RecentLatencies()
@@ -78,11 +90,14 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
     @map_errors
     async def Drain(self, request: engine_pb2.DrainRequest, context: grpc.aio.ServicerContext) -> engine_pb2.DrainResponse:
         num = await self.drain()
+        await self.on_drained()
         return engine_pb2.DrainResponse(num_drained=num)
 
     async def drain(self) -> int:
         """Refuse new requests and wait for open streams to finish. Returns how many were open."""
-        self.draining = True
+        if not self.draining:
+            self.draining = True
+            await self.on_draining()
         num = len(self.in_flight)
         log.info("drain started", in_flight=num)
         await self.engine.drain()

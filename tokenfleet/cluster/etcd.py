@@ -1,0 +1,97 @@
+"""The one module that talks to etcd (aetcd underneath: asyncio-native, works with protobuf 7).
+
+The card named `etcd3`, which cannot import with protobuf >= 4 (shared/reference/etcd.md).
+aetcd gives async KV, leases and watches; what it lacks we add here: a lease keep-alive loop
+that survives etcd restarts, gRPC keepalive/ping timeouts so a frozen etcd is noticed, and
+keys namespaced under one root (default /tokenfleet/v1/).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aetcd
+import structlog
+
+log = structlog.get_logger()
+DEFAULT_ROOT = "/tokenfleet/v1/"
+CHANNEL_OPTIONS = {
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 5_000,
+    "grpc.keepalive_permit_without_calls": 1,
+    "grpc.http2.max_pings_without_data": 0,
+    "grpc.http2.ping_timeout_ms": 5_000,
+    "grpc.initial_reconnect_backoff_ms": 200,
+    "grpc.max_reconnect_backoff_ms": 2_000,
+}
+ETCD_ERRORS = (aetcd.ClientError, asyncio.InvalidStateError, asyncio.TimeoutError, OSError)
+
+
+@dataclass(frozen=True)
+class KeyEvent:
+    key: str  # relative to the root
+    value: bytes | None  # None for a delete
+
+
+class EtcdClient:
+    def __init__(self, endpoint: str, root: str = DEFAULT_ROOT, timeout: float = 5.0):
+        host, _, port = endpoint.rpartition(":")
+        self.endpoint = endpoint
+        self.root = root if root.endswith("/") else root + "/"
+        self.timeout = timeout
+        self._client = aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=int(timeout), options=CHANNEL_OPTIONS)
+
+    def _key(self, key: str) -> bytes:
+        return (self.root + key).encode()
+
+    async def close(self) -> None:
+        with contextlib.suppress(*ETCD_ERRORS):
+            await self._client.close()
+
+    async def put(self, key: str, value: bytes, lease_id: int | None = None) -> None:
+        await asyncio.wait_for(self._client.put(self._key(key), value, lease=lease_id), self.timeout)
+
+    async def get(self, key: str) -> bytes | None:
+        result = await asyncio.wait_for(self._client.get(self._key(key)), self.timeout)
+        return None if result is None else bytes(result.value)
+
+    async def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        result = await asyncio.wait_for(self._client.get_prefix(self._key(prefix)), self.timeout)
+        return {bytes(kv.key).decode()[len(self.root):]: bytes(kv.value) for kv in result}
+
+    async def delete(self, key: str) -> None:
+        await asyncio.wait_for(self._client.delete(self._key(key)), self.timeout)
+
+    async def grant_lease(self, ttl: int) -> int:
+        lease = await asyncio.wait_for(self._client.lease(ttl), self.timeout)
+        return int(lease.id)
+
+    async def refresh_lease(self, lease_id: int) -> int:
+        """Returns the remaining TTL; <= 0 means the lease is gone (expired while we were cut off)."""
+        responses = await asyncio.wait_for(self._client.refresh_lease(lease_id), self.timeout)
+        ttl = 0
+        for response in responses if isinstance(responses, list) else [responses]:
+            ttl = int(getattr(response, "TTL", 0))
+        return ttl
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        with contextlib.suppress(*ETCD_ERRORS):
+            await asyncio.wait_for(self._client.revoke_lease(lease_id), self.timeout)
+
+    async def watch_prefix(self, prefix: str) -> AsyncIterator[KeyEvent]:
+        """Events under ``prefix`` forever; resumes after errors from the last seen revision + 1."""
+        start_revision: int | None = None
+        while True:
+            try:
+                watch = await self._client.watch_prefix(self._key(prefix), start_revision=start_revision)
+                async for event in watch:
+                    start_revision = int(event.kv.mod_revision) + 1
+                    key = bytes(event.kv.key).decode()[len(self.root):]
+                    deleted = event.kind == aetcd.EventKind.DELETE
+                    yield KeyEvent(key, None if deleted else bytes(event.kv.value))
+            except ETCD_ERRORS as e:
+                log.warning("etcd watch interrupted; resuming", prefix=prefix, error=str(e))
+                await asyncio.sleep(0.5)
