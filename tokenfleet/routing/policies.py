@@ -1,0 +1,73 @@
+"""Placement policies: pure functions over a snapshot of the fleet (services, tests and the
+fleet simulator run the same code).
+
+A router serves ``Pick`` from a ``FleetSnapshot`` built from etcd membership and the workers'
+load streams. Load reports arrive every few hundred ms, so a burst of picks between two
+reports would all see the same "least loaded" replica; ``pending_assignments`` (picks made
+since that replica's last report) is added to its reported load to spread a burst.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+SERVING = "serving"
+
+
+class NoReplicaError(LookupError):
+    """No serving replica can take the request (maps to 503 at the gateway)."""
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    replica_id: str
+    address: str
+    roles: tuple[str, ...] = ("decode",)
+    state: str = SERVING
+    num_waiting: int = 0
+    num_running: int = 0
+    num_blocks_used: int = 0
+    num_blocks_free: int = 0
+    pending_assignments: int = 0  # picks since this replica's last load report
+
+    @property
+    def kv_utilization(self) -> float:
+        total = self.num_blocks_used + self.num_blocks_free
+        return self.num_blocks_used / total if total else 0.0
+
+    @property
+    def effective_load(self) -> int:
+        return self.num_waiting + self.num_running + self.pending_assignments
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    replicas: tuple[ReplicaLoad, ...]
+
+    def candidates(self, role: str = "decode") -> list[ReplicaLoad]:
+        """Serving replicas with ``role``, in a stable order (by id)."""
+        live = [r for r in self.replicas if r.state == SERVING and role in r.roles]
+        return sorted(live, key=lambda r: r.replica_id)
+
+
+def least_loaded(snapshot: FleetSnapshot, role: str = "decode") -> ReplicaLoad:
+    """Fewest queued + running + pending requests; KV utilization, then id, break ties."""
+    candidates = snapshot.candidates(role)
+    if not candidates:
+        raise NoReplicaError(f"no serving replica with role {role!r}")
+    return min(candidates, key=lambda r: (r.effective_load, r.kv_utilization, r.replica_id))
+
+
+@dataclass
+class RoundRobin:
+    """Cycles over the serving replicas; the only state is a counter (baseline policy)."""
+
+    _counter: Iterator[int] = field(default_factory=itertools.count)
+
+    def pick(self, snapshot: FleetSnapshot, role: str = "decode") -> ReplicaLoad:
+        candidates = snapshot.candidates(role)
+        if not candidates:
+            raise NoReplicaError(f"no serving replica with role {role!r}")
+        return candidates[next(self._counter) % len(candidates)]
