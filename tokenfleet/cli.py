@@ -7,15 +7,24 @@ import sys
 import time
 from collections.abc import Sequence
 
-WORKER_COMMANDS = {"decode": "decode", "prefill": "prefill"}
+SERVICE_COMMANDS = ("decode", "prefill", "router")
+
+
+def _run_service(name: str, argv: list[str]) -> int:
+    """Services own their flags: `tokenfleet <service> --help` shows them."""
+    if name == "router":
+        from tokenfleet.services.router.main import main as router_main
+
+        return router_main(argv)
+    from tokenfleet.services.decode.main import main as worker_main
+
+    return worker_main(argv, default_role=name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in WORKER_COMMANDS:  # services own their flags
-        from tokenfleet.services.decode.main import main as worker_main
-
-        return worker_main(argv[1:], default_role=WORKER_COMMANDS[argv[0]])
+    if argv and argv[0] in SERVICE_COMMANDS:
+        return _run_service(argv[0], argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):
@@ -48,8 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(chat)
     chat.set_defaults(func=_cmd_chat)
 
-    for name in WORKER_COMMANDS:
-        sub.add_parser(name, help=f"run an engine worker ({name} role) serving gRPC; --help for its flags")
+    for name in SERVICE_COMMANDS:
+        sub.add_parser(name, help=f"run the {name} service (gRPC); --help for its flags")
     return parser
 
 

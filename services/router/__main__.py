@@ -1,0 +1,3 @@
+from tokenfleet.services.router.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""Router process: follow etcd membership and worker load, answer Pick."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Sequence
+
+import structlog
+from tokenfleet.services.common.server import GrpcServer
+from tokenfleet.services.router.fleet import FleetView
+from tokenfleet.services.router.servicer import Router
+
+from tokenfleet.cluster.etcd import EtcdClient
+from tokenfleet.telemetry.logging import configure_logging
+from tokenfleet.v1 import router_pb2, router_pb2_grpc
+
+log = structlog.get_logger()
+POLICIES = {"least-loaded": router_pb2.POLICY_LEAST_LOADED, "round-robin": router_pb2.POLICY_ROUND_ROBIN}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="tokenfleet router", description="tokenfleet router")
+    p.add_argument("--etcd", required=True, help="etcd endpoint host:port")
+    p.add_argument("--etcd-root", default="/tokenfleet/v1/")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--policy", choices=sorted(POLICIES), default="least-loaded")
+    p.add_argument("--grace-seconds", type=float, default=5.0)
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    etcd = EtcdClient(args.etcd, args.etcd_root)
+    fleet = FleetView(etcd)
+    await fleet.start()
+    server = GrpcServer([router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name], args.host, args.port)
+    router_pb2_grpc.add_RouterServiceServicer_to_server(Router(fleet, POLICIES[args.policy]), server.server)
+    await server.start()
+    log.info("router serving", address=server.address, policy=args.policy)
+    print(f"LISTENING {server.address}", flush=True)
+
+    async def nothing_to_drain() -> None:
+        return None
+
+    try:
+        await server.run_until_signal(nothing_to_drain, args.grace_seconds)
+    finally:
+        await fleet.stop()
+        await etcd.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging("router")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(args))
+    return 0

@@ -1,0 +1,35 @@
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Policy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POLICY_UNSPECIFIED: _ClassVar[Policy]
+    POLICY_LEAST_LOADED: _ClassVar[Policy]
+    POLICY_ROUND_ROBIN: _ClassVar[Policy]
+POLICY_UNSPECIFIED: Policy
+POLICY_LEAST_LOADED: Policy
+POLICY_ROUND_ROBIN: Policy
+
+class PickRequest(_message.Message):
+    __slots__ = ("model", "request_id", "num_prompt_tokens", "policy")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    request_id: str
+    num_prompt_tokens: int
+    policy: Policy
+    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ...) -> None: ...
+
+class PickResponse(_message.Message):
+    __slots__ = ("replica_id", "address")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    address: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
