@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-SERVICE_COMMANDS = ("decode", "prefill", "router")
+SERVICE_COMMANDS = ("decode", "prefill", "router", "gateway")
 
 
 def _run_service(name: str, argv: list[str]) -> int:
@@ -16,6 +16,10 @@ def _run_service(name: str, argv: list[str]) -> int:
         from tokenfleet.services.router.main import main as router_main
 
         return router_main(argv)
+    if name == "gateway":
+        from tokenfleet.services.gateway.main import main as gateway_main
+
+        return gateway_main(argv)
     from tokenfleet.services.decode.main import main as worker_main
 
     return worker_main(argv, default_role=name)

@@ -1,0 +1,3 @@
+from tokenfleet.services.gateway.main import main
+
+raise SystemExit(main())

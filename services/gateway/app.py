@@ -1,0 +1,264 @@
+"""OpenAI-compatible HTTP gateway: validate, tokenize, Pick a replica, stream from its Generate."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from tokenfleet.services.gateway import openai_format as fmt
+
+from tokenfleet.api.chat_template import render_chat
+from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
+from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.models.tokenizer import Tokenizer
+from tokenfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+
+log = structlog.get_logger()
+MAX_BODY_BYTES = 4 << 20
+
+
+@dataclass
+class ServedModel:
+    name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+
+
+@dataclass
+class Gateway:
+    router_address: str
+    models: dict[str, ServedModel]
+    _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address)
+        return self._channels[address]
+
+    def model(self, name: str) -> ServedModel:
+        if name not in self.models:
+            raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model", "model_not_found")
+        return self.models[name]
+
+    async def pick(self, model: str, request_id: str, num_prompt_tokens: int) -> str:
+        stub = router_pb2_grpc.RouterServiceStub(self.channel(self.router_address))
+        try:
+            picked = await stub.Pick(router_pb2.PickRequest(model=model, request_id=request_id,
+                                                            num_prompt_tokens=num_prompt_tokens))
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise APIError(404, f"The model `{model}` has no replica.", code="model_not_found", param="model") from e
+            raise APIError(503, f"no replica available: {e.details()}", "server_error", code="no_replica") from e
+        return picked.address
+
+    async def generate(self, model: str, request_id: str, prompt: list[int], params: SamplingParams
+                       ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        address = await self.pick(model, request_id, len(prompt))
+        stub = engine_pb2_grpc.EngineServiceStub(self.channel(address))
+        call = stub.Generate(engine_pb2.GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=to_proto(params)))
+        try:
+            async for response in call:
+                if response.HasField("error"):
+                    raise APIError(500, response.error.message, "server_error")
+                yield response
+        except grpc.aio.AioRpcError as e:
+            raise _status_error(e) from e
+        finally:
+            call.cancel()  # no-op when finished; aborts the request when the client went away
+
+
+def _status_error(e: grpc.aio.AioRpcError) -> APIError:
+    code = e.code()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return APIError(400, e.details() or "invalid request")
+    if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+        return APIError(503, f"overloaded: {e.details()}", "server_error", code="overloaded")
+    return APIError(500, f"worker error: {e.details()}", "server_error")
+
+
+def to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=max(p.top_k, 0), min_p=p.min_p,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, stop=list(p.stop), ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
+    )
+    if p.max_tokens is not None:
+        msg.max_tokens = p.max_tokens
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def check_context(model: ServedModel, num_prompt: int, max_tokens: int | None) -> None:
+    wanted = num_prompt + (max_tokens or 1)
+    if wanted > model.max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {model.max_model_len} tokens. However, you requested "
+            f"{wanted} tokens ({num_prompt} in the prompt, {max_tokens or 1} for the completion).",
+            param="messages", code="context_length_exceeded",
+        )
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="tokenfleet gateway")
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):  # type: ignore[no-untyped-def]
+        length = request.headers.get("content-length")
+        if length is not None and int(length) > MAX_BODY_BYTES:
+            return JSONResponse(APIError(413, f"request body over {MAX_BODY_BYTES} bytes").body(), status_code=413)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "tokenfleet"} for name in gateway.models]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):  # type: ignore[no-untyped-def]
+        body = await _parse(request, ChatCompletionRequest)
+        model = gateway.model(body.model)
+        params = body.sampling_params()
+        try:
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            prompt = model.tokenizer.encode(render_chat(model.tokenizer, messages))
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+        check_context(model, len(prompt), params.max_tokens)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = gateway.generate(model.name, request_id, prompt, params)
+        first = await _first(stream)  # errors before any byte is sent become proper HTTP statuses
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_chat_events(model, request_id, first, stream, include_usage),
+                                     media_type="text/event-stream")
+        return await _chat_body(model, request_id, first, stream, params.logprobs is not None)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):  # type: ignore[no-untyped-def]
+        body = await _parse(request, CompletionRequest)
+        model = gateway.model(body.model)
+        params = body.sampling_params()
+        prompt = model.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        check_context(model, len(prompt), params.max_tokens)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        stream = gateway.generate(model.name, request_id, prompt, params)
+        first = await _first(stream)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_completion_events(model, request_id, first, stream, include_usage),
+                                     media_type="text/event-stream")
+        return await _completion_body(model, request_id, first, stream, params.logprobs is not None)
+
+    return app
+
+
+async def _parse(request: Request, schema: type) -> Any:
+    try:
+        return schema.model_validate(json.loads(await request.body()))
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from e
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ()))
+        raise APIError(400, f"{param}: {first.get('msg')}", param=param or None) from e
+
+
+async def _first(stream: AsyncIterator[engine_pb2.GenerateResponse]) -> engine_pb2.GenerateResponse:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration as e:
+        raise APIError(500, "worker closed the stream without a result", "server_error") from e
+
+
+async def _all(first: engine_pb2.GenerateResponse, stream: AsyncIterator[engine_pb2.GenerateResponse]):
+    yield first
+    async for response in stream:
+        yield response
+
+
+async def _chat_body(model, request_id, first, stream, want_logprobs: bool) -> dict[str, Any]:
+    text, logprobs, final = "", [], None
+    async for r in _all(first, stream):
+        if r.HasField("chunk"):
+            text += r.chunk.text
+            logprobs += list(r.chunk.logprobs)
+        else:
+            final = r.final
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "finish_reason": fmt.FINISH.get(final.finish_reason, "stop"),
+              "logprobs": fmt.chat_logprobs(model.tokenizer, logprobs) if want_logprobs else None}
+    return fmt.envelope("chat.completion", request_id, model.name, [choice], usage=fmt.usage(final.usage))
+
+
+async def _chat_events(model, request_id, first, stream, include_usage: bool) -> AsyncIterator[bytes]:
+    head = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [head]))
+    async for r in _all(first, stream):
+        if r.HasField("chunk"):
+            if not r.chunk.text and not r.chunk.logprobs:
+                continue
+            lp = fmt.chat_logprobs(model.tokenizer, list(r.chunk.logprobs)) if r.chunk.logprobs else None
+            choice = {"index": 0, "delta": {"content": r.chunk.text}, "logprobs": lp, "finish_reason": None}
+            yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [choice]))
+        else:
+            done = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": fmt.FINISH.get(r.final.finish_reason)}
+            yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [done]))
+            if include_usage:
+                yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [], usage=fmt.usage(r.final.usage)))
+    yield sse("[DONE]")
+
+
+async def _completion_body(model, request_id, first, stream, want_logprobs: bool) -> dict[str, Any]:
+    text, logprobs, final = "", [], None
+    async for r in _all(first, stream):
+        if r.HasField("chunk"):
+            text += r.chunk.text
+            logprobs += list(r.chunk.logprobs)
+        else:
+            final = r.final
+    choice = {"index": 0, "text": text, "finish_reason": fmt.FINISH.get(final.finish_reason, "stop"),
+              "logprobs": fmt.completion_logprobs(model.tokenizer, logprobs, 0) if want_logprobs else None}
+    return fmt.envelope("text_completion", request_id, model.name, [choice], usage=fmt.usage(final.usage))
+
+
+async def _completion_events(model, request_id, first, stream, include_usage: bool) -> AsyncIterator[bytes]:
+    offset = 0
+    async for r in _all(first, stream):
+        if r.HasField("chunk"):
+            lp = fmt.completion_logprobs(model.tokenizer, list(r.chunk.logprobs), offset) if r.chunk.logprobs else None
+            offset += len(r.chunk.text)
+            choice = {"index": 0, "text": r.chunk.text, "logprobs": lp, "finish_reason": None}
+            yield sse(fmt.envelope("text_completion", request_id, model.name, [choice]))
+        else:
+            done = {"index": 0, "text": "", "logprobs": None, "finish_reason": fmt.FINISH.get(r.final.finish_reason)}
+            yield sse(fmt.envelope("text_completion", request_id, model.name, [done]))
+            if include_usage:
+                yield sse(fmt.envelope("text_completion", request_id, model.name, [], usage=fmt.usage(r.final.usage)))
+    yield sse("[DONE]")

@@ -1,0 +1,156 @@
+"""The official openai client against gateway -> router -> worker, all real processes, real etcd."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+
+from tests.integration.conftest import start_service
+from tests.integration.test_membership import start_worker, wait_for
+from tokenfleet.cluster.etcd_server import EtcdServer
+from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
+
+MODEL = "smol"
+
+
+@pytest.fixture(scope="module")
+def gateway(default_model_dir):
+    etcd = EtcdServer.create().start()
+    worker = start_worker(default_model_dir, etcd, "gw-worker", ttl=5)
+    router = start_service("tokenfleet.services.router", "--etcd", etcd.endpoint)
+    gw = start_service("tokenfleet.services.gateway", "--router", router.address, "--model", f"{MODEL}={default_model_dir}")
+    url = f"http://{gw.address}"
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    wait_for(lambda: _ready(client), "gateway ready")
+    yield url, client, worker
+    for service in (gw, router, worker):
+        service.stop()
+    etcd.cleanup()
+
+
+def _ready(client) -> bool:
+    try:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        return True
+    except openai.APIError:
+        return False
+
+
+def test_chat_non_streaming_with_usage(gateway):
+    _, client, _ = gateway
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=20, temperature=0
+    )
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens > 10 and 0 < r.usage.completion_tokens <= 20
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_streaming_matches_non_streaming(gateway):
+    _, client, _ = gateway
+    messages = [{"role": "user", "content": "Write a haiku about rain."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}
+    ))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completions_stop_max_tokens_and_seed(gateway):
+    _, client, _ = gateway
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=7, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 7
+    full = client.completions.create(model=MODEL, prompt="The days of the week are Monday,", max_tokens=12, temperature=0)
+    text = full.choices[0].text
+    stop = text.strip().split()[1] if len(text.split()) > 1 else text.strip()[:3]
+    stopped = client.completions.create(model=MODEL, prompt="The days of the week are Monday,", max_tokens=12,
+                                        temperature=0, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop" and stop not in stopped.choices[0].text
+    assert text.startswith(stopped.choices[0].text)
+    seeded = [client.completions.create(model=MODEL, prompt="A poem:", max_tokens=12, temperature=1.0, seed=42)
+              .choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_logprobs(gateway):
+    _, client, _ = gateway
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) >= 1 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.logprob <= 0 and t.token == t.top_logprobs[0].token for t in content)  # greedy = top-1
+    c = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
+    assert len(c.choices[0].logprobs.tokens) == 4 and len(c.choices[0].logprobs.top_logprobs[0]) == 2
+
+
+def post(url: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"content-type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_models_endpoint(gateway):
+    _, client, _ = gateway
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_errors_use_openai_shape_and_status(gateway):
+    url, client, _ = gateway
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x " * 9000, max_tokens=10)
+    assert "maximum context length is 8192" in str(info.value)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=-1)
+    status, body = post(f"{url}/v1/chat/completions", b"{not json")
+    assert status == 400 and "error" in body
+    status, body = post(f"{url}/v1/chat/completions", json.dumps({"model": MODEL}).encode())
+    assert status == 400 and body["error"]["param"] == "messages"
+    # The gateway answers 413 from the declared length, before reading the body.
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("content-type", "application/json")
+    conn.putheader("content-length", str(5 << 20))
+    conn.endheaders()
+    response = conn.getresponse()
+    assert response.status == 413 and "error" in json.loads(response.read())
+    conn.close()
+
+
+def test_closing_an_http_stream_aborts_the_request_on_the_worker(gateway):
+    _, client, worker = gateway
+    stub = engine_pb2_grpc.EngineServiceStub(grpc.insecure_channel(worker.address))
+
+    def load() -> engine_pb2.LoadReport:
+        stream = stub.Load(engine_pb2.LoadRequest(interval_ms=50))
+        report = next(iter(stream))
+        stream.cancel()
+        return report
+
+    idle = wait_for(lambda: (r := load()).num_running == 0 and r, "idle worker")
+    stream = client.completions.create(model=MODEL, prompt="Count to a thousand:", max_tokens=400, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for _, _chunk in zip(range(5), stream):
+        pass
+    assert load().num_running == 1
+    stream.close()
+    after = wait_for(lambda: (r := load()).num_running == 0 and r.num_in_flight == 0 and r, "abort on the worker")
+    assert after.num_aborted == idle.num_aborted + 1
+    assert after.num_blocks_used == idle.num_blocks_used
+    assert after.num_steps - idle.num_steps < 200  # stopped long before 400 tokens

@@ -1,0 +1,98 @@
+"""OpenAI request schema (the subset we serve) and its translation to engine sampling params."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenfleet.engine.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error the gateway returns in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI-compatible servers do
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # extras that benchmark clients send (vLLM-compatible)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise APIError(400, "only n=1 is supported", param="n")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                seed=self.seed,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                stop=self.stop or (),
+                ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
+                logprobs=logprobs,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.sampling(limit, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int]
+    logprobs: int | None = None
+    max_tokens: int | None = 16  # OpenAI's default for completions
+
+    def sampling_params(self) -> SamplingParams:
+        return self.sampling(self.max_tokens, self.logprobs)
