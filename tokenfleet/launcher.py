@@ -1,0 +1,130 @@
+"""`tokenfleet up` / `down`: the whole topology as processes on loopback, without Docker.
+
+etcd -> N engine workers (registered in etcd) -> router -> gateway. Ctrl-C, SIGTERM or
+`tokenfleet down` stops everything in reverse order; workers drain their streams first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenfleet import envs
+from tokenfleet.cluster.etcd_server import EtcdServer
+
+
+def state_file() -> Path:
+    return envs.cache_dir() / "cluster.json"
+
+
+@dataclass
+class Cluster:
+    etcd: EtcdServer
+    processes: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    gateway_url: str = ""
+
+    def spawn(self, name: str, *args: str, threads: int = 1) -> str:
+        env = {**os.environ, "TOKENFLEET_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, text=True, env=env)
+        self.processes.append((name, proc))
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line.startswith("LISTENING "):
+                threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
+                return line.split()[1]
+            if not line and proc.poll() is not None:
+                break
+        raise RuntimeError(f"{name} failed to start (exit {proc.poll()})")
+
+    def stop(self) -> None:
+        for _name, proc in reversed(self.processes):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        self.etcd.cleanup()
+        state_file().unlink(missing_ok=True)
+
+
+def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_port: int) -> Cluster:
+    cluster = Cluster(EtcdServer.create().start())
+    try:
+        for i in range(num_workers):
+            cluster.spawn(f"worker-{i}", "tokenfleet.services.decode", "--model", model_dir, "--model-name", model_name,
+                          "--etcd", cluster.etcd.endpoint, "--replica-id", f"worker-{i}", "--role", "both",
+                          threads=threads)
+        router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", cluster.etcd.endpoint)
+        gateway = cluster.spawn("gateway", "tokenfleet.services.gateway", "--router", router,
+                                "--model", f"{model_name}={model_dir}", "--port", str(gateway_port))
+        cluster.gateway_url = f"http://{gateway}"
+        _wait_serving(cluster.gateway_url, model_name)
+    except BaseException:
+        cluster.stop()
+        raise
+    state = {"pid": os.getpid(), "gateway": cluster.gateway_url, "etcd": cluster.etcd.endpoint}
+    state_file().parent.mkdir(parents=True, exist_ok=True)
+    state_file().write_text(json.dumps(state))
+    return cluster
+
+
+def _wait_serving(url: str, model: str, timeout: float = 120) -> None:
+    """Until a one-token completion succeeds: the router has seen a worker."""
+    body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 1}).encode()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"gateway {url} not serving after {timeout}s")
+
+
+def ask(url: str, model: str, message: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": message}], "max_tokens": 128,
+                       "temperature": 0}).encode()
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())["choices"][0]["message"]["content"]
+
+
+def wait_for_signal(cluster: Cluster) -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.is_set():
+        if any(proc.poll() is not None for _, proc in cluster.processes):
+            print("a service exited; stopping the cluster", file=sys.stderr)
+            break
+        stop.wait(0.5)
+
+
+def down() -> bool:
+    """Stop the cluster started by `tokenfleet up` (it stops its services on SIGTERM)."""
+    path = state_file()
+    if not path.exists():
+        return False
+    pid = json.loads(path.read_text())["pid"]
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        path.unlink(missing_ok=True)
+        return False
+    for _ in range(600):
+        if not path.exists():
+            return True
+        time.sleep(0.1)
+    return True
