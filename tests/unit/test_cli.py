@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
@@ -25,13 +24,6 @@ def test_generate_prints_text_and_token_count(default_model_dir):
     assert result.stdout.strip()
     assert "[5 tokens, finish=length]" in result.stderr
     assert "Traceback" not in result.stderr
-
-
-def test_generate_batches_several_prompts(default_model_dir):
-    result = run_cli("generate", "The sea is", "My name is", "--max-tokens", "3", "--dtype", "float32")
-    assert result.returncode == 0, result.stderr
-    counts = re.findall(r"\[(\d+) tokens, finish=(\w+)\]", result.stderr)
-    assert counts == [("3", "length"), ("3", "length")]
 
 
 def test_chat_with_a_message_prints_a_reply(default_model_dir):

@@ -9,7 +9,7 @@ import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 from tokenfleet.engine.core import EngineCore
@@ -37,6 +37,18 @@ class _Abort:
 
 
 _STOP = object()
+
+
+def _resolve(future: Future, error: Exception | None = None) -> bool:
+    """Complete the caller's admission future; False if the caller already gave up (cancelled it)."""
+    try:
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:
+        return False
+    return True
 
 
 class AsyncEngine:
@@ -102,7 +114,11 @@ class AsyncEngine:
 
         done: Future = Future()
         self._commands.put(_Add(list(prompt_token_ids), sampling_params, request_id, int(priority), sink, done))
-        await asyncio.wrap_future(done)  # re-raises ValueError / EngineOverloadedError
+        try:
+            await asyncio.wrap_future(done)  # re-raises ValueError / EngineOverloadedError
+        except asyncio.CancelledError:
+            self._commands.put(_Abort(request_id))  # the add may have happened before the cancel
+            raise
         finished = False
         try:
             while not finished:
@@ -174,12 +190,14 @@ class AsyncEngine:
         try:
             core.add_request(command.prompt_token_ids, command.sampling_params, command.request_id, command.priority)
         except QueueFullError as e:
-            command.done.set_exception(EngineOverloadedError(str(e)))
+            _resolve(command.done, error=EngineOverloadedError(str(e)))
         except ValueError as e:
-            command.done.set_exception(e)
+            _resolve(command.done, error=e)
         else:
-            self._sinks[command.request_id] = command.sink
-            command.done.set_result(None)
+            if _resolve(command.done):
+                self._sinks[command.request_id] = command.sink
+            else:  # the caller was cancelled while waiting for admission
+                core.abort(command.request_id)
 
     def _deliver(self, out: RequestOutput) -> None:
         sink = self._sinks.get(out.request_id)
