@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +61,7 @@ class Gateway:
         return picked.address
 
     async def generate(self, model: str, request_id: str, prompt: list[int], params: SamplingParams
-                       ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+                       ) -> AsyncGenerator[engine_pb2.GenerateResponse, None]:
         address = await self.pick(model, request_id, len(prompt))
         stub = engine_pb2_grpc.EngineServiceStub(self.channel(address))
         call = stub.Generate(engine_pb2.GenerateRequest(
@@ -190,27 +191,37 @@ async def _parse(request: Request, schema: type) -> Any:
         raise APIError(400, f"{param}: {first.get('msg')}", param=param or None) from e
 
 
-async def _first(stream: AsyncIterator[engine_pb2.GenerateResponse]) -> engine_pb2.GenerateResponse:
+async def _first(stream: AsyncGenerator[engine_pb2.GenerateResponse, None]) -> engine_pb2.GenerateResponse:
     try:
         return await stream.__anext__()
     except StopAsyncIteration as e:
         raise APIError(500, "worker closed the stream without a result", "server_error") from e
 
 
-async def _all(first: engine_pb2.GenerateResponse, stream: AsyncIterator[engine_pb2.GenerateResponse]):
-    yield first
-    async for response in stream:
-        yield response
+@contextlib.asynccontextmanager
+async def _responses(first: engine_pb2.GenerateResponse, stream: AsyncGenerator[engine_pb2.GenerateResponse, None]):
+    """The whole worker stream; leaving the block (client gone, error) closes it, which cancels the call."""
+
+    async def chain() -> AsyncIterator[engine_pb2.GenerateResponse]:
+        yield first
+        async for response in stream:
+            yield response
+
+    try:
+        yield chain()
+    finally:
+        await stream.aclose()
 
 
 async def _chat_body(model, request_id, first, stream, want_logprobs: bool) -> dict[str, Any]:
     text, logprobs, final = "", [], None
-    async for r in _all(first, stream):
-        if r.HasField("chunk"):
-            text += r.chunk.text
-            logprobs += list(r.chunk.logprobs)
-        else:
-            final = r.final
+    async with _responses(first, stream) as responses:
+        async for r in responses:
+            if r.HasField("chunk"):
+                text += r.chunk.text
+                logprobs += list(r.chunk.logprobs)
+            else:
+                final = r.final
     message = {"role": "assistant", "content": text}
     choice = {"index": 0, "message": message, "finish_reason": fmt.FINISH.get(final.finish_reason, "stop"),
               "logprobs": fmt.chat_logprobs(model.tokenizer, logprobs) if want_logprobs else None}
@@ -220,29 +231,33 @@ async def _chat_body(model, request_id, first, stream, want_logprobs: bool) -> d
 async def _chat_events(model, request_id, first, stream, include_usage: bool) -> AsyncIterator[bytes]:
     head = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [head]))
-    async for r in _all(first, stream):
-        if r.HasField("chunk"):
-            if not r.chunk.text and not r.chunk.logprobs:
-                continue
-            lp = fmt.chat_logprobs(model.tokenizer, list(r.chunk.logprobs)) if r.chunk.logprobs else None
-            choice = {"index": 0, "delta": {"content": r.chunk.text}, "logprobs": lp, "finish_reason": None}
-            yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [choice]))
-        else:
-            done = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": fmt.FINISH.get(r.final.finish_reason)}
-            yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [done]))
-            if include_usage:
-                yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [], usage=fmt.usage(r.final.usage)))
+    async with _responses(first, stream) as responses:
+        async for r in responses:
+            if r.HasField("chunk"):
+                if not r.chunk.text and not r.chunk.logprobs:
+                    continue
+                lp = fmt.chat_logprobs(model.tokenizer, list(r.chunk.logprobs)) if r.chunk.logprobs else None
+                choice = {"index": 0, "delta": {"content": r.chunk.text}, "logprobs": lp, "finish_reason": None}
+                yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [choice]))
+            else:
+                reason = fmt.FINISH.get(r.final.finish_reason)
+                done = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
+                yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [done]))
+                if include_usage:
+                    usage = fmt.usage(r.final.usage)
+                    yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [], usage=usage))
     yield sse("[DONE]")
 
 
 async def _completion_body(model, request_id, first, stream, want_logprobs: bool) -> dict[str, Any]:
     text, logprobs, final = "", [], None
-    async for r in _all(first, stream):
-        if r.HasField("chunk"):
-            text += r.chunk.text
-            logprobs += list(r.chunk.logprobs)
-        else:
-            final = r.final
+    async with _responses(first, stream) as responses:
+        async for r in responses:
+            if r.HasField("chunk"):
+                text += r.chunk.text
+                logprobs += list(r.chunk.logprobs)
+            else:
+                final = r.final
     choice = {"index": 0, "text": text, "finish_reason": fmt.FINISH.get(final.finish_reason, "stop"),
               "logprobs": fmt.completion_logprobs(model.tokenizer, logprobs, 0) if want_logprobs else None}
     return fmt.envelope("text_completion", request_id, model.name, [choice], usage=fmt.usage(final.usage))
@@ -250,15 +265,19 @@ async def _completion_body(model, request_id, first, stream, want_logprobs: bool
 
 async def _completion_events(model, request_id, first, stream, include_usage: bool) -> AsyncIterator[bytes]:
     offset = 0
-    async for r in _all(first, stream):
-        if r.HasField("chunk"):
-            lp = fmt.completion_logprobs(model.tokenizer, list(r.chunk.logprobs), offset) if r.chunk.logprobs else None
-            offset += len(r.chunk.text)
-            choice = {"index": 0, "text": r.chunk.text, "logprobs": lp, "finish_reason": None}
-            yield sse(fmt.envelope("text_completion", request_id, model.name, [choice]))
-        else:
-            done = {"index": 0, "text": "", "logprobs": None, "finish_reason": fmt.FINISH.get(r.final.finish_reason)}
-            yield sse(fmt.envelope("text_completion", request_id, model.name, [done]))
-            if include_usage:
-                yield sse(fmt.envelope("text_completion", request_id, model.name, [], usage=fmt.usage(r.final.usage)))
+    async with _responses(first, stream) as responses:
+        async for r in responses:
+            if r.HasField("chunk"):
+                logprobs = list(r.chunk.logprobs)
+                lp = fmt.completion_logprobs(model.tokenizer, logprobs, offset) if logprobs else None
+                offset += len(r.chunk.text)
+                choice = {"index": 0, "text": r.chunk.text, "logprobs": lp, "finish_reason": None}
+                yield sse(fmt.envelope("text_completion", request_id, model.name, [choice]))
+            else:
+                reason = fmt.FINISH.get(r.final.finish_reason)
+                done = {"index": 0, "text": "", "logprobs": None, "finish_reason": reason}
+                yield sse(fmt.envelope("text_completion", request_id, model.name, [done]))
+                if include_usage:
+                    usage = fmt.usage(r.final.usage)
+                    yield sse(fmt.envelope("text_completion", request_id, model.name, [], usage=usage))
     yield sse("[DONE]")
