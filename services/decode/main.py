@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
+from prometheus_client import CollectorRegistry, start_http_server
 from tokenfleet.services.common.server import GrpcServer
 from tokenfleet.services.decode.worker import EngineWorker
 
@@ -18,6 +19,7 @@ from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.engine.builder import build_engine_core
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.telemetry.logging import configure_logging
+from tokenfleet.telemetry.metrics import WorkerCollector
 from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
 
 ROLES = ("decode", "prefill", "both")
@@ -42,6 +44,7 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
     p.add_argument("--lease-ttl", type=int, default=10, help="seconds a dead worker stays registered")
     p.add_argument("--model-name", help="registered model name (default: the model folder's name)")
     p.add_argument("--replica-id", help="default: <hostname>-<port>")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = any free port)")
     return p.parse_args(argv)
 
 
@@ -78,6 +81,11 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     log.info("worker serving", address=server.address, role=args.role, model=config.model)
     print(f"LISTENING {server.address}", flush=True)  # machine-readable line for launchers and tests
+    if args.metrics_port is not None:
+        registry = CollectorRegistry()
+        registry.register(WorkerCollector(worker.report))
+        http_server, _ = start_http_server(args.metrics_port, addr=args.host, registry=registry)
+        print(f"METRICS {args.host}:{http_server.server_port}", flush=True)
 
     async def on_drain() -> None:
         await asyncio.wait_for(worker.drain(), timeout=args.grace_seconds)

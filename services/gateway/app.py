@@ -12,7 +12,8 @@ from typing import Any
 import grpc
 import structlog
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from tokenfleet.services.gateway import openai_format as fmt
 
@@ -20,6 +21,7 @@ from tokenfleet.api.chat_template import render_chat
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.models.tokenizer import Tokenizer
+from tokenfleet.telemetry.metrics import GatewayMetrics, RequestTimer
 from tokenfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
 log = structlog.get_logger()
@@ -37,6 +39,7 @@ class ServedModel:
 class Gateway:
     router_address: str
     models: dict[str, ServedModel]
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -130,6 +133,17 @@ def create_app(gateway: Gateway) -> FastAPI:
             return JSONResponse(APIError(413, f"request body over {MAX_BODY_BYTES} bytes").body(), status_code=413)
         return await call_next(request)
 
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):  # type: ignore[no-untyped-def]
+        response = await call_next(request)
+        if request.url.path.startswith("/v1/"):
+            gateway.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -141,6 +155,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):  # type: ignore[no-untyped-def]
+        timer = RequestTimer(gateway.metrics)
         body = await _parse(request, ChatCompletionRequest)
         model = gateway.model(body.model)
         params = body.sampling_params()
@@ -155,12 +170,13 @@ def create_app(gateway: Gateway) -> FastAPI:
         first = await _first(stream)  # errors before any byte is sent become proper HTTP statuses
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_chat_events(model, request_id, first, stream, include_usage),
+            return StreamingResponse(_chat_events(model, request_id, first, stream, timer, include_usage),
                                      media_type="text/event-stream")
-        return await _chat_body(model, request_id, first, stream, params.logprobs is not None)
+        return await _chat_body(model, request_id, first, stream, timer, params.logprobs is not None)
 
     @app.post("/v1/completions")
     async def completions(request: Request):  # type: ignore[no-untyped-def]
+        timer = RequestTimer(gateway.metrics)
         body = await _parse(request, CompletionRequest)
         model = gateway.model(body.model)
         params = body.sampling_params()
@@ -173,9 +189,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         first = await _first(stream)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_completion_events(model, request_id, first, stream, include_usage),
+            return StreamingResponse(_completion_events(model, request_id, first, stream, timer, include_usage),
                                      media_type="text/event-stream")
-        return await _completion_body(model, request_id, first, stream, params.logprobs is not None)
+        return await _completion_body(model, request_id, first, stream, timer, params.logprobs is not None)
 
     return app
 
@@ -199,23 +215,35 @@ async def _first(stream: AsyncGenerator[engine_pb2.GenerateResponse, None]) -> e
 
 
 @contextlib.asynccontextmanager
-async def _responses(first: engine_pb2.GenerateResponse, stream: AsyncGenerator[engine_pb2.GenerateResponse, None]):
-    """The whole worker stream; leaving the block (client gone, error) closes it, which cancels the call."""
+async def _responses(first: engine_pb2.GenerateResponse, stream: AsyncGenerator[engine_pb2.GenerateResponse, None],
+                     timer: RequestTimer):
+    """The whole worker stream, timed; leaving the block (client gone, error) closes it, which cancels the call."""
+    usage = common_pb2.Usage()
 
     async def chain() -> AsyncIterator[engine_pb2.GenerateResponse]:
         yield first
         async for response in stream:
             yield response
 
+    async def timed() -> AsyncIterator[engine_pb2.GenerateResponse]:
+        nonlocal usage
+        async for response in chain():
+            if response.HasField("chunk"):
+                timer.on_chunk(len(response.chunk.token_ids))
+            elif response.HasField("final"):
+                usage = response.final.usage
+            yield response
+
     try:
-        yield chain()
+        yield timed()
     finally:
         await stream.aclose()
+        timer.finish(usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens)
 
 
-async def _chat_body(model, request_id, first, stream, want_logprobs: bool) -> dict[str, Any]:
+async def _chat_body(model, request_id, first, stream, timer, want_logprobs: bool) -> dict[str, Any]:
     text, logprobs, final = "", [], None
-    async with _responses(first, stream) as responses:
+    async with _responses(first, stream, timer) as responses:
         async for r in responses:
             if r.HasField("chunk"):
                 text += r.chunk.text
@@ -228,10 +256,10 @@ async def _chat_body(model, request_id, first, stream, want_logprobs: bool) -> d
     return fmt.envelope("chat.completion", request_id, model.name, [choice], usage=fmt.usage(final.usage))
 
 
-async def _chat_events(model, request_id, first, stream, include_usage: bool) -> AsyncIterator[bytes]:
+async def _chat_events(model, request_id, first, stream, timer, include_usage: bool) -> AsyncIterator[bytes]:
     head = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [head]))
-    async with _responses(first, stream) as responses:
+    async with _responses(first, stream, timer) as responses:
         async for r in responses:
             if r.HasField("chunk"):
                 if not r.chunk.text and not r.chunk.logprobs:
@@ -249,9 +277,9 @@ async def _chat_events(model, request_id, first, stream, include_usage: bool) ->
     yield sse("[DONE]")
 
 
-async def _completion_body(model, request_id, first, stream, want_logprobs: bool) -> dict[str, Any]:
+async def _completion_body(model, request_id, first, stream, timer, want_logprobs: bool) -> dict[str, Any]:
     text, logprobs, final = "", [], None
-    async with _responses(first, stream) as responses:
+    async with _responses(first, stream, timer) as responses:
         async for r in responses:
             if r.HasField("chunk"):
                 text += r.chunk.text
@@ -263,9 +291,9 @@ async def _completion_body(model, request_id, first, stream, want_logprobs: bool
     return fmt.envelope("text_completion", request_id, model.name, [choice], usage=fmt.usage(final.usage))
 
 
-async def _completion_events(model, request_id, first, stream, include_usage: bool) -> AsyncIterator[bytes]:
+async def _completion_events(model, request_id, first, stream, timer, include_usage: bool) -> AsyncIterator[bytes]:
     offset = 0
-    async with _responses(first, stream) as responses:
+    async with _responses(first, stream, timer) as responses:
         async for r in responses:
             if r.HasField("chunk"):
                 logprobs = list(r.chunk.logprobs)

@@ -154,3 +154,18 @@ def test_closing_an_http_stream_aborts_the_request_on_the_worker(gateway):
     assert after.num_aborted == idle.num_aborted + 1
     assert after.num_blocks_used == idle.num_blocks_used
     assert after.num_steps - idle.num_steps < 200  # stopped long before 400 tokens
+
+
+def test_metrics_endpoint_reports_latency_tokens_and_statuses(gateway):
+    url, client, _ = gateway
+    client.completions.create(model=MODEL, prompt="Metrics please", max_tokens=5, temperature=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"}
+    assert samples["tokenfleet_gateway_ttft_seconds_count"] >= 1
+    assert samples["tokenfleet_gateway_e2e_seconds_count"] >= 1
+    assert samples["tokenfleet_gateway_completion_tokens_total"] >= 5
+    assert samples['tokenfleet_gateway_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
+    assert samples['tokenfleet_gateway_requests_total{endpoint="/v1/completions",status="404"}'] >= 1

@@ -162,3 +162,26 @@ def test_drain_rpc_finishes_in_flight_then_exits(default_model_dir, prompt):
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         service.stop()
+
+
+def test_worker_metrics_endpoint(default_model_dir, prompt):
+    import urllib.request
+
+    service = start_service(
+        "tokenfleet.services.decode", "--model", str(default_model_dir), "--dtype", "float32", "--threads", "1",
+        "--num-blocks", "64", "--metrics-port", "0",
+    )
+    try:
+        metrics_address = next(
+            line.split()[1] for line in iter(service.proc.stdout.readline, "") if line.startswith("METRICS ")
+        )
+        list(stub_for(service.address).Generate(engine_pb2.GenerateRequest(
+            prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=3, temperature=0.0))))
+        with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=30) as response:
+            text = response.read().decode()
+        samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"}
+        assert samples["tokenfleet_worker_kv_blocks_used"] + samples["tokenfleet_worker_kv_blocks_free"] == 64
+        assert samples["tokenfleet_worker_steps_total"] >= 3
+        assert samples["tokenfleet_worker_running"] == 0
+    finally:
+        service.stop()

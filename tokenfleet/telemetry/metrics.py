@@ -1,0 +1,87 @@
+"""Prometheus metrics. Each service owns a CollectorRegistry (no process-global state)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("tokenfleet_gateway_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("tokenfleet_gateway_tpot_seconds", "Mean time per output token after the first",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tokenfleet_gateway_itl_seconds", "Gap between streamed chunks", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("tokenfleet_gateway_e2e_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tokenfleet_gateway_prompt_tokens", "Prompt tokens", registry=r)
+        self.cached_tokens = Counter("tokenfleet_gateway_cached_prompt_tokens", "Prompt tokens from the prefix cache",
+                                     registry=r)
+        self.completion_tokens = Counter("tokenfleet_gateway_completion_tokens", "Generated tokens", registry=r)
+        self.requests = Counter("tokenfleet_gateway_requests", "Requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+
+
+class RequestTimer:
+    """Latency bookkeeping for one request; call ``on_chunk`` per streamed chunk with tokens."""
+
+    def __init__(self, metrics: GatewayMetrics):
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.num_tokens = 0
+
+    def on_chunk(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            self.metrics.ttft.observe(now - self.start)
+        elif self.last is not None:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now
+        self.num_tokens += num_tokens
+
+    def finish(self, prompt: int = 0, cached: int = 0, completion: int = 0) -> None:
+        m = self.metrics
+        m.e2e.observe(time.monotonic() - self.start)
+        m.prompt_tokens.inc(prompt)
+        m.cached_tokens.inc(cached)
+        m.completion_tokens.inc(completion)
+        if self.first is not None and self.last is not None and self.num_tokens > 1:
+            m.tpot.observe((self.last - self.first) / (self.num_tokens - 1))
+
+
+class WorkerCollector(Collector):
+    """Reads the worker's load report at scrape time: no second copy of the numbers to keep in sync."""
+
+    def __init__(self, report: Callable[[], object]):
+        self.report = report
+
+    def collect(self) -> Iterator[Metric]:
+        r = self.report()
+        gauges = {"running": "num_running", "waiting": "num_waiting", "kv_blocks_used": "num_blocks_used",
+                  "kv_blocks_free": "num_blocks_free", "in_flight": "num_in_flight"}
+        for name, field in gauges.items():
+            yield GaugeMetricFamily(f"tokenfleet_worker_{name}", f"Worker {name.replace('_', ' ')}",
+                                    value=getattr(r, field))
+        used, free = r.num_blocks_used, r.num_blocks_free  # type: ignore[attr-defined]
+        yield GaugeMetricFamily("tokenfleet_worker_kv_usage", "Fraction of KV blocks in use",
+                                value=used / (used + free) if used + free else 0.0)
+        counters = {"prefix_hit_tokens": "num_prefix_hit_tokens", "preemptions": "num_preemptions",
+                    "aborted_requests": "num_aborted", "steps": "num_steps"}
+        for name, field in counters.items():
+            yield CounterMetricFamily(f"tokenfleet_worker_{name}", f"Worker {name.replace('_', ' ')}",
+                                      value=getattr(r, field))
+        yield GaugeMetricFamily("tokenfleet_worker_step_seconds_mean", "Mean engine step time",
+                                value=r.step_ms_mean / 1000)  # type: ignore[attr-defined]
