@@ -10,7 +10,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import grpc
 import pytest
+
+from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
 
 
 @dataclass
@@ -54,3 +57,23 @@ def worker(default_model_dir) -> Iterator[ServiceProcess]:
     )
     yield service
     service.stop()
+
+
+def wait_for(predicate, what: str, deadline_s: float = 60.0):
+    """Poll until ``predicate()`` is truthy (returns it); a generous deadline, never a speed assertion."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def load_report(address: str) -> engine_pb2.LoadReport:
+    """One load report from a worker's Load stream."""
+    with grpc.insecure_channel(address) as channel:
+        stream = engine_pb2_grpc.EngineServiceStub(channel).Load(engine_pb2.LoadRequest(interval_ms=50))
+        report = next(iter(stream))
+        stream.cancel()
+        return report

@@ -8,7 +8,7 @@ import sys
 
 import openai
 
-from tests.integration.test_membership import wait_for
+from tests.integration.conftest import wait_for
 
 
 def test_up_serves_openai_requests_and_down_stops_everything(default_model_dir, tmp_path):

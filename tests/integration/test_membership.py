@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from tests.integration.conftest import start_service
+from tests.integration.conftest import start_service, wait_for
 from tokenfleet.cluster.etcd import EtcdClient
 from tokenfleet.cluster.etcd_server import EtcdServer
 from tokenfleet.cluster.membership import DRAINING, SERVING, ReplicaRecord
@@ -32,16 +32,6 @@ def replicas(endpoint: str) -> dict[str, ReplicaRecord]:
             await client.close()
 
     return {k: ReplicaRecord.from_json(v) for k, v in asyncio.run(read()).items()}
-
-
-def wait_for(predicate, what: str, deadline_s: float = 60.0):
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def start_worker(model_dir, etcd: EtcdServer, replica_id: str, ttl: int = 2):

@@ -7,14 +7,12 @@ import json
 import urllib.error
 import urllib.request
 
-import grpc
 import openai
 import pytest
 
-from tests.integration.conftest import start_service
-from tests.integration.test_membership import start_worker, wait_for
+from tests.integration.conftest import load_report, start_service, wait_for
+from tests.integration.test_membership import start_worker
 from tokenfleet.cluster.etcd_server import EtcdServer
-from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
 
 MODEL = "smol"
 
@@ -135,13 +133,9 @@ def test_errors_use_openai_shape_and_status(gateway):
 
 def test_closing_an_http_stream_aborts_the_request_on_the_worker(gateway):
     _, client, worker = gateway
-    stub = engine_pb2_grpc.EngineServiceStub(grpc.insecure_channel(worker.address))
 
-    def load() -> engine_pb2.LoadReport:
-        stream = stub.Load(engine_pb2.LoadRequest(interval_ms=50))
-        report = next(iter(stream))
-        stream.cancel()
-        return report
+    def load():
+        return load_report(worker.address)
 
     idle = wait_for(lambda: (r := load()).num_running == 0 and r, "idle worker")
     stream = client.completions.create(model=MODEL, prompt="Count to a thousand:", max_tokens=400, temperature=0,

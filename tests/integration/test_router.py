@@ -8,8 +8,8 @@ from collections import Counter
 import grpc
 import pytest
 
-from tests.integration.conftest import start_service
-from tests.integration.test_membership import replicas, start_worker, wait_for
+from tests.integration.conftest import start_service, wait_for
+from tests.integration.test_membership import replicas, start_worker
 from tokenfleet.cluster.etcd_server import EtcdServer
 from tokenfleet.v1 import router_pb2, router_pb2_grpc
 

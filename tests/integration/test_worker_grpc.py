@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from tests.integration.conftest import start_service
+from tests.integration.conftest import load_report, start_service, wait_for
 from tokenfleet.api.chat_template import render_chat
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.llm import LLM
@@ -20,23 +19,6 @@ from tokenfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 def stub_for(address: str) -> engine_pb2_grpc.EngineServiceStub:
     return engine_pb2_grpc.EngineServiceStub(grpc.insecure_channel(address))
-
-
-def load(stub) -> engine_pb2.LoadReport:
-    stream = stub.Load(engine_pb2.LoadRequest(interval_ms=50))
-    report = next(iter(stream))
-    stream.cancel()
-    return report
-
-
-def wait_for(predicate, what: str, deadline_s: float = 60.0):
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -90,16 +72,16 @@ def test_bad_requests_are_invalid_argument(worker, request_kwargs, needle):
 
 def test_cancelled_stream_aborts_and_frees_blocks(worker, prompt):
     stub = stub_for(worker.address)
-    idle = wait_for(lambda: (r := load(stub)).num_running == 0 and r, "idle worker")
+    idle = wait_for(lambda: (r := load_report(worker.address)).num_running == 0 and r, "idle worker")
     call = stub.Generate(engine_pb2.GenerateRequest(
         request_id="cancel-me", prompt_token_ids=prompt,
         sampling=common_pb2.SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True),
     ))
     for _ in range(3):
         next(call)
-    assert load(stub).num_running == 1
+    assert load_report(worker.address).num_running == 1
     call.cancel()
-    after = wait_for(lambda: (r := load(stub)).num_running == 0 and r.num_in_flight == 0 and r, "abort")
+    after = wait_for(lambda: (r := load_report(worker.address)).num_running == 0 and r.num_in_flight == 0 and r, "abort")
     assert after.num_blocks_used == idle.num_blocks_used
     assert after.num_aborted == idle.num_aborted + 1
     # Aborted at the next step: far fewer steps ran than the 500 tokens asked for.
