@@ -241,8 +241,9 @@ async def _responses(first: engine_pb2.GenerateResponse, stream: AsyncGenerator[
         timer.finish(usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens)
 
 
-async def _chat_body(model, request_id, first, stream, timer, want_logprobs: bool) -> dict[str, Any]:
-    text, logprobs, final = "", [], None
+async def _collect(first, stream, timer) -> tuple[str, list[common_pb2.TokenLogprob], engine_pb2.GenerateFinal]:
+    """A whole worker stream folded into (text, logprobs, final) for non-streamed responses."""
+    text, logprobs, final = "", [], engine_pb2.GenerateFinal()
     async with _responses(first, stream, timer) as responses:
         async for r in responses:
             if r.HasField("chunk"):
@@ -250,6 +251,11 @@ async def _chat_body(model, request_id, first, stream, timer, want_logprobs: boo
                 logprobs += list(r.chunk.logprobs)
             else:
                 final = r.final
+    return text, logprobs, final
+
+
+async def _chat_body(model, request_id, first, stream, timer, want_logprobs: bool) -> dict[str, Any]:
+    text, logprobs, final = await _collect(first, stream, timer)
     message = {"role": "assistant", "content": text}
     choice = {"index": 0, "message": message, "finish_reason": fmt.FINISH.get(final.finish_reason, "stop"),
               "logprobs": fmt.chat_logprobs(model.tokenizer, logprobs) if want_logprobs else None}
@@ -278,14 +284,7 @@ async def _chat_events(model, request_id, first, stream, timer, include_usage: b
 
 
 async def _completion_body(model, request_id, first, stream, timer, want_logprobs: bool) -> dict[str, Any]:
-    text, logprobs, final = "", [], None
-    async with _responses(first, stream, timer) as responses:
-        async for r in responses:
-            if r.HasField("chunk"):
-                text += r.chunk.text
-                logprobs += list(r.chunk.logprobs)
-            else:
-                final = r.final
+    text, logprobs, final = await _collect(first, stream, timer)
     choice = {"index": 0, "text": text, "finish_reason": fmt.FINISH.get(final.finish_reason, "stop"),
               "logprobs": fmt.completion_logprobs(model.tokenizer, logprobs, 0) if want_logprobs else None}
     return fmt.envelope("text_completion", request_id, model.name, [choice], usage=fmt.usage(final.usage))
