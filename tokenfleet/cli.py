@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-SERVICE_COMMANDS = ("decode", "prefill", "router", "gateway")
+SERVICE_COMMANDS = ("decode", "prefill", "router", "gateway", "registry")
 
 
 def _run_service(name: str, argv: list[str]) -> int:
@@ -16,6 +16,10 @@ def _run_service(name: str, argv: list[str]) -> int:
         from tokenfleet.services.router.main import main as router_main
 
         return router_main(argv)
+    if name == "registry":
+        from tokenfleet.services.registry.main import main as registry_main
+
+        return registry_main(argv)
     if name == "gateway":
         from tokenfleet.services.gateway.main import main as gateway_main
 
@@ -36,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, LookupError, ConnectionError) as e:
         print(f"tokenfleet: error: {e}", file=sys.stderr)
         return 2
 
@@ -49,6 +53,26 @@ def _parser() -> argparse.ArgumentParser:
     imp = models.add_parser("import", help="convert the default GGUF model into an HF folder (once)")
     imp.add_argument("--force", action="store_true", help="re-import even if the folder exists")
     imp.set_defaults(func=_cmd_import)
+    reg = models.add_parser("register", help="register a model version in the registry")
+    reg.add_argument("name", help="model name clients will send")
+    reg.add_argument("--path", help="HF model folder (default: the imported default model)")
+    reg.add_argument("--version", default="v1")
+    reg.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    reg.add_argument("--backend", default="torch", choices=["torch", "trtllm"])
+    reg.add_argument("--tensor-parallel-size", type=int, default=1)
+    reg.add_argument("--max-model-len", type=int, default=0, help="0 = the model config's context length")
+    reg.add_argument("--tokenizer", default="", help="tokenizer/chat-template folder (default: --path)")
+    reg.add_argument("--description", default="")
+    reg.set_defaults(func=_cmd_register)
+    lst = models.add_parser("list", help="list registered models, versions and aliases")
+    lst.set_defaults(func=_cmd_list)
+    ali = models.add_parser("alias", help="point ALIAS at NAME or NAME@VERSION (or remove it with --delete)")
+    ali.add_argument("alias")
+    ali.add_argument("target", nargs="?")
+    ali.add_argument("--delete", action="store_true")
+    ali.set_defaults(func=_cmd_alias)
+    for p in (reg, lst, ali):
+        p.add_argument("--registry", help="registry address host:port (default: the `tokenfleet up` cluster's)")
 
     gen = sub.add_parser("generate", help="complete raw text prompts (offline, in-process engine)")
     gen.add_argument("prompts", nargs="+", help="one or more prompts, batched together")
@@ -65,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     up_cmd.add_argument("--workers", type=int, default=1)
     up_cmd.add_argument("--model", help="HF model folder (default: the imported SmolLM2-135M-Instruct)")
     up_cmd.add_argument("--model-name", default=None, help="served model name (default: smollm2-135m-instruct)")
+    up_cmd.add_argument("--role", default="both", choices=["both", "decode", "prefill"], help="workers' role")
+    up_cmd.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                        help="dtype in the model's registry record")
     up_cmd.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     up_cmd.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0 = any free port)")
     up_cmd.add_argument("--ask", help="send this chat message through the cluster once it is up and print the reply")
@@ -116,18 +143,102 @@ def _cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _registry_stub(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    import grpc
+
+    from tokenfleet import launcher
+    from tokenfleet.v1 import registry_pb2_grpc
+
+    address = args.registry or launcher.cluster_state().get("registry")
+    if not address:
+        raise ConnectionError("no --registry given and no `tokenfleet up` cluster is running")
+    return registry_pb2_grpc.RegistryServiceStub(grpc.insecure_channel(address))
+
+
+def _registry_call(method, request):  # type: ignore[no-untyped-def]
+    """One registry RPC; gRPC statuses become CLI errors."""
+    import grpc
+
+    try:
+        return method(request, timeout=30)
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.NOT_FOUND:
+            raise LookupError(e.details()) from e
+        if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS):
+            raise ValueError(e.details()) from e
+        raise ConnectionError(f"registry: {e.code().name}: {e.details()}") from e
+
+
+def _cmd_register(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tokenfleet.cluster.registry import ModelRecord
+    from tokenfleet.models.config import ModelConfig
+    from tokenfleet.models.gguf_import import ensure_default_model
+    from tokenfleet.services.registry.convert import record_to_proto
+    from tokenfleet.v1 import registry_pb2
+
+    path = Path(args.path or ensure_default_model()).resolve()
+    ModelConfig.from_dir(path)  # fail here, not in every worker, when the folder is not a model
+    record = ModelRecord(name=args.name, version=args.version, path=str(path), dtype=args.dtype, backend=args.backend,
+                         tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
+                         tokenizer=args.tokenizer, description=args.description)
+    stub = _registry_stub(args)
+    reply = _registry_call(stub.RegisterModel, registry_pb2.RegisterModelRequest(record=record_to_proto(record)))
+    print(f"{'registered' if reply.created else 'already registered'} {reply.record.name}@{reply.record.version}"
+          f" ({reply.record.path})")
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from tokenfleet.v1 import registry_pb2
+
+    snapshot = _registry_call(_registry_stub(args).ListModels, registry_pb2.ListModelsRequest())
+    rows = [("MODEL", "DTYPE", "BACKEND", "STATUS", "PATH")]
+    for m in snapshot.models:
+        status = registry_pb2.ModelStatus.Name(m.status).removeprefix("MODEL_STATUS_").lower()
+        rows.append((f"{m.name}@{m.version}", m.dtype, m.backend, status, m.path))
+    rows += [(f"{a.alias} -> {a.target}", "", "", "alias", "") for a in snapshot.aliases]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _cmd_alias(args: argparse.Namespace) -> int:
+    from tokenfleet.v1 import registry_pb2
+
+    stub = _registry_stub(args)
+    if args.delete:
+        _registry_call(stub.DeleteAlias, registry_pb2.DeleteAliasRequest(alias=args.alias))
+        print(f"removed alias {args.alias}")
+        return 0
+    if not args.target:
+        raise ValueError("give the alias's target (NAME or NAME@VERSION), or --delete")
+    _registry_call(stub.SetAlias, registry_pb2.SetAliasRequest(alias=args.alias, target=args.target))
+    print(f"{args.alias} -> {args.target}")
+    return 0
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from tokenfleet import launcher
     from tokenfleet.models.gguf_import import DEFAULT_MODEL_NAME, ensure_default_model
 
     if args.detach:  # run the cluster in a child process that outlives this command
         child = [sys.executable, "-m", "tokenfleet.cli", "up", "--workers", str(args.workers), "--threads",
-                 str(args.threads), "--port", str(args.port)]
+                 str(args.threads), "--port", str(args.port), "--role", args.role, "--dtype", args.dtype]
         child += ["--model", args.model] if args.model else []
         child += ["--model-name", args.model_name] if args.model_name else []
         import subprocess
 
-        proc = subprocess.Popen(child, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        from tokenfleet import envs
+
+        log_path = envs.cache_dir() / "cluster.log"  # the detached cluster's logs (it outlives this terminal)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"logs: {log_path}")
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(child, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
+                                    text=True, start_new_session=True)
         assert proc.stdout is not None
         for line in proc.stdout:
             print(line, end="")
@@ -141,7 +252,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return 0
     model_dir = args.model or str(ensure_default_model())
     name = args.model_name or DEFAULT_MODEL_NAME
-    cluster = launcher.up(args.workers, model_dir, name, args.threads, args.port)
+    cluster = launcher.up(args.workers, model_dir, name, args.threads, args.port, args.role, args.dtype)
     try:
         print(f"gateway: {cluster.gateway_url}/v1  (model {name}, {args.workers} worker(s), etcd {cluster.etcd.endpoint})",
               flush=True)

@@ -1,6 +1,7 @@
 """`tokenfleet up` / `down`: the whole topology as processes on loopback, without Docker.
 
-etcd -> N engine workers (registered in etcd) -> router -> gateway. Ctrl-C, SIGTERM or
+etcd -> registry (the model is registered there) -> N engine workers (load the model as its
+registry record says, register in etcd) -> router -> gateway. Ctrl-C, SIGTERM or
 `tokenfleet down` stops everything in reverse order; workers drain their streams first.
 """
 
@@ -58,25 +59,48 @@ class Cluster:
         state_file().unlink(missing_ok=True)
 
 
-def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_port: int) -> Cluster:
+def register_model(registry: str, name: str, model_dir: str, dtype: str = "bfloat16", version: str = "v1") -> None:
+    """Register ``name@version`` (a no-op when the identical record exists)."""
+    import grpc
+
+    from tokenfleet.cluster.registry import ModelRecord
+    from tokenfleet.services.registry.convert import record_to_proto
+    from tokenfleet.v1 import registry_pb2, registry_pb2_grpc
+
+    record = ModelRecord(name=name, version=version, path=str(Path(model_dir).resolve()), dtype=dtype)
+    with grpc.insecure_channel(registry) as channel:
+        registry_pb2_grpc.RegistryServiceStub(channel).RegisterModel(
+            registry_pb2.RegisterModelRequest(record=record_to_proto(record)), timeout=30)
+
+
+def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_port: int,
+       role: str = "both", dtype: str = "bfloat16") -> Cluster:
     cluster = Cluster(EtcdServer.create().start())
     try:
+        etcd = cluster.etcd.endpoint
+        registry = cluster.spawn("registry", "tokenfleet.services.registry", "--etcd", etcd)
+        register_model(registry, model_name, model_dir, dtype)
         for i in range(num_workers):
-            cluster.spawn(f"worker-{i}", "tokenfleet.services.decode", "--model", model_dir, "--model-name", model_name,
-                          "--etcd", cluster.etcd.endpoint, "--replica-id", f"worker-{i}", "--role", "both",
-                          threads=threads)
-        router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", cluster.etcd.endpoint)
-        gateway = cluster.spawn("gateway", "tokenfleet.services.gateway", "--router", router,
-                                "--model", f"{model_name}={model_dir}", "--port", str(gateway_port))
+            cluster.spawn(f"worker-{i}", "tokenfleet.services.decode", "--registry", registry, "--model-name",
+                          model_name, "--etcd", etcd, "--replica-id", f"worker-{i}", "--role", role, threads=threads)
+        router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", etcd)
+        gateway = cluster.spawn("gateway", "tokenfleet.services.gateway", "--router", router, "--registry", registry,
+                                "--port", str(gateway_port))
         cluster.gateway_url = f"http://{gateway}"
         _wait_serving(cluster.gateway_url, model_name)
     except BaseException:
         cluster.stop()
         raise
-    state = {"pid": os.getpid(), "gateway": cluster.gateway_url, "etcd": cluster.etcd.endpoint}
+    state = {"pid": os.getpid(), "gateway": cluster.gateway_url, "etcd": etcd, "registry": registry}
     state_file().parent.mkdir(parents=True, exist_ok=True)
     state_file().write_text(json.dumps(state))
     return cluster
+
+
+def cluster_state() -> dict[str, str]:
+    """Addresses of the running `tokenfleet up` cluster ({} when none)."""
+    path = state_file()
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _wait_serving(url: str, model: str, timeout: float = 120) -> None:

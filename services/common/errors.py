@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import structlog
 
+from tokenfleet.cluster.registry import RegistryConflictError
 from tokenfleet.engine.interface import EngineOverloadedError, EngineStoppedError
 
 log = structlog.get_logger()
@@ -17,6 +18,7 @@ log = structlog.get_logger()
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (EngineOverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),
+    (RegistryConflictError, grpc.StatusCode.ALREADY_EXISTS),
     (LookupError, grpc.StatusCode.NOT_FOUND),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 ]

@@ -12,9 +12,11 @@ import structlog
 from prometheus_client import CollectorRegistry, start_http_server
 from tokenfleet.services.common.server import GrpcServer
 from tokenfleet.services.decode.worker import EngineWorker
+from tokenfleet.services.registry.client import fetch_record
 
 from tokenfleet.cluster.etcd import EtcdClient
 from tokenfleet.cluster.membership import DRAINING, ReplicaRecord, ReplicaRegistration
+from tokenfleet.cluster.registry import ModelRecord
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.engine.builder import build_engine_core
 from tokenfleet.engine.config import EngineConfig
@@ -29,10 +31,14 @@ log = structlog.get_logger()
 def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"tokenfleet {default_role}", description="tokenfleet engine worker")
     p.add_argument("--role", choices=ROLES, default=default_role)
-    p.add_argument("--model", help="HF model folder (default: the imported SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help="HF model folder (default: the imported SmolLM2-135M-Instruct); "
+                   "with --registry, the folder comes from the registry record instead")
+    p.add_argument("--registry", help="registry address host:port: load --model-name (name, alias or name@version) "
+                   "as its record says")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
+                   help="default: the registry record's dtype, else bfloat16")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, help="torch CPU threads (leave cores for other processes)")
     p.add_argument("--num-blocks", type=int)
@@ -44,16 +50,22 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
     p.add_argument("--lease-ttl", type=int, default=10, help="seconds a dead worker stays registered")
     p.add_argument("--model-name", help="registered model name (default: the model folder's name)")
     p.add_argument("--replica-id", help="default: <hostname>-<port>")
+    p.add_argument("--advertise-address", help="host:port others use to reach this worker (default: the bound "
+                   "address; set it when binding 0.0.0.0, e.g. in containers)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = any free port)")
     return p.parse_args(argv)
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -> EngineConfig:
     from tokenfleet.models.gguf_import import ensure_default_model
 
+    if record is not None and record.backend != "torch":
+        raise ValueError(f"{record.ref} needs the {record.backend!r} backend; this worker runs the torch engine")
+    model = record.path if record is not None else args.model or str(ensure_default_model())
     return EngineConfig(
-        model=args.model or str(ensure_default_model()),
-        dtype=args.dtype,
+        model=model,
+        dtype=args.dtype or (record.dtype if record is not None else "bfloat16"),
+        max_model_len=record.max_model_len or None if record is not None else None,
         device=args.device,
         num_threads=args.threads,
         num_blocks=args.num_blocks,
@@ -63,11 +75,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    config = engine_config(args)
+    record = None
+    if args.registry:
+        if not args.model_name:
+            raise SystemExit("--registry needs --model-name (the registered name, alias or name@version)")
+        record = await fetch_record(args.registry, args.model_name)
+        log.info("model from the registry", ref=record.ref, path=record.path)
+    config = engine_config(args, record)
     engine = AsyncEngine(lambda: build_engine_core(config))
     await engine.start()
     server = GrpcServer([engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name], args.host, args.port)
-    registration = await register(args, config, server.address) if args.etcd else None
+    address = args.advertise_address or server.address
+    registration = await register(args, config, address, record) if args.etcd else None
 
     async def mark_draining() -> None:
         if registration is not None:
@@ -99,11 +118,13 @@ async def serve(args: argparse.Namespace) -> None:
         await engine.shutdown()
 
 
-async def register(args: argparse.Namespace, config: EngineConfig, address: str) -> ReplicaRegistration:
+async def register(args: argparse.Namespace, config: EngineConfig, address: str,
+                   model: ModelRecord | None) -> ReplicaRegistration:
     roles = ("decode", "prefill") if args.role == "both" else (args.role,)
     record = ReplicaRecord(
         replica_id=args.replica_id or f"{socket.gethostname()}-{address.rpartition(':')[2]}",
-        model=args.model_name or Path(config.model).name,
+        model=model.name if model is not None else args.model_name or Path(config.model).name,
+        model_version=model.version if model is not None else "",
         address=address,
         roles=roles,
         num_blocks=config.num_blocks or 0,

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,7 +22,9 @@ from tokenfleet.services.gateway import openai_format as fmt
 
 from tokenfleet.api.chat_template import render_chat
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
+from tokenfleet.cluster.registry import RegistryView, UnknownModelError
 from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.tokenizer import Tokenizer
 from tokenfleet.telemetry.metrics import GatewayMetrics, RequestTimer
 from tokenfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
@@ -30,15 +35,60 @@ MAX_BODY_BYTES = 4 << 20
 
 @dataclass
 class ServedModel:
-    name: str
+    name: str  # what the client asked for; echoed in responses
+    ref: str  # what the router is asked for (name@version when registered)
     tokenizer: Tokenizer
     max_model_len: int
+
+
+def load_served(name: str, ref: str, tokenizer_dir: str, max_model_len: int = 0) -> ServedModel:
+    if not max_model_len:
+        max_model_len = ModelConfig.from_dir(tokenizer_dir).max_position_embeddings
+    return ServedModel(name, ref, Tokenizer(Path(tokenizer_dir)), max_model_len)
+
+
+@dataclass
+class ModelCatalog:
+    """The models this gateway serves: a registry view (kept current by a watch) and/or static ones."""
+
+    static: dict[str, ServedModel] = field(default_factory=dict)
+    view: RegistryView | None = None  # None: no registry; only static models
+    _loaded: dict[str, ServedModel] = field(default_factory=dict)  # by record ref (name@version)
+
+    @property
+    def ready(self) -> bool:
+        return self.view is None or self.view.revision > 0 or bool(self.static)
+
+    def names(self) -> list[tuple[str, int]]:
+        names = {name: 0 for name in self.static}
+        if self.view is not None:
+            for name in self.view.names():
+                try:
+                    names.setdefault(name, int(self.view.resolve(name).created_at))
+                except UnknownModelError:
+                    continue  # a name whose versions are all disabled
+        return sorted(names.items())
+
+    async def get(self, name: str) -> ServedModel:
+        if name in self.static:
+            return self.static[name]
+        try:
+            if self.view is None:
+                raise UnknownModelError(name)
+            record = self.view.resolve(name)
+        except UnknownModelError as e:
+            raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model",
+                           "model_not_found") from e
+        if record.ref not in self._loaded:  # tokenizer loads once per version, off the event loop
+            self._loaded[record.ref] = await asyncio.to_thread(
+                load_served, name, record.ref, record.tokenizer_path, record.max_model_len)
+        return dataclasses.replace(self._loaded[record.ref], name=name)
 
 
 @dataclass
 class Gateway:
     router_address: str
-    models: dict[str, ServedModel]
+    models: ModelCatalog
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
 
@@ -47,10 +97,8 @@ class Gateway:
             self._channels[address] = grpc.aio.insecure_channel(address)
         return self._channels[address]
 
-    def model(self, name: str) -> ServedModel:
-        if name not in self.models:
-            raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model", "model_not_found")
-        return self.models[name]
+    async def model(self, name: str) -> ServedModel:
+        return await self.models.get(name)
 
     async def pick(self, model: str, request_id: str, num_prompt_tokens: int) -> str:
         stub = router_pb2_grpc.RouterServiceStub(self.channel(self.router_address))
@@ -63,9 +111,9 @@ class Gateway:
             raise APIError(503, f"no replica available: {e.details()}", "server_error", code="no_replica") from e
         return picked.address
 
-    async def generate(self, model: str, request_id: str, prompt: list[int], params: SamplingParams
+    async def generate(self, model: ServedModel, request_id: str, prompt: list[int], params: SamplingParams
                        ) -> AsyncGenerator[engine_pb2.GenerateResponse, None]:
-        address = await self.pick(model, request_id, len(prompt))
+        address = await self.pick(model.ref, request_id, len(prompt))
         stub = engine_pb2_grpc.EngineServiceStub(self.channel(address))
         call = stub.Generate(engine_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=to_proto(params)))
@@ -145,19 +193,21 @@ def create_app(gateway: Gateway) -> FastAPI:
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        ready = gateway.models.ready
+        return JSONResponse({"status": "ok" if ready else "starting"}, status_code=200 if ready else 503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "tokenfleet"} for name in gateway.models]}
+            {"id": name, "object": "model", "created": created, "owned_by": "tokenfleet"}
+            for name, created in gateway.models.names()]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):  # type: ignore[no-untyped-def]
         timer = RequestTimer(gateway.metrics)
         body = await _parse(request, ChatCompletionRequest)
-        model = gateway.model(body.model)
+        model = await gateway.model(body.model)
         params = body.sampling_params()
         try:
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -166,7 +216,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             raise APIError(400, str(e), param="messages") from e
         check_context(model, len(prompt), params.max_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = gateway.generate(model.name, request_id, prompt, params)
+        stream = gateway.generate(model, request_id, prompt, params)
         first = await _first(stream)  # errors before any byte is sent become proper HTTP statuses
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -178,14 +228,14 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def completions(request: Request):  # type: ignore[no-untyped-def]
         timer = RequestTimer(gateway.metrics)
         body = await _parse(request, CompletionRequest)
-        model = gateway.model(body.model)
+        model = await gateway.model(body.model)
         params = body.sampling_params()
         prompt = model.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
         check_context(model, len(prompt), params.max_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = gateway.generate(model.name, request_id, prompt, params)
+        stream = gateway.generate(model, request_id, prompt, params)
         first = await _first(stream)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

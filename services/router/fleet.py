@@ -1,5 +1,5 @@
-"""The router's view of the fleet: membership from etcd (list + watch), load from each worker's
-``Load`` stream. Serves snapshots for the pure policies in tokenfleet.routing; keeps serving
+"""The router's view of the fleet: membership and the model registry from etcd (list + watch),
+load from each worker's ``Load`` stream. Serves snapshots for the pure policies in tokenfleet.routing; keeps serving
 its last view while etcd is away.
 """
 
@@ -12,8 +12,9 @@ import dataclasses
 import grpc
 import structlog
 
-from tokenfleet.cluster.etcd import ETCD_ERRORS, EtcdClient
+from tokenfleet.cluster.etcd import EtcdClient, KeyEvent, mirror_prefix
 from tokenfleet.cluster.membership import ReplicaRecord
+from tokenfleet.cluster.registry import RegistryView, UnknownModelError, follow_registry
 from tokenfleet.routing.policies import FleetSnapshot, ReplicaLoad
 from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
 
@@ -25,12 +26,15 @@ class FleetView:
     def __init__(self, etcd: EtcdClient):
         self.etcd = etcd
         self.loads: dict[str, ReplicaLoad] = {}  # etcd key -> latest load
-        self.models: dict[str, str] = {}  # etcd key -> model name
+        self.models: dict[str, tuple[str, str]] = {}  # etcd key -> (model name, version)
+        self.registry = RegistryView()
         self._streams: dict[str, asyncio.Task] = {}
         self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self._watch = asyncio.create_task(self._follow_membership())
+        self._watch = asyncio.ensure_future(asyncio.gather(
+            mirror_prefix(self.etcd, "replicas/", self._reset, self._on_event),
+            follow_registry(self.etcd, self.registry)))
 
     async def stop(self) -> None:
         tasks = [t for t in [self._watch, *self._streams.values()] if t is not None]
@@ -40,39 +44,46 @@ class FleetView:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def snapshot(self, model: str) -> FleetSnapshot:
-        return FleetSnapshot(tuple(load for key, load in self.loads.items() if self.models.get(key) == model))
+    def resolve(self, ref: str) -> tuple[str, str]:
+        """A request's model (name, alias or name@version) -> (name, version) through the registry.
+        Replicas of unregistered models (standalone workers) are served by their plain name, any version."""
+        try:
+            record = self.registry.resolve(ref)
+            return record.name, record.version
+        except UnknownModelError:
+            if any(name == ref for name, _ in self.models.values()):
+                return ref, ""
+            raise
 
-    def has_model(self, model: str) -> bool:
-        return model in self.models.values()
+    def _serves(self, key: str, name: str, version: str) -> bool:
+        model = self.models.get(key)
+        return model is not None and model[0] == name and (not version or not model[1] or model[1] == version)
 
-    def note_assignment(self, replica_id: str, model: str) -> None:
+    def snapshot(self, name: str, version: str = "") -> FleetSnapshot:
+        return FleetSnapshot(tuple(load for key, load in self.loads.items() if self._serves(key, name, version)))
+
+    def note_assignment(self, replica_id: str, name: str, version: str = "") -> None:
         for key, load in self.loads.items():
-            if load.replica_id == replica_id and self.models.get(key) == model:
+            if load.replica_id == replica_id and self._serves(key, name, version):
                 self.loads[key] = dataclasses.replace(load, pending_assignments=load.pending_assignments + 1)
 
-    async def _follow_membership(self) -> None:
-        while True:
-            try:
-                current = await self.etcd.get_prefix("replicas/")
-                for key in set(self.loads) - set(current):
-                    self._remove(key)
-                for key, raw in current.items():
-                    self._upsert(key, ReplicaRecord.from_json(raw))
-                async for event in self.etcd.watch_prefix("replicas/"):
-                    if event.value is None:
-                        self._remove(event.key)
-                    else:
-                        self._upsert(event.key, ReplicaRecord.from_json(event.value))
-            except ETCD_ERRORS as e:
-                log.warning("etcd unavailable; routing on the last view", error=str(e))
-                await asyncio.sleep(0.5)
+    def _reset(self, listing: dict[str, bytes]) -> None:
+        for key in set(self.loads) - set(listing):
+            self._remove(key)
+        for key, raw in listing.items():
+            self._upsert(key, ReplicaRecord.from_json(raw))
+
+    def _on_event(self, event: KeyEvent) -> None:
+        if event.value is None:
+            self._remove(event.key)
+        else:
+            self._upsert(event.key, ReplicaRecord.from_json(event.value))
 
     def _upsert(self, key: str, record: ReplicaRecord) -> None:
         old = self.loads.get(key)
         base = old if old is not None and old.address == record.address else ReplicaLoad(record.replica_id, record.address)
         self.loads[key] = dataclasses.replace(base, roles=record.roles, state=record.state)
-        self.models[key] = record.model
+        self.models[key] = (record.model, record.model_version)
         if key not in self._streams or old is None or old.address != record.address:
             self._restart_stream(key, record.address)
 

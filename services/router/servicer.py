@@ -10,10 +10,6 @@ from tokenfleet.routing.policies import NoReplicaError, RoundRobin, least_loaded
 from tokenfleet.v1 import router_pb2, router_pb2_grpc
 
 
-class UnknownModelError(LookupError):
-    """No replica was ever registered for this model (NOT_FOUND)."""
-
-
 class Router(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, fleet: FleetView, default_policy: int = router_pb2.POLICY_LEAST_LOADED):
         self.fleet = fleet
@@ -22,13 +18,13 @@ class Router(router_pb2_grpc.RouterServiceServicer):
 
     @map_errors
     async def Pick(self, request: router_pb2.PickRequest, context: grpc.aio.ServicerContext) -> router_pb2.PickResponse:
-        if not self.fleet.has_model(request.model):
-            raise UnknownModelError(f"model {request.model!r} has no registered replica")
-        snapshot = self.fleet.snapshot(request.model)
+        name, version = self.fleet.resolve(request.model)  # UnknownModelError -> NOT_FOUND
+        snapshot = self.fleet.snapshot(name, version)
         policy = request.policy or self.default_policy
         try:
             chosen = self.round_robin.pick(snapshot) if policy == router_pb2.POLICY_ROUND_ROBIN else least_loaded(snapshot)
         except NoReplicaError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        self.fleet.note_assignment(chosen.replica_id, request.model)
-        return router_pb2.PickResponse(replica_id=chosen.replica_id, address=chosen.address)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{name}@{version or '*'}: {e}")
+        self.fleet.note_assignment(chosen.replica_id, name, version)
+        return router_pb2.PickResponse(replica_id=chosen.replica_id, address=chosen.address, model=name,
+                                       model_version=version)

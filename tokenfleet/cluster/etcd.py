@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aetcd
@@ -54,6 +54,14 @@ class EtcdClient:
     async def put(self, key: str, value: bytes, lease_id: int | None = None) -> None:
         await asyncio.wait_for(self._client.put(self._key(key), value, lease=lease_id), self.timeout)
 
+    async def put_if_absent(self, key: str, value: bytes) -> bool:
+        """Create ``key`` only if it does not exist (one etcd transaction); False if it did."""
+        k = self._key(key)
+        tx = self._client.transactions
+        succeeded, _ = await asyncio.wait_for(
+            self._client.transaction(compare=[tx.version(k) == 0], success=[tx.put(k, value)], failure=[]), self.timeout)
+        return bool(succeeded)
+
     async def get(self, key: str) -> bytes | None:
         result = await asyncio.wait_for(self._client.get(self._key(key)), self.timeout)
         return None if result is None else bytes(result.value)
@@ -95,3 +103,19 @@ class EtcdClient:
             except ETCD_ERRORS as e:
                 log.warning("etcd watch interrupted; resuming", prefix=prefix, error=str(e))
                 await asyncio.sleep(0.5)
+
+
+async def mirror_prefix(etcd: EtcdClient, prefix: str, reset: Callable[[dict[str, bytes]], None],
+                        apply: Callable[[KeyEvent], None]) -> None:
+    """Keep a local copy of everything under ``prefix``: ``reset`` with a full listing, then ``apply``
+    each watch event. While etcd is unreachable the copy is left as it was (callers serve their last
+    view); when it comes back the listing is taken again. Runs until cancelled.
+    """
+    while True:
+        try:
+            reset(await etcd.get_prefix(prefix))
+            async for event in etcd.watch_prefix(prefix):
+                apply(event)
+        except ETCD_ERRORS as e:
+            log.warning("etcd unavailable; serving the last view", prefix=prefix, error=str(e))
+            await asyncio.sleep(0.5)

@@ -27,9 +27,13 @@ class PickRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ...) -> None: ...
 
 class PickResponse(_message.Message):
-    __slots__ = ("replica_id", "address")
+    __slots__ = ("replica_id", "address", "model", "model_version")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    model: str
+    model_version: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...

@@ -47,8 +47,8 @@ class RouterServiceServicer:
     """
 
     def Pick(self, request, context):
-        """Choose the replica that serves one request. NOT_FOUND when the model has no
-        registered replica, UNAVAILABLE when none of them is serving.
+        """Choose the replica that serves one request. NOT_FOUND when the model is neither
+        registered nor served by any replica, UNAVAILABLE when no replica of it is serving.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,3 @@
+from tokenfleet.services.registry.main import main
+
+raise SystemExit(main())

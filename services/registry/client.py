@@ -1,0 +1,47 @@
+"""Talking to the registry service from workers, gateways and the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+from tokenfleet.services.registry.convert import record_from_proto, view_from_snapshot
+
+from tokenfleet.cluster.registry import ModelRecord, RegistryView, UnknownModelError
+from tokenfleet.v1 import registry_pb2, registry_pb2_grpc
+
+log = structlog.get_logger()
+
+
+async def fetch_record(address: str, ref: str, wait_s: float = 120.0) -> ModelRecord:
+    """Resolve ``ref`` at the registry; waits (retrying) while the registry is not up yet,
+    raises UnknownModelError at once for an unregistered model."""
+    deadline = time.monotonic() + wait_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = registry_pb2_grpc.RegistryServiceStub(channel)
+        while True:
+            try:
+                return record_from_proto(await stub.GetModel(registry_pb2.GetModelRequest(ref=ref), timeout=10))
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    raise UnknownModelError(f"registry {address}: {e.details()}") from e
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"registry {address} unreachable: {e.details()}") from e
+                log.info("waiting for the registry", address=address, code=str(e.code()))
+                await asyncio.sleep(1.0)
+
+
+async def watch_registry(address: str) -> AsyncIterator[RegistryView]:
+    """Every registry snapshot, forever; reconnects after errors (the caller keeps its last view)."""
+    while True:
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = registry_pb2_grpc.RegistryServiceStub(channel)
+                async for snapshot in stub.Watch(registry_pb2.WatchRequest()):
+                    yield view_from_snapshot(snapshot)
+        except grpc.aio.AioRpcError as e:
+            log.warning("registry watch interrupted; keeping the last view", address=address, code=str(e.code()))
+        await asyncio.sleep(1.0)

@@ -1,0 +1,60 @@
+"""Registry process: RegistryService over etcd."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Sequence
+
+import structlog
+from tokenfleet.services.common.server import GrpcServer
+from tokenfleet.services.registry.servicer import Registry
+
+from tokenfleet.cluster.etcd import EtcdClient
+from tokenfleet.telemetry.logging import configure_logging
+from tokenfleet.v1 import registry_pb2, registry_pb2_grpc
+
+log = structlog.get_logger()
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="tokenfleet registry", description="tokenfleet model registry")
+    p.add_argument("--etcd", required=True, help="etcd endpoint host:port")
+    p.add_argument("--etcd-root", default="/tokenfleet/v1/")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--grace-seconds", type=float, default=5.0)
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    etcd = EtcdClient(args.etcd, args.etcd_root)
+    registry = Registry(etcd)
+    await registry.start()
+    server = GrpcServer([registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name], args.host, args.port)
+    registry_pb2_grpc.add_RegistryServiceServicer_to_server(registry, server.server)
+    await server.start()
+    log.info("registry serving", address=server.address)
+    print(f"LISTENING {server.address}", flush=True)
+
+    async def nothing_to_drain() -> None:
+        return None
+
+    try:
+        await server.run_until_signal(nothing_to_drain, args.grace_seconds)
+    finally:
+        await registry.stop()
+        await etcd.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging("registry")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(args))
+    return 0

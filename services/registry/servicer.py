@@ -1,0 +1,98 @@
+"""RegistryService over etcd: writes go straight to etcd, reads come from a watched local view."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from tokenfleet.services.common.errors import map_errors
+from tokenfleet.services.registry.convert import record_from_proto, record_to_proto, snapshot_to_proto, status_name
+
+from tokenfleet.cluster.etcd import EtcdClient, mirror_prefix
+from tokenfleet.cluster.registry import ALIASES, MODELS, ModelRecord, ModelRegistry, RegistryView, UnknownModelError
+from tokenfleet.v1 import registry_pb2, registry_pb2_grpc
+
+
+class WatchedView(RegistryView):
+    """A RegistryView that wakes watchers when it changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changed = asyncio.Condition()
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+
+class Registry(registry_pb2_grpc.RegistryServiceServicer):
+    def __init__(self, etcd: EtcdClient):
+        self.store = ModelRegistry(etcd)
+        self.view = WatchedView()
+        self._follow: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        etcd = self.store.etcd
+
+        def reset(prefix: str):
+            def apply(listing: dict[str, bytes]) -> None:
+                self.view.reset(listing, (prefix,))
+                asyncio.get_running_loop().create_task(self.view.notify())
+            return apply
+
+        def on_event(event) -> None:  # type: ignore[no-untyped-def]
+            self.view.apply(event)
+            asyncio.get_running_loop().create_task(self.view.notify())
+
+        self._follow = asyncio.ensure_future(asyncio.gather(
+            mirror_prefix(etcd, MODELS, reset(MODELS), on_event),
+            mirror_prefix(etcd, ALIASES, reset(ALIASES), on_event)))
+
+    async def stop(self) -> None:
+        if self._follow is not None:
+            self._follow.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follow
+
+    async def _resolve(self, ref: str) -> ModelRecord:
+        try:
+            return self.view.resolve(ref)
+        except UnknownModelError:  # maybe registered a moment ago and the watch has not caught up
+            return (await self.store.load()).resolve(ref)
+
+    @map_errors
+    async def RegisterModel(self, request, context) -> registry_pb2.RegisterModelResponse:  # type: ignore[no-untyped-def]
+        record, created = await self.store.register(record_from_proto(request.record))
+        return registry_pb2.RegisterModelResponse(record=record_to_proto(record), created=created)
+
+    @map_errors
+    async def GetModel(self, request, context) -> registry_pb2.ModelRecord:  # type: ignore[no-untyped-def]
+        return record_to_proto(await self._resolve(request.ref))
+
+    @map_errors
+    async def ListModels(self, request, context) -> registry_pb2.RegistrySnapshot:  # type: ignore[no-untyped-def]
+        return snapshot_to_proto(self.view)
+
+    @map_errors
+    async def SetAlias(self, request, context) -> registry_pb2.SetAliasResponse:  # type: ignore[no-untyped-def]
+        await self.store.set_alias(request.alias, request.target)
+        return registry_pb2.SetAliasResponse()
+
+    @map_errors
+    async def DeleteAlias(self, request, context) -> registry_pb2.DeleteAliasResponse:  # type: ignore[no-untyped-def]
+        if not await self.store.delete_alias(request.alias):
+            raise UnknownModelError(f"alias {request.alias!r} does not exist")
+        return registry_pb2.DeleteAliasResponse()
+
+    @map_errors
+    async def SetModelStatus(self, request, context) -> registry_pb2.ModelRecord:  # type: ignore[no-untyped-def]
+        return record_to_proto(await self.store.set_status(request.ref, status_name(request.status)))
+
+    @map_errors
+    async def Watch(self, request, context) -> AsyncIterator[registry_pb2.RegistrySnapshot]:  # type: ignore[no-untyped-def]
+        while True:
+            revision = self.view.revision
+            yield snapshot_to_proto(self.view)
+            async with self.view.changed:
+                await self.view.changed.wait_for(lambda seen=revision: self.view.revision != seen)

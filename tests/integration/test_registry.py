@@ -1,0 +1,141 @@
+"""Registry service over a real etcd; the CLI; two registered models served by different workers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import grpc
+import openai
+import pytest
+from tokenfleet.services.registry.convert import record_to_proto
+
+from tests.integration.conftest import load_report, start_service, wait_for
+from tests.integration.test_membership import replicas
+from tokenfleet.cluster.etcd_server import EtcdServer
+from tokenfleet.cluster.registry import ModelRecord
+from tokenfleet.v1 import registry_pb2, registry_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def registry():
+    etcd = EtcdServer.create().start()
+    service = start_service("tokenfleet.services.registry", "--etcd", etcd.endpoint)
+    channel = grpc.insecure_channel(service.address)
+    yield etcd, service, registry_pb2_grpc.RegistryServiceStub(channel)
+    channel.close()
+    service.stop()
+    etcd.cleanup()
+
+
+def register(stub, name: str, path: str, version: str = "v1", dtype: str = "float32") -> registry_pb2.RegisterModelResponse:
+    record = ModelRecord(name=name, version=version, path=path, dtype=dtype)
+    return stub.RegisterModel(registry_pb2.RegisterModelRequest(record=record_to_proto(record)))
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code()
+
+
+def test_register_get_alias_and_errors(registry, default_model_dir):
+    _, _, stub = registry
+    first = register(stub, "alpha", str(default_model_dir))
+    assert first.created and first.record.created_at > 0
+    assert not register(stub, "alpha", str(default_model_dir)).created  # identical: a no-op
+    assert code_of(lambda: register(stub, "alpha", str(default_model_dir), dtype="bfloat16")) == \
+        grpc.StatusCode.ALREADY_EXISTS  # versions are immutable
+    register(stub, "alpha", str(default_model_dir), version="v2")
+    assert stub.GetModel(registry_pb2.GetModelRequest(ref="alpha")).version == "v2"  # newest
+    assert stub.GetModel(registry_pb2.GetModelRequest(ref="alpha@v1")).version == "v1"
+
+    stub.SetAlias(registry_pb2.SetAliasRequest(alias="stable", target="alpha@v1"))
+    assert stub.GetModel(registry_pb2.GetModelRequest(ref="stable")).version == "v1"
+    stub.SetModelStatus(registry_pb2.SetModelStatusRequest(ref="alpha@v2", status=registry_pb2.MODEL_STATUS_DISABLED))
+    assert stub.GetModel(registry_pb2.GetModelRequest(ref="alpha")).version == "v1"  # disabled versions skipped
+    listed = stub.ListModels(registry_pb2.ListModelsRequest())
+    assert {(m.name, m.version) for m in listed.models} >= {("alpha", "v1"), ("alpha", "v2")}
+    assert ("stable", "alpha@v1") in {(a.alias, a.target) for a in listed.aliases}
+
+    assert code_of(lambda: stub.GetModel(registry_pb2.GetModelRequest(ref="nope"))) == grpc.StatusCode.NOT_FOUND
+    assert code_of(lambda: stub.SetAlias(registry_pb2.SetAliasRequest(alias="x", target="nope"))) == \
+        grpc.StatusCode.NOT_FOUND
+    assert code_of(lambda: stub.SetAlias(registry_pb2.SetAliasRequest(alias="alpha", target="alpha@v1"))) == \
+        grpc.StatusCode.ALREADY_EXISTS  # an alias may not shadow a model
+    bad = registry_pb2.ModelRecord(name="bad/name", version="v1", path="/x")
+    assert code_of(lambda: stub.RegisterModel(registry_pb2.RegisterModelRequest(record=bad))) == \
+        grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: stub.DeleteAlias(registry_pb2.DeleteAliasRequest(alias="nope"))) == \
+        grpc.StatusCode.NOT_FOUND
+
+
+def test_watch_streams_every_change(registry, default_model_dir):
+    _, _, stub = registry
+    watch = stub.Watch(registry_pb2.WatchRequest())
+    first = next(watch)
+    register(stub, "watched", str(default_model_dir))
+    seen = next(s for s in watch if any(m.name == "watched" for m in s.models))
+    assert len(seen.models) == len(first.models) + 1
+    watch.cancel()
+
+
+def test_cli_register_list_alias(registry, default_model_dir):
+    _, service, _ = registry
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tokenfleet.cli", "models", *args, "--registry", service.address],
+                              capture_output=True, text=True, timeout=120, env={**os.environ})
+
+    out = cli("register", "cli-model", "--path", str(default_model_dir), "--version", "2026-11", "--dtype", "float32")
+    assert out.returncode == 0 and "registered cli-model@2026-11" in out.stdout, out.stderr
+    assert cli("alias", "cli-alias", "cli-model@2026-11").returncode == 0
+    listing = cli("list").stdout
+    assert "cli-model@2026-11" in listing and "float32" in listing and "cli-alias -> cli-model@2026-11" in listing
+    bad = cli("register", "cli-model", "--path", str(default_model_dir), "--version", "2026-11")  # bf16 now: conflict
+    assert bad.returncode == 2 and "immutable" in bad.stderr
+    missing = cli("alias", "other", "no-such-model")
+    assert missing.returncode == 2 and "not registered" in missing.stderr
+    assert cli("alias", "cli-alias", "--delete").returncode == 0
+    assert "cli-alias" not in cli("list").stdout
+
+
+def test_two_models_are_served_by_their_own_workers(registry, default_model_dir):
+    etcd, service, stub = registry
+    register(stub, "smol-bf16", str(default_model_dir), dtype="bfloat16")
+    register(stub, "smol-fp32", str(default_model_dir), dtype="float32")
+    stub.SetAlias(registry_pb2.SetAliasRequest(alias="prod", target="smol-fp32@v1"))
+    common = ["--registry", service.address, "--etcd", etcd.endpoint, "--threads", "1", "--num-blocks", "64"]
+    bf16 = start_service("tokenfleet.services.decode", *common, "--model-name", "smol-bf16", "--replica-id", "w-bf16")
+    fp32 = start_service("tokenfleet.services.decode", *common, "--model-name", "prod", "--replica-id", "w-fp32")
+    router = start_service("tokenfleet.services.router", "--etcd", etcd.endpoint)
+    gateway = start_service("tokenfleet.services.gateway", "--router", router.address, "--registry", service.address)
+    try:
+        records = wait_for(lambda: (r := replicas(etcd.endpoint)) and len(r) >= 2 and r, "both workers registered")
+        assert {(r.model, r.model_version) for r in records.values()} == {("smol-bf16", "v1"), ("smol-fp32", "v1")}
+        client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0, timeout=120)
+        wait_for(lambda: _served(client, "smol-bf16") and _served(client, "prod"), "gateway serves both models", 120)
+        ids = {m.id for m in client.models.list().data}
+        assert {"smol-bf16", "smol-fp32", "prod"} <= ids
+
+        for model, busy, idle in [("smol-bf16", bf16, fp32), ("smol-fp32@v1", fp32, bf16), ("prod", fp32, bf16)]:
+            steps = {w.address: load_report(w.address).num_steps for w in (bf16, fp32)}
+            r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
+            assert r.model == model and r.usage.completion_tokens == 4
+            assert load_report(busy.address).num_steps > steps[busy.address]
+            assert load_report(idle.address).num_steps == steps[idle.address]  # never sent to the other model
+
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="smol-fp32@v9", prompt="x", max_tokens=1)
+    finally:
+        for s in (gateway, router, bf16, fp32):
+            s.stop()
+
+
+def _served(client, model: str) -> bool:
+    try:
+        client.completions.create(model=model, prompt="hi", max_tokens=1)
+        return True
+    except openai.APIError:
+        return False

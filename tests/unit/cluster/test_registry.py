@@ -1,0 +1,93 @@
+"""Registry records and resolution rules (pure; no etcd)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenfleet.services.registry.convert import record_from_proto, record_to_proto, snapshot_to_proto, view_from_snapshot
+
+from tokenfleet.cluster.etcd import KeyEvent
+from tokenfleet.cluster.registry import ModelRecord, RegistryView, UnknownModelError, split_ref
+
+
+def rec(name: str = "m", version: str = "v1", created: float = 1.0, **kw) -> ModelRecord:
+    return ModelRecord(name=name, version=version, path=f"/models/{name}", created_at=created, **kw)
+
+
+def view_of(*records: ModelRecord, aliases: dict[str, str] | None = None) -> RegistryView:
+    listing = {r.key: r.to_json() for r in records}
+    listing |= {f"aliases/{a}": json.dumps({"target": t}).encode() for a, t in (aliases or {}).items()}
+    view = RegistryView()
+    view.reset(listing)
+    return view
+
+
+def test_bare_name_resolves_to_the_newest_ready_version():
+    view = view_of(rec(version="v1", created=1), rec(version="v3", created=3), rec(version="v2", created=2))
+    assert view.resolve("m").version == "v3"
+    assert view.resolve("m@v1").version == "v1"
+    disabled = view_of(rec(version="v1", created=1), rec(version="v2", created=2, status="disabled"))
+    assert disabled.resolve("m").version == "v1"
+    assert disabled.resolve("m@v2").status == "disabled"  # pinned versions stay reachable
+
+
+def test_aliases_resolve_to_names_or_pinned_versions():
+    view = view_of(rec(version="v1", created=1), rec(version="v2", created=2), aliases={"prod": "m@v1", "latest": "m"})
+    assert view.resolve("prod").ref == "m@v1"
+    assert view.resolve("latest").ref == "m@v2"
+    assert view.names() == ["latest", "m", "prod"]
+
+
+@pytest.mark.parametrize("ref", ["nope", "m@v9", "nope@v1", ""])
+def test_unknown_refs_raise(ref):
+    with pytest.raises(UnknownModelError):
+        view_of(rec()).resolve(ref)
+
+
+def test_events_update_the_view():
+    view = view_of(rec())
+    before = view.revision
+    view.apply(KeyEvent(rec(version="v2", created=5).key, rec(version="v2", created=5).to_json()))
+    assert view.resolve("m").version == "v2" and view.revision > before
+    view.apply(KeyEvent("models/m/v2", None))
+    assert view.resolve("m").version == "v1"
+    view.apply(KeyEvent("aliases/a", json.dumps({"target": "m"}).encode()))
+    assert view.resolve("a").ref == "m@v1"
+    view.apply(KeyEvent("aliases/a", None))
+    with pytest.raises(UnknownModelError):
+        view.resolve("a")
+
+
+def test_partial_reset_keeps_the_other_prefix():
+    view = view_of(rec(), aliases={"a": "m"})
+    view.reset({}, ("aliases/",))
+    assert view.resolve("m") and "a" not in view.aliases
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"name": "a/b"}, "model name"), ({"name": "a@b"}, "model name"), ({"version": "v 1"}, "version"),
+    ({"dtype": "int3"}, "dtype"), ({"status": "gone"}, "status"), ({"path": ""}, "path"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+])
+def test_invalid_records_are_rejected(kwargs, needle):
+    fields = {"name": "m", "version": "v1", "path": "/x", **kwargs}
+    with pytest.raises(ValueError, match=needle):
+        ModelRecord(**fields)
+
+
+def test_json_and_proto_round_trips_and_unknown_json_fields():
+    r = rec(dtype="float32", default_sampling={"temperature": 0.7}, description="d", max_model_len=2048)
+    assert ModelRecord.from_json(r.to_json()) == r
+    assert record_from_proto(record_to_proto(r)) == r
+    newer = json.loads(r.to_json()) | {"added_later": 1}
+    assert ModelRecord.from_json(json.dumps(newer)) == r
+    view = view_of(r, aliases={"a": "m@v1"})
+    again = view_from_snapshot(snapshot_to_proto(view))
+    assert again.models == view.models and again.aliases == view.aliases
+
+
+def test_same_content_ignores_registration_time():
+    assert rec(created=1).same_content(rec(created=2))
+    assert not rec().same_content(rec(dtype="float32"))
+    assert split_ref("m@v1") == ("m", "v1") and split_ref("m") == ("m", "")

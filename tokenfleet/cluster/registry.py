@@ -1,0 +1,224 @@
+"""The model registry: versioned model records and aliases, stored in etcd.
+
+Keys (under the etcd root):
+- ``models/<name>/<version>`` -> a :class:`ModelRecord` as JSON. Versions are immutable: registering
+  the same name@version again with different content is an error; the identical record is a no-op.
+- ``aliases/<alias>`` -> ``{"target": "<name>"}`` or ``{"target": "<name>@<version>"}``.
+
+A request's ``model`` is resolved by :meth:`RegistryView.resolve`: ``name@version`` exactly, an
+alias to its target, a bare name to its newest version. The view is pure (no I/O) so routers,
+gateways and the registry service share the same resolution rules and tests need no etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+import time
+from dataclasses import dataclass, field
+
+from tokenfleet.cluster.etcd import EtcdClient, KeyEvent, mirror_prefix
+
+MODELS, ALIASES = "models/", "aliases/"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+DTYPES = ("bfloat16", "float16", "float32")
+STATUSES = ("ready", "disabled")
+
+
+class UnknownModelError(LookupError):
+    """The name, alias or version is not registered."""
+
+
+class RegistryConflictError(ValueError):
+    """A write that would change an immutable version or shadow a model with an alias."""
+
+
+def check_name(kind: str, value: str) -> str:
+    if not NAME_RE.match(value):
+        raise ValueError(f"{kind} {value!r} must match {NAME_RE.pattern} (no '/', '@' or spaces)")
+    return value
+
+
+def split_ref(ref: str) -> tuple[str, str]:
+    """``name@version`` -> (name, version); a bare name -> (name, "")."""
+    name, _, version = ref.partition("@")
+    return name, version
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """Everything a worker needs to load a model and a gateway needs to serve it."""
+
+    name: str
+    version: str
+    path: str  # artifact location: an HF-style folder (config.json, safetensors, tokenizer)
+    architecture: str = "llama"
+    dtype: str = "bfloat16"
+    quantization: str = ""  # "" (none) | "fp8" (TensorRT-LLM engines)
+    backend: str = "torch"  # torch | trtllm
+    tensor_parallel_size: int = 1
+    tokenizer: str = ""  # folder with the tokenizer and chat template; "" = path
+    max_model_len: int = 0  # 0 = the model config's max_position_embeddings
+    default_sampling: dict[str, float] = field(default_factory=dict)
+    status: str = "ready"
+    created_at: float = 0.0
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        check_name("model name", self.name)
+        check_name("version", self.version)
+        if not self.path:
+            raise ValueError("a model record needs a path")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.status not in STATUSES:
+            raise ValueError(f"status {self.status!r} is not one of {', '.join(STATUSES)}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    @property
+    def key(self) -> str:
+        return f"{MODELS}{self.name}/{self.version}"
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.path
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> ModelRecord:
+        data = json.loads(raw)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})  # newer writers may add fields
+
+    def same_content(self, other: ModelRecord) -> bool:
+        return dataclasses.replace(self, created_at=0.0) == dataclasses.replace(other, created_at=0.0)
+
+
+@dataclass
+class RegistryView:
+    """An in-memory copy of the registry keys with the resolution rules."""
+
+    models: dict[tuple[str, str], ModelRecord] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    revision: int = 0  # bumped on every change, so watchers can tell a new view from an old one
+
+    def reset(self, listing: dict[str, bytes], prefixes: tuple[str, ...] = (MODELS, ALIASES)) -> None:
+        """Replace the parts under ``prefixes`` with a fresh etcd listing."""
+        if MODELS in prefixes:
+            self.models.clear()
+        if ALIASES in prefixes:
+            self.aliases.clear()
+        for key, raw in listing.items():
+            self._apply(key, raw)
+        self.revision += 1
+
+    def apply(self, event: KeyEvent) -> None:
+        self._apply(event.key, event.value)
+        self.revision += 1
+
+    def _apply(self, key: str, raw: bytes | None) -> None:
+        if key.startswith(MODELS):
+            name, _, version = key[len(MODELS):].partition("/")
+            if raw is None:
+                self.models.pop((name, version), None)
+            else:
+                self.models[(name, version)] = ModelRecord.from_json(raw)
+        elif key.startswith(ALIASES):
+            alias = key[len(ALIASES):]
+            if raw is None:
+                self.aliases.pop(alias, None)
+            else:
+                self.aliases[alias] = json.loads(raw)["target"]
+
+    def versions(self, name: str) -> list[ModelRecord]:
+        """A model's versions, oldest first."""
+        return sorted((r for (n, _), r in self.models.items() if n == name), key=lambda r: (r.created_at, r.version))
+
+    def resolve(self, ref: str) -> ModelRecord:
+        """``name@version`` | alias | name (newest ready version) -> the record; UnknownModelError otherwise."""
+        seen: set[str] = set()
+        while ref in self.aliases and "@" not in ref:
+            if ref in seen:
+                raise UnknownModelError(f"alias loop at {ref!r}")
+            seen.add(ref)
+            ref = self.aliases[ref]
+        name, version = split_ref(ref)
+        if version:
+            record = self.models.get((name, version))
+            if record is None:
+                raise UnknownModelError(f"model {ref!r} is not registered")
+            return record
+        ready = [r for r in self.versions(name) if r.status == "ready"]
+        if not ready:
+            raise UnknownModelError(f"model {name!r} is not registered")
+        return ready[-1]
+
+    def names(self) -> list[str]:
+        """Every name a client may send: model names and aliases (versions are reachable as name@version)."""
+        return sorted({n for n, _ in self.models} | set(self.aliases))
+
+
+async def follow_registry(etcd: EtcdClient, view: RegistryView) -> None:
+    """Keep ``view`` in sync with etcd until cancelled (keeps the last view through outages)."""
+    await asyncio.gather(
+        mirror_prefix(etcd, MODELS, lambda listing: view.reset(listing, (MODELS,)), view.apply),
+        mirror_prefix(etcd, ALIASES, lambda listing: view.reset(listing, (ALIASES,)), view.apply),
+    )
+
+
+class ModelRegistry:
+    """Registry reads and writes against etcd (used by the registry service)."""
+
+    def __init__(self, etcd: EtcdClient):
+        self.etcd = etcd
+
+    async def load(self) -> RegistryView:
+        view = RegistryView()
+        view.reset({**await self.etcd.get_prefix(MODELS), **await self.etcd.get_prefix(ALIASES)})
+        return view
+
+    async def register(self, record: ModelRecord) -> tuple[ModelRecord, bool]:
+        """Store a new version; returns (stored record, created). Same content again is a no-op."""
+        if not record.created_at:
+            record = dataclasses.replace(record, created_at=time.time())
+        if await self.etcd.put_if_absent(record.key, record.to_json()):
+            return record, True
+        raw = await self.etcd.get(record.key)
+        existing = ModelRecord.from_json(raw) if raw is not None else None
+        if existing is not None and existing.same_content(record):
+            return existing, False
+        raise RegistryConflictError(f"{record.ref} is already registered with different settings; "
+                                    "versions are immutable: register a new version")
+
+    async def set_status(self, ref: str, status: str) -> ModelRecord:
+        view = await self.load()
+        record = dataclasses.replace(view.resolve(ref), status=status)
+        await self.etcd.put(record.key, record.to_json())
+        return record
+
+    async def set_alias(self, alias: str, target: str) -> None:
+        check_name("alias", alias)
+        view = await self.load()
+        if any(n == alias for n, _ in view.models):
+            raise RegistryConflictError(f"alias {alias!r} would shadow the model of that name")
+        view.resolve(target)  # the target must exist now
+        name, version = split_ref(target)
+        if name in view.aliases:
+            raise RegistryConflictError(f"alias target {target!r} is itself an alias; point at a model")
+        await self.etcd.put(f"{ALIASES}{alias}", json.dumps({"target": f"{name}@{version}" if version else name}).encode())
+
+    async def delete_alias(self, alias: str) -> bool:
+        view = await self.load()
+        if alias not in view.aliases:
+            return False
+        await self.etcd.delete(f"{ALIASES}{alias}")
+        return True
