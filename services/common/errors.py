@@ -12,6 +12,7 @@ import structlog
 
 from tokenfleet.cluster.registry import RegistryConflictError
 from tokenfleet.engine.interface import EngineOverloadedError, EngineStoppedError
+from tokenfleet.telemetry.request_id import from_metadata
 
 log = structlog.get_logger()
 
@@ -39,26 +40,35 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
     await context.abort(code, str(exc))
 
 
+def _log_context(request: Any, context: grpc.aio.ServicerContext) -> dict[str, str]:
+    """The caller's request id (metadata, else the message's own request_id field) for structlog."""
+    request_id = from_metadata(context.invocation_metadata()) or getattr(request, "request_id", "")
+    return {"request_id": request_id} if request_id else {}
+
+
 def map_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate a servicer method (coroutine or async generator) so exceptions become statuses."""
+    """Decorate a servicer method (coroutine or async generator) so exceptions become statuses
+    and every log line of the call carries the request id."""
     name = handler.__name__
     if inspect.isasyncgenfunction(handler):
 
         @functools.wraps(handler)
         async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            try:
-                async for item in handler(self, request, context):
-                    yield item
-            except Exception as exc:  # noqa: BLE001 - mapped to a status, INTERNAL is logged
-                await _abort(context, exc, name)
+            with structlog.contextvars.bound_contextvars(**_log_context(request, context)):
+                try:
+                    async for item in handler(self, request, context):
+                        yield item
+                except Exception as exc:  # noqa: BLE001 - mapped to a status, INTERNAL is logged
+                    await _abort(context, exc, name)
 
         return stream
 
     @functools.wraps(handler)
     async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await handler(self, request, context)
-        except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc, name)
+        with structlog.contextvars.bound_contextvars(**_log_context(request, context)):
+            try:
+                return await handler(self, request, context)
+            except Exception as exc:  # noqa: BLE001
+                await _abort(context, exc, name)
 
     return unary

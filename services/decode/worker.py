@@ -72,6 +72,9 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         finally:
             self.in_flight.discard(request_id)
             self.latencies.record(start, first, last, count)
+            log.info("generate finished", engine_request_id=request_id, prompt_tokens=len(request.prompt_token_ids),
+                     completion_tokens=count, ttft_ms=round(1000 * (first - start), 1) if first else None,
+                     duration_ms=round(1000 * (time.monotonic() - start), 1))
 
     @map_errors
     async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:

@@ -27,10 +27,14 @@ from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.tokenizer import Tokenizer
 from tokenfleet.telemetry.metrics import GatewayMetrics, RequestTimer
+from tokenfleet.telemetry.request_id import HEADER as REQUEST_ID_HEADER
+from tokenfleet.telemetry.request_id import metadata as request_id_metadata
+from tokenfleet.telemetry.request_id import new_request_id
 from tokenfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
 log = structlog.get_logger()
 MAX_BODY_BYTES = 4 << 20
+PICK_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -104,7 +108,8 @@ class Gateway:
         stub = router_pb2_grpc.RouterServiceStub(self.channel(self.router_address))
         try:
             picked = await stub.Pick(router_pb2.PickRequest(model=model, request_id=request_id,
-                                                            num_prompt_tokens=num_prompt_tokens))
+                                                            num_prompt_tokens=num_prompt_tokens),
+                                     metadata=_trace_metadata(), timeout=PICK_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 raise APIError(404, f"The model `{model}` has no replica.", code="model_not_found", param="model") from e
@@ -116,7 +121,7 @@ class Gateway:
         address = await self.pick(model.ref, request_id, len(prompt))
         stub = engine_pb2_grpc.EngineServiceStub(self.channel(address))
         call = stub.Generate(engine_pb2.GenerateRequest(
-            request_id=request_id, prompt_token_ids=prompt, sampling=to_proto(params)))
+            request_id=request_id, prompt_token_ids=prompt, sampling=to_proto(params)), metadata=_trace_metadata())
         try:
             async for response in call:
                 if response.HasField("error"):
@@ -126,6 +131,12 @@ class Gateway:
             raise _status_error(e) from e
         finally:
             call.cancel()  # no-op when finished; aborts the request when the client went away
+
+
+def _trace_metadata() -> tuple[tuple[str, str], ...]:
+    """The client request's id (bound by the HTTP middleware) for the next hop."""
+    request_id = structlog.contextvars.get_contextvars().get("request_id")
+    return request_id_metadata(request_id) if request_id else ()
 
 
 def _status_error(e: grpc.aio.AioRpcError) -> APIError:
@@ -183,9 +194,13 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next):  # type: ignore[no-untyped-def]
-        response = await call_next(request)
-        if request.url.path.startswith("/v1/"):
-            gateway.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        request_id = new_request_id(request.headers.get(REQUEST_ID_HEADER))
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            response = await call_next(request)
+            if request.url.path.startswith("/v1/"):
+                gateway.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+                log.info("http request", path=request.url.path, status=response.status_code)
+        response.headers[REQUEST_ID_HEADER] = request_id
         return response
 
     @app.get("/metrics")

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import grpc
+import structlog
 from tokenfleet.services.common.errors import map_errors
 from tokenfleet.services.router.fleet import FleetView
 
 from tokenfleet.routing.policies import NoReplicaError, RoundRobin, least_loaded
 from tokenfleet.v1 import router_pb2, router_pb2_grpc
+
+log = structlog.get_logger()
 
 
 class Router(router_pb2_grpc.RouterServiceServicer):
@@ -26,5 +29,6 @@ class Router(router_pb2_grpc.RouterServiceServicer):
         except NoReplicaError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{name}@{version or '*'}: {e}")
         self.fleet.note_assignment(chosen.replica_id, name, version)
+        log.debug("picked", model=f"{name}@{version}", replica=chosen.replica_id)
         return router_pb2.PickResponse(replica_id=chosen.replica_id, address=chosen.address, model=name,
                                        model_version=version)

@@ -163,3 +163,21 @@ def test_metrics_endpoint_reports_latency_tokens_and_statuses(gateway):
     assert samples["tokenfleet_gateway_completion_tokens_total"] >= 5
     assert samples['tokenfleet_gateway_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
     assert samples['tokenfleet_gateway_requests_total{endpoint="/v1/completions",status="404"}'] >= 1
+
+
+def test_request_id_is_carried_to_the_worker_logs(gateway):
+    url, _, worker = gateway
+    request = urllib.request.Request(
+        f"{url}/v1/completions", data=json.dumps({"model": MODEL, "prompt": "Trace me", "max_tokens": 2}).encode(),
+        headers={"content-type": "application/json", "x-request-id": "trace-abc-123"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.headers["x-request-id"] == "trace-abc-123"
+
+    def worker_logged():
+        lines = [json.loads(line) for line in list(worker.stderr_lines) if line.startswith("{")]
+        return [x for x in lines if x.get("request_id") == "trace-abc-123" and x.get("event") == "generate finished"]
+
+    (finished,) = wait_for(worker_logged, "the worker's log line with the client's request id")
+    assert finished["completion_tokens"] == 2
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:  # no client id: one is made up
+        assert len(response.headers["x-request-id"]) == 32
