@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import structlog
 
+from tokenfleet.api.openai_schema import APIError
 from tokenfleet.cluster.registry import RegistryConflictError
 from tokenfleet.engine.interface import EngineOverloadedError, EngineStoppedError
 from tokenfleet.telemetry.request_id import from_metadata
@@ -25,7 +26,15 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
 ]
 
 
+_HTTP_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+                403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
+                413: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                501: grpc.StatusCode.UNIMPLEMENTED, 503: grpc.StatusCode.UNAVAILABLE}
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, APIError):  # the gateway's OpenAI-shaped errors, served over gRPC
+        return _HTTP_STATUS.get(exc.status, grpc.StatusCode.INTERNAL)
     for kind, code in _CODES:
         if isinstance(exc, kind):
             return code
@@ -34,7 +43,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
     code = status_for(exc)
-    if code is grpc.StatusCode.INTERNAL:
+    if code is grpc.StatusCode.INTERNAL and not isinstance(exc, APIError):
         log.exception("handler failed", method=method)
         await context.abort(code, f"internal error: {type(exc).__name__}")
     await context.abort(code, str(exc))

@@ -48,5 +48,10 @@ class GrpcServer:
         log.info("draining", address=self.address)
         await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
         await on_drain()
+        await self.stop(grace_seconds)
+
+    async def stop(self, grace_seconds: float) -> None:
+        """Refuse new calls, let running ones finish for up to ``grace_seconds``, then cancel them."""
+        await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace_seconds)
         log.info("stopped", address=self.address)

@@ -90,10 +90,23 @@ class ModelCatalog:
 
 
 @dataclass
+class Started:
+    """A request placed on a worker whose first response has arrived."""
+
+    model: ServedModel
+    request_id: str
+    first: engine_pb2.GenerateResponse
+    stream: AsyncGenerator[engine_pb2.GenerateResponse, None]
+    include_usage: bool
+    want_logprobs: bool
+
+
+@dataclass
 class Gateway:
     router_address: str
     models: ModelCatalog
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    draining: bool = False  # set on SIGTERM: /health says so, open streams finish
     _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -115,6 +128,34 @@ class Gateway:
                 raise APIError(404, f"The model `{model}` has no replica.", code="model_not_found", param="model") from e
             raise APIError(503, f"no replica available: {e.details()}", "server_error", code="no_replica") from e
         return picked.address
+
+    async def start_chat(self, body: ChatCompletionRequest) -> Started:
+        """Validate, render, tokenize, place and open the worker stream (errors before the first
+        response become proper statuses, not a broken stream)."""
+        model = await self.model(body.model)
+        params = body.sampling_params()
+        try:
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            prompt = model.tokenizer.encode(render_chat(model.tokenizer, messages))
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+        return await self._start(model, f"chatcmpl-{uuid.uuid4().hex}", prompt, params, body)
+
+    async def start_completion(self, body: CompletionRequest) -> Started:
+        model = await self.model(body.model)
+        params = body.sampling_params()
+        prompt = model.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        return await self._start(model, f"cmpl-{uuid.uuid4().hex}", prompt, params, body)
+
+    async def _start(self, model: ServedModel, request_id: str, prompt: list[int], params: SamplingParams,
+                     body: ChatCompletionRequest | CompletionRequest) -> Started:
+        check_context(model, len(prompt), params.max_tokens)
+        stream = self.generate(model, request_id, prompt, params)
+        first = await _first(stream)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return Started(model, request_id, first, stream, include_usage, params.logprobs is not None)
 
     async def generate(self, model: ServedModel, request_id: str, prompt: list[int], params: SamplingParams
                        ) -> AsyncGenerator[engine_pb2.GenerateResponse, None]:
@@ -209,8 +250,8 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ready = gateway.models.ready
-        return JSONResponse({"status": "ok" if ready else "starting"}, status_code=200 if ready else 503)
+        status = "draining" if gateway.draining else "ok" if gateway.models.ready else "starting"
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -222,41 +263,19 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def chat(request: Request):  # type: ignore[no-untyped-def]
         timer = RequestTimer(gateway.metrics)
         body = await _parse(request, ChatCompletionRequest)
-        model = await gateway.model(body.model)
-        params = body.sampling_params()
-        try:
-            messages = [m.model_dump(exclude_none=True) for m in body.messages]
-            prompt = model.tokenizer.encode(render_chat(model.tokenizer, messages))
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from e
-        check_context(model, len(prompt), params.max_tokens)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = gateway.generate(model, request_id, prompt, params)
-        first = await _first(stream)  # errors before any byte is sent become proper HTTP statuses
+        run = await gateway.start_chat(body)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_chat_events(model, request_id, first, stream, timer, include_usage),
-                                     media_type="text/event-stream")
-        return await _chat_body(model, request_id, first, stream, timer, params.logprobs is not None)
+            return StreamingResponse(_chat_events(run, timer), media_type="text/event-stream")
+        return await _chat_body(run, timer)
 
     @app.post("/v1/completions")
     async def completions(request: Request):  # type: ignore[no-untyped-def]
         timer = RequestTimer(gateway.metrics)
         body = await _parse(request, CompletionRequest)
-        model = await gateway.model(body.model)
-        params = body.sampling_params()
-        prompt = model.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        if not prompt:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        check_context(model, len(prompt), params.max_tokens)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = gateway.generate(model, request_id, prompt, params)
-        first = await _first(stream)
+        run = await gateway.start_completion(body)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_completion_events(model, request_id, first, stream, timer, include_usage),
-                                     media_type="text/event-stream")
-        return await _completion_body(model, request_id, first, stream, timer, params.logprobs is not None)
+            return StreamingResponse(_completion_events(run, timer), media_type="text/event-stream")
+        return await _completion_body(run, timer)
 
     return app
 
@@ -280,14 +299,13 @@ async def _first(stream: AsyncGenerator[engine_pb2.GenerateResponse, None]) -> e
 
 
 @contextlib.asynccontextmanager
-async def _responses(first: engine_pb2.GenerateResponse, stream: AsyncGenerator[engine_pb2.GenerateResponse, None],
-                     timer: RequestTimer):
+async def responses_of(run: Started, timer: RequestTimer):
     """The whole worker stream, timed; leaving the block (client gone, error) closes it, which cancels the call."""
     usage = common_pb2.Usage()
 
     async def chain() -> AsyncIterator[engine_pb2.GenerateResponse]:
-        yield first
-        async for response in stream:
+        yield run.first
+        async for response in run.stream:
             yield response
 
     async def timed() -> AsyncIterator[engine_pb2.GenerateResponse]:
@@ -302,14 +320,15 @@ async def _responses(first: engine_pb2.GenerateResponse, stream: AsyncGenerator[
     try:
         yield timed()
     finally:
-        await stream.aclose()
+        await run.stream.aclose()
         timer.finish(usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens)
 
 
-async def _collect(first, stream, timer) -> tuple[str, list[common_pb2.TokenLogprob], engine_pb2.GenerateFinal]:
+async def _collect(run: Started, timer: RequestTimer
+                   ) -> tuple[str, list[common_pb2.TokenLogprob], engine_pb2.GenerateFinal]:
     """A whole worker stream folded into (text, logprobs, final) for non-streamed responses."""
     text, logprobs, final = "", [], engine_pb2.GenerateFinal()
-    async with _responses(first, stream, timer) as responses:
+    async with responses_of(run, timer) as responses:
         async for r in responses:
             if r.HasField("chunk"):
                 text += r.chunk.text
@@ -319,18 +338,20 @@ async def _collect(first, stream, timer) -> tuple[str, list[common_pb2.TokenLogp
     return text, logprobs, final
 
 
-async def _chat_body(model, request_id, first, stream, timer, want_logprobs: bool) -> dict[str, Any]:
-    text, logprobs, final = await _collect(first, stream, timer)
+async def _chat_body(run: Started, timer: RequestTimer) -> dict[str, Any]:
+    model, request_id, want_logprobs = run.model, run.request_id, run.want_logprobs
+    text, logprobs, final = await _collect(run, timer)
     message = {"role": "assistant", "content": text}
     choice = {"index": 0, "message": message, "finish_reason": fmt.FINISH.get(final.finish_reason, "stop"),
               "logprobs": fmt.chat_logprobs(model.tokenizer, logprobs) if want_logprobs else None}
     return fmt.envelope("chat.completion", request_id, model.name, [choice], usage=fmt.usage(final.usage))
 
 
-async def _chat_events(model, request_id, first, stream, timer, include_usage: bool) -> AsyncIterator[bytes]:
+async def _chat_events(run: Started, timer: RequestTimer) -> AsyncIterator[bytes]:
+    model, request_id, include_usage = run.model, run.request_id, run.include_usage
     head = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [head]))
-    async with _responses(first, stream, timer) as responses:
+    async with responses_of(run, timer) as responses:
         async for r in responses:
             if r.HasField("chunk"):
                 if not r.chunk.text and not r.chunk.logprobs:
@@ -348,16 +369,18 @@ async def _chat_events(model, request_id, first, stream, timer, include_usage: b
     yield sse("[DONE]")
 
 
-async def _completion_body(model, request_id, first, stream, timer, want_logprobs: bool) -> dict[str, Any]:
-    text, logprobs, final = await _collect(first, stream, timer)
+async def _completion_body(run: Started, timer: RequestTimer) -> dict[str, Any]:
+    model, request_id, want_logprobs = run.model, run.request_id, run.want_logprobs
+    text, logprobs, final = await _collect(run, timer)
     choice = {"index": 0, "text": text, "finish_reason": fmt.FINISH.get(final.finish_reason, "stop"),
               "logprobs": fmt.completion_logprobs(model.tokenizer, logprobs, 0) if want_logprobs else None}
     return fmt.envelope("text_completion", request_id, model.name, [choice], usage=fmt.usage(final.usage))
 
 
-async def _completion_events(model, request_id, first, stream, timer, include_usage: bool) -> AsyncIterator[bytes]:
+async def _completion_events(run: Started, timer: RequestTimer) -> AsyncIterator[bytes]:
+    model, request_id, include_usage = run.model, run.request_id, run.include_usage
     offset = 0
-    async with _responses(first, stream, timer) as responses:
+    async with responses_of(run, timer) as responses:
         async for r in responses:
             if r.HasField("chunk"):
                 logprobs = list(r.chunk.logprobs)

@@ -21,6 +21,11 @@ class ServiceProcess:
     proc: subprocess.Popen
     address: str
     stderr_lines: list[str] = field(default_factory=list)
+    stdout_lines: list[str] = field(default_factory=list)  # printed before LISTENING (e.g. "GRPC host:port")
+
+    def announced(self, tag: str) -> str:
+        """The address of a ``TAG host:port`` line the service printed on start."""
+        return next(line.split()[1] for line in self.stdout_lines if line.startswith(f"{tag} "))
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:
@@ -43,6 +48,7 @@ def start_service(module: str, *args: str, startup_timeout: float = 180) -> Serv
         if line.startswith("LISTENING "):
             service.address = line.split()[1]
             return service
+        service.stdout_lines.append(line)
         if not line and proc.poll() is not None:
             break
     proc.kill()

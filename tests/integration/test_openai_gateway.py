@@ -7,29 +7,38 @@ import json
 import urllib.error
 import urllib.request
 
+import grpc
 import openai
 import pytest
 
 from tests.integration.conftest import load_report, start_service, wait_for
 from tests.integration.test_membership import start_worker
 from tokenfleet.cluster.etcd_server import EtcdServer
+from tokenfleet.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 MODEL = "smol"
 
 
 @pytest.fixture(scope="module")
-def gateway(default_model_dir):
+def stack(default_model_dir):
     etcd = EtcdServer.create().start()
     worker = start_worker(default_model_dir, etcd, "gw-worker", ttl=5)
     router = start_service("tokenfleet.services.router", "--etcd", etcd.endpoint)
-    gw = start_service("tokenfleet.services.gateway", "--router", router.address, "--model", f"{MODEL}={default_model_dir}")
+    gw = start_service("tokenfleet.services.gateway", "--router", router.address, "--model", f"{MODEL}={default_model_dir}",
+                       "--grpc-port", "0")
     url = f"http://{gw.address}"
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     wait_for(lambda: _ready(client), "gateway ready")
-    yield url, client, worker
+    yield url, client, worker, gw
     for service in (gw, router, worker):
         service.stop()
     etcd.cleanup()
+
+
+@pytest.fixture(scope="module")
+def gateway(stack):
+    url, client, worker, _ = stack
+    return url, client, worker
 
 
 def _ready(client) -> bool:
@@ -181,3 +190,65 @@ def test_request_id_is_carried_to_the_worker_logs(gateway):
     assert finished["completion_tokens"] == 2
     with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:  # no client id: one is made up
         assert len(response.headers["x-request-id"]) == 32
+
+
+def test_public_grpc_api_streams_a_chat_like_the_http_api(stack):
+    _, client, _, gw = stack
+    channel = grpc.insecure_channel(gw.announced("GRPC"))
+    stub = inference_pb2_grpc.InferenceServiceStub(channel)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    http = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    request = inference_pb2.ChatCompletionRequest(
+        model=MODEL, messages=[inference_pb2.ChatMessage(role="user", content=messages[0]["content"])],
+        sampling=inference_pb2.SamplingOptions(max_tokens=12, temperature=0), include_usage=True, logprobs=True,
+        top_logprobs=2)
+    chunks = list(stub.ChatCompletion(request, metadata=(("x-request-id", "grpc-trace-1"),)))
+    assert chunks[0].choices[0].role == "assistant" and len({c.id for c in chunks}) == 1
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(d.content for d in deltas) == http.choices[0].message.content
+    finish = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+    assert finish[deltas[-1].finish_reason] == http.choices[0].finish_reason
+    logprobs = [lp for d in deltas for lp in d.logprobs]
+    assert len(logprobs) == http.usage.completion_tokens
+    assert all(len(lp.top_logprobs) == 2 and lp.token.logprob <= 0 for lp in logprobs)
+    assert not chunks[-1].choices
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == \
+        (http.usage.prompt_tokens, http.usage.completion_tokens)
+
+    completion = list(stub.Completion(inference_pb2.CompletionRequest(
+        model=MODEL, prompt="The capital of France is", sampling=inference_pb2.SamplingOptions(max_tokens=4,
+                                                                                                temperature=0))))
+    assert sum(len(c.choices[0].text) > 0 for c in completion if c.choices) >= 1
+    assert MODEL in [m.id for m in stub.ListModels(inference_pb2.ListServedModelsRequest()).models]
+
+    def status(call) -> grpc.StatusCode:
+        with pytest.raises(grpc.RpcError) as info:
+            list(call())
+        return info.value.code()
+
+    bad_model = inference_pb2.ChatCompletionRequest(model="nope", messages=request.messages)
+    assert status(lambda: stub.ChatCompletion(bad_model)) == grpc.StatusCode.NOT_FOUND
+    no_messages = inference_pb2.ChatCompletionRequest(model=MODEL)
+    assert status(lambda: stub.ChatCompletion(no_messages)) == grpc.StatusCode.INVALID_ARGUMENT
+    tools = inference_pb2.ChatCompletionRequest(model=MODEL, messages=request.messages, tools=[inference_pb2.Tool(
+        type="function", function=inference_pb2.FunctionDefinition(name="f"))])
+    assert status(lambda: stub.ChatCompletion(tools)) == grpc.StatusCode.UNIMPLEMENTED
+    too_hot = inference_pb2.ChatCompletionRequest(model=MODEL, messages=request.messages,
+                                                  sampling=inference_pb2.SamplingOptions(temperature=-1))
+    assert status(lambda: stub.ChatCompletion(too_hot)) == grpc.StatusCode.INVALID_ARGUMENT
+    channel.close()
+
+
+def test_cancelling_a_grpc_stream_aborts_on_the_worker(stack):
+    _, _, worker, gw = stack
+    idle = wait_for(lambda: (r := load_report(worker.address)).num_running == 0 and r, "idle worker")
+    stub = inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(gw.announced("GRPC")))
+    call = stub.Completion(inference_pb2.CompletionRequest(
+        model=MODEL, prompt="Count to a thousand:", sampling=inference_pb2.SamplingOptions(max_tokens=400,
+                                                                                           ignore_eos=True)))
+    first = [next(call) for _ in range(3)]
+    assert all(c.choices for c in first)
+    call.cancel()
+    after = wait_for(lambda: (r := load_report(worker.address)).num_running == 0 and r.num_in_flight == 0 and r,
+                     "abort on the worker")
+    assert after.num_aborted == idle.num_aborted + 1 and after.num_blocks_used == idle.num_blocks_used

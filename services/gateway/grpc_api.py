@@ -1,0 +1,175 @@
+"""InferenceService (inference.proto): the public gRPC API, served by the gateway next to HTTP.
+
+Requests are turned into the same pydantic requests the HTTP API validates, so defaults, limits
+and errors are identical; worker responses become chunk messages. Cancelling the call closes
+the worker stream, which aborts the request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf.message import Message
+from pydantic import ValidationError
+from tokenfleet.services.common.errors import map_errors
+from tokenfleet.services.gateway.app import Gateway, Started, responses_of
+
+from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
+from tokenfleet.models.tokenizer import Tokenizer
+from tokenfleet.telemetry.metrics import RequestTimer
+from tokenfleet.telemetry.request_id import from_metadata, new_request_id
+from tokenfleet.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+log = structlog.get_logger()
+CHAT, COMPLETION = "grpc:ChatCompletion", "grpc:Completion"  # the requests metric's endpoint label
+
+
+def _fields(message: Message) -> dict[str, Any]:
+    """The fields a caller set, as plain Python values (unset optional fields are left out)."""
+    return {f.name: (list(v) if f.is_repeated else v) for f, v in message.ListFields()}
+
+
+def chat_request(req: inference_pb2.ChatCompletionRequest) -> ChatCompletionRequest:
+    if req.tools or req.tool_choice:
+        raise APIError(501, "tools are not supported by this server yet", param="tools")
+    if req.response_format_json:
+        raise APIError(501, "response_format is not supported by this server yet", param="response_format")
+    messages = []
+    for m in req.messages:
+        if m.tool_calls or m.tool_call_id:
+            raise APIError(501, "tool calls in messages are not supported by this server yet", param="messages")
+        messages.append({k: v for k, v in _fields(m).items() if k in ("role", "content", "name")})
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": True, "n": req.n or 1,
+                            "logprobs": req.logprobs, "stream_options": {"include_usage": req.include_usage}}
+    sampling = _fields(req.sampling)
+    if "max_tokens" in sampling:
+        body["max_completion_tokens"] = sampling.pop("max_tokens")
+    if req.HasField("top_logprobs"):
+        body["top_logprobs"] = req.top_logprobs
+    if req.user:
+        body["user"] = req.user
+    return _validate(ChatCompletionRequest, body | sampling)
+
+
+def completion_request(req: inference_pb2.CompletionRequest) -> CompletionRequest:
+    if req.echo:
+        raise APIError(501, "echo is not supported by this server yet", param="echo")
+    which = req.WhichOneof("input")
+    if which is None:
+        raise APIError(400, "prompt or prompt_token_ids is required", param="prompt")
+    body: dict[str, Any] = {"model": req.model, "stream": True, "n": req.n or 1,
+                            "prompt": req.prompt if which == "prompt" else list(req.prompt_token_ids.ids),
+                            "stream_options": {"include_usage": req.include_usage}}
+    if req.HasField("logprobs"):
+        body["logprobs"] = req.logprobs
+    if req.user:
+        body["user"] = req.user
+    return _validate(CompletionRequest, body | _fields(req.sampling))
+
+
+def _validate(schema: type, body: dict[str, Any]) -> Any:
+    try:
+        return schema.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ()))
+        raise APIError(400, f"{param}: {first.get('msg')}", param=param or None) from e
+
+
+def _logprobs(tokenizer: Tokenizer, logprobs: list[common_pb2.TokenLogprob], offset: int = 0
+              ) -> list[inference_pb2.TokenLogprobs]:
+    def token(token_id: int, logprob: float) -> inference_pb2.LogprobToken:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        return inference_pb2.LogprobToken(token=text, logprob=logprob, bytes=text.encode())
+
+    out = []
+    for lp in logprobs:
+        entry = token(lp.token_id, lp.logprob)
+        out.append(inference_pb2.TokenLogprobs(token=entry, top_logprobs=[token(t.token_id, t.logprob) for t in lp.top],
+                                               text_offset=offset))
+        offset += len(entry.token)
+    return out
+
+
+class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+
+    async def _start(self, start, endpoint: str) -> Started:  # type: ignore[no-untyped-def]
+        try:
+            return await start()
+        except APIError as e:  # becomes a status in map_errors
+            self.gateway.metrics.requests.labels(endpoint, str(e.status)).inc()
+            raise
+
+    @map_errors
+    async def ChatCompletion(self, request: inference_pb2.ChatCompletionRequest, context: grpc.aio.ServicerContext
+                             ) -> AsyncIterator[inference_pb2.ChatCompletionChunk]:
+        request_id = new_request_id(from_metadata(context.invocation_metadata()))
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            timer = RequestTimer(self.gateway.metrics)
+
+            async def start() -> Started:
+                return await self.gateway.start_chat(chat_request(request))
+
+            run = await self._start(start, CHAT)
+
+            def chunk(**kw: Any) -> inference_pb2.ChatCompletionChunk:
+                return inference_pb2.ChatCompletionChunk(id=run.request_id, model=run.model.name,
+                                                         created=int(time.time()), **kw)
+
+            yield chunk(choices=[inference_pb2.ChatChoiceDelta(index=0, role="assistant")])
+            async with responses_of(run, timer) as responses:
+                async for r in responses:
+                    if r.HasField("chunk"):
+                        if r.chunk.text or r.chunk.logprobs:
+                            lp = _logprobs(run.model.tokenizer, list(r.chunk.logprobs))
+                            yield chunk(choices=[inference_pb2.ChatChoiceDelta(index=0, content=r.chunk.text,
+                                                                               logprobs=lp)])
+                    else:
+                        yield chunk(choices=[inference_pb2.ChatChoiceDelta(index=0,
+                                                                           finish_reason=r.final.finish_reason)])
+                        if run.include_usage:
+                            yield chunk(usage=r.final.usage)
+            self.gateway.metrics.requests.labels(CHAT, "200").inc()
+
+    @map_errors
+    async def Completion(self, request: inference_pb2.CompletionRequest, context: grpc.aio.ServicerContext
+                         ) -> AsyncIterator[inference_pb2.CompletionChunk]:
+        request_id = new_request_id(from_metadata(context.invocation_metadata()))
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            timer = RequestTimer(self.gateway.metrics)
+
+            async def start() -> Started:
+                return await self.gateway.start_completion(completion_request(request))
+
+            run = await self._start(start, COMPLETION)
+
+            def chunk(**kw: Any) -> inference_pb2.CompletionChunk:
+                return inference_pb2.CompletionChunk(id=run.request_id, model=run.model.name,
+                                                     created=int(time.time()), **kw)
+
+            offset = 0
+            async with responses_of(run, timer) as responses:
+                async for r in responses:
+                    if r.HasField("chunk"):
+                        lp = _logprobs(run.model.tokenizer, list(r.chunk.logprobs), offset)
+                        offset += len(r.chunk.text)
+                        yield chunk(choices=[inference_pb2.CompletionChoiceDelta(index=0, text=r.chunk.text,
+                                                                                 logprobs=lp)])
+                    else:
+                        yield chunk(choices=[inference_pb2.CompletionChoiceDelta(
+                            index=0, finish_reason=r.final.finish_reason)])
+                        if run.include_usage:
+                            yield chunk(usage=r.final.usage)
+            self.gateway.metrics.requests.labels(COMPLETION, "200").inc()
+
+    @map_errors
+    async def ListModels(self, request: inference_pb2.ListServedModelsRequest, context: grpc.aio.ServicerContext
+                         ) -> inference_pb2.ListServedModelsResponse:
+        return inference_pb2.ListServedModelsResponse(models=[
+            inference_pb2.ModelInfo(id=name, created=created) for name, created in self.gateway.models.names()])
