@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import json
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,11 @@ from tokenfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, r
 log = structlog.get_logger()
 MAX_BODY_BYTES = 4 << 20
 PICK_TIMEOUT_S = 10.0
+MAX_PLACEMENTS = 3  # a request tries at most this many replicas before its first token
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+REPLICA_HEADER = "x-tokenfleet-replica"
+# Per HTTP request: where it was placed (a dict shared with the middleware, which sets the header).
+PLACEMENT: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("placement", default=None)
 
 
 @dataclass
@@ -117,17 +123,22 @@ class Gateway:
     async def model(self, name: str) -> ServedModel:
         return await self.models.get(name)
 
-    async def pick(self, model: str, request_id: str, num_prompt_tokens: int) -> str:
+    async def pick(self, model: str, request_id: str, num_prompt_tokens: int, exclude: Sequence[str] = ()
+                   ) -> router_pb2.PickResponse:
         stub = router_pb2_grpc.RouterServiceStub(self.channel(self.router_address))
         try:
             picked = await stub.Pick(router_pb2.PickRequest(model=model, request_id=request_id,
-                                                            num_prompt_tokens=num_prompt_tokens),
+                                                            num_prompt_tokens=num_prompt_tokens,
+                                                            exclude_replica_ids=list(exclude)),
                                      metadata=_trace_metadata(), timeout=PICK_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 raise APIError(404, f"The model `{model}` has no replica.", code="model_not_found", param="model") from e
             raise APIError(503, f"no replica available: {e.details()}", "server_error", code="no_replica") from e
-        return picked.address
+        placement = PLACEMENT.get()
+        if placement is not None:
+            placement["replica"] = picked.replica_id
+        return picked
 
     async def start_chat(self, body: ChatCompletionRequest) -> Started:
         """Validate, render, tokenize, place and open the worker stream (errors before the first
@@ -159,19 +170,30 @@ class Gateway:
 
     async def generate(self, model: ServedModel, request_id: str, prompt: list[int], params: SamplingParams
                        ) -> AsyncGenerator[engine_pb2.GenerateResponse, None]:
-        address = await self.pick(model.ref, request_id, len(prompt))
-        stub = engine_pb2_grpc.EngineServiceStub(self.channel(address))
-        call = stub.Generate(engine_pb2.GenerateRequest(
-            request_id=request_id, prompt_token_ids=prompt, sampling=to_proto(params)), metadata=_trace_metadata())
-        try:
-            async for response in call:
-                if response.HasField("error"):
-                    raise APIError(500, response.error.message, "server_error")
-                yield response
-        except grpc.aio.AioRpcError as e:
-            raise _status_error(e) from e
-        finally:
-            call.cancel()  # no-op when finished; aborts the request when the client went away
+        """The worker's response stream. A replica that fails before its first response (gone,
+        draining, full) is excluded and the request placed again, up to MAX_PLACEMENTS times."""
+        failed: list[str] = []
+        while True:
+            picked = await self.pick(model.ref, request_id, len(prompt), failed)
+            stub = engine_pb2_grpc.EngineServiceStub(self.channel(picked.address))
+            call = stub.Generate(engine_pb2.GenerateRequest(
+                request_id=request_id, prompt_token_ids=prompt, sampling=to_proto(params)), metadata=_trace_metadata())
+            responded = False
+            try:
+                async for response in call:
+                    if response.HasField("error"):
+                        raise APIError(500, response.error.message, "server_error")
+                    responded = True
+                    yield response
+                return
+            except grpc.aio.AioRpcError as e:
+                if responded or e.code() not in RETRYABLE or len(failed) + 1 >= MAX_PLACEMENTS:
+                    raise _status_error(e) from e
+                log.warning("replica failed before responding; placing again", replica=picked.replica_id,
+                            code=e.code().name, details=e.details())
+                failed.append(picked.replica_id)
+            finally:
+                call.cancel()  # no-op when finished; aborts the request when the client went away
 
 
 def _trace_metadata() -> tuple[tuple[str, str], ...]:
@@ -236,12 +258,20 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.middleware("http")
     async def count_requests(request: Request, call_next):  # type: ignore[no-untyped-def]
         request_id = new_request_id(request.headers.get(REQUEST_ID_HEADER))
-        with structlog.contextvars.bound_contextvars(request_id=request_id):
-            response = await call_next(request)
-            if request.url.path.startswith("/v1/"):
-                gateway.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-                log.info("http request", path=request.url.path, status=response.status_code)
+        placement: dict[str, str] = {}
+        token = PLACEMENT.set(placement)
+        try:
+            with structlog.contextvars.bound_contextvars(request_id=request_id):
+                response = await call_next(request)
+                if request.url.path.startswith("/v1/"):
+                    gateway.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+                    log.info("http request", path=request.url.path, status=response.status_code,
+                             replica=placement.get("replica"))
+        finally:
+            PLACEMENT.reset(token)
         response.headers[REQUEST_ID_HEADER] = request_id
+        if "replica" in placement:
+            response.headers[REPLICA_HEADER] = placement["replica"]
         return response
 
     @app.get("/metrics")

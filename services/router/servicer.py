@@ -22,7 +22,7 @@ class Router(router_pb2_grpc.RouterServiceServicer):
     @map_errors
     async def Pick(self, request: router_pb2.PickRequest, context: grpc.aio.ServicerContext) -> router_pb2.PickResponse:
         name, version = self.fleet.resolve(request.model)  # UnknownModelError -> NOT_FOUND
-        snapshot = self.fleet.snapshot(name, version)
+        snapshot = self.fleet.snapshot(name, version).without(request.exclude_replica_ids)
         policy = request.policy or self.default_policy
         try:
             chosen = self.round_robin.pick(snapshot) if policy == router_pb2.POLICY_ROUND_ROBIN else least_loaded(snapshot)

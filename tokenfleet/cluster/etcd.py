@@ -67,8 +67,13 @@ class EtcdClient:
         return None if result is None else bytes(result.value)
 
     async def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        return (await self.get_prefix_at(prefix))[0]
+
+    async def get_prefix_at(self, prefix: str) -> tuple[dict[str, bytes], int]:
+        """Everything under ``prefix`` and the store revision it was read at (to watch from)."""
         result = await asyncio.wait_for(self._client.get_prefix(self._key(prefix)), self.timeout)
-        return {bytes(kv.key).decode()[len(self.root):]: bytes(kv.value) for kv in result}
+        listing = {bytes(kv.key).decode()[len(self.root):]: bytes(kv.value) for kv in result}
+        return listing, int(result.header.revision)
 
     async def delete(self, key: str) -> None:
         await asyncio.wait_for(self._client.delete(self._key(key)), self.timeout)
@@ -89,9 +94,9 @@ class EtcdClient:
         with contextlib.suppress(*ETCD_ERRORS):
             await asyncio.wait_for(self._client.revoke_lease(lease_id), self.timeout)
 
-    async def watch_prefix(self, prefix: str) -> AsyncIterator[KeyEvent]:
-        """Events under ``prefix`` forever; resumes after errors from the last seen revision + 1."""
-        start_revision: int | None = None
+    async def watch_prefix(self, prefix: str, start_revision: int | None = None) -> AsyncIterator[KeyEvent]:
+        """Events under ``prefix`` from ``start_revision`` (default: now) forever; resumes after
+        errors from the last seen revision + 1, so no event is lost or repeated."""
         while True:
             try:
                 watch = await self._client.watch_prefix(self._key(prefix), start_revision=start_revision)
@@ -113,8 +118,10 @@ async def mirror_prefix(etcd: EtcdClient, prefix: str, reset: Callable[[dict[str
     """
     while True:
         try:
-            reset(await etcd.get_prefix(prefix))
-            async for event in etcd.watch_prefix(prefix):
+            listing, revision = await etcd.get_prefix_at(prefix)
+            reset(listing)
+            # From the listing's revision on: a write between the listing and the watch is not lost.
+            async for event in etcd.watch_prefix(prefix, start_revision=revision + 1):
                 apply(event)
         except ETCD_ERRORS as e:
             log.warning("etcd unavailable; serving the last view", prefix=prefix, error=str(e))

@@ -10,7 +10,7 @@ since that replica's last report) is added to its reported load to spread a burs
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 SERVING = "serving"
@@ -45,6 +45,11 @@ class ReplicaLoad:
 @dataclass(frozen=True)
 class FleetSnapshot:
     replicas: tuple[ReplicaLoad, ...]
+
+    def without(self, replica_ids: Iterable[str]) -> FleetSnapshot:
+        """The snapshot minus replicas a caller already failed on (retry elsewhere)."""
+        excluded = set(replica_ids)
+        return FleetSnapshot(tuple(r for r in self.replicas if r.replica_id not in excluded)) if excluded else self
 
     def candidates(self, role: str = "decode") -> list[ReplicaLoad]:
         """Serving replicas with ``role``, in a stable order (by id)."""

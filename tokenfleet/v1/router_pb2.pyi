@@ -1,6 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -15,16 +17,18 @@ POLICY_LEAST_LOADED: Policy
 POLICY_ROUND_ROBIN: Policy
 
 class PickRequest(_message.Message):
-    __slots__ = ("model", "request_id", "num_prompt_tokens", "policy")
+    __slots__ = ("model", "request_id", "num_prompt_tokens", "policy", "exclude_replica_ids")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     request_id: str
     num_prompt_tokens: int
     policy: Policy
-    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ...) -> None: ...
+    exclude_replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., exclude_replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PickResponse(_message.Message):
     __slots__ = ("replica_id", "address", "model", "model_version")

@@ -51,3 +51,13 @@ def test_round_robin_cycles_in_id_order():
 def test_empty_fleet_raises(policy):
     with pytest.raises(NoReplicaError, match="no serving replica"):
         policy(fleet(dataclasses.replace(A, state="draining")))
+
+
+def test_excluded_replicas_are_not_picked_again():
+    a, b = ReplicaLoad("a", "h:1"), ReplicaLoad("b", "h:2", num_running=5)
+    snapshot = fleet(a, b)
+    assert least_loaded(snapshot).replica_id == "a"
+    assert least_loaded(snapshot.without(["a"])).replica_id == "b"
+    assert snapshot.without([]) is snapshot
+    with pytest.raises(NoReplicaError):
+        least_loaded(snapshot.without(["a", "b"]))
