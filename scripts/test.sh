@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 scripts/install.sh --dev
 VENV=${TOKENFLEET_VENV:-.venv}
 "$VENV/bin/python" scripts/gen_protos.py --check
-"$VENV/bin/ruff" check tokenfleet services tests benchmarks
+"$VENV/bin/ruff" check tokenfleet services tests benchmarks compose
 "$VENV/bin/mypy" tokenfleet/engine tokenfleet/routing
 "$VENV/bin/tokenfleet" models import
 set +e
