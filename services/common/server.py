@@ -10,6 +10,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
 
 log = structlog.get_logger()
 
@@ -55,3 +56,11 @@ class GrpcServer:
         await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace_seconds)
         log.info("stopped", address=self.address)
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> None:
+    """Prometheus /metrics on ``port`` (0 = any free port; None = off); prints ``METRICS host:port``."""
+    if port is None:
+        return
+    http_server, _ = start_http_server(port, addr=host, registry=registry)
+    print(f"METRICS {host}:{http_server.server_port}", flush=True)

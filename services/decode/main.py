@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
-from prometheus_client import CollectorRegistry, start_http_server
-from tokenfleet.services.common.server import GrpcServer
+from prometheus_client import CollectorRegistry
+from tokenfleet.services.common.server import GrpcServer, serve_metrics
 from tokenfleet.services.decode.worker import EngineWorker
 from tokenfleet.services.registry.client import fetch_record
 
@@ -100,11 +100,9 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     log.info("worker serving", address=server.address, role=args.role, model=config.model)
     print(f"LISTENING {server.address}", flush=True)  # machine-readable line for launchers and tests
-    if args.metrics_port is not None:
-        registry = CollectorRegistry()
-        registry.register(WorkerCollector(worker.report))
-        http_server, _ = start_http_server(args.metrics_port, addr=args.host, registry=registry)
-        print(f"METRICS {args.host}:{http_server.server_port}", flush=True)
+    metrics = CollectorRegistry()
+    metrics.register(WorkerCollector(worker.report))
+    serve_metrics(metrics, args.host, args.metrics_port)
 
     async def on_drain() -> None:
         await asyncio.wait_for(worker.drain(), timeout=args.grace_seconds)

@@ -7,11 +7,13 @@ import asyncio
 from collections.abc import Sequence
 
 import structlog
-from tokenfleet.services.common.server import GrpcServer
+from prometheus_client import CollectorRegistry
+from tokenfleet.services.common.server import GrpcServer, serve_metrics
 from tokenfleet.services.registry.servicer import Registry
 
 from tokenfleet.cluster.etcd import EtcdClient
 from tokenfleet.telemetry.logging import configure_logging
+from tokenfleet.telemetry.metrics import RegistryCollector
 from tokenfleet.v1 import registry_pb2, registry_pb2_grpc
 
 log = structlog.get_logger()
@@ -24,6 +26,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--grace-seconds", type=float, default=5.0)
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = any free port)")
     return p.parse_args(argv)
 
 
@@ -35,6 +38,10 @@ async def serve(args: argparse.Namespace) -> None:
     registry_pb2_grpc.add_RegistryServiceServicer_to_server(registry, server.server)
     await server.start()
     log.info("registry serving", address=server.address)
+    metrics = CollectorRegistry()
+    metrics.register(RegistryCollector(lambda: ([(r.name, r.status) for r in registry.view.models.values()],
+                                                len(registry.view.aliases))))
+    serve_metrics(metrics, args.host, args.metrics_port)
     print(f"LISTENING {server.address}", flush=True)
 
     async def nothing_to_drain() -> None:

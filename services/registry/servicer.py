@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from tokenfleet.services.common.errors import map_errors
 from tokenfleet.services.registry.convert import record_from_proto, record_to_proto, snapshot_to_proto, status_name
 
-from tokenfleet.cluster.etcd import EtcdClient, mirror_prefix
+from tokenfleet.cluster.etcd import EtcdClient, KeyEvent, mirror_prefix
 from tokenfleet.cluster.registry import ALIASES, MODELS, ModelRecord, ModelRegistry, RegistryView, UnknownModelError
 from tokenfleet.v1 import registry_pb2, registry_pb2_grpc
 
@@ -55,6 +55,12 @@ class Registry(registry_pb2_grpc.RegistryServiceServicer):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._follow
 
+    async def _refresh(self, key: str) -> None:
+        """Read-your-writes: apply a key we just wrote to the local view now, not when its watch
+        event arrives (a linearizable read returns the newest value; the event re-applies it)."""
+        self.view.apply(KeyEvent(key, await self.store.etcd.get(key)))
+        await self.view.notify()
+
     async def _resolve(self, ref: str) -> ModelRecord:
         try:
             return self.view.resolve(ref)
@@ -64,6 +70,7 @@ class Registry(registry_pb2_grpc.RegistryServiceServicer):
     @map_errors
     async def RegisterModel(self, request, context) -> registry_pb2.RegisterModelResponse:  # type: ignore[no-untyped-def]
         record, created = await self.store.register(record_from_proto(request.record))
+        await self._refresh(record.key)
         return registry_pb2.RegisterModelResponse(record=record_to_proto(record), created=created)
 
     @map_errors
@@ -77,17 +84,21 @@ class Registry(registry_pb2_grpc.RegistryServiceServicer):
     @map_errors
     async def SetAlias(self, request, context) -> registry_pb2.SetAliasResponse:  # type: ignore[no-untyped-def]
         await self.store.set_alias(request.alias, request.target)
+        await self._refresh(f"{ALIASES}{request.alias}")
         return registry_pb2.SetAliasResponse()
 
     @map_errors
     async def DeleteAlias(self, request, context) -> registry_pb2.DeleteAliasResponse:  # type: ignore[no-untyped-def]
         if not await self.store.delete_alias(request.alias):
             raise UnknownModelError(f"alias {request.alias!r} does not exist")
+        await self._refresh(f"{ALIASES}{request.alias}")
         return registry_pb2.DeleteAliasResponse()
 
     @map_errors
     async def SetModelStatus(self, request, context) -> registry_pb2.ModelRecord:  # type: ignore[no-untyped-def]
-        return record_to_proto(await self.store.set_status(request.ref, status_name(request.status)))
+        record = await self.store.set_status(request.ref, status_name(request.status))
+        await self._refresh(record.key)
+        return record_to_proto(record)
 
     @map_errors
     async def Watch(self, request, context) -> AsyncIterator[registry_pb2.RegistrySnapshot]:  # type: ignore[no-untyped-def]

@@ -67,6 +67,11 @@ class FleetView:
             if load.replica_id == replica_id and self._serves(key, name, version):
                 self.loads[key] = dataclasses.replace(load, pending_assignments=load.pending_assignments + 1)
 
+    def metric_rows(self) -> list[tuple[str, str, str, int]]:
+        """(model, replica, state, effective load) per known replica, for /metrics."""
+        return [(self.models[key][0], load.replica_id, load.state, load.effective_load)
+                for key, load in self.loads.items() if key in self.models]
+
     def _reset(self, listing: dict[str, bytes]) -> None:
         for key in set(self.loads) - set(listing):
             self._remove(key)

@@ -7,12 +7,13 @@ import asyncio
 from collections.abc import Sequence
 
 import structlog
-from tokenfleet.services.common.server import GrpcServer
+from tokenfleet.services.common.server import GrpcServer, serve_metrics
 from tokenfleet.services.router.fleet import FleetView
 from tokenfleet.services.router.servicer import Router
 
 from tokenfleet.cluster.etcd import EtcdClient
 from tokenfleet.telemetry.logging import configure_logging
+from tokenfleet.telemetry.metrics import RouterMetrics
 from tokenfleet.v1 import router_pb2, router_pb2_grpc
 
 log = structlog.get_logger()
@@ -27,6 +28,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--policy", choices=sorted(POLICIES), default="least-loaded")
     p.add_argument("--grace-seconds", type=float, default=5.0)
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = any free port)")
     return p.parse_args(argv)
 
 
@@ -35,9 +37,11 @@ async def serve(args: argparse.Namespace) -> None:
     fleet = FleetView(etcd)
     await fleet.start()
     server = GrpcServer([router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name], args.host, args.port)
-    router_pb2_grpc.add_RouterServiceServicer_to_server(Router(fleet, POLICIES[args.policy]), server.server)
+    metrics = RouterMetrics(fleet.metric_rows)
+    router_pb2_grpc.add_RouterServiceServicer_to_server(Router(fleet, POLICIES[args.policy], metrics), server.server)
     await server.start()
     log.info("router serving", address=server.address, policy=args.policy)
+    serve_metrics(metrics.registry, args.host, args.metrics_port)
     print(f"LISTENING {server.address}", flush=True)
 
     async def nothing_to_drain() -> None:

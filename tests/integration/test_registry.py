@@ -13,6 +13,7 @@ from tokenfleet.services.registry.convert import record_to_proto
 
 from tests.integration.conftest import load_report, start_service, wait_for
 from tests.integration.test_membership import replicas
+from tests.integration.test_router import scrape
 from tokenfleet.cluster.etcd_server import EtcdServer
 from tokenfleet.cluster.registry import ModelRecord
 from tokenfleet.v1 import registry_pb2, registry_pb2_grpc
@@ -21,7 +22,7 @@ from tokenfleet.v1 import registry_pb2, registry_pb2_grpc
 @pytest.fixture(scope="module")
 def registry():
     etcd = EtcdServer.create().start()
-    service = start_service("tokenfleet.services.registry", "--etcd", etcd.endpoint)
+    service = start_service("tokenfleet.services.registry", "--etcd", etcd.endpoint, "--metrics-port", "0")
     channel = grpc.insecure_channel(service.address)
     yield etcd, service, registry_pb2_grpc.RegistryServiceStub(channel)
     channel.close()
@@ -41,7 +42,7 @@ def code_of(call) -> grpc.StatusCode:
 
 
 def test_register_get_alias_and_errors(registry, default_model_dir):
-    _, _, stub = registry
+    _, service, stub = registry
     first = register(stub, "alpha", str(default_model_dir))
     assert first.created and first.record.created_at > 0
     assert not register(stub, "alpha", str(default_model_dir)).created  # identical: a no-op
@@ -69,6 +70,12 @@ def test_register_get_alias_and_errors(registry, default_model_dir):
         grpc.StatusCode.INVALID_ARGUMENT
     assert code_of(lambda: stub.DeleteAlias(registry_pb2.DeleteAliasRequest(alias="nope"))) == \
         grpc.StatusCode.NOT_FOUND
+
+    metrics = wait_for(lambda: (m := scrape(service.announced("METRICS")))
+                       .get('tokenfleet_registry_versions{model="alpha",status="disabled"}') == 1 and m,
+                       "registry metrics follow the registry")
+    assert metrics['tokenfleet_registry_versions{model="alpha",status="ready"}'] == 1
+    assert metrics["tokenfleet_registry_aliases"] >= 1
 
 
 def test_watch_streams_every_change(registry, default_model_dir):

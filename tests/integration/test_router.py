@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections import Counter
 
 import grpc
@@ -18,7 +19,7 @@ from tokenfleet.v1 import router_pb2, router_pb2_grpc
 def cluster(default_model_dir):
     etcd = EtcdServer.create().start()
     workers = [start_worker(default_model_dir, etcd, f"rw{i}", ttl=2) for i in range(2)]
-    router = start_service("tokenfleet.services.router", "--etcd", etcd.endpoint)
+    router = start_service("tokenfleet.services.router", "--etcd", etcd.endpoint, "--metrics-port", "0")
     yield etcd, workers, router
     router.stop()
     for w in workers:
@@ -46,6 +47,11 @@ def test_pick_spreads_follows_membership_and_rejects_unknown_models(cluster):
         pick(stub, model="no-such-model")
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
+    metrics = scrape(router.announced("METRICS"))
+    assert metrics['tokenfleet_router_picks_total{model="smol",result="ok"}'] >= 14
+    assert metrics['tokenfleet_router_picks_total{model="",result="not_found"}'] == 1
+    assert metrics['tokenfleet_router_replicas{model="smol",state="serving"}'] == 2
+
     etcd.stop()  # routers keep serving from their last view while etcd is away
     assert {pick(stub).address for _ in range(6)} == addresses
     etcd.start()
@@ -56,6 +62,12 @@ def test_pick_spreads_follows_membership_and_rejects_unknown_models(cluster):
     wait_for(lambda: all(pick(stub).address == alive.address for _ in range(5)), "dead worker dropped", 30)
     time.sleep(0.5)
     assert {pick(stub).address for _ in range(6)} == {alive.address}
+
+
+def scrape(address: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
 
 
 def _try_pick(stub) -> bool:

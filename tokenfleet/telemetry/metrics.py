@@ -85,3 +85,49 @@ class WorkerCollector(Collector):
                                       value=getattr(r, field))
         yield GaugeMetricFamily("tokenfleet_worker_step_seconds_mean", "Mean engine step time",
                                 value=r.step_ms_mean / 1000)  # type: ignore[attr-defined]
+
+
+class RouterMetrics:
+    """Placement decisions (counted at Pick) and the fleet as the router sees it (read at scrape time)."""
+
+    def __init__(self, fleet_rows: Callable[[], list[tuple[str, str, str, int]]], registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.picks = Counter("tokenfleet_router_picks", "Pick answers by model and result", ["model", "result"],
+                             registry=self.registry)
+        self.registry.register(_FleetCollector(fleet_rows))
+
+
+class _FleetCollector(Collector):
+    def __init__(self, rows: Callable[[], list[tuple[str, str, str, int]]]):
+        self.rows = rows  # (model, replica, state, effective load)
+
+    def collect(self) -> Iterator[Metric]:
+        replicas = GaugeMetricFamily("tokenfleet_router_replicas", "Replicas by model and state", labels=["model", "state"])
+        load = GaugeMetricFamily("tokenfleet_router_replica_load", "Queued + running + pending requests per replica",
+                                 labels=["model", "replica"])
+        counts: dict[tuple[str, str], int] = {}
+        for model, replica, state, effective in self.rows():
+            counts[(model, state)] = counts.get((model, state), 0) + 1
+            load.add_metric([model, replica], effective)
+        for (model, state), n in sorted(counts.items()):
+            replicas.add_metric([model, state], n)
+        yield replicas
+        yield load
+
+
+class RegistryCollector(Collector):
+    """Registered versions by model and status, and aliases (read from the registry's view at scrape time)."""
+
+    def __init__(self, rows: Callable[[], tuple[list[tuple[str, str]], int]]):
+        self.rows = rows  # ([(model, status) per version], number of aliases)
+
+    def collect(self) -> Iterator[Metric]:
+        versions, aliases = self.rows()
+        family = GaugeMetricFamily("tokenfleet_registry_versions", "Registered model versions", labels=["model", "status"])
+        counts: dict[tuple[str, str], int] = {}
+        for key in versions:
+            counts[key] = counts.get(key, 0) + 1
+        for (model, status), n in sorted(counts.items()):
+            family.add_metric([model, status], n)
+        yield family
+        yield GaugeMetricFamily("tokenfleet_registry_aliases", "Registered aliases", value=aliases)
