@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ class Fleet:
     router: ServiceProcess
     gateway: ServiceProcess
     others: list[ServiceProcess]
+    start_worker: Callable[[str], ServiceProcess]
 
     @property
     def url(self) -> str:
@@ -52,16 +54,16 @@ def fleet(default_model_dir):
     try:
         registry = start("tokenfleet.services.registry", "--etcd", etcd.endpoint)
         register_model(registry.address, MODEL, str(default_model_dir), dtype="float32")
-        workers = {
-            rid: start("tokenfleet.services.decode", "--registry", registry.address, "--model-name", MODEL,
-                       "--etcd", etcd.endpoint, "--replica-id", rid, "--lease-ttl", "2", "--threads", "1",
-                       "--num-blocks", "128")
-            for rid in ("w0", "w1")
-        }
+        def start_worker(rid: str) -> ServiceProcess:
+            return start("tokenfleet.services.decode", "--registry", registry.address, "--model-name", MODEL,
+                         "--etcd", etcd.endpoint, "--replica-id", rid, "--lease-ttl", "2", "--threads", "1",
+                         "--num-blocks", "128")
+
+        workers = {rid: start_worker(rid) for rid in ("w0", "w1")}
         router = start("tokenfleet.services.router", "--etcd", etcd.endpoint)
         gateway = start("tokenfleet.services.gateway", "--router", router.address, "--registry", registry.address,
                         "--grace-seconds", "60")
-        fleet = Fleet(etcd, workers, router, gateway, [registry])
+        fleet = Fleet(etcd, workers, router, gateway, [registry], start_worker)
         wait_for(lambda: len(replicas(etcd.endpoint)) == 2, "both workers registered")
         wait_for(lambda: complete(fleet.url)[0] == 200, "gateway serving", 120)
         yield fleet
@@ -137,6 +139,12 @@ def test_requests_spread_and_a_killed_worker_fails_only_its_in_flight_requests(f
     assert len(failed) <= 1
     after = [(status, replica) for start, _, status, replica in load.results if start > killed + 0.5]
     assert after and all(status == 200 and replica == "w1" for status, replica in after)
+
+    fleet.workers["w0"] = fleet.start_worker("w0")  # restarts under the same replica id: registers cleanly
+    wait_for(lambda: {replica for status, replica, _ in burst(fleet.url) if status == 200} == {"w0", "w1"},
+             "the restarted worker takes requests again", 120)
+    time.sleep(3)  # longer than the old lease's TTL: its expiry must not remove the new registration
+    assert set(replicas(fleet.etcd.endpoint)) == {"replicas/smol/w0", "replicas/smol/w1"}
 
 
 def test_etcd_outage_costs_no_request_and_membership_converges(fleet):
