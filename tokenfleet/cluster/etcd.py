@@ -94,9 +94,11 @@ class EtcdClient:
         with contextlib.suppress(*ETCD_ERRORS):
             await asyncio.wait_for(self._client.revoke_lease(lease_id), self.timeout)
 
-    async def watch_prefix(self, prefix: str, start_revision: int | None = None) -> AsyncIterator[KeyEvent]:
-        """Events under ``prefix`` from ``start_revision`` (default: now) forever; resumes after
-        errors from the last seen revision + 1, so no event is lost or repeated."""
+    async def watch_prefix(self, prefix: str, start_revision: int | None = None, resume: bool = True
+                           ) -> AsyncIterator[KeyEvent]:
+        """Events under ``prefix`` from ``start_revision`` (default: now) forever; with ``resume``,
+        errors are retried from the last seen revision + 1 (no event lost or repeated), without it
+        they are raised and a closed stream ends the iteration (the caller re-lists)."""
         while True:
             try:
                 watch = await self._client.watch_prefix(self._key(prefix), start_revision=start_revision)
@@ -105,7 +107,11 @@ class EtcdClient:
                     key = bytes(event.kv.key).decode()[len(self.root):]
                     deleted = event.kind == aetcd.EventKind.DELETE
                     yield KeyEvent(key, None if deleted else bytes(event.kv.value))
+                if not resume:
+                    return
             except ETCD_ERRORS as e:
+                if not resume:
+                    raise
                 log.warning("etcd watch interrupted; resuming", prefix=prefix, error=str(e))
                 await asyncio.sleep(0.5)
 
@@ -114,15 +120,19 @@ async def mirror_prefix(etcd: EtcdClient, prefix: str, reset: Callable[[dict[str
                         apply: Callable[[KeyEvent], None]) -> None:
     """Keep a local copy of everything under ``prefix``: ``reset`` with a full listing, then ``apply``
     each watch event. While etcd is unreachable the copy is left as it was (callers serve their last
-    view); when it comes back the listing is taken again. Runs until cancelled.
+    view); when it comes back the listing is taken again, which also reconciles anything missed.
+    Runs until cancelled.
     """
     while True:
         try:
             listing, revision = await etcd.get_prefix_at(prefix)
             reset(listing)
             # From the listing's revision on: a write between the listing and the watch is not lost.
-            async for event in etcd.watch_prefix(prefix, start_revision=revision + 1):
+            # Any interruption re-lists (a resumed watch fails for good once etcd has compacted
+            # the revision it would resume from).
+            async for event in etcd.watch_prefix(prefix, start_revision=revision + 1, resume=False):
                 apply(event)
+            await asyncio.sleep(0.1)  # the server closed the stream: list again, without spinning
         except ETCD_ERRORS as e:
             log.warning("etcd unavailable; serving the last view", prefix=prefix, error=str(e))
             await asyncio.sleep(0.5)
