@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
 from collections.abc import Awaitable, Callable, Sequence
@@ -11,6 +12,8 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
+
+from tokenfleet.telemetry.logging import configure_logging
 
 log = structlog.get_logger()
 
@@ -39,7 +42,7 @@ class GrpcServer:
         for name in ["", *self.service_names]:
             await self.health.set(name, status)
 
-    async def run_until_signal(self, on_drain: Callable[[], Awaitable[None]], grace_seconds: float) -> None:
+    async def run_until_signal(self, on_drain: Callable[[], Awaitable[None]] | None, grace_seconds: float) -> None:
         """Serve until SIGTERM/SIGINT or ``stop_requested``, then: report NOT_SERVING, ``on_drain()``,
         stop with a grace period."""
         loop = asyncio.get_running_loop()
@@ -48,7 +51,8 @@ class GrpcServer:
         await self.stop_requested.wait()
         log.info("draining", address=self.address)
         await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await on_drain()
+        if on_drain is not None:
+            await on_drain()
         await self.stop(grace_seconds)
 
     async def stop(self, grace_seconds: float) -> None:
@@ -64,3 +68,16 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> N
         return
     http_server, _ = start_http_server(port, addr=host, registry=registry)
     print(f"METRICS {host}:{http_server.server_port}", flush=True)
+
+
+def run_service(name: str, serve: Callable[[argparse.Namespace], Awaitable[None]], args: argparse.Namespace) -> int:
+    """A service process's main: JSON logs, uvloop when installed, ``serve(args)`` until it returns."""
+    configure_logging(name)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(args))
+    return 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import structlog
 from prometheus_client import CollectorRegistry
-from tokenfleet.services.common.server import GrpcServer, serve_metrics
+from tokenfleet.services.common.server import GrpcServer, run_service, serve_metrics
 from tokenfleet.services.decode.worker import EngineWorker
 from tokenfleet.services.registry.client import fetch_record
 
@@ -20,7 +20,6 @@ from tokenfleet.cluster.registry import ModelRecord
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.engine.builder import build_engine_core
 from tokenfleet.engine.config import EngineConfig
-from tokenfleet.telemetry.logging import configure_logging
 from tokenfleet.telemetry.metrics import WorkerCollector
 from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
 
@@ -135,12 +134,4 @@ async def register(args: argparse.Namespace, config: EngineConfig, address: str,
 
 def main(argv: Sequence[str] | None = None, default_role: str = "decode") -> int:
     args = parse_args(argv, default_role)
-    configure_logging(f"worker-{args.role}")
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(serve(args))
-    return 0
+    return run_service(f"worker-{args.role}", serve, args)

@@ -8,7 +8,7 @@ the worker stream, which aborts the request.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -80,6 +80,40 @@ def _validate(schema: type, body: dict[str, Any]) -> Any:
         raise APIError(400, f"{param}: {first.get('msg')}", param=param or None) from e
 
 
+async def _chat_chunks(run: Started, timer: RequestTimer) -> AsyncIterator[Message]:
+    def chunk(**kw: Any) -> inference_pb2.ChatCompletionChunk:
+        return inference_pb2.ChatCompletionChunk(id=run.request_id, model=run.model.name, created=int(time.time()), **kw)
+
+    yield chunk(choices=[inference_pb2.ChatChoiceDelta(index=0, role="assistant")])
+    async with responses_of(run, timer) as responses:
+        async for r in responses:
+            if r.HasField("chunk"):
+                if r.chunk.text or r.chunk.logprobs:
+                    lp = _logprobs(run.model.tokenizer, list(r.chunk.logprobs))
+                    yield chunk(choices=[inference_pb2.ChatChoiceDelta(index=0, content=r.chunk.text, logprobs=lp)])
+            else:
+                yield chunk(choices=[inference_pb2.ChatChoiceDelta(index=0, finish_reason=r.final.finish_reason)])
+                if run.include_usage:
+                    yield chunk(usage=r.final.usage)
+
+
+async def _completion_chunks(run: Started, timer: RequestTimer) -> AsyncIterator[Message]:
+    def chunk(**kw: Any) -> inference_pb2.CompletionChunk:
+        return inference_pb2.CompletionChunk(id=run.request_id, model=run.model.name, created=int(time.time()), **kw)
+
+    offset = 0
+    async with responses_of(run, timer) as responses:
+        async for r in responses:
+            if r.HasField("chunk"):
+                lp = _logprobs(run.model.tokenizer, list(r.chunk.logprobs), offset)
+                offset += len(r.chunk.text)
+                yield chunk(choices=[inference_pb2.CompletionChoiceDelta(index=0, text=r.chunk.text, logprobs=lp)])
+            else:
+                yield chunk(choices=[inference_pb2.CompletionChoiceDelta(index=0, finish_reason=r.final.finish_reason)])
+                if run.include_usage:
+                    yield chunk(usage=r.final.usage)
+
+
 def _logprobs(tokenizer: Tokenizer, logprobs: list[common_pb2.TokenLogprob], offset: int = 0
               ) -> list[inference_pb2.TokenLogprobs]:
     def token(token_id: int, logprob: float) -> inference_pb2.LogprobToken:
@@ -99,74 +133,35 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(self, gateway: Gateway):
         self.gateway = gateway
 
-    async def _start(self, start, endpoint: str) -> Started:  # type: ignore[no-untyped-def]
-        try:
-            return await start()
-        except APIError as e:  # becomes a status in map_errors
-            self.gateway.metrics.requests.labels(endpoint, str(e.status)).inc()
-            raise
+    async def _serve(self, context: grpc.aio.ServicerContext, endpoint: str, start: Callable[[], Awaitable[Started]],
+                     chunks: Callable[[Started, RequestTimer], AsyncIterator[Message]]) -> AsyncIterator[Message]:
+        """What both streaming calls share: the request id, metrics, placement, then ``chunks``."""
+        request_id = new_request_id(from_metadata(context.invocation_metadata()))
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            timer = RequestTimer(self.gateway.metrics)
+            try:
+                run = await start()
+            except APIError as e:  # becomes a status in map_errors
+                self.gateway.metrics.requests.labels(endpoint, str(e.status)).inc()
+                raise
+            async for chunk in chunks(run, timer):
+                yield chunk
+            self.gateway.metrics.requests.labels(endpoint, "200").inc()
 
     @map_errors
     async def ChatCompletion(self, request: inference_pb2.ChatCompletionRequest, context: grpc.aio.ServicerContext
-                             ) -> AsyncIterator[inference_pb2.ChatCompletionChunk]:
-        request_id = new_request_id(from_metadata(context.invocation_metadata()))
-        with structlog.contextvars.bound_contextvars(request_id=request_id):
-            timer = RequestTimer(self.gateway.metrics)
-
-            async def start() -> Started:
-                return await self.gateway.start_chat(chat_request(request))
-
-            run = await self._start(start, CHAT)
-
-            def chunk(**kw: Any) -> inference_pb2.ChatCompletionChunk:
-                return inference_pb2.ChatCompletionChunk(id=run.request_id, model=run.model.name,
-                                                         created=int(time.time()), **kw)
-
-            yield chunk(choices=[inference_pb2.ChatChoiceDelta(index=0, role="assistant")])
-            async with responses_of(run, timer) as responses:
-                async for r in responses:
-                    if r.HasField("chunk"):
-                        if r.chunk.text or r.chunk.logprobs:
-                            lp = _logprobs(run.model.tokenizer, list(r.chunk.logprobs))
-                            yield chunk(choices=[inference_pb2.ChatChoiceDelta(index=0, content=r.chunk.text,
-                                                                               logprobs=lp)])
-                    else:
-                        yield chunk(choices=[inference_pb2.ChatChoiceDelta(index=0,
-                                                                           finish_reason=r.final.finish_reason)])
-                        if run.include_usage:
-                            yield chunk(usage=r.final.usage)
-            self.gateway.metrics.requests.labels(CHAT, "200").inc()
+                             ) -> AsyncIterator[Message]:
+        async for chunk in self._serve(context, CHAT, lambda: self.gateway.start_chat(chat_request(request)),
+                                       _chat_chunks):
+            yield chunk
 
     @map_errors
     async def Completion(self, request: inference_pb2.CompletionRequest, context: grpc.aio.ServicerContext
-                         ) -> AsyncIterator[inference_pb2.CompletionChunk]:
-        request_id = new_request_id(from_metadata(context.invocation_metadata()))
-        with structlog.contextvars.bound_contextvars(request_id=request_id):
-            timer = RequestTimer(self.gateway.metrics)
-
-            async def start() -> Started:
-                return await self.gateway.start_completion(completion_request(request))
-
-            run = await self._start(start, COMPLETION)
-
-            def chunk(**kw: Any) -> inference_pb2.CompletionChunk:
-                return inference_pb2.CompletionChunk(id=run.request_id, model=run.model.name,
-                                                     created=int(time.time()), **kw)
-
-            offset = 0
-            async with responses_of(run, timer) as responses:
-                async for r in responses:
-                    if r.HasField("chunk"):
-                        lp = _logprobs(run.model.tokenizer, list(r.chunk.logprobs), offset)
-                        offset += len(r.chunk.text)
-                        yield chunk(choices=[inference_pb2.CompletionChoiceDelta(index=0, text=r.chunk.text,
-                                                                                 logprobs=lp)])
-                    else:
-                        yield chunk(choices=[inference_pb2.CompletionChoiceDelta(
-                            index=0, finish_reason=r.final.finish_reason)])
-                        if run.include_usage:
-                            yield chunk(usage=r.final.usage)
-            self.gateway.metrics.requests.labels(COMPLETION, "200").inc()
+                         ) -> AsyncIterator[Message]:
+        async for chunk in self._serve(context, COMPLETION,
+                                       lambda: self.gateway.start_completion(completion_request(request)),
+                                       _completion_chunks):
+            yield chunk
 
     @map_errors
     async def ListModels(self, request: inference_pb2.ListServedModelsRequest, context: grpc.aio.ServicerContext

@@ -11,13 +11,12 @@ from collections.abc import Iterator, Sequence
 
 import structlog
 import uvicorn
-from tokenfleet.services.common.server import GrpcServer
+from tokenfleet.services.common.server import GrpcServer, run_service
 from tokenfleet.services.gateway.app import Gateway, ModelCatalog, ServedModel, create_app, load_served
 from tokenfleet.services.gateway.grpc_api import InferenceAPI
 from tokenfleet.services.registry.client import watch_registry
 
 from tokenfleet.cluster.registry import RegistryView
-from tokenfleet.telemetry.logging import configure_logging
 from tokenfleet.v1 import inference_pb2, inference_pb2_grpc
 
 log = structlog.get_logger()
@@ -111,12 +110,4 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    configure_logging("gateway")
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(serve(args))
-    return 0
+    return run_service("gateway", serve, args)

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 from collections.abc import Sequence
 
 import structlog
-from tokenfleet.services.common.server import GrpcServer, serve_metrics
+from tokenfleet.services.common.server import GrpcServer, run_service, serve_metrics
 from tokenfleet.services.router.fleet import FleetView
 from tokenfleet.services.router.servicer import Router
 
 from tokenfleet.cluster.etcd import EtcdClient
-from tokenfleet.telemetry.logging import configure_logging
 from tokenfleet.telemetry.metrics import RouterMetrics
 from tokenfleet.v1 import router_pb2, router_pb2_grpc
 
@@ -44,11 +42,8 @@ async def serve(args: argparse.Namespace) -> None:
     serve_metrics(metrics.registry, args.host, args.metrics_port)
     print(f"LISTENING {server.address}", flush=True)
 
-    async def nothing_to_drain() -> None:
-        return None
-
     try:
-        await server.run_until_signal(nothing_to_drain, args.grace_seconds)
+        await server.run_until_signal(None, args.grace_seconds)
     finally:
         await fleet.stop()
         await etcd.close()
@@ -56,12 +51,4 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    configure_logging("router")
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(serve(args))
-    return 0
+    return run_service("router", serve, args)
