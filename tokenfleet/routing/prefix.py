@@ -1,0 +1,86 @@
+"""Prefix-aware placement with bounded load: a pure function over a fleet snapshot.
+
+A request's prompt is a chain of block hashes (tokenfleet.engine.block_hash, the engine's own
+hashing). Each replica is known to hold some of those blocks: the hashes it reports and the
+affinity map's homes of this prefix (``affinity/<model>/<prefix_hash>``, kept in etcd by the
+routers). The policy prefers the replica that would reuse the longest cached prefix, but only
+while its load stays within a bound relative to the pool ("consistent hashing with bounded
+loads"): once its load exceeds ``(1 + load_slack)`` x the pool's mean (and is at least
+``spill_floor`` requests, so an almost idle fleet keeps its affinity) it spills to the least
+loaded replica, and the caller records that replica as a second home of the prefix.
+
+Short matches do not pin traffic: below ``min_match_blocks`` the prefix is ignored and the
+request goes to the least-loaded replica, so one short system prompt shared by every tenant
+does not send all traffic to one replica. A burst of same-prefix requests is not herded onto
+one replica because the router's own pending assignments count as load.
+
+Not wired into the router yet: the disaggregation issue (#4) adds the affinity map, the
+workers' reported hashes and the service plumbing; this module is the policy they will call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from tokenfleet.routing.policies import FleetSnapshot, NoReplicaError, ReplicaLoad
+
+
+@dataclass(frozen=True)
+class PrefixPolicyConfig:
+    min_match_blocks: int = 4  # matches shorter than this are ignored (4 blocks = 64 tokens at block size 16)
+    load_slack: float = 0.25  # epsilon of the bound: stay affine up to (1 + eps) x the pool's mean load
+    spill_floor: int = 4  # a replica with fewer requests than this is never too loaded to stay affine
+
+    def __post_init__(self) -> None:
+        if self.min_match_blocks < 1:
+            raise ValueError("min_match_blocks must be >= 1")
+        if self.load_slack < 0:
+            raise ValueError("load_slack must be >= 0")
+        if self.spill_floor < 0:
+            raise ValueError("spill_floor must be >= 0")
+
+
+@dataclass(frozen=True)
+class PrefixPlacement:
+    replica: ReplicaLoad
+    matched_blocks: int  # leading prompt blocks the chosen replica already holds
+    spilled: bool  # an affine replica existed but was over the bound: record a new home
+
+
+def matched_prefix(block_hashes: Sequence[bytes], cached: Collection[bytes]) -> int:
+    """How many leading blocks of the prompt are in ``cached`` (a prefix match: stops at the first miss)."""
+    n = 0
+    for block_hash in block_hashes:
+        if block_hash not in cached:
+            break
+        n += 1
+    return n
+
+
+def overloaded(replica: ReplicaLoad, candidates: Sequence[ReplicaLoad], config: PrefixPolicyConfig) -> bool:
+    """Too loaded to take another request for affinity's sake: above (1 + eps) x the mean and the floor."""
+    mean = sum(r.effective_load for r in candidates) / len(candidates)
+    load = replica.effective_load
+    return load >= config.spill_floor and load > (1 + config.load_slack) * mean
+
+
+def prefix_aware(
+    snapshot: FleetSnapshot,
+    block_hashes: Sequence[bytes],
+    cached: Mapping[str, Collection[bytes]],
+    config: PrefixPolicyConfig = PrefixPolicyConfig(),
+    role: str = "decode",
+) -> PrefixPlacement:
+    """Pick a replica for a prompt with ``block_hashes``; ``cached`` maps replica id -> block hashes it holds."""
+    candidates = snapshot.candidates(role)
+    if not candidates:
+        raise NoReplicaError(f"no serving replica with role {role!r}")
+    matches = {r.replica_id: matched_prefix(block_hashes, cached.get(r.replica_id, ())) for r in candidates}
+    affine = [r for r in candidates if matches[r.replica_id] >= config.min_match_blocks]
+    within = [r for r in affine if not overloaded(r, candidates, config)]
+    if within:  # longest reuse first; among equal matches the less loaded
+        best = min(within, key=lambda r: (-matches[r.replica_id], r.effective_load, r.replica_id))
+        return PrefixPlacement(best, matches[best.replica_id], spilled=False)
+    chosen = min(candidates, key=lambda r: (r.effective_load, r.kv_utilization, r.replica_id))
+    return PrefixPlacement(chosen, matches[chosen.replica_id], spilled=bool(affine) and chosen not in affine)
