@@ -65,9 +65,11 @@ class ModelCatalog:
     view: RegistryView | None = None  # None: no registry; only static models
     _loaded: dict[str, ServedModel] = field(default_factory=dict)  # by record ref (name@version)
 
+    synced: bool = False  # a registry snapshot has arrived
+
     @property
     def ready(self) -> bool:
-        return self.view is None or self.view.revision > 0 or bool(self.static)
+        return self.view is None or self.synced or bool(self.static)
 
     def names(self) -> list[tuple[str, int]]:
         names = {name: 0 for name in self.static}
@@ -312,9 +314,16 @@ def create_app(gateway: Gateway) -> FastAPI:
 
 async def _parse(request: Request, schema: type) -> Any:
     try:
-        return schema.model_validate(json.loads(await request.body()))
+        body = json.loads(await request.body())
     except json.JSONDecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from e
+    return validate_body(schema, body)
+
+
+def validate_body(schema: type, body: Any) -> Any:
+    """A decoded request body as ``schema`` (HTTP and the gRPC API); the first problem is a 400 naming the field."""
+    try:
+        return schema.model_validate(body)
     except ValidationError as e:
         first = e.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ()))

@@ -14,9 +14,8 @@ from typing import Any
 import grpc
 import structlog
 from google.protobuf.message import Message
-from pydantic import ValidationError
 from tokenfleet.services.common.errors import map_errors
-from tokenfleet.services.gateway.app import Gateway, Started, responses_of
+from tokenfleet.services.gateway.app import Gateway, Started, responses_of, validate_body
 
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
 from tokenfleet.models.tokenizer import Tokenizer
@@ -52,7 +51,7 @@ def chat_request(req: inference_pb2.ChatCompletionRequest) -> ChatCompletionRequ
         body["top_logprobs"] = req.top_logprobs
     if req.user:
         body["user"] = req.user
-    return _validate(ChatCompletionRequest, body | sampling)
+    return validate_body(ChatCompletionRequest, body | sampling)
 
 
 def completion_request(req: inference_pb2.CompletionRequest) -> CompletionRequest:
@@ -68,16 +67,7 @@ def completion_request(req: inference_pb2.CompletionRequest) -> CompletionReques
         body["logprobs"] = req.logprobs
     if req.user:
         body["user"] = req.user
-    return _validate(CompletionRequest, body | _fields(req.sampling))
-
-
-def _validate(schema: type, body: dict[str, Any]) -> Any:
-    try:
-        return schema.model_validate(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ()))
-        raise APIError(400, f"{param}: {first.get('msg')}", param=param or None) from e
+    return validate_body(CompletionRequest, body | _fields(req.sampling))
 
 
 async def _chat_chunks(run: Started, timer: RequestTimer) -> AsyncIterator[Message]:

@@ -54,8 +54,7 @@ def static_models(specs: list[str], use_default: bool) -> dict[str, ServedModel]
 
 async def follow(catalog: ModelCatalog, registry: str) -> None:
     async for view in watch_registry(registry):
-        view.revision = max(1, (catalog.view.revision if catalog.view else 0) + 1)
-        catalog.view = view
+        catalog.view, catalog.synced = view, True
 
 
 class _Server(uvicorn.Server):

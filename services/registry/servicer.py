@@ -9,21 +9,41 @@ from collections.abc import AsyncIterator
 from tokenfleet.services.common.errors import map_errors
 from tokenfleet.services.registry.convert import record_from_proto, record_to_proto, snapshot_to_proto, status_name
 
-from tokenfleet.cluster.etcd import EtcdClient, KeyEvent, mirror_prefix
-from tokenfleet.cluster.registry import ALIASES, MODELS, ModelRecord, ModelRegistry, RegistryView, UnknownModelError
+from tokenfleet.cluster.etcd import EtcdClient, KeyEvent
+from tokenfleet.cluster.registry import (
+    ALIASES,
+    MODELS,
+    ModelRecord,
+    ModelRegistry,
+    RegistryView,
+    UnknownModelError,
+    follow_registry,
+)
 from tokenfleet.v1 import registry_pb2, registry_pb2_grpc
 
 
 class WatchedView(RegistryView):
-    """A RegistryView that wakes watchers when it changes."""
+    """A RegistryView that wakes Watch streams whenever it changes."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.changed = asyncio.Condition()
+        self._changed = asyncio.Event()
 
-    async def notify(self) -> None:
-        async with self.changed:
-            self.changed.notify_all()
+    def reset(self, listing: dict[str, bytes], prefixes: tuple[str, ...] = (MODELS, ALIASES)) -> None:
+        super().reset(listing, prefixes)
+        self._wake()
+
+    def apply(self, event: KeyEvent) -> None:
+        super().apply(event)
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_past(self, revision: int) -> None:
+        while self.revision == revision:
+            await self._changed.wait()
 
 
 class Registry(registry_pb2_grpc.RegistryServiceServicer):
@@ -33,21 +53,7 @@ class Registry(registry_pb2_grpc.RegistryServiceServicer):
         self._follow: asyncio.Task | None = None
 
     async def start(self) -> None:
-        etcd = self.store.etcd
-
-        def reset(prefix: str):
-            def apply(listing: dict[str, bytes]) -> None:
-                self.view.reset(listing, (prefix,))
-                asyncio.get_running_loop().create_task(self.view.notify())
-            return apply
-
-        def on_event(event) -> None:  # type: ignore[no-untyped-def]
-            self.view.apply(event)
-            asyncio.get_running_loop().create_task(self.view.notify())
-
-        self._follow = asyncio.ensure_future(asyncio.gather(
-            mirror_prefix(etcd, MODELS, reset(MODELS), on_event),
-            mirror_prefix(etcd, ALIASES, reset(ALIASES), on_event)))
+        self._follow = asyncio.create_task(follow_registry(self.store.etcd, self.view))
 
     async def stop(self) -> None:
         if self._follow is not None:
@@ -59,7 +65,6 @@ class Registry(registry_pb2_grpc.RegistryServiceServicer):
         """Read-your-writes: apply a key we just wrote to the local view now, not when its watch
         event arrives (a linearizable read returns the newest value; the event re-applies it)."""
         self.view.apply(KeyEvent(key, await self.store.etcd.get(key)))
-        await self.view.notify()
 
     async def _resolve(self, ref: str) -> ModelRecord:
         try:
@@ -105,5 +110,4 @@ class Registry(registry_pb2_grpc.RegistryServiceServicer):
         while True:
             revision = self.view.revision
             yield snapshot_to_proto(self.view)
-            async with self.view.changed:
-                await self.view.changed.wait_for(lambda seen=revision: self.view.revision != seen)
+            await self.view.wait_past(revision)
