@@ -40,6 +40,7 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}
         self._num_slots: dict[str, int] = {}  # tokens each table covers
         self._num_hashed: dict[str, int] = {}  # leading blocks of each table already hashed
+        self.hash_version = 0  # bumped whenever the set of cached hashes changes
 
     # ---- queries ---------------------------------------------------------------------
     @property
@@ -128,6 +129,7 @@ class BlockManager:
             if self._block_hash[block_id] is None and h not in self._hash_to_block:
                 self._block_hash[block_id] = h
                 self._hash_to_block[h] = block_id
+                self.hash_version += 1
             # else: the same content is already cached in another block; keep one copy.
         self._num_hashed[request_id] = max(start, end)
 
@@ -193,6 +195,7 @@ class BlockManager:
         if h is not None:
             del self._hash_to_block[h]
             self._block_hash[block_id] = None
+            self.hash_version += 1
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if the bookkeeping is inconsistent. For tests and debugging."""

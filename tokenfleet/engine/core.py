@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenfleet.engine.detokenizer import Decoder
-from tokenfleet.engine.output import OutputState, RequestOutput, TokenLogprobs
+from tokenfleet.engine.kv_transfer import KVLayout
+from tokenfleet.engine.output import OutputState, RequestOutput, Resume, TokenLogprobs
 from tokenfleet.engine.request import FinishReason, Priority, Request
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import Scheduler, SchedulerOutput
@@ -26,11 +27,18 @@ class ExecuteResult:
 
 
 class ModelRunner(Protocol):
-    """What the core needs from a backend: run one scheduled batch, forget a request."""
+    """What the core needs from a backend: run one scheduled batch, forget a request, and
+    move blocks' KV in and out for disaggregated prefill."""
 
     def execute(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> ExecuteResult: ...
 
     def release(self, request_id: str) -> None: ...
+
+    def kv_geometry(self) -> tuple[int, int, int, str]: ...
+
+    def export_kv(self, layer: int, block_ids: Sequence[int]) -> tuple[bytes, bytes]: ...
+
+    def import_kv(self, layer: int, block_ids: Sequence[int], k: bytes, v: bytes) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,8 @@ class EngineCore:
         self._ids = itertools.count()
         self.stats = EngineStats()
         self._timer = StepTimer()
+        self._held_until: dict[str, float] = {}  # prefill role: request id -> when its held blocks go
+        self.hold_seconds = 30.0  # how long a finished prefill keeps its blocks for the transfer
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
@@ -59,12 +69,31 @@ class EngineCore:
         request_id: str | None = None,
         priority: int = Priority.INTERACTIVE,
         arrival_time: float | None = None,
+        resume: Resume | None = None,
+        hold_kv: bool = False,
     ) -> str:
-        """Validate and queue a request; returns its id. ValueError for bad input, QueueFullError when full."""
+        """Validate and queue a request; returns its id. ValueError for bad input, QueueFullError when full.
+
+        ``resume``: output tokens (and their text) another replica already delivered; generation
+        continues after them. ``hold_kv``: keep the blocks when finished, for a KV transfer
+        (``release_held``), at most ``hold_seconds``."""
+        request = self._new_request(prompt_token_ids, sampling_params, request_id, priority, arrival_time, resume)
+        request.hold_blocks = hold_kv
+        self.scheduler.add_request(request)
+        self._states[request.request_id] = OutputState(request, self.tokenizer, resume.text if resume else None)
+        return request.request_id
+
+    def _new_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, request_id: str | None,
+                     priority: int, arrival_time: float | None, resume: Resume | None = None) -> Request:
         prompt = self._validate_prompt(prompt_token_ids)
         limit = self.model.max_model_len - len(prompt)
         max_tokens = limit if sampling_params.max_tokens is None else min(sampling_params.max_tokens, limit)
-        request = Request(
+        outputs = list(resume.output_token_ids) if resume is not None else []
+        if len(outputs) >= max_tokens:
+            raise ValueError(f"resumed with {len(outputs)} output tokens; the request allows {max_tokens}")
+        if any(not 0 <= t < self.model.vocab_size for t in outputs):
+            raise ValueError(f"resumed output token ids out of range [0, {self.model.vocab_size})")
+        return Request(
             request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=prompt,
             sampling_params=sampling_params,
@@ -72,10 +101,8 @@ class EngineCore:
             priority=int(priority),
             max_tokens=max_tokens,
             eos_token_ids=self.model.eos_token_ids,
+            output_token_ids=outputs,
         )
-        self.scheduler.add_request(request)
-        self._states[request.request_id] = OutputState(request, self.tokenizer)
-        return request.request_id
 
     def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         prompt = list(prompt_token_ids)
@@ -92,7 +119,8 @@ class EngineCore:
         return prompt
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """End a request now; frees its blocks. Returns its final output, or None if unknown/finished."""
+        """End a request now; frees its blocks (held ones too). Returns its final output, or None if unknown/finished."""
+        self.release_held(request_id)
         request = self.scheduler.finish_request(request_id, FinishReason.ABORT)
         state = self._states.pop(request_id, None)
         self.runner.release(request_id)
@@ -104,6 +132,70 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def kv_layout(self) -> KVLayout:
+        num_layers, num_kv_heads, head_dim, dtype = self.runner.kv_geometry()
+        return KVLayout(self.scheduler.hash_salt, dtype, self.scheduler.block_manager.block_size,
+                        num_layers, num_kv_heads, head_dim)
+
+    # ---- disaggregation: decode side ----------------------------------------------------------
+    def add_remote(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, request_id: str,
+                   priority: int = Priority.INTERACTIVE) -> int | None:
+        """Reserve blocks for a prompt prefilled elsewhere. Returns the leading prompt blocks
+        already cached here (not to be sent), or None when the blocks are not free now."""
+        request = self._new_request(prompt_token_ids, sampling_params, request_id, priority, None)
+        held = self.scheduler.add_remote(request)
+        if held is not None:
+            self._states[request_id] = OutputState(request, self.tokenizer)
+            self.stats.num_remote_prefills += 1
+        return held
+
+    def remote_block_ids(self, request_id: str) -> list[int]:
+        return self.scheduler.block_manager.block_table(request_id)
+
+    def remote_first_token(self, request_id: str, token_id: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        """The first token sampled by the prefill replica, as this request's first output."""
+        if not 0 <= token_id < self.model.vocab_size:
+            raise ValueError(f"first token {token_id} out of range [0, {self.model.vocab_size})")
+        finished = self.scheduler.append_remote_token(request_id, token_id)
+        result = ExecuteResult({request_id: token_id}, {request_id: logprobs} if logprobs is not None else {})
+        return self._process(request_id, result, {request_id: finished} if finished is not None else {})
+
+    def import_kv(self, request_id: str, layer: int, first_block: int, k: bytes, v: bytes, num_blocks: int) -> None:
+        """Write one received chunk into the request's reserved blocks (engine thread only)."""
+        self.scheduler.remote_request(request_id)  # KeyError unless awaiting a remote prefill
+        table = self.remote_block_ids(request_id)
+        block_ids = table[first_block : first_block + num_blocks]
+        if len(block_ids) != num_blocks:
+            raise ValueError(f"chunk blocks {first_block}+{num_blocks} outside the {len(table)} reserved")
+        self.runner.import_kv(layer, block_ids, k, v)
+        self.stats.num_kv_bytes_received += len(k) + len(v)
+        if layer == 0:
+            self.stats.num_kv_blocks_received += num_blocks
+
+    def activate_remote(self, request_id: str) -> None:
+        self.scheduler.activate_remote(request_id)
+
+    def fallback_to_local(self, request_id: str) -> None:
+        self.scheduler.fallback_to_local(request_id)
+        self.stats.num_remote_fallbacks += 1
+
+    # ---- disaggregation: prefill side ---------------------------------------------------------
+    def held_block_ids(self, request_id: str) -> list[int] | None:
+        return self.scheduler.block_manager.block_table(request_id) if request_id in self.scheduler.held else None
+
+    def release_held(self, request_id: str) -> bool:
+        self._held_until.pop(request_id, None)
+        return self.scheduler.release_held(request_id)
+
+    def expire_held(self, now: float | None = None) -> list[str]:
+        """Release held blocks whose transfer ran out of time (the decode side vanished)."""
+        now = time.monotonic() if now is None else now
+        expired = [rid for rid, until in self._held_until.items() if until <= now]
+        for request_id in expired:
+            self.release_held(request_id)
+        self.stats.num_transfer_timeouts += len(expired)
+        return expired
+
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         output = self.scheduler.schedule()
@@ -111,6 +203,10 @@ class EngineCore:
             return []
         with self._timer:
             result = self.runner.execute(output, self.scheduler.requests)
+        requests = self.scheduler.requests
+        self.stats.num_prompt_tokens_computed += sum(
+            max(0, min(s.start + s.num_new_tokens, requests[s.request_id].num_prompt_tokens) - s.start)
+            for s in output.scheduled)
         finished = {r.request_id: r for r in self.scheduler.update(output, result.sampled)}
         outputs = []
         for entry in output.scheduled:
@@ -127,6 +223,8 @@ class EngineCore:
         if request is None and state.matcher.matched is not None:
             request = self.scheduler.finish_request(request_id, FinishReason.STOP)
         if request is not None and request.finish_reason is not None:
+            if request_id in self.scheduler.held:
+                self._held_until[request_id] = time.monotonic() + self.hold_seconds
             self._states.pop(request_id)
             self.runner.release(request_id)
             self.stats.record_finished(request)

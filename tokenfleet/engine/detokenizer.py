@@ -27,6 +27,15 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = len(self._tokens)
 
+    @staticmethod
+    def text_of(tokenizer: Decoder, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+                skip_special_tokens: bool = True) -> str:
+        """All the text streaming ``output_token_ids`` after this prompt yields (no incomplete tail)."""
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        before = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+        after = tokenizer.decode(context + list(output_token_ids), skip_special_tokens=skip_special_tokens)
+        return after[len(before) :].rstrip(_REPLACEMENT)
+
     def push(self, token_id: int) -> str:
         """Append one token; return the text that became final (maybe empty)."""
         self._tokens.append(token_id)
@@ -56,6 +65,10 @@ class StopStringMatcher:
         self._text = ""
         self._emitted = 0
         self.matched: str | None = None
+
+    def prime(self, emitted: str) -> None:
+        """Text already emitted elsewhere (a resumed request): stop strings may span it."""
+        self._text, self._emitted = emitted, len(emitted)
 
     def feed(self, delta: str) -> str:
         """Add text; return what may be emitted now. After a match, ``matched`` is set."""

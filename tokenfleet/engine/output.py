@@ -16,6 +16,14 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Output another replica already delivered for a request that continues here."""
+
+    output_token_ids: tuple[int, ...]
+    text: str  # what the client received for them (stop-string hold-back can make it shorter)
+
+
 @dataclass
 class RequestOutput:
     """Delta for one request from one step (or its final report)."""
@@ -36,21 +44,30 @@ class RequestOutput:
 class OutputState:
     """Detokenizer + stop-string matcher for one request; lives from add to finish."""
 
-    def __init__(self, request: Request, tokenizer: Decoder | None):
+    def __init__(self, request: Request, tokenizer: Decoder | None, resumed_text: str | None = None):
+        """``resumed_text``: the request carries output tokens another replica delivered with this text."""
         params = request.sampling_params
         self.request = request
         self.detokenizer = (
-            IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params.skip_special_tokens)
+            IncrementalDetokenizer(tokenizer, request.all_token_ids, params.skip_special_tokens)
             if tokenizer is not None
             else None
         )
         self.matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self._pending = ""  # resumed: text of the delivered tokens the client has not received yet
+        if tokenizer is not None and request.output_token_ids:
+            emitted = resumed_text or ""
+            full = IncrementalDetokenizer.text_of(tokenizer, request.prompt_token_ids, request.output_token_ids,
+                                                  params.skip_special_tokens)
+            self.matcher.prime(emitted)
+            self._pending = full[len(emitted):] if full.startswith(emitted) else ""
 
     def on_token(self, token_id: int, logprobs: TokenLogprobs | None, finished_by_token: bool) -> RequestOutput:
         """Process one sampled token. If a stop string matches, ``matcher.matched`` is set."""
         text = ""
         if self.detokenizer is not None and not finished_by_token:
-            text = self.matcher.feed(self.detokenizer.push(token_id))
+            text = self.matcher.feed(self._pending + self.detokenizer.push(token_id))
+            self._pending = ""
         out = self._output([token_id], text)
         if logprobs is not None:
             out.logprobs.append(logprobs)
@@ -59,7 +76,8 @@ class OutputState:
     def finish(self, out: RequestOutput, reason: FinishReason) -> RequestOutput:
         """Mark ``out`` final; release held-back text unless a stop string ended the request."""
         if self.detokenizer is not None and self.matcher.matched is None:
-            out.text += self.matcher.feed(self.detokenizer.flush()) + self.matcher.flush()
+            out.text += self.matcher.feed(self._pending + self.detokenizer.flush()) + self.matcher.flush()
+            self._pending = ""
         out.finished = True
         out.finish_reason = reason
         out.num_output_tokens = len(self.request.output_token_ids)

@@ -12,6 +12,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    REMOTE_PREFILL = "remote_prefill"  # blocks reserved; the prompt's KV is arriving from a prefill replica
     FINISHED = "finished"
 
 
@@ -51,6 +52,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of all_token_ids
+    hold_blocks: bool = False  # prefill role: keep the blocks when finished, for a KV transfer
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,6 +9,12 @@ that reaches ``num_tokens`` samples one token. Order of a step:
    latest-arrived running request is preempted (blocks freed, recomputed later).
 2. waiting requests, by (priority, arrival), fill the remaining budget with prefill chunks,
    admitted only if their blocks can be allocated (prefix-cache hits are reused).
+
+Disaggregation adds two lifecycles outside the step loop. A decode worker reserves a remote
+request's prompt blocks (``add_remote``), takes its first token and KV from a prefill
+replica, then ``activate_remote`` joins it to the running batch (or ``fallback_to_local``
+recomputes it here, like a preemption). A prefill worker's requests ``hold_blocks``: when
+they finish, their blocks stay in ``held`` until ``release_held`` (transfer done or timed out).
 """
 
 from __future__ import annotations
@@ -77,25 +83,88 @@ class Scheduler:
         self.running: list[Request] = []
         self._seq = itertools.count()
         self._order: dict[str, tuple] = {}
+        self.held: dict[str, Request] = {}  # finished, blocks kept for a KV transfer
         self.num_preemptions = 0
 
     # ---- queue management --------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a validated request. Raises QueueFullError or ValueError (can never fit)."""
-        if request.request_id in self.requests:
+        self._check_new(request)
+        self.requests[request.request_id] = request
+        self._order[request.request_id] = (request.priority, request.arrival_time, next(self._seq))
+        self._push_waiting(request)
+
+    def _check_new(self, request: Request) -> None:
+        if request.request_id in self.requests or request.request_id in self.held:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if len(self.waiting) >= self.config.max_num_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_num_waiting} requests)")
         bs = self.block_manager.block_size
-        num_prompt_blocks = -(-request.num_prompt_tokens // bs)
-        if num_prompt_blocks > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt needs {num_prompt_blocks} KV blocks; the cache has {self.block_manager.num_blocks}"
-            )
-        request.block_hashes = hash_blocks(request.prompt_token_ids, bs, self.hash_salt)
+        num_blocks = -(-request.num_tokens // bs)
+        if num_blocks > self.block_manager.num_blocks:
+            raise ValueError(f"prompt needs {num_blocks} KV blocks; the cache has {self.block_manager.num_blocks}")
+        request.block_hashes = hash_blocks(request.all_token_ids, bs, self.hash_salt)
+
+    # ---- disaggregation ------------------------------------------------------------------
+    def add_remote(self, request: Request) -> int | None:
+        """Reserve blocks for a prompt whose KV comes from a prefill replica; the request waits
+        outside the queues until ``activate_remote``. Returns how many leading prompt blocks
+        were already cached here (they need not travel), or None (nothing changed) when the
+        blocks are not free now."""
+        self._check_new(request)
+        bm = self.block_manager
+        full = request.block_hashes[: request.num_prompt_tokens // bm.block_size]
+        prefix = bm.match_prefix(full) if self.config.enable_prefix_caching else []
+        if bm.allocate_slots(request.request_id, request.num_prompt_tokens, prefix) is None:
+            return None
+        request.num_cached_tokens = len(prefix) * bm.block_size
+        request.status = RequestStatus.REMOTE_PREFILL
         self.requests[request.request_id] = request
         self._order[request.request_id] = (request.priority, request.arrival_time, next(self._seq))
+        return len(prefix)
+
+    def append_remote_token(self, request_id: str, token_id: int) -> Request | None:
+        """The prefill replica's first token. Returns the request if that token finished it (freed)."""
+        request = self.remote_request(request_id)
+        request.output_token_ids.append(token_id)
+        reason = self._check_stop(request)
+        if reason is None:
+            return None
+        self.finish_request(request_id, reason)
+        return request
+
+    def activate_remote(self, request_id: str) -> None:
+        """The prompt's KV is installed: the request joins the running batch for its next token."""
+        request = self.remote_request(request_id)
+        bs = self.block_manager.block_size
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.block_hashes = hash_blocks(request.all_token_ids, bs, self.hash_salt, request.block_hashes)
+        if self.config.enable_prefix_caching:
+            self.block_manager.cache_blocks(request_id, request.block_hashes[: request.num_prompt_tokens // bs])
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def fallback_to_local(self, request_id: str) -> None:
+        """The transfer failed: drop the reserved blocks and compute the request here (its
+        tokens so far are kept, as after a preemption)."""
+        request = self.remote_request(request_id)
+        self.block_manager.free(request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
         self._push_waiting(request)
+
+    def release_held(self, request_id: str) -> bool:
+        """Free a finished request's held blocks; False if it holds none."""
+        if self.held.pop(request_id, None) is None:
+            return False
+        self.block_manager.free(request_id)
+        return True
+
+    def remote_request(self, request_id: str) -> Request:
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.REMOTE_PREFILL:
+            raise KeyError(f"{request_id!r} is not awaiting a remote prefill")
+        return request
 
     def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
         """End a request (abort, stop string): free its blocks and drop it from the queues."""
@@ -104,9 +173,12 @@ class Scheduler:
             return None
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif request.status is not RequestStatus.REMOTE_PREFILL:
             self.waiting = [(k, r) for k, r in self.waiting if r is not request]
-        self.block_manager.free(request_id)
+        if request.hold_blocks and reason is not FinishReason.ABORT:
+            self.held[request_id] = request
+        else:
+            self.block_manager.free(request_id)
         self._order.pop(request_id, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -121,7 +193,8 @@ class Scheduler:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Work a step can do (requests awaiting a remote prefill are not steppable)."""
+        return bool(self.running or self.waiting)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -20,6 +20,13 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     num_preemptions: int = 0
+    num_prompt_tokens_computed: int = 0  # prompt tokens run through the model here (not cached, not remote)
+    num_remote_prefills: int = 0  # requests whose prompt KV came from a prefill replica
+    num_remote_fallbacks: int = 0  # of those, recomputed here after the transfer failed
+    num_kv_blocks_received: int = 0
+    num_kv_bytes_received: int = 0
+    num_kv_blocks_sent: int = 0
+    num_transfer_timeouts: int = 0  # held blocks released because the decode side never finished
     total_step_seconds: float = 0.0
     # gauges (filled by snapshot)
     num_running: int = 0

@@ -40,6 +40,11 @@ class EngineServiceStub:
                 request_serializer=tokenfleet_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=tokenfleet_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Prefill = channel.unary_stream(
+                '/tokenfleet.v1.EngineService/Prefill',
+                request_serializer=tokenfleet_dot_v1_dot_engine__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=tokenfleet_dot_v1_dot_engine__pb2.PrefillResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tokenfleet.v1.EngineService/Abort',
                 request_serializer=tokenfleet_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
@@ -66,6 +71,18 @@ class EngineServiceServicer:
         sampled and ends with one `final` message. Cancelling the call aborts the request at
         the next engine step and frees its KV blocks. Errors: INVALID_ARGUMENT for bad input,
         RESOURCE_EXHAUSTED when the worker's queue is full, UNAVAILABLE while draining.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefill(self, request, context):
+        """Disaggregated prefill, called by a decode worker: compute the prompt's KV and first
+        token here, then stream them: one `started` (the first token, sent as soon as it is
+        sampled), then the KV blocks layer by layer (`kv`, chunked under the message limit) or
+        one opaque `handoff` (backends that move KV with their own transceiver), then `done`.
+        The blocks stay pinned here until the stream ends, the caller cancels, or the transfer
+        timeout passes. FAILED_PRECONDITION when the caller's KV layout differs from ours.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,6 +116,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=tokenfleet_dot_v1_dot_engine__pb2.GenerateRequest.FromString,
                     response_serializer=tokenfleet_dot_v1_dot_engine__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Prefill': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=tokenfleet_dot_v1_dot_engine__pb2.PrefillRequest.FromString,
+                    response_serializer=tokenfleet_dot_v1_dot_engine__pb2.PrefillResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -144,6 +166,33 @@ class EngineService:
             '/tokenfleet.v1.EngineService/Generate',
             tokenfleet_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
             tokenfleet_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tokenfleet.v1.EngineService/Prefill',
+            tokenfleet_dot_v1_dot_engine__pb2.PrefillRequest.SerializeToString,
+            tokenfleet_dot_v1_dot_engine__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,27 @@ class TorchModelRunner:
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
 
+    # ---- KV transfer (disaggregated prefill) --------------------------------------------------
+    def kv_geometry(self) -> tuple[int, int, int, str]:
+        """(num_layers, num_kv_heads, head_dim, dtype name) of the cache."""
+        layers, kv_heads, _, _, head_dim = self.kv.k.shape
+        return layers, kv_heads, head_dim, str(self.kv.k.dtype).removeprefix("torch.")
+
+    def export_kv(self, layer: int, block_ids: Sequence[int]) -> tuple[bytes, bytes]:
+        """K and V of ``block_ids`` in one layer as raw [kv_heads, n, block_size, head_dim] bytes.
+        Safe off the engine thread for blocks nobody writes (held, full or owned by a finished request)."""
+        index = self._tensor(list(block_ids))
+        return tuple(_raw(cache[layer].index_select(1, index)) for cache in (self.kv.k, self.kv.v))  # type: ignore[return-value]
+
+    def import_kv(self, layer: int, block_ids: Sequence[int], k: bytes, v: bytes) -> None:
+        """Write received blocks into the cache (engine thread: the blocks are reserved, not yet read)."""
+        index = self._tensor(list(block_ids))
+        _, kv_heads, _, block_size, head_dim = self.kv.k.shape
+        shape = (kv_heads, len(block_ids), block_size, head_dim)
+        for cache, raw in ((self.kv.k, k), (self.kv.v, v)):
+            values = torch.frombuffer(bytearray(raw), dtype=cache.dtype).view(shape)
+            cache[layer].index_copy_(1, index, values.to(self.device))
+
     def build_batch(
         self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]
     ) -> tuple[torch.Tensor, ForwardBatch]:
@@ -99,3 +120,8 @@ class TorchModelRunner:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    """A tensor's values as bytes (little-endian on every platform we run on)."""
+    return t.contiguous().cpu().view(torch.uint8).numpy().tobytes()
