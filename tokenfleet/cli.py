@@ -90,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     up_cmd.add_argument("--model", help="HF model folder (default: the imported SmolLM2-135M-Instruct)")
     up_cmd.add_argument("--model-name", default=None, help="served model name (default: smollm2-135m-instruct)")
     up_cmd.add_argument("--role", default="both", choices=["both", "decode", "prefill"], help="workers' role")
+    up_cmd.add_argument("--prefill-workers", type=int, default=0,
+                        help="disaggregate: start this many prefill workers; the --workers then decode only")
     up_cmd.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                         help="dtype in the model's registry record")
     up_cmd.add_argument("--threads", type=int, default=1, help="torch threads per worker")
@@ -252,7 +254,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return 0
     model_dir = args.model or str(ensure_default_model())
     name = args.model_name or DEFAULT_MODEL_NAME
-    cluster = launcher.up(args.workers, model_dir, name, args.threads, args.port, args.role, args.dtype)
+    cluster = launcher.up(args.workers, model_dir, name, args.threads, args.port, args.role, args.dtype,
+                          args.prefill_workers)
     try:
         print(f"gateway: {cluster.gateway_url}/v1  (model {name}, {args.workers} worker(s), etcd {cluster.etcd.endpoint})",
               flush=True)

@@ -21,3 +21,8 @@ def num_threads() -> int | None:
 def device() -> str | None:
     """Device override for the torch backend ("cpu", "cuda", "cuda:1"); None = auto."""
     return os.environ.get("TOKENFLEET_DEVICE") or None
+
+
+def check_invariants() -> bool:
+    """Check the KV block manager's bookkeeping after every engine step (tests, debugging; slow)."""
+    return os.environ.get("TOKENFLEET_CHECK_INVARIANTS", "") not in ("", "0")

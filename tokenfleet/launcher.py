@@ -74,15 +74,20 @@ def register_model(registry: str, name: str, model_dir: str, dtype: str = "bfloa
 
 
 def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_port: int,
-       role: str = "both", dtype: str = "bfloat16") -> Cluster:
+       role: str = "both", dtype: str = "bfloat16", prefill_workers: int = 0) -> Cluster:
+    """``prefill_workers`` > 0 disaggregates: that many prefill workers, and the ``num_workers``
+    others decode only (unless ``role`` says otherwise); the router sends long prompts' prefill there."""
     cluster = Cluster(EtcdServer.create().start())
     try:
         etcd = cluster.etcd.endpoint
         registry = cluster.spawn("registry", "tokenfleet.services.registry", "--etcd", etcd)
         register_model(registry, model_name, model_dir, dtype)
-        for i in range(num_workers):
-            cluster.spawn(f"worker-{i}", "tokenfleet.services.decode", "--registry", registry, "--model-name",
-                          model_name, "--etcd", etcd, "--replica-id", f"worker-{i}", "--role", role, threads=threads)
+        decode_role = "decode" if prefill_workers and role == "both" else role
+        roles = [(f"worker-{i}", decode_role) for i in range(num_workers)]
+        roles += [(f"prefill-{i}", "prefill") for i in range(prefill_workers)]
+        for name, worker_role in roles:
+            cluster.spawn(name, "tokenfleet.services.decode", "--registry", registry, "--model-name",
+                          model_name, "--etcd", etcd, "--replica-id", name, "--role", worker_role, threads=threads)
         router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", etcd)
         gateway = cluster.spawn("gateway", "tokenfleet.services.gateway", "--router", router, "--registry", registry,
                                 "--port", str(gateway_port))

@@ -13,6 +13,7 @@ import structlog
 from tokenfleet.api.openai_schema import APIError
 from tokenfleet.cluster.registry import RegistryConflictError
 from tokenfleet.engine.interface import EngineOverloadedError, EngineStoppedError
+from tokenfleet.engine.kv_transfer import KVLayoutError, KVTransferError
 from tokenfleet.telemetry.request_id import from_metadata
 
 log = structlog.get_logger()
@@ -21,6 +22,8 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (EngineOverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),
     (RegistryConflictError, grpc.StatusCode.ALREADY_EXISTS),
+    (KVLayoutError, grpc.StatusCode.FAILED_PRECONDITION),
+    (KVTransferError, grpc.StatusCode.ABORTED),
     (LookupError, grpc.StatusCode.NOT_FOUND),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 ]

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from tokenfleet.engine.output import RequestOutput, TokenLogprobs
+from tokenfleet.engine.kv_transfer import (
+    DTYPE_SIZES,
+    Handoff,
+    KVChunkData,
+    KVLayout,
+    KVLayoutError,
+    KVTransferError,
+    PrefillDone,
+    PrefillEvent,
+    PrefillStarted,
+)
+from tokenfleet.engine.output import RequestOutput, Resume, TokenLogprobs
 from tokenfleet.engine.request import FinishReason, Priority
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.v1 import common_pb2, engine_pb2
@@ -78,3 +89,56 @@ def responses(out: RequestOutput) -> list[engine_pb2.GenerateResponse]:
             final.stop_token_id = out.stop_reason
         messages.append(engine_pb2.GenerateResponse(final=final))
     return messages
+
+
+def resume(msg: engine_pb2.ResumeState) -> Resume | None:
+    return Resume(tuple(msg.output_token_ids), msg.text) if msg.output_token_ids else None
+
+
+def layout_to_proto(layout: KVLayout) -> engine_pb2.KVLayout:
+    return engine_pb2.KVLayout(hash_salt=layout.hash_salt, dtype=layout.dtype, block_size=layout.block_size,
+                               num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                               head_dim=layout.head_dim)
+
+
+def layout_from_proto(msg: engine_pb2.KVLayout) -> KVLayout:
+    if msg.dtype not in DTYPE_SIZES or msg.block_size == 0:
+        raise KVLayoutError(f"invalid KV layout: dtype {msg.dtype!r}, block size {msg.block_size}")
+    return KVLayout(msg.hash_salt, msg.dtype, msg.block_size, msg.num_layers, msg.num_kv_heads, msg.head_dim)
+
+
+def _logprob_from(msg: common_pb2.TokenLogprob) -> TokenLogprobs:
+    return TokenLogprobs(msg.token_id, msg.logprob, msg.rank, tuple((t.token_id, t.logprob) for t in msg.top))
+
+
+def prefill_response(event: PrefillEvent) -> engine_pb2.PrefillResponse:
+    if isinstance(event, PrefillStarted):
+        started = engine_pb2.PrefillStarted(token_id=event.token_id, num_cached_tokens=event.num_cached_tokens,
+                                            first_block=event.first_block, num_blocks=event.num_blocks,
+                                            num_chunks=event.num_chunks)
+        if event.logprobs is not None:
+            started.logprob.CopyFrom(_logprob(event.logprobs))
+        return engine_pb2.PrefillResponse(started=started)
+    if isinstance(event, KVChunkData):
+        return engine_pb2.PrefillResponse(kv=engine_pb2.KVChunk(
+            seq=event.seq, layer=event.layer, first_block=event.first_block, num_blocks=event.num_blocks,
+            k=event.k, v=event.v))
+    if isinstance(event, Handoff):
+        return engine_pb2.PrefillResponse(handoff=event.payload)
+    return engine_pb2.PrefillResponse(done=engine_pb2.PrefillDone(num_bytes=event.num_bytes))
+
+
+def prefill_event(msg: engine_pb2.PrefillResponse) -> PrefillEvent:
+    kind = msg.WhichOneof("kind")
+    if kind == "started":
+        s = msg.started
+        return PrefillStarted(s.token_id, _logprob_from(s.logprob) if s.HasField("logprob") else None,
+                              s.num_cached_tokens, s.first_block, s.num_blocks, s.num_chunks)
+    if kind == "kv":
+        c = msg.kv
+        return KVChunkData(c.seq, c.layer, c.first_block, c.num_blocks, c.k, c.v)
+    if kind == "handoff":
+        return Handoff(msg.handoff)
+    if kind == "done":
+        return PrefillDone(msg.done.num_bytes)
+    raise KVTransferError("empty PrefillResponse")

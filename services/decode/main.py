@@ -43,6 +43,10 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
     p.add_argument("--num-blocks", type=int)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-waiting", type=int, default=1024)
+    p.add_argument("--transfer-timeout", type=float, default=30.0,
+                   help="seconds a KV transfer may take: prefill-side held blocks are freed after it, and a "
+                   "decode worker prefills locally instead")
+    p.add_argument("--max-prefill-chunk", type=int, default=0, help="cap each request's prefill chunk (0 = budget)")
     p.add_argument("--grace-seconds", type=float, default=30.0, help="drain deadline on SIGTERM")
     p.add_argument("--etcd", help="etcd endpoint host:port; register in replicas/<model>/<id> (omit: standalone)")
     p.add_argument("--etcd-root", default="/tokenfleet/v1/")
@@ -70,6 +74,7 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
         num_blocks=args.num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_waiting=args.max_num_waiting,
+        max_prefill_chunk=args.max_prefill_chunk,
     )
 
 
@@ -81,7 +86,7 @@ async def serve(args: argparse.Namespace) -> None:
         record = await fetch_record(args.registry, args.model_name)
         log.info("model from the registry", ref=record.ref, path=record.path)
     config = engine_config(args, record)
-    engine = AsyncEngine(lambda: build_engine_core(config))
+    engine = AsyncEngine(lambda: build_engine_core(config), transfer_timeout=args.transfer_timeout)
     await engine.start()
     server = GrpcServer([engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name], args.host, args.port)
     address = args.advertise_address or server.address
@@ -112,6 +117,7 @@ async def serve(args: argparse.Namespace) -> None:
         if registration is not None:
             await registration.stop()
             await registration.client.close()
+        await worker.close()
         await engine.shutdown()
 
 

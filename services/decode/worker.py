@@ -1,6 +1,8 @@
-"""The engine worker servicer: Generate / Abort / Load / Drain over any ``Engine``.
+"""The engine worker servicer: Generate / Prefill / Abort / Load / Drain over any ``Engine``.
 
-Shared by the decode and prefill services (role decides what placement sends it).
+Shared by the decode and prefill services (role decides what placement sends it). A Generate
+that names a prefill replica pulls the prompt's first token and KV from that replica's
+Prefill stream (``RemotePrefill``); any failure there falls back to prefilling here.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 import structlog
@@ -17,7 +19,9 @@ from tokenfleet.services.common.errors import map_errors
 from tokenfleet.services.decode import convert
 
 from tokenfleet.engine.interface import Engine, EngineStoppedError
+from tokenfleet.engine.kv_transfer import KVLayout, KVTransferError, PrefillEvent
 from tokenfleet.telemetry.latency import RecentLatencies
+from tokenfleet.telemetry.request_id import metadata as request_id_metadata
 from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger()
@@ -43,6 +47,16 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         self.draining = False
         self.in_flight: set[str] = set()
         self.latencies = RecentLatencies()
+        self.channels: dict[str, grpc.aio.Channel] = {}  # prefill replicas this worker pulls KV from
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self.channels:
+            self.channels[address] = grpc.aio.insecure_channel(address, options=KV_CHANNEL_OPTIONS)
+        return self.channels[address]
+
+    async def close(self) -> None:
+        for channel in self.channels.values():
+            await channel.close()
 
     @map_errors
     async def Generate(
@@ -55,9 +69,13 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         if request_id in self.in_flight:
             raise ValueError(f"request id {request_id!r} is already in flight")
         start, first, last, count = time.monotonic(), None, None, 0
+        kv_source = None
+        if request.HasField("prefill") and request.prefill.address:
+            kv_source = RemotePrefill(self.channel(request.prefill.address), request, context)
         self.in_flight.add(request_id)
         stream = self.engine.generate(
-            list(request.prompt_token_ids), params, request_id, convert.priority(request.priority)
+            list(request.prompt_token_ids), params, request_id, convert.priority(request.priority),
+            resume=convert.resume(request.resume), kv_source=kv_source,
         )
         try:
             # aclosing: a cancelled call closes the engine stream now, which aborts the request.
@@ -77,6 +95,28 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
                      duration_ms=round(1000 * (time.monotonic() - start), 1))
 
     @map_errors
+    async def Prefill(
+        self, request: engine_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.PrefillResponse]:
+        if self.draining:
+            raise EngineStoppedError("worker is draining")
+        params = convert.sampling_params(request.sampling)
+        layout = convert.layout_from_proto(request.layout) if request.HasField("layout") else None
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self.in_flight:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        self.in_flight.add(request_id)
+        stream = self.engine.prefill(list(request.prompt_token_ids), params, request_id,
+                                     convert.priority(request.priority), list(request.held_block_hashes), layout)
+        try:
+            # A cancelled call (the decode side went away) closes the stream: the held blocks are freed.
+            async with contextlib.aclosing(stream) as events:
+                async for event in events:
+                    yield convert.prefill_response(event)
+        finally:
+            self.in_flight.discard(request_id)
+
+    @map_errors
     async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
         await self.engine.abort(request.request_id)
         return engine_pb2.AbortResponse()
@@ -86,8 +126,18 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.LoadReport]:
         interval = (request.interval_ms or DEFAULT_LOAD_INTERVAL_MS) / 1000
+        sent: frozenset[bytes] | None = None
         while True:
-            yield self.report()
+            report = self.report()
+            hashes = self.engine.cached_block_hashes()
+            if sent is None:
+                report.hashes_reset = True
+                report.added_block_hashes.extend(hashes)
+            elif hashes is not sent:
+                report.added_block_hashes.extend(hashes - sent)
+                report.removed_block_hashes.extend(sent - hashes)
+            sent = hashes
+            yield report
             await asyncio.sleep(interval)
 
     @map_errors
@@ -110,6 +160,7 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
 
     def report(self) -> engine_pb2.LoadReport:
         stats = self.engine.stats()
+        layout = self.engine.kv_layout()
         state = engine_pb2.WORKER_STATE_DRAINING if self.draining else engine_pb2.WORKER_STATE_SERVING
         return engine_pb2.LoadReport(
             state=state,
@@ -125,4 +176,37 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             ttft_ms_recent=self.latencies.ttft_ms,
             tpot_ms_recent=self.latencies.tpot_ms,
             step_ms_mean=1000 * stats.mean_step_seconds,
+            layout=convert.layout_to_proto(layout) if layout is not None else None,
+            num_prompt_tokens_computed=stats.num_prompt_tokens_computed,
+            num_kv_blocks_sent=stats.num_kv_blocks_sent,
+            num_kv_blocks_received=stats.num_kv_blocks_received,
+            num_remote_prefills=stats.num_remote_prefills,
+            num_kv_bytes_received=stats.num_kv_bytes_received,
         )
+
+
+KV_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 16 << 20)]
+
+
+class RemotePrefill:
+    """A KV source over gRPC: calls the prefill replica's Prefill for one Generate request."""
+
+    def __init__(self, channel: grpc.aio.Channel, request: engine_pb2.GenerateRequest,
+                 context: grpc.aio.ServicerContext):
+        self.stub = engine_pb2_grpc.EngineServiceStub(channel)
+        self.request = request
+        self.replica = request.prefill.replica_id or request.prefill.address
+        self.metadata = request_id_metadata(request.request_id) if request.request_id else ()
+
+    async def __call__(self, held_block_hashes: Sequence[bytes], layout: KVLayout) -> AsyncGenerator[PrefillEvent, None]:
+        r = self.request
+        call = self.stub.Prefill(engine_pb2.PrefillRequest(
+            request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, sampling=r.sampling, priority=r.priority,
+            held_block_hashes=list(held_block_hashes), layout=convert.layout_to_proto(layout)), metadata=self.metadata)
+        try:
+            async for message in call:
+                yield convert.prefill_event(message)
+        except grpc.aio.AioRpcError as e:
+            raise KVTransferError(f"prefill replica {self.replica}: {e.code().name}: {e.details()}") from e
+        finally:
+            call.cancel()  # no-op when finished; frees the prefill side's held blocks when we stop early

@@ -125,13 +125,14 @@ class Gateway:
     async def model(self, name: str) -> ServedModel:
         return await self.models.get(name)
 
-    async def pick(self, model: str, request_id: str, num_prompt_tokens: int, exclude: Sequence[str] = ()
-                   ) -> router_pb2.PickResponse:
+    async def pick(self, model: str, request_id: str, prompt: Sequence[int], exclude: Sequence[str] = (),
+                   colocated: bool = False) -> router_pb2.PickResponse:
+        """A placement from the router; it hashes ``prompt`` to find replicas holding its prefix."""
         stub = router_pb2_grpc.RouterServiceStub(self.channel(self.router_address))
         try:
             picked = await stub.Pick(router_pb2.PickRequest(model=model, request_id=request_id,
-                                                            num_prompt_tokens=num_prompt_tokens,
-                                                            exclude_replica_ids=list(exclude)),
+                                                            num_prompt_tokens=len(prompt), prompt_token_ids=prompt,
+                                                            exclude_replica_ids=list(exclude), colocated=colocated),
                                      metadata=_trace_metadata(), timeout=PICK_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
@@ -176,10 +177,12 @@ class Gateway:
         draining, full) is excluded and the request placed again, up to MAX_PLACEMENTS times."""
         failed: list[str] = []
         while True:
-            picked = await self.pick(model.ref, request_id, len(prompt), failed)
+            picked = await self.pick(model.ref, request_id, prompt, failed)
             stub = engine_pb2_grpc.EngineServiceStub(self.channel(picked.address))
-            call = stub.Generate(engine_pb2.GenerateRequest(
-                request_id=request_id, prompt_token_ids=prompt, sampling=to_proto(params)), metadata=_trace_metadata())
+            request = engine_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=to_proto(params))
+            if picked.prefill_address:
+                request.prefill.replica_id, request.prefill.address = picked.prefill_replica_id, picked.prefill_address
+            call = stub.Generate(request, metadata=_trace_metadata())
             responded = False
             try:
                 async for response in call:

@@ -26,6 +26,8 @@ class FleetView:
     def __init__(self, etcd: EtcdClient):
         self.etcd = etcd
         self.loads: dict[str, ReplicaLoad] = {}  # etcd key -> latest load
+        self.hashes: dict[str, set[bytes]] = {}  # etcd key -> block hashes the replica reports cached
+        self.layouts: dict[str, tuple[str, int]] = {}  # etcd key -> (hash salt, block size) from its reports
         self.models: dict[str, tuple[str, str]] = {}  # etcd key -> (model name, version)
         self.registry = RegistryView()
         self._streams: dict[str, asyncio.Task] = {}
@@ -62,6 +64,14 @@ class FleetView:
     def snapshot(self, name: str, version: str = "") -> FleetSnapshot:
         return FleetSnapshot(tuple(load for key, load in self.loads.items() if self._serves(key, name, version)))
 
+    def prefix_view(self, snapshot: FleetSnapshot) -> tuple[tuple[str, int] | None, dict[str, set[bytes]]]:
+        """(hash salt, block size) to hash prompts with, and each snapshot replica's reported hashes.
+        Replicas of one model share a layout; one that differs never matches (its hashes differ)."""
+        ids = {r.replica_id for r in snapshot.replicas}
+        keys = [key for key, load in self.loads.items() if load.replica_id in ids]
+        layout = next((self.layouts[key] for key in keys if key in self.layouts), None)
+        return layout, {self.loads[key].replica_id: self.hashes.get(key, set()) for key in keys}
+
     def note_assignment(self, replica_id: str, name: str, version: str = "") -> None:
         for key, load in self.loads.items():
             if load.replica_id == replica_id and self._serves(key, name, version):
@@ -94,6 +104,8 @@ class FleetView:
 
     def _remove(self, key: str) -> None:
         self.loads.pop(key, None)
+        self.hashes.pop(key, None)
+        self.layouts.pop(key, None)
         self.models.pop(key, None)
         task = self._streams.pop(key, None)
         if task is not None:
@@ -120,6 +132,14 @@ class FleetView:
         load = self.loads.get(key)
         if load is None:
             return
+        if report.hashes_reset:
+            self.hashes[key] = set(report.added_block_hashes)
+        else:
+            held = self.hashes.setdefault(key, set())
+            held.difference_update(report.removed_block_hashes)
+            held.update(report.added_block_hashes)
+        if report.HasField("layout"):
+            self.layouts[key] = (report.layout.hash_salt, report.layout.block_size)
         draining = report.state == engine_pb2.WORKER_STATE_DRAINING
         self.loads[key] = dataclasses.replace(
             load,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 from collections.abc import Sequence
 
 import structlog
@@ -10,12 +12,16 @@ from tokenfleet.services.common.server import GrpcServer, run_service, serve_met
 from tokenfleet.services.router.fleet import FleetView
 from tokenfleet.services.router.servicer import Router
 
+from tokenfleet.cluster.affinity import DEFAULT_TTL, AffinityMap
 from tokenfleet.cluster.etcd import EtcdClient
+from tokenfleet.routing.placement import DisaggConfig
+from tokenfleet.routing.prefix import PrefixPolicyConfig
 from tokenfleet.telemetry.metrics import RouterMetrics
 from tokenfleet.v1 import router_pb2, router_pb2_grpc
 
 log = structlog.get_logger()
-POLICIES = {"least-loaded": router_pb2.POLICY_LEAST_LOADED, "round-robin": router_pb2.POLICY_ROUND_ROBIN}
+POLICIES = {"prefix-aware": router_pb2.POLICY_PREFIX_AWARE, "least-loaded": router_pb2.POLICY_LEAST_LOADED,
+            "round-robin": router_pb2.POLICY_ROUND_ROBIN}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -24,7 +30,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--etcd-root", default="/tokenfleet/v1/")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--policy", choices=sorted(POLICIES), default="least-loaded")
+    p.add_argument("--policy", choices=sorted(POLICIES), default="prefix-aware")
+    p.add_argument("--min-match-blocks", type=int, default=PrefixPolicyConfig.min_match_blocks,
+                   help="prefix matches shorter than this many KV blocks are ignored (one short shared "
+                   "system prompt does not pin traffic)")
+    p.add_argument("--load-slack", type=float, default=PrefixPolicyConfig.load_slack,
+                   help="stay on the replica holding a prefix until its load exceeds (1 + this) x the pool mean")
+    p.add_argument("--disagg-min-tokens", type=int, default=DisaggConfig.min_uncached_tokens,
+                   help="a decode-only replica gets a separate prefill replica only for prompts with at least "
+                   "this many tokens it does not hold")
+    p.add_argument("--affinity-ttl", type=int, default=DEFAULT_TTL,
+                   help="seconds an affinity entry lives in etcd after its last write")
     p.add_argument("--grace-seconds", type=float, default=5.0)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = any free port)")
     return p.parse_args(argv)
@@ -34,9 +50,15 @@ async def serve(args: argparse.Namespace) -> None:
     etcd = EtcdClient(args.etcd, args.etcd_root)
     fleet = FleetView(etcd)
     await fleet.start()
+    affinity = AffinityMap(etcd, args.affinity_ttl)
+    await affinity.start()
+    with contextlib.suppress(TimeoutError):  # route by the recorded affinity from the first Pick on
+        await asyncio.wait_for(affinity.synced.wait(), timeout=5)
+    prefix = PrefixPolicyConfig(min_match_blocks=args.min_match_blocks, load_slack=args.load_slack)
     server = GrpcServer([router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name], args.host, args.port)
     metrics = RouterMetrics(fleet.metric_rows)
-    router_pb2_grpc.add_RouterServiceServicer_to_server(Router(fleet, POLICIES[args.policy], metrics), server.server)
+    router = Router(fleet, POLICIES[args.policy], metrics, affinity, prefix, DisaggConfig(args.disagg_min_tokens))
+    router_pb2_grpc.add_RouterServiceServicer_to_server(router, server.server)
     await server.start()
     log.info("router serving", address=server.address, policy=args.policy)
     serve_metrics(metrics.registry, args.host, args.metrics_port)
@@ -45,6 +67,7 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await server.run_until_signal(None, args.grace_seconds)
     finally:
+        await affinity.stop()
         await fleet.stop()
         await etcd.close()
 

@@ -1,4 +1,5 @@
-"""RouterService: Pick a replica for a request from the fleet view with a pure policy."""
+"""RouterService: Pick a replica for a request from the fleet view with a pure placement
+(tokenfleet.routing.placement), and record prefix assignments in the etcd affinity map."""
 
 from __future__ import annotations
 
@@ -7,20 +8,39 @@ import structlog
 from tokenfleet.services.common.errors import map_errors
 from tokenfleet.services.router.fleet import FleetView
 
-from tokenfleet.routing.policies import NoReplicaError, RoundRobin, least_loaded
+from tokenfleet.cluster.affinity import AffinityMap
+from tokenfleet.engine.block_hash import hash_blocks
+from tokenfleet.routing.placement import (
+    DEFAULT_DISAGG_CONFIG,
+    LEAST_LOADED,
+    PREFIX_AWARE,
+    ROUND_ROBIN,
+    DisaggConfig,
+    live_homes,
+    place,
+)
+from tokenfleet.routing.policies import NoReplicaError, RoundRobin
+from tokenfleet.routing.prefix import DEFAULT_PREFIX_CONFIG, PrefixPolicyConfig
 from tokenfleet.telemetry.metrics import RouterMetrics
 from tokenfleet.v1 import router_pb2, router_pb2_grpc
 
 log = structlog.get_logger()
+_POLICY_NAMES = {router_pb2.POLICY_PREFIX_AWARE: PREFIX_AWARE, router_pb2.POLICY_LEAST_LOADED: LEAST_LOADED,
+                 router_pb2.POLICY_ROUND_ROBIN: ROUND_ROBIN}
 
 
 class Router(router_pb2_grpc.RouterServiceServicer):
-    def __init__(self, fleet: FleetView, default_policy: int = router_pb2.POLICY_LEAST_LOADED,
-                 metrics: RouterMetrics | None = None):
+    def __init__(self, fleet: FleetView, default_policy: int = router_pb2.POLICY_PREFIX_AWARE,
+                 metrics: RouterMetrics | None = None, affinity: AffinityMap | None = None,
+                 prefix_config: PrefixPolicyConfig = DEFAULT_PREFIX_CONFIG,
+                 disagg: DisaggConfig = DEFAULT_DISAGG_CONFIG):
         self.fleet = fleet
         self.metrics = metrics or RouterMetrics(fleet.metric_rows)
         self.default_policy = default_policy
         self.round_robin = RoundRobin()
+        self.affinity = affinity
+        self.prefix_config = prefix_config
+        self.disagg = disagg
 
     @map_errors
     async def Pick(self, request: router_pb2.PickRequest, context: grpc.aio.ServicerContext) -> router_pb2.PickResponse:
@@ -30,14 +50,37 @@ class Router(router_pb2_grpc.RouterServiceServicer):
             self.metrics.picks.labels("", "not_found").inc()
             raise
         snapshot = self.fleet.snapshot(name, version).without(request.exclude_replica_ids)
-        policy = request.policy or self.default_policy
+        layout, cached = self.fleet.prefix_view(snapshot)
+        prompt = list(request.prompt_token_ids)
+        chain = hash_blocks(prompt, layout[1], layout[0]) if prompt and layout is not None else []
+        block_size = layout[1] if layout is not None else 1
+        anchor_homes: tuple[str, ...] = ()
+        if self.affinity is not None and len(chain) >= self.prefix_config.min_match_blocks:
+            anchor_homes = self.affinity.homes_of(name, chain[self.prefix_config.min_match_blocks - 1])
+        policy = _POLICY_NAMES.get(request.policy or self.default_policy, PREFIX_AWARE)
         try:
-            chosen = self.round_robin.pick(snapshot) if policy == router_pb2.POLICY_ROUND_ROBIN else least_loaded(snapshot)
+            placement = place(snapshot, chain, cached, anchor_homes, len(prompt) or request.num_prompt_tokens,
+                              block_size, policy, self.round_robin, self.prefix_config, self.disagg,
+                              colocated=request.colocated)
         except NoReplicaError as e:
             self.metrics.picks.labels(name, "unavailable").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{name}@{version or '*'}: {e}")
+        chosen = placement.decode
+        if placement.record_home and placement.anchor is not None and self.affinity is not None:
+            live = {r.replica_id for r in self.fleet.snapshot(name, version).replicas}
+            self.affinity.record(name, placement.anchor, live_homes(anchor_homes, live, chosen.replica_id))
         self.fleet.note_assignment(chosen.replica_id, name, version)
+        if placement.prefill is not None:
+            self.fleet.note_assignment(placement.prefill.replica_id, name, version)
         self.metrics.picks.labels(name, "ok").inc()
-        log.debug("picked", model=f"{name}@{version}", replica=chosen.replica_id)
-        return router_pb2.PickResponse(replica_id=chosen.replica_id, address=chosen.address, model=name,
-                                       model_version=version)
+        log.debug("picked", model=f"{name}@{version}", replica=chosen.replica_id, policy=policy,
+                  matched_blocks=placement.matched_blocks,
+                  prefill=placement.prefill.replica_id if placement.prefill else None)
+        response = router_pb2.PickResponse(replica_id=chosen.replica_id, address=chosen.address, model=name,
+                                           model_version=version,
+                                           cached_prompt_tokens=min(placement.matched_blocks * block_size,
+                                                                    len(prompt)))
+        if placement.prefill is not None:
+            response.prefill_replica_id = placement.prefill.replica_id
+            response.prefill_address = placement.prefill.address
+        return response

@@ -16,13 +16,14 @@ import dataclasses
 import functools
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
+from tokenfleet import envs
 from tokenfleet.engine.block_hash import hash_blocks
 from tokenfleet.engine.core import EngineCore
 from tokenfleet.engine.interface import EngineOverloadedError, EngineStoppedError
@@ -96,6 +97,9 @@ class AsyncEngine:
         self._core_factory = core_factory
         self.transfer_timeout = transfer_timeout  # both sides: a KV transfer that takes longer is abandoned
         self._kv_blocks_sent = 0
+        self._hashes: frozenset[bytes] = frozenset()  # the prefix cache's block hashes, as of the last step
+        self._hash_version = -1
+        self._check_invariants = envs.check_invariants()
         self._core: EngineCore | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
@@ -133,6 +137,15 @@ class AsyncEngine:
     def kv_layout(self) -> KVLayout:
         return self.core.kv_layout()
 
+    def cached_block_hashes(self) -> frozenset[bytes]:
+        return self._hashes
+
+    def _snapshot(self, core: EngineCore) -> None:
+        self._stats = core.snapshot()
+        bm = core.scheduler.block_manager
+        if bm.hash_version != self._hash_version:
+            self._hashes, self._hash_version = frozenset(bm.cached_hashes()), bm.hash_version
+
     @property
     def core(self) -> EngineCore:
         if self._core is None:
@@ -149,7 +162,7 @@ class AsyncEngine:
         resume: Resume | None = None,
         kv_source: KVSource | None = None,
         hold_kv: bool = False,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """``resume``: continue after output another replica delivered. ``kv_source``: pull the
         prompt's first token and KV from a prefill replica (falls back to local prefill when the
         blocks are not free or the transfer fails). ``hold_kv``: keep the blocks when done (prefill)."""
@@ -259,7 +272,7 @@ class AsyncEngine:
         priority: int = Priority.INTERACTIVE,
         held_block_hashes: Sequence[bytes] = (),
         layout: KVLayout | None = None,
-    ) -> AsyncIterator[PrefillEvent]:
+    ) -> AsyncGenerator[PrefillEvent, None]:
         """Prefill side: compute the prompt to its first token, then stream the blocks the caller
         does not hold, layer by layer. The blocks stay pinned until this iterator closes (or the
         engine's hold timeout). KVLayoutError when ``layout`` differs from ours, ValueError for
@@ -324,12 +337,14 @@ class AsyncEngine:
             if core.has_unfinished():
                 try:
                     outputs = core.step()
+                    if self._check_invariants:
+                        core.scheduler.block_manager.check_invariants()
                 except Exception as e:  # noqa: BLE001 - fail every stream, never hang them
                     self._fail_all(core, e)
                     return
                 for out in outputs:
                     self._deliver(out)
-            self._stats = core.snapshot()
+            self._snapshot(core)
 
     def _fail_all(self, core: EngineCore, error: Exception) -> None:
         self.error = error
@@ -348,7 +363,7 @@ class AsyncEngine:
             except queue.Empty:
                 if block:
                     core.expire_held()
-                    self._stats = core.snapshot()
+                    self._snapshot(core)
                     continue
                 return True
             block = False

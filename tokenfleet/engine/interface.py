@@ -5,10 +5,11 @@ Nothing here assumes our scheduler, block manager or torch.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol, runtime_checkable
 
-from tokenfleet.engine.output import RequestOutput
+from tokenfleet.engine.kv_transfer import KVLayout, KVSource, PrefillEvent
+from tokenfleet.engine.output import RequestOutput, Resume
 from tokenfleet.engine.request import Priority
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.stats import EngineStats
@@ -33,10 +34,33 @@ class Engine(Protocol):
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = Priority.INTERACTIVE,
-    ) -> AsyncIterator[RequestOutput]:
+        resume: Resume | None = None,
+        kv_source: KVSource | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream deltas until one with ``finished``. Closing the iterator early aborts the
         request and frees its resources. Raises ValueError for invalid input,
-        EngineOverloadedError when full, EngineStoppedError when draining."""
+        EngineOverloadedError when full, EngineStoppedError when draining.
+
+        ``resume``: output another replica already delivered (continue after it).
+        ``kv_source``: take the prompt's first token and KV from a prefill replica."""
+
+    def prefill(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = Priority.INTERACTIVE,
+        held_block_hashes: Sequence[bytes] = (),
+        layout: KVLayout | None = None,
+    ) -> AsyncGenerator[PrefillEvent, None]:
+        """Prefill role: run the prompt to its first token and stream it, then the KV the caller
+        lacks (our engine) or one opaque hand-off (a backend with its own transceiver)."""
+
+    def kv_layout(self) -> KVLayout | None:
+        """What this engine's KV blocks mean (None: it cannot exchange raw blocks)."""
+
+    def cached_block_hashes(self) -> frozenset[bytes]:
+        """Block hashes in the prefix cache now (routers score replicas with them)."""
 
     async def abort(self, request_id: str) -> None:
         """End a request; its stream yields a final output with finish reason ABORT."""

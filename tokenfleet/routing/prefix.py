@@ -14,8 +14,8 @@ request goes to the least-loaded replica, so one short system prompt shared by e
 does not send all traffic to one replica. A burst of same-prefix requests is not herded onto
 one replica because the router's own pending assignments count as load.
 
-Not wired into the router yet: the disaggregation issue (#4) adds the affinity map, the
-workers' reported hashes and the service plumbing; this module is the policy they will call.
+The router (services/router) calls it through tokenfleet.routing.placement with the hashes
+workers report in their load streams and the etcd affinity map (tokenfleet.cluster.affinity).
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class PrefixPolicyConfig:
             raise ValueError("load_slack must be >= 0")
         if self.spill_floor < 0:
             raise ValueError("spill_floor must be >= 0")
+
+
+DEFAULT_PREFIX_CONFIG = PrefixPolicyConfig()
 
 
 @dataclass(frozen=True)

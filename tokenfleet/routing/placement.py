@@ -1,0 +1,106 @@
+"""The whole placement decision, pure: which decode replica, whether a separate prefill
+replica computes the prompt, and whether the prefix's affinity entry must be written.
+
+Inputs are what a router knows: the fleet snapshot, the prompt's block-hash chain, the block
+hashes each replica reports, and the affinity map's homes of the prompt's anchor (the hash of
+its ``min_match_blocks``-th block, ``affinity/<model>/<anchor>`` in etcd). A home counts as
+holding the anchor's blocks even before the replica has reported them, so a burst of one new
+prefix and a freshly restarted router both follow the recorded assignment.
+
+Disaggregation is conditional: a replica with the prefill role prefills its own requests; a
+decode-only replica gets a separate prefill replica only when the prompt has at least
+``min_uncached_tokens`` tokens it does not hold already (short prompts and mostly cached
+prompts are cheaper to prefill locally, in chunks, than to ship).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from tokenfleet.routing.policies import FleetSnapshot, ReplicaLoad, RoundRobin, least_loaded
+from tokenfleet.routing.prefix import DEFAULT_PREFIX_CONFIG, PrefixPolicyConfig, matched_prefix, prefix_aware
+
+PREFIX_AWARE, LEAST_LOADED, ROUND_ROBIN = "prefix-aware", "least-loaded", "round-robin"
+POLICIES = (PREFIX_AWARE, LEAST_LOADED, ROUND_ROBIN)
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    # Measured with benchmarks/kv_transfer.py (see its report): below this many uncached prompt
+    # tokens a local chunk costs less than a transfer.
+    min_uncached_tokens: int = 256
+
+
+DEFAULT_DISAGG_CONFIG = DisaggConfig()
+
+
+@dataclass(frozen=True)
+class Placement:
+    decode: ReplicaLoad
+    prefill: ReplicaLoad | None  # None: the decode replica prefills locally
+    matched_blocks: int  # leading prompt blocks the decode replica holds (reported or by affinity)
+    anchor: bytes | None  # the prompt's affinity key, when it is long enough to have one
+    record_home: bool  # write decode.replica_id into the anchor's homes (a new assignment or a spill)
+
+
+def anchor_of(chain: Sequence[bytes], config: PrefixPolicyConfig) -> bytes | None:
+    """The affinity key of a prompt: the hash of its ``min_match_blocks``-th block."""
+    return chain[config.min_match_blocks - 1] if len(chain) >= config.min_match_blocks else None
+
+
+def with_affinity(cached: Mapping[str, Collection[bytes]], chain: Sequence[bytes], homes: Collection[str],
+                  config: PrefixPolicyConfig) -> dict[str, Collection[bytes]]:
+    """Reported hashes plus, for the anchor's homes, the anchor's leading blocks."""
+    head = set(chain[: config.min_match_blocks])
+    merged: dict[str, Collection[bytes]] = dict(cached)
+    for replica_id in homes:
+        merged[replica_id] = head | set(cached.get(replica_id, ()))
+    return merged
+
+
+def place(
+    snapshot: FleetSnapshot,
+    chain: Sequence[bytes],
+    cached: Mapping[str, Collection[bytes]],
+    homes: Collection[str],
+    num_prompt_tokens: int,
+    block_size: int,
+    policy: str = PREFIX_AWARE,
+    round_robin: RoundRobin | None = None,
+    prefix_config: PrefixPolicyConfig = DEFAULT_PREFIX_CONFIG,
+    disagg: DisaggConfig = DEFAULT_DISAGG_CONFIG,
+    colocated: bool = False,
+) -> Placement:
+    """Raises NoReplicaError when no decode replica is serving."""
+    anchor = anchor_of(chain, prefix_config)
+    known = with_affinity(cached, chain, homes if anchor is not None else (), prefix_config)
+    if policy == PREFIX_AWARE:
+        decode = prefix_aware(snapshot, chain, known, prefix_config).replica
+    elif policy == ROUND_ROBIN:
+        decode = (round_robin or RoundRobin()).pick(snapshot)
+    else:
+        decode = least_loaded(snapshot)
+    matched = matched_prefix(chain, known.get(decode.replica_id, ()))
+    prefill = None
+    if not colocated:
+        prefill = choose_prefill(snapshot, decode, chain, known, num_prompt_tokens - matched * block_size,
+                                 prefix_config, disagg)
+    record = anchor is not None and decode.replica_id not in homes
+    return Placement(decode, prefill, matched, anchor, record)
+
+
+def choose_prefill(snapshot: FleetSnapshot, decode: ReplicaLoad, chain: Sequence[bytes],
+                   cached: Mapping[str, Collection[bytes]], uncached_tokens: int,
+                   prefix_config: PrefixPolicyConfig, disagg: DisaggConfig) -> ReplicaLoad | None:
+    if "prefill" in decode.roles or uncached_tokens < disagg.min_uncached_tokens:
+        return None
+    others = FleetSnapshot(tuple(r for r in snapshot.replicas if r.replica_id != decode.replica_id))
+    if not others.candidates("prefill"):
+        return None
+    return prefix_aware(others, chain, cached, prefix_config, role="prefill").replica
+
+
+def live_homes(homes: Sequence[str], live: Collection[str], new: str) -> tuple[str, ...]:
+    """The anchor's homes after placing on ``new``: dead replicas dropped, ``new`` added last."""
+    return tuple(h for h in homes if h in live and h != new) + (new,)
