@@ -56,9 +56,11 @@ class Children:
         self.children.append(child)
         return child
 
-    def spawn_service(self, name: str, module: str, *args: str, threads: int = 1, timeout: float = 300) -> Child:
-        """``python -m module args``, ready when it prints ``LISTENING host:port``."""
-        child = self.spawn(name, [sys.executable, "-m", module, *args],
+    def spawn_service(self, name: str, module: str, *args: str, threads: int = 1, timeout: float = 300,
+                      cores: str | None = None) -> Child:
+        """``python -m module args``, ready when it prints ``LISTENING host:port``; ``cores`` pins it (taskset -c)."""
+        pin = ["taskset", "-c", cores] if cores is not None else []
+        child = self.spawn(name, [*pin, sys.executable, "-m", module, *args],
                            env={"TOKENFLEET_NUM_THREADS": str(threads)}, stdout_pipe=True)
         assert child.proc.stdout is not None
         deadline = time.monotonic() + timeout

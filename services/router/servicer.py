@@ -61,7 +61,8 @@ class Router(router_pb2_grpc.RouterServiceServicer):
         try:
             placement = place(snapshot, chain, cached, anchor_homes, len(prompt) or request.num_prompt_tokens,
                               block_size, policy, self.round_robin, self.prefix_config, self.disagg,
-                              colocated=request.colocated)
+                              colocated=request.colocated,
+                              homes_count=self.affinity.homes_count() if self.affinity is not None else None)
         except NoReplicaError as e:
             self.metrics.picks.labels(name, "unavailable").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{name}@{version or '*'}: {e}")

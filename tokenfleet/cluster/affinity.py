@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 import structlog
@@ -36,6 +37,7 @@ class AffinityMap:
         self.etcd = etcd
         self.ttl = ttl
         self.homes: dict[str, tuple[str, ...]] = {}  # key -> replica ids, oldest home first
+        self._counts: Counter[str] | None = None  # replica id -> prefixes homed there (cached)
         self.synced = asyncio.Event()
         self.num_writes = 0
         self._lease: tuple[int, float] | None = None  # (lease id, granted at)
@@ -55,10 +57,17 @@ class AffinityMap:
     def homes_of(self, model: str, anchor: bytes) -> tuple[str, ...]:
         return self.homes.get(affinity_key(model, anchor), ())
 
+    def homes_count(self) -> Counter[str]:
+        """Replica id -> how many prefixes it is a home of (recounted after changes only)."""
+        if self._counts is None:
+            self._counts = Counter(r for homes in self.homes.values() for r in homes)
+        return self._counts
+
     def record(self, model: str, anchor: bytes, homes: Sequence[str]) -> None:
         """Set the anchor's homes now (this router) and in etcd (in the background)."""
         key = affinity_key(model, anchor)
         self.homes[key] = tuple(homes)
+        self._counts = None
         task = asyncio.create_task(self._write(key, tuple(homes)))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
@@ -80,9 +89,11 @@ class AffinityMap:
 
     def _reset(self, listing: dict[str, bytes]) -> None:
         self.homes = {key: _parse(raw) for key, raw in listing.items()}
+        self._counts = None
         self.synced.set()
 
     def _on_event(self, event: KeyEvent) -> None:
+        self._counts = None
         if event.value is None:
             self.homes.pop(event.key, None)
         else:

@@ -27,9 +27,12 @@ POLICIES = (PREFIX_AWARE, LEAST_LOADED, ROUND_ROBIN)
 
 @dataclass(frozen=True)
 class DisaggConfig:
-    # Measured with benchmarks/kv_transfer.py (see its report): below this many uncached prompt
-    # tokens a local chunk costs less than a transfer.
-    min_uncached_tokens: int = 256
+    # Measured with benchmarks/kv_transfer.py (benchmarks/reports/kv-transfer.md): the remote path
+    # adds a roughly fixed 10-70 ms to a request's second token (two RPC hops, the transfer, the
+    # install), while a local prefill costs the decode worker ~2 ms per token of compute that
+    # stalls its running streams. From ~128 tokens the stall (~250 ms) clearly outweighs the
+    # transfer; below it the fixed cost is a large share of a short prompt's latency.
+    min_uncached_tokens: int = 128
 
 
 DEFAULT_DISAGG_CONFIG = DisaggConfig()
@@ -71,12 +74,14 @@ def place(
     prefix_config: PrefixPolicyConfig = DEFAULT_PREFIX_CONFIG,
     disagg: DisaggConfig = DEFAULT_DISAGG_CONFIG,
     colocated: bool = False,
+    homes_count: Mapping[str, int] | None = None,
 ) -> Placement:
-    """Raises NoReplicaError when no decode replica is serving."""
+    """Raises NoReplicaError when no decode replica is serving. ``homes_count``: prefixes homed
+    on each replica (the affinity map), to spread new prefixes over the pool."""
     anchor = anchor_of(chain, prefix_config)
     known = with_affinity(cached, chain, homes if anchor is not None else (), prefix_config)
     if policy == PREFIX_AWARE:
-        decode = prefix_aware(snapshot, chain, known, prefix_config).replica
+        decode = prefix_aware(snapshot, chain, known, prefix_config, homes_count=homes_count).replica
     elif policy == ROUND_ROBIN:
         decode = (round_robin or RoundRobin()).pick(snapshot)
     else:

@@ -74,8 +74,13 @@ def prefix_aware(
     cached: Mapping[str, Collection[bytes]],
     config: PrefixPolicyConfig = PrefixPolicyConfig(),
     role: str = "decode",
+    homes_count: Mapping[str, int] | None = None,
 ) -> PrefixPlacement:
-    """Pick a replica for a prompt with ``block_hashes``; ``cached`` maps replica id -> block hashes it holds."""
+    """Pick a replica for a prompt with ``block_hashes``; ``cached`` maps replica id -> block hashes it holds.
+
+    ``homes_count`` (replica id -> prefixes whose home it is): a new prefix, long enough to be
+    worth a home, goes to the replica with the fewest homes among those within the load bound,
+    so prefixes spread over the pool's caches instead of piling onto the lowest id."""
     candidates = snapshot.candidates(role)
     if not candidates:
         raise NoReplicaError(f"no serving replica with role {role!r}")
@@ -85,5 +90,9 @@ def prefix_aware(
     if within:  # longest reuse first; among equal matches the less loaded
         best = min(within, key=lambda r: (-matches[r.replica_id], r.effective_load, r.replica_id))
         return PrefixPlacement(best, matches[best.replica_id], spilled=False)
+    if not affine and homes_count is not None and len(block_hashes) >= config.min_match_blocks:
+        bounded = [r for r in candidates if not overloaded(r, candidates, config)] or candidates
+        chosen = min(bounded, key=lambda r: (homes_count.get(r.replica_id, 0), r.effective_load, r.replica_id))
+        return PrefixPlacement(chosen, matches[chosen.replica_id], spilled=False)
     chosen = min(candidates, key=lambda r: (r.effective_load, r.kv_utilization, r.replica_id))
     return PrefixPlacement(chosen, matches[chosen.replica_id], spilled=bool(affine) and chosen not in affine)

@@ -90,3 +90,13 @@ def test_short_cached_or_colocated_requests_prefill_on_the_decode_replica():
     alone = snapshot(decode)
     assert place(alone, PROMPT, {}, (), NUM_TOKENS, 16, disagg=disagg).prefill is None  # no prefill pool: local
 
+
+
+def test_new_prefixes_spread_over_replicas_by_their_homes_within_the_load_bound():
+    fleet = snapshot(replica(0, 1), replica(1, 1), replica(2, 2))
+    counts = {"r0": 3, "r1": 1, "r2": 0}
+    assert place(fleet, PROMPT, {}, (), NUM_TOKENS, 16, homes_count=counts).decode.replica_id == "r2"
+    hot = snapshot(replica(0, 1), replica(1, 1), replica(2, 9))  # r2 is over the bound: not given new prefixes
+    assert place(hot, PROMPT, {}, (), NUM_TOKENS, 16, homes_count=counts).decode.replica_id == "r1"
+    short = chain(SYSTEM[:32])  # too short for a home: plain least-loaded
+    assert place(fleet, short, {}, (), 32, 16, homes_count=counts).decode.replica_id == "r0"
