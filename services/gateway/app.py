@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import json
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,9 @@ MAX_BODY_BYTES = 4 << 20
 PICK_TIMEOUT_S = 10.0
 MAX_PLACEMENTS = 3  # a request tries at most this many replicas before its first token
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# How a stream looks when its replica died mid-way (connection reset, RST_STREAM, server gone).
+LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED)
 REPLICA_HEADER = "x-tokenfleet-replica"
 # Per HTTP request: where it was placed (a dict shared with the middleware, which sets the header).
 PLACEMENT: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("placement", default=None)
@@ -115,6 +119,7 @@ class Gateway:
     models: ModelCatalog
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     draining: bool = False  # set on SIGTERM: /health says so, open streams finish
+    max_resumes: int = 2  # a stream whose replica dies is continued elsewhere at most this many times
     _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -173,14 +178,25 @@ class Gateway:
 
     async def generate(self, model: ServedModel, request_id: str, prompt: list[int], params: SamplingParams
                        ) -> AsyncGenerator[engine_pb2.GenerateResponse, None]:
-        """The worker's response stream. A replica that fails before its first response (gone,
-        draining, full) is excluded and the request placed again, up to MAX_PLACEMENTS times."""
+        """The worker's response stream, kept whole across replica failures.
+
+        A replica that fails before its first response (gone, draining, full) is excluded and
+        the request placed again, up to MAX_PLACEMENTS times. A replica lost mid-stream is
+        excluded too and the request continues on another one, which re-prefills the prompt
+        plus the tokens already streamed (``resume``) and streams only what follows, at most
+        ``max_resumes`` times; after that the stream ends with an error."""
         failed: list[str] = []
+        delivered: list[int] = []  # output tokens already passed on, and their text
+        text = ""
+        resumes = 0
         while True:
-            picked = await self.pick(model.ref, request_id, prompt, failed)
+            picked = await self.pick(model.ref, request_id, prompt, failed, colocated=bool(delivered))
             stub = engine_pb2_grpc.EngineServiceStub(self.channel(picked.address))
             request = engine_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=to_proto(params))
-            if picked.prefill_address:
+            if delivered:
+                request.resume.output_token_ids.extend(delivered)
+                request.resume.text = text
+            elif picked.prefill_address:
                 request.prefill.replica_id, request.prefill.address = picked.prefill_replica_id, picked.prefill_address
             call = stub.Generate(request, metadata=_trace_metadata())
             responded = False
@@ -189,13 +205,27 @@ class Gateway:
                     if response.HasField("error"):
                         raise APIError(500, response.error.message, "server_error")
                     responded = True
+                    if response.HasField("chunk"):
+                        delivered.extend(response.chunk.token_ids)
+                        text += response.chunk.text
                     yield response
                 return
             except grpc.aio.AioRpcError as e:
-                if responded or e.code() not in RETRYABLE or len(failed) + 1 >= MAX_PLACEMENTS:
+                if not responded and e.code() in RETRYABLE and len(failed) + 1 < MAX_PLACEMENTS:
+                    log.warning("replica failed before responding; placing again", replica=picked.replica_id,
+                                code=e.code().name, details=e.details())
+                elif responded and e.code() in LOST and resumes < self.max_resumes:
+                    resumes += 1
+                    self.metrics.resumes.labels("ok").inc()
+                    log.warning("replica lost mid-stream; continuing on another", replica=picked.replica_id,
+                                code=e.code().name, tokens_delivered=len(delivered), resume=resumes)
+                else:
+                    if responded and e.code() in LOST:
+                        self.metrics.resumes.labels("exhausted").inc()
+                        raise APIError(503, f"the request's replica was lost mid-stream {resumes + 1} time(s); "
+                                       f"gave up after {resumes} resume(s): {e.details()}", "server_error",
+                                       code="replica_lost") from e
                     raise _status_error(e) from e
-                log.warning("replica failed before responding; placing again", replica=picked.replica_id,
-                            code=e.code().name, details=e.details())
                 failed.append(picked.replica_id)
             finally:
                 call.cancel()  # no-op when finished; aborts the request when the client went away
@@ -389,6 +419,22 @@ async def _chat_body(run: Started, timer: RequestTimer) -> dict[str, Any]:
     return fmt.envelope("chat.completion", request_id, model.name, [choice], usage=fmt.usage(final.usage))
 
 
+def _error_events(events: Callable[[Started, RequestTimer], AsyncIterator[bytes]]
+                  ) -> Callable[[Started, RequestTimer], AsyncIterator[bytes]]:
+    """An error after the stream began becomes one OpenAI-shaped ``error`` event that ends the
+    stream (clients raise it), not a connection cut mid-stream."""
+    @functools.wraps(events)
+    async def wrapped(run: Started, timer: RequestTimer) -> AsyncIterator[bytes]:
+        try:
+            async for event in events(run, timer):
+                yield event
+        except APIError as e:
+            log.warning("stream ended with an error", status=e.status, error=e.message)
+            yield sse(e.body())
+    return wrapped
+
+
+@_error_events
 async def _chat_events(run: Started, timer: RequestTimer) -> AsyncIterator[bytes]:
     model, request_id, include_usage = run.model, run.request_id, run.include_usage
     head = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -419,6 +465,7 @@ async def _completion_body(run: Started, timer: RequestTimer) -> dict[str, Any]:
     return fmt.envelope("text_completion", request_id, model.name, [choice], usage=fmt.usage(final.usage))
 
 
+@_error_events
 async def _completion_events(run: Started, timer: RequestTimer) -> AsyncIterator[bytes]:
     model, request_id, include_usage = run.model, run.request_id, run.include_usage
     offset = 0

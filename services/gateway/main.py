@@ -33,6 +33,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help="HTTP port (0 = any free port)")
     p.add_argument("--grpc-port", type=int, help="also serve the public gRPC API (inference.proto) on this port "
                    "(0 = any free port)")
+    p.add_argument("--max-resumes", type=int, default=2,
+                   help="a stream whose replica dies mid-way continues on another replica (prompt + tokens so "
+                   "far re-prefilled there) at most this many times, then ends with an error event")
     p.add_argument("--grace-seconds", type=float, default=30.0,
                    help="on SIGTERM: stop accepting, let open streams finish for this long")
     return p.parse_args(argv)
@@ -69,7 +72,7 @@ async def serve(args: argparse.Namespace) -> None:
     catalog = ModelCatalog(static_models(args.model, use_default=not args.registry),
                            RegistryView() if args.registry else None)
     watcher = asyncio.create_task(follow(catalog, args.registry)) if args.registry else None
-    gateway = Gateway(args.router, catalog)
+    gateway = Gateway(args.router, catalog, max_resumes=args.max_resumes)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

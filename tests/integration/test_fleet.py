@@ -120,7 +120,7 @@ def burst(url: str, n: int = 8) -> list[tuple[int, str, dict]]:
         return list(pool.map(lambda _: complete(url, max_tokens=8), range(n)))
 
 
-def test_requests_spread_and_a_killed_worker_fails_only_its_in_flight_requests(fleet):
+def test_requests_spread_and_a_killed_worker_costs_no_request(fleet):
     results = burst(fleet.url)
     assert all(status == 200 for status, _, _ in results)
     assert {replica for _, replica, _ in results} == {"w0", "w1"}  # spread over both
@@ -134,9 +134,8 @@ def test_requests_spread_and_a_killed_worker_fails_only_its_in_flight_requests(f
         wait_for(lambda: load.successes_since(expired, "w1") >= 3, "requests served by w1 after expiry", 120)
 
     failed = [(start, status, replica) for start, _, status, replica in load.results if status != 200]
-    # Only a request that was on w0 when it died may fail; everything else was placed (again) on w1.
-    assert all(replica == "w0" and start < killed for start, _, replica in failed), failed
-    assert len(failed) <= 1
+    # The request on w0 when it died was continued on w1 (resumed, or placed again before its first token).
+    assert not failed, failed
     after = [(status, replica) for start, _, status, replica in load.results if start > killed + 0.5]
     assert after and all(status == 200 and replica == "w1" for status, replica in after)
 

@@ -28,6 +28,8 @@ class GatewayMetrics:
         self.completion_tokens = Counter("tokenfleet_gateway_completion_tokens", "Generated tokens", registry=r)
         self.requests = Counter("tokenfleet_gateway_requests", "Requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
+        self.resumes = Counter("tokenfleet_gateway_resumes", "Streams continued on another replica after theirs was "
+                               "lost (ok), or given up after --max-resumes (exhausted)", ["result"], registry=r)
 
 
 class RequestTimer:
@@ -79,7 +81,10 @@ class WorkerCollector(Collector):
         yield GaugeMetricFamily("tokenfleet_worker_kv_usage", "Fraction of KV blocks in use",
                                 value=used / (used + free) if used + free else 0.0)
         counters = {"prefix_hit_tokens": "num_prefix_hit_tokens", "preemptions": "num_preemptions",
-                    "aborted_requests": "num_aborted", "steps": "num_steps"}
+                    "aborted_requests": "num_aborted", "steps": "num_steps",
+                    "prompt_tokens_computed": "num_prompt_tokens_computed", "remote_prefills": "num_remote_prefills",
+                    "kv_blocks_sent": "num_kv_blocks_sent", "kv_blocks_received": "num_kv_blocks_received",
+                    "kv_bytes_received": "num_kv_bytes_received"}
         for name, field in counters.items():
             yield CounterMetricFamily(f"tokenfleet_worker_{name}", f"Worker {name.replace('_', ' ')}",
                                       value=getattr(r, field))
