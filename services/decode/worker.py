@@ -58,21 +58,26 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         for channel in self.channels.values():
             await channel.close()
 
+    def _admit(self, request_id: str) -> str:
+        """A stream's request id (the caller's or a new one), now counted in flight until it ends."""
+        if self.draining:
+            raise EngineStoppedError("worker is draining")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.in_flight:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        self.in_flight.add(request_id)
+        return request_id
+
     @map_errors
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        if self.draining:
-            raise EngineStoppedError("worker is draining")
         params = convert.sampling_params(request.sampling)
-        request_id = request.request_id or uuid.uuid4().hex
-        if request_id in self.in_flight:
-            raise ValueError(f"request id {request_id!r} is already in flight")
+        request_id = self._admit(request.request_id)
         start, first, last, count = time.monotonic(), None, None, 0
         kv_source = None
         if request.HasField("prefill") and request.prefill.address:
             kv_source = RemotePrefill(self.channel(request.prefill.address), request, context)
-        self.in_flight.add(request_id)
         stream = self.engine.generate(
             list(request.prompt_token_ids), params, request_id, convert.priority(request.priority),
             resume=convert.resume(request.resume), kv_source=kv_source,
@@ -98,14 +103,9 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
     async def Prefill(
         self, request: engine_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.PrefillResponse]:
-        if self.draining:
-            raise EngineStoppedError("worker is draining")
         params = convert.sampling_params(request.sampling)
         layout = convert.layout_from_proto(request.layout) if request.HasField("layout") else None
-        request_id = request.request_id or uuid.uuid4().hex
-        if request_id in self.in_flight:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        self.in_flight.add(request_id)
+        request_id = self._admit(request.request_id)
         stream = self.engine.prefill(list(request.prompt_token_ids), params, request_id,
                                      convert.priority(request.priority), list(request.held_block_hashes), layout)
         try:

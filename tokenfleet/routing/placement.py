@@ -27,11 +27,11 @@ POLICIES = (PREFIX_AWARE, LEAST_LOADED, ROUND_ROBIN)
 
 @dataclass(frozen=True)
 class DisaggConfig:
-    # Measured with benchmarks/kv_transfer.py (benchmarks/reports/kv-transfer.md): the remote path
-    # adds a roughly fixed 10-70 ms to a request's second token (two RPC hops, the transfer, the
-    # install), while a local prefill costs the decode worker ~2 ms per token of compute that
-    # stalls its running streams. From ~128 tokens the stall (~250 ms) clearly outweighs the
-    # transfer; below it the fixed cost is a large share of a short prompt's latency.
+    # Measured with benchmarks/kv_transfer.py (benchmarks/reports/2026-11-22-cpu-kv-transfer.md):
+    # the remote path adds 10-100 ms to a request's second token (two RPC hops, the transfer, the
+    # install), while a local prefill costs the decode worker ~1.6-2 ms per token of compute that
+    # stalls its running streams (210 ms at 128 tokens). From ~128 tokens that stall outweighs the
+    # transfer; below it the remote path's fixed cost is a large share of a short prompt's latency.
     min_uncached_tokens: int = 128
 
 
