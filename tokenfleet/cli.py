@@ -222,15 +222,21 @@ def _cmd_alias(args: argparse.Namespace) -> int:
     return 0
 
 
+def detached_up_argv(args: argparse.Namespace) -> list[str]:
+    """The `up` command line of the child that runs a --detach cluster: every option but --detach/--ask."""
+    argv = ["up", "--workers", str(args.workers), "--prefill-workers", str(args.prefill_workers), "--threads",
+            str(args.threads), "--port", str(args.port), "--role", args.role, "--dtype", args.dtype]
+    argv += ["--model", args.model] if args.model else []
+    argv += ["--model-name", args.model_name] if args.model_name else []
+    return argv
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from tokenfleet import launcher
     from tokenfleet.models.gguf_import import DEFAULT_MODEL_NAME, ensure_default_model
 
     if args.detach:  # run the cluster in a child process that outlives this command
-        child = [sys.executable, "-m", "tokenfleet.cli", "up", "--workers", str(args.workers), "--threads",
-                 str(args.threads), "--port", str(args.port), "--role", args.role, "--dtype", args.dtype]
-        child += ["--model", args.model] if args.model else []
-        child += ["--model-name", args.model_name] if args.model_name else []
+        child = [sys.executable, "-m", "tokenfleet.cli", *detached_up_argv(args)]
         import subprocess
 
         from tokenfleet import envs
@@ -257,8 +263,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     cluster = launcher.up(args.workers, model_dir, name, args.threads, args.port, args.role, args.dtype,
                           args.prefill_workers)
     try:
-        print(f"gateway: {cluster.gateway_url}/v1  (model {name}, {args.workers} worker(s), etcd {cluster.etcd.endpoint})",
-              flush=True)
+        prefill = f" + {args.prefill_workers} prefill worker(s)" if args.prefill_workers else ""
+        print(f"gateway: {cluster.gateway_url}/v1  (model {name}, {args.workers} worker(s){prefill}, "
+              f"etcd {cluster.etcd.endpoint})", flush=True)
         if args.ask:
             print(launcher.ask(cluster.gateway_url, name, args.ask), flush=True)
         launcher.wait_for_signal(cluster)

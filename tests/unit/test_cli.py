@@ -72,3 +72,15 @@ def test_generate_without_prompt_exits_2():
     result = run_cli("generate")
     assert result.returncode == 2
     assert "prompts" in result.stderr
+
+
+def test_a_detached_up_passes_every_option_to_the_cluster_process():
+    from tokenfleet.cli import _parser, detached_up_argv
+
+    given = ["up", "--workers", "2", "--prefill-workers", "1", "--threads", "3", "--port", "0", "--role", "decode",
+             "--dtype", "float32", "--model", "/m", "--model-name", "smol", "--detach", "--ask", "hi"]
+    parent = _parser().parse_args(given)
+    child = _parser().parse_args(detached_up_argv(parent))
+    skip = {"detach", "ask", "func"}
+    assert {k: v for k, v in vars(child).items() if k not in skip} == \
+        {k: v for k, v in vars(parent).items() if k not in skip}
