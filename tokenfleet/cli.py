@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     down_cmd = sub.add_parser("down", help="stop the cluster started by `tokenfleet up`")
     down_cmd.set_defaults(func=_cmd_down)
 
+    from tokenfleet.cli_tenancy import add_commands
+
+    add_commands(sub)
     for name in SERVICE_COMMANDS:
         sub.add_parser(name, help=f"run the {name} service (gRPC); --help for its flags")
     return parser

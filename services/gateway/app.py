@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import dataclasses
-import functools
 import json
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
-from tokenfleet.services.gateway import openai_format as fmt
+from tokenfleet.services.gateway.streams import (
+    Started,
+    chat_body,
+    chat_events,
+    completion_body,
+    completion_events,
+)
+from tokenfleet.services.gateway.tenancy import ANONYMOUS, CALLER, HEADERS, Admission
 
 from tokenfleet.api.chat_template import render_chat
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
@@ -32,6 +37,7 @@ from tokenfleet.telemetry.metrics import GatewayMetrics, RequestTimer
 from tokenfleet.telemetry.request_id import HEADER as REQUEST_ID_HEADER
 from tokenfleet.telemetry.request_id import metadata as request_id_metadata
 from tokenfleet.telemetry.request_id import new_request_id
+from tokenfleet.tenancy.tenants import Tenant
 from tokenfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
 log = structlog.get_logger()
@@ -43,6 +49,7 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
         grpc.StatusCode.CANCELLED)
 REPLICA_HEADER = "x-tokenfleet-replica"
+TIER_PRIORITY = {"interactive": common_pb2.PRIORITY_INTERACTIVE, "batch": common_pb2.PRIORITY_BATCH}
 # Per HTTP request: where it was placed (a dict shared with the middleware, which sets the header).
 PLACEMENT: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("placement", default=None)
 
@@ -102,24 +109,13 @@ class ModelCatalog:
 
 
 @dataclass
-class Started:
-    """A request placed on a worker whose first response has arrived."""
-
-    model: ServedModel
-    request_id: str
-    first: engine_pb2.GenerateResponse
-    stream: AsyncGenerator[engine_pb2.GenerateResponse, None]
-    include_usage: bool
-    want_logprobs: bool
-
-
-@dataclass
 class Gateway:
     router_address: str
     models: ModelCatalog
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     draining: bool = False  # set on SIGTERM: /health says so, open streams finish
     max_resumes: int = 2  # a stream whose replica dies is continued elsewhere at most this many times
+    admission: Admission = field(default_factory=Admission)  # API keys, budgets, the ledger
     _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -158,7 +154,7 @@ class Gateway:
             prompt = model.tokenizer.encode(render_chat(model.tokenizer, messages))
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
-        return await self._start(model, f"chatcmpl-{uuid.uuid4().hex}", prompt, params, body)
+        return await self._start(model, f"chatcmpl-{uuid.uuid4().hex}", prompt, params, body, "chat")
 
     async def start_completion(self, body: CompletionRequest) -> Started:
         model = await self.model(body.model)
@@ -166,18 +162,26 @@ class Gateway:
         prompt = model.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        return await self._start(model, f"cmpl-{uuid.uuid4().hex}", prompt, params, body)
+        return await self._start(model, f"cmpl-{uuid.uuid4().hex}", prompt, params, body, "completion")
 
     async def _start(self, model: ServedModel, request_id: str, prompt: list[int], params: SamplingParams,
-                     body: ChatCompletionRequest | CompletionRequest) -> Started:
+                     body: ChatCompletionRequest | CompletionRequest, endpoint: str) -> Started:
         check_context(model, len(prompt), params.max_tokens)
-        stream = self.generate(model, request_id, prompt, params)
-        first = await _first(stream)
+        caller = CALLER.get()
+        reserve = len(prompt) + (params.max_tokens or model.max_model_len - len(prompt))
+        ticket = self.admission.admit(caller, model.name, endpoint, request_id, len(prompt), reserve)  # 403, 429
+        stream = self.generate(model, request_id, prompt, params, caller.tenant)
+        try:
+            first = await _first(stream)
+        except BaseException as e:
+            status = "cancelled" if isinstance(e, asyncio.CancelledError) else "failed"
+            await ticket.finish(status, len(prompt), 0, 0, None, durable=False, detail=str(e))
+            raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return Started(model, request_id, first, stream, include_usage, params.logprobs is not None)
+        return Started(model, request_id, first, stream, include_usage, params.logprobs is not None, ticket)
 
-    async def generate(self, model: ServedModel, request_id: str, prompt: list[int], params: SamplingParams
-                       ) -> AsyncGenerator[engine_pb2.GenerateResponse, None]:
+    async def generate(self, model: ServedModel, request_id: str, prompt: list[int], params: SamplingParams,
+                       tenant: Tenant = ANONYMOUS) -> AsyncGenerator[engine_pb2.GenerateResponse, None]:
         """The worker's response stream, kept whole across replica failures.
 
         A replica that fails before its first response (gone, draining, full) is excluded and
@@ -192,7 +196,8 @@ class Gateway:
         while True:
             picked = await self.pick(model.ref, request_id, prompt, failed, colocated=bool(delivered))
             stub = engine_pb2_grpc.EngineServiceStub(self.channel(picked.address))
-            request = engine_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=to_proto(params))
+            request = engine_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=to_proto(params),
+                                                 tenant=tenant.name, priority=TIER_PRIORITY[tenant.tier])
             if delivered:
                 request.resume.output_token_ids.extend(delivered)
                 request.resume.text = text
@@ -272,16 +277,12 @@ def check_context(model: ServedModel, num_prompt: int, max_tokens: int | None) -
         )
 
 
-def sse(data: dict[str, Any] | str) -> bytes:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
-
-
 def create_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="tokenfleet gateway")
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.middleware("http")
     async def limit_body(request: Request, call_next):  # type: ignore[no-untyped-def]
@@ -294,17 +295,31 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def count_requests(request: Request, call_next):  # type: ignore[no-untyped-def]
         request_id = new_request_id(request.headers.get(REQUEST_ID_HEADER))
         placement: dict[str, str] = {}
-        token = PLACEMENT.set(placement)
+        headers: dict[str, str] = {}
+        tokens = PLACEMENT.set(placement), HEADERS.set(headers)
         try:
             with structlog.contextvars.bound_contextvars(request_id=request_id):
+                if request.url.path.startswith("/v1/"):
+                    try:
+                        caller = gateway.admission.authenticate(request.headers.get("authorization"))
+                    except APIError as e:
+                        gateway.metrics.requests.labels(request.url.path, "401").inc()
+                        response = JSONResponse(e.body(), status_code=e.status)
+                        response.headers[REQUEST_ID_HEADER] = request_id
+                        return response
+                    CALLER.set(caller)
+                    structlog.contextvars.bind_contextvars(tenant=caller.tenant.name, key_id=caller.key_id)
                 response = await call_next(request)
                 if request.url.path.startswith("/v1/"):
                     gateway.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
                     log.info("http request", path=request.url.path, status=response.status_code,
                              replica=placement.get("replica"))
         finally:
-            PLACEMENT.reset(token)
+            PLACEMENT.reset(tokens[0])
+            HEADERS.reset(tokens[1])
         response.headers[REQUEST_ID_HEADER] = request_id
+        for name, value in headers.items():
+            response.headers.setdefault(name, value)
         if "replica" in placement:
             response.headers[REPLICA_HEADER] = placement["replica"]
         return response
@@ -330,8 +345,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         body = await _parse(request, ChatCompletionRequest)
         run = await gateway.start_chat(body)
         if body.stream:
-            return StreamingResponse(_chat_events(run, timer), media_type="text/event-stream")
-        return await _chat_body(run, timer)
+            return StreamingResponse(chat_events(run, timer), media_type="text/event-stream")
+        return await chat_body(run, timer)
 
     @app.post("/v1/completions")
     async def completions(request: Request):  # type: ignore[no-untyped-def]
@@ -339,8 +354,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         body = await _parse(request, CompletionRequest)
         run = await gateway.start_completion(body)
         if body.stream:
-            return StreamingResponse(_completion_events(run, timer), media_type="text/event-stream")
-        return await _completion_body(run, timer)
+            return StreamingResponse(completion_events(run, timer), media_type="text/event-stream")
+        return await completion_body(run, timer)
 
     return app
 
@@ -368,120 +383,3 @@ async def _first(stream: AsyncGenerator[engine_pb2.GenerateResponse, None]) -> e
         return await stream.__anext__()
     except StopAsyncIteration as e:
         raise APIError(500, "worker closed the stream without a result", "server_error") from e
-
-
-@contextlib.asynccontextmanager
-async def responses_of(run: Started, timer: RequestTimer):
-    """The whole worker stream, timed; leaving the block (client gone, error) closes it, which cancels the call."""
-    usage = common_pb2.Usage()
-
-    async def chain() -> AsyncIterator[engine_pb2.GenerateResponse]:
-        yield run.first
-        async for response in run.stream:
-            yield response
-
-    async def timed() -> AsyncIterator[engine_pb2.GenerateResponse]:
-        nonlocal usage
-        async for response in chain():
-            if response.HasField("chunk"):
-                timer.on_chunk(len(response.chunk.token_ids))
-            elif response.HasField("final"):
-                usage = response.final.usage
-            yield response
-
-    try:
-        yield timed()
-    finally:
-        await run.stream.aclose()
-        timer.finish(usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens)
-
-
-async def _collect(run: Started, timer: RequestTimer
-                   ) -> tuple[str, list[common_pb2.TokenLogprob], engine_pb2.GenerateFinal]:
-    """A whole worker stream folded into (text, logprobs, final) for non-streamed responses."""
-    text, logprobs, final = "", [], engine_pb2.GenerateFinal()
-    async with responses_of(run, timer) as responses:
-        async for r in responses:
-            if r.HasField("chunk"):
-                text += r.chunk.text
-                logprobs += list(r.chunk.logprobs)
-            else:
-                final = r.final
-    return text, logprobs, final
-
-
-async def _chat_body(run: Started, timer: RequestTimer) -> dict[str, Any]:
-    model, request_id, want_logprobs = run.model, run.request_id, run.want_logprobs
-    text, logprobs, final = await _collect(run, timer)
-    message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "finish_reason": fmt.FINISH.get(final.finish_reason, "stop"),
-              "logprobs": fmt.chat_logprobs(model.tokenizer, logprobs) if want_logprobs else None}
-    return fmt.envelope("chat.completion", request_id, model.name, [choice], usage=fmt.usage(final.usage))
-
-
-def _error_events(events: Callable[[Started, RequestTimer], AsyncIterator[bytes]]
-                  ) -> Callable[[Started, RequestTimer], AsyncIterator[bytes]]:
-    """An error after the stream began becomes one OpenAI-shaped ``error`` event that ends the
-    stream (clients raise it), not a connection cut mid-stream."""
-    @functools.wraps(events)
-    async def wrapped(run: Started, timer: RequestTimer) -> AsyncIterator[bytes]:
-        try:
-            async for event in events(run, timer):
-                yield event
-        except APIError as e:
-            log.warning("stream ended with an error", status=e.status, error=e.message)
-            yield sse(e.body())
-    return wrapped
-
-
-@_error_events
-async def _chat_events(run: Started, timer: RequestTimer) -> AsyncIterator[bytes]:
-    model, request_id, include_usage = run.model, run.request_id, run.include_usage
-    head = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [head]))
-    async with responses_of(run, timer) as responses:
-        async for r in responses:
-            if r.HasField("chunk"):
-                if not r.chunk.text and not r.chunk.logprobs:
-                    continue
-                lp = fmt.chat_logprobs(model.tokenizer, list(r.chunk.logprobs)) if r.chunk.logprobs else None
-                choice = {"index": 0, "delta": {"content": r.chunk.text}, "logprobs": lp, "finish_reason": None}
-                yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [choice]))
-            else:
-                reason = fmt.FINISH.get(r.final.finish_reason)
-                done = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
-                yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [done]))
-                if include_usage:
-                    usage = fmt.usage(r.final.usage)
-                    yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [], usage=usage))
-    yield sse("[DONE]")
-
-
-async def _completion_body(run: Started, timer: RequestTimer) -> dict[str, Any]:
-    model, request_id, want_logprobs = run.model, run.request_id, run.want_logprobs
-    text, logprobs, final = await _collect(run, timer)
-    choice = {"index": 0, "text": text, "finish_reason": fmt.FINISH.get(final.finish_reason, "stop"),
-              "logprobs": fmt.completion_logprobs(model.tokenizer, logprobs, 0) if want_logprobs else None}
-    return fmt.envelope("text_completion", request_id, model.name, [choice], usage=fmt.usage(final.usage))
-
-
-@_error_events
-async def _completion_events(run: Started, timer: RequestTimer) -> AsyncIterator[bytes]:
-    model, request_id, include_usage = run.model, run.request_id, run.include_usage
-    offset = 0
-    async with responses_of(run, timer) as responses:
-        async for r in responses:
-            if r.HasField("chunk"):
-                logprobs = list(r.chunk.logprobs)
-                lp = fmt.completion_logprobs(model.tokenizer, logprobs, offset) if logprobs else None
-                offset += len(r.chunk.text)
-                choice = {"index": 0, "text": r.chunk.text, "logprobs": lp, "finish_reason": None}
-                yield sse(fmt.envelope("text_completion", request_id, model.name, [choice]))
-            else:
-                reason = fmt.FINISH.get(r.final.finish_reason)
-                done = {"index": 0, "text": "", "logprobs": None, "finish_reason": reason}
-                yield sse(fmt.envelope("text_completion", request_id, model.name, [done]))
-                if include_usage:
-                    usage = fmt.usage(r.final.usage)
-                    yield sse(fmt.envelope("text_completion", request_id, model.name, [], usage=usage))
-    yield sse("[DONE]")

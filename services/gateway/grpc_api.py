@@ -15,7 +15,9 @@ import grpc
 import structlog
 from google.protobuf.message import Message
 from tokenfleet.services.common.errors import map_errors
-from tokenfleet.services.gateway.app import Gateway, Started, responses_of, validate_body
+from tokenfleet.services.gateway.app import Gateway, validate_body
+from tokenfleet.services.gateway.streams import Started, responses_of
+from tokenfleet.services.gateway.tenancy import CALLER, Caller
 
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
 from tokenfleet.models.tokenizer import Tokenizer
@@ -123,6 +125,11 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(self, gateway: Gateway):
         self.gateway = gateway
 
+    def authenticate(self, context: grpc.aio.ServicerContext) -> Caller:
+        """The caller from the ``authorization`` metadata (``Bearer tfk_...``); APIError 401 -> UNAUTHENTICATED."""
+        metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        return self.gateway.admission.authenticate(metadata.get("authorization"))
+
     async def _serve(self, context: grpc.aio.ServicerContext, endpoint: str, start: Callable[[], Awaitable[Started]],
                      chunks: Callable[[Started, RequestTimer], AsyncIterator[Message]]) -> AsyncIterator[Message]:
         """What both streaming calls share: the request id, metrics, placement, then ``chunks``."""
@@ -130,6 +137,7 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             timer = RequestTimer(self.gateway.metrics)
             try:
+                CALLER.set(self.authenticate(context))
                 run = await start()
             except APIError as e:  # becomes a status in map_errors
                 self.gateway.metrics.requests.labels(endpoint, str(e.status)).inc()
@@ -156,5 +164,6 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
     @map_errors
     async def ListModels(self, request: inference_pb2.ListServedModelsRequest, context: grpc.aio.ServicerContext
                          ) -> inference_pb2.ListServedModelsResponse:
+        self.authenticate(context)
         return inference_pb2.ListServedModelsResponse(models=[
             inference_pb2.ModelInfo(id=name, created=created) for name, created in self.gateway.models.names()])

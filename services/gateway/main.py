@@ -14,9 +14,15 @@ import uvicorn
 from tokenfleet.services.common.server import GrpcServer, run_service
 from tokenfleet.services.gateway.app import Gateway, ModelCatalog, ServedModel, create_app, load_served
 from tokenfleet.services.gateway.grpc_api import InferenceAPI
+from tokenfleet.services.gateway.tenancy import Admission
 from tokenfleet.services.registry.client import watch_registry
 
+from tokenfleet.cluster.etcd import EtcdClient
+from tokenfleet.cluster.gateways import GatewayPeers, GatewayRecord
 from tokenfleet.cluster.registry import RegistryView
+from tokenfleet.cluster.tenants import follow_directory, load_file
+from tokenfleet.ledger import Ledger
+from tokenfleet.tenancy.tenants import Directory
 from tokenfleet.v1 import inference_pb2, inference_pb2_grpc
 
 log = structlog.get_logger()
@@ -36,6 +42,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-resumes", type=int, default=2,
                    help="a stream whose replica dies mid-way continues on another replica (prompt + tokens so "
                    "far re-prefilled there) at most this many times, then ends with an error event")
+    p.add_argument("--auth", choices=["off", "on"], default="off",
+                   help="require API keys (Authorization: Bearer tfk_...): tenants and keys from --tenants-file, "
+                   "else from etcd (--etcd). off: every caller is the anonymous, unlimited tenant")
+    p.add_argument("--tenants-file", help="YAML file of tenants and hashed keys (`tokenfleet tenants add --file`)")
+    p.add_argument("--etcd", help="etcd host:port: tenants and keys (with --auth on), and the gateway membership "
+                   "that splits each tenant's budget between gateways")
+    p.add_argument("--etcd-root", default="/tokenfleet/v1/")
+    p.add_argument("--gateway-id", help="this gateway's id in etcd (default: <hostname>-<port>)")
+    p.add_argument("--ledger", default=str(default_ledger()),
+                   help="SQLite usage ledger (one record per request; 'none' turns it off)")
     p.add_argument("--grace-seconds", type=float, default=30.0,
                    help="on SIGTERM: stop accepting, let open streams finish for this long")
     return p.parse_args(argv)
@@ -72,11 +88,20 @@ async def serve(args: argparse.Namespace) -> None:
     catalog = ModelCatalog(static_models(args.model, use_default=not args.registry),
                            RegistryView() if args.registry else None)
     watcher = asyncio.create_task(follow(catalog, args.registry)) if args.registry else None
-    gateway = Gateway(args.router, catalog, max_resumes=args.max_resumes)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     host, port = sock.getsockname()[:2]
+    etcd = EtcdClient(args.etcd, args.etcd_root) if args.etcd else None
+    directory, background = await tenant_directory(args, etcd)
+    peers = None
+    if etcd is not None:
+        peers = GatewayPeers(etcd, GatewayRecord(args.gateway_id or f"{socket.gethostname()}-{port}", f"{host}:{port}"))
+        await peers.start()
+    ledger = Ledger(args.ledger) if args.ledger != "none" else None
+    admission = Admission(directory, ledger, share=peers.share if peers is not None else lambda: 1.0)
+    gateway = Gateway(args.router, catalog, max_resumes=args.max_resumes, admission=admission)
+    log.info("gateway admission", auth=args.auth, ledger=args.ledger)
     http = _Server(uvicorn.Config(create_app(gateway), log_level="warning",
                                   timeout_graceful_shutdown=int(args.grace_seconds)))
     grpc_server = None
@@ -107,7 +132,36 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         if watcher is not None:
             watcher.cancel()
+        for task in background:
+            task.cancel()
+        if peers is not None:
+            await peers.stop()
+        if etcd is not None:
+            await etcd.close()
+        if ledger is not None:
+            ledger.close()
     log.info("gateway stopped")
+
+
+async def tenant_directory(args: argparse.Namespace, etcd: EtcdClient | None) -> tuple[Directory | None, list]:
+    """The tenants and keys to authenticate against (None: auth off), and the task keeping them current."""
+    if args.auth == "off":
+        return None, []
+    if args.tenants_file:
+        return load_file(args.tenants_file), []
+    if etcd is None:
+        raise SystemExit("--auth on needs --tenants-file or --etcd")
+    directory, synced = Directory(), asyncio.Event()
+    task = asyncio.create_task(follow_directory(etcd, directory, synced))
+    with contextlib.suppress(TimeoutError):  # etcd away: start with no keys (401s) and fill in when it returns
+        await asyncio.wait_for(synced.wait(), timeout=10)
+    return directory, [task]
+
+
+def default_ledger():  # type: ignore[no-untyped-def]
+    from tokenfleet import envs
+
+    return envs.cache_dir() / "ledger.sqlite3"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

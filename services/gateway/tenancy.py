@@ -1,0 +1,135 @@
+"""Who is calling and what they may spend: API-key authentication, per-tenant budgets with
+reserve/settle, and the usage ledger, as one ``Admission`` the gateway consults per request.
+
+Auth off (no directory): every caller is the anonymous tenant, unlimited. Budgets are this
+gateway's share of each tenant's per-minute budget (``share()``: 1 / live gateways).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from tokenfleet.api.openai_schema import APIError
+from tokenfleet.ledger import Ledger, UsageRecord
+from tokenfleet.tenancy.ratelimit import Limits, TenantBudget
+from tokenfleet.tenancy.tenants import AuthError, Directory, Tenant
+
+log = structlog.get_logger()
+ANONYMOUS = Tenant("anonymous")
+
+
+@dataclass(frozen=True)
+class Caller:
+    tenant: Tenant
+    key_id: str = ""
+
+
+ANONYMOUS_CALLER = Caller(ANONYMOUS)
+# The caller of the request being handled (set by the HTTP middleware or the gRPC handler).
+CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("caller", default=ANONYMOUS_CALLER)
+# Response headers to add (rate-limit state), filled during the request.
+HEADERS: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("headers", default=None)
+
+
+@dataclass
+class Ticket:
+    """An admitted request: what it reserved, to be settled exactly once."""
+
+    admission: Admission
+    caller: Caller
+    model: str
+    endpoint: str
+    request_id: str
+    prompt_tokens: int
+    reserved: int
+    started: float = field(default_factory=time.time)
+    settled: bool = False
+
+    async def finish(self, status: str, prompt: int, cached: int, completion: int, ttft_ms: float | None,
+                     durable: bool = True, detail: str = "") -> None:
+        """Settle the budget to what was used and write the ledger record (awaited when ``durable``)."""
+        if self.settled:
+            return
+        self.settled = True
+        now = time.time()
+        self.admission.settle(self.caller, self.reserved, prompt + completion)
+        record = UsageRecord(self.request_id, self.caller.tenant.name, self.model, self.endpoint, status,
+                             self.caller.key_id, prompt, cached, completion, ttft_ms, 1000 * (now - self.started),
+                             self.started, now, detail)
+        if self.admission.ledger is None:
+            return
+        if durable:
+            await self.admission.ledger.write(record)
+        else:
+            self.admission.ledger.submit(record)
+
+
+class Admission:
+    def __init__(self, directory: Directory | None = None, ledger: Ledger | None = None,
+                 share: Callable[[], float] = lambda: 1.0, clock: Callable[[], float] = time.monotonic):
+        self.directory = directory
+        self.ledger = ledger
+        self.share = share
+        self.clock = clock
+        self.budgets: dict[str, TenantBudget] = {}
+
+    @property
+    def auth_enabled(self) -> bool:
+        return self.directory is not None
+
+    def authenticate(self, authorization: str | None) -> Caller:
+        if self.directory is None:
+            return Caller(ANONYMOUS)
+        key = authorization.removeprefix("Bearer ").strip() if authorization else None
+        try:
+            tenant, record = self.directory.authenticate(key)
+        except AuthError as e:
+            raise APIError(401, str(e), code="invalid_api_key") from e
+        return Caller(tenant, record.key_id)
+
+    def budget(self, tenant: Tenant) -> TenantBudget:
+        limits = Limits(tenant.tokens_per_minute, tenant.requests_per_minute, tenant.max_concurrent)
+        budget = self.budgets.get(tenant.name)
+        now, share = self.clock(), self.share()
+        if budget is None or budget.limits != limits:  # new tenant, or its limits were edited
+            budget = self.budgets[tenant.name] = TenantBudget(limits, share, now)
+        elif budget.share != share:  # gateways joined or left
+            budget.rescale(share, now)
+        return budget
+
+    def admit(self, caller: Caller, model: str, endpoint: str, request_id: str, prompt_tokens: int,
+              reserve: int) -> Ticket:
+        """Reserve the request's tokens; APIError 403 (model not allowed) or 429 (over budget)."""
+        tenant = caller.tenant
+        if not tenant.allows(model):
+            raise APIError(403, f"Tenant {tenant.name!r} may not use the model `{model}`.", param="model",
+                           code="model_not_allowed")
+        budget = self.budget(tenant)
+        now = self.clock()
+        denied = budget.admit(reserve, now)
+        headers = budget.headers(now)
+        sink = HEADERS.get()
+        if sink is not None:
+            sink.update(headers)
+        if denied is not None:
+            if denied.retry_after is not None:
+                headers["retry-after"] = str(max(1, math.ceil(denied.retry_after)))
+            if self.ledger is not None:
+                wall = time.time()
+                self.ledger.submit(UsageRecord(request_id, tenant.name, model, endpoint, "rejected", caller.key_id,
+                                               prompt_tokens, started_at=wall, finished_at=wall, detail=denied.reason))
+            log.info("rate limited", tenant=tenant.name, key_id=caller.key_id, reason=denied.reason)
+            raise APIError(429, f"Rate limit reached for tenant {tenant.name!r}: {denied.reason}.", "requests",
+                           code="rate_limit_exceeded", headers=headers)
+        return Ticket(self, caller, model, endpoint, request_id, prompt_tokens, reserve)
+
+    def settle(self, caller: Caller, reserved: int, used: int) -> None:
+        budget = self.budgets.get(caller.tenant.name)
+        if budget is not None:
+            budget.settle(reserved, used, self.clock())

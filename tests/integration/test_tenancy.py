@@ -1,0 +1,212 @@
+"""Tenants end to end: API keys from etcd (made with the CLI), 401/403 in OpenAI's shape with the
+official client, revocation on a running gateway, token budgets with reserve/settle and 429s,
+the usage ledger and `tokenfleet usage`, and the ledger's durability across kill -9."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import threading
+
+import openai
+import pytest
+
+from tests.integration.conftest import start_service, wait_for
+from tests.integration.test_membership import replicas, start_worker
+from tokenfleet.cluster.etcd_server import EtcdServer
+from tokenfleet.ledger import records
+
+MODEL = "smol"
+
+
+def cli(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "tokenfleet.cli", *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def add_tenant(etcd: str, name: str, *options: str) -> str:
+    return cli("tenants", "add", name, "--etcd", etcd, *options).strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def stack(default_model_dir, tmp_path_factory):
+    etcd = EtcdServer.create().start()
+    services = []
+    ledger = tmp_path_factory.mktemp("ledger") / "ledger.sqlite3"
+    try:
+        services.append(start_worker(default_model_dir, etcd, "t0", ttl=5))
+        router = start_service("tokenfleet.services.router", "--etcd", etcd.endpoint)
+        services.append(router)
+        gateway = start_service("tokenfleet.services.gateway", "--router", router.address, "--model",
+                                f"{MODEL}={default_model_dir}", "--auth", "on", "--etcd", etcd.endpoint,
+                                "--ledger", str(ledger))
+        services.append(gateway)
+        wait_for(lambda: replicas(etcd.endpoint), "worker registered")
+        yield etcd, router, gateway, ledger
+    finally:
+        for service in reversed(services):
+            service.stop()
+        etcd.cleanup()
+
+
+def client(gateway, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def ask(c: openai.OpenAI, **extra):  # type: ignore[no-untyped-def]
+    return c.completions.with_raw_response.create(model=MODEL, prompt="The capital of France is", temperature=0,
+                                                  **{"max_tokens": 4, **extra})
+
+
+def test_keys_tenants_models_and_revocation(stack):
+    etcd, _, gateway, ledger = stack
+    key = add_tenant(etcd.endpoint, "acme")
+    other = add_tenant(etcd.endpoint, "narrow", "--models", "some-other-model")
+    ok = wait_for(lambda: _try(lambda: ask(client(gateway, key))), "the gateway sees the new key")
+    assert ok.parse().usage.completion_tokens == 4
+    conn = http.client.HTTPConnection(gateway.address, timeout=30)
+    conn.request("GET", "/v1/models")  # no Authorization header (the openai client always sends one)
+    missing = conn.getresponse()
+    body = json.loads(missing.read())
+    conn.close()
+    assert missing.status == 401 and "didn't provide an API key" in body["error"]["message"]
+    assert body["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError) as unknown:
+        ask(client(gateway, "tfk_00000000_" + "x" * 32))
+    assert unknown.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.PermissionDeniedError) as forbidden:
+        ask(client(gateway, other))
+    assert forbidden.value.body["code"] == "model_not_allowed"
+
+    key_id = key.split("_")[1]
+    assert f"keys: {key_id}" in cli("tenants", "list", "--etcd", etcd.endpoint)
+    assert key not in cli("tenants", "list", "--etcd", etcd.endpoint)  # stored hashed, never shown again
+    cli("tenants", "revoke", key_id, "--etcd", etcd.endpoint)
+    wait_for(lambda: _status(lambda: ask(client(gateway, key))) == 401, "the revoked key is refused", 10)
+    new_key = cli("tenants", "rotate", other.split("_")[1], "--etcd", etcd.endpoint).strip().splitlines()[-1]
+    wait_for(lambda: _status(lambda: ask(client(gateway, other))) == 401, "the rotated-out key is refused", 10)
+    with pytest.raises(openai.PermissionDeniedError):  # the new key works (same tenant, same model list)
+        ask(client(gateway, new_key))
+    assert not any(key in line for line in gateway.stderr_lines)  # keys never reach the logs
+
+
+def test_token_budget_reserves_settles_and_rejects_with_retry_after(stack):
+    etcd, _, gateway, ledger = stack
+    key = add_tenant(etcd.endpoint, "metered", "--tokens-per-minute", "300")
+    c = client(gateway, key)
+    first = wait_for(lambda: _try(lambda: ask(c, max_tokens=250, stop=[" "])), "the gateway sees the key")
+    used = first.parse().usage.total_tokens
+    assert used < 50  # stopped early: most of the 250 reserved tokens went back ...
+    second = ask(c, max_tokens=250, stop=[" "])  # ... so this one fits (without the refund it could not)
+    assert int(second.headers["x-ratelimit-limit-tokens"]) == 300
+    assert int(second.headers["x-ratelimit-remaining-tokens"]) < 300 - 250
+    stream = c.completions.with_streaming_response.create(
+        model=MODEL, prompt="Count slowly:", max_tokens=250, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    with stream as held:  # admitted and streaming: its 256 tokens stay reserved until it ends
+        lines = held.iter_lines()  # keep the iterator: dropping it closes the stream
+        next(lines)
+        with pytest.raises(openai.RateLimitError) as denied:
+            ask(c, max_tokens=250)
+    assert int(denied.value.response.headers["retry-after"]) >= 1
+    assert denied.value.body["code"] == "rate_limit_exceeded"
+    with pytest.raises(openai.RateLimitError) as too_big:
+        ask(c, max_tokens=400)
+    assert "retry-after" not in too_big.value.response.headers  # larger than the budget: never admitted
+    rows = wait_for(lambda: len(r := [r for r in records(ledger) if r.tenant == "metered"]) == 5 and r,
+                    "five ledger records (the cancelled stream's comes when the gateway notices)")
+    assert sorted(r.status for r in rows) == ["cancelled", "ok", "ok", "rejected", "rejected"]
+    ok = [r for r in rows if r.status == "ok"]
+    assert ok[0].prompt_tokens + ok[0].completion_tokens == used
+    cancelled = next(r for r in rows if r.status == "cancelled")
+    assert 1 <= cancelled.completion_tokens < 250  # billed for what it produced, not what it reserved
+    report = cli("usage", "--ledger", str(ledger), "--tenant", "metered", "--format", "csv").splitlines()
+    assert report[0].startswith("day,tenant,model,requests") and ",metered,smol,5,2,2,1,0," in report[1]
+
+
+def test_every_request_whose_end_reached_a_client_is_billed_once_across_kill_9(stack, tmp_path, default_model_dir):
+    etcd, router, _, _ = stack
+    key = add_tenant(etcd.endpoint, "durable")
+    ledger = tmp_path / "ledger.sqlite3"
+    args = ("tokenfleet.services.gateway", "--router", router.address, "--model", f"{MODEL}={default_model_dir}",
+            "--auth", "on", "--etcd", etcd.endpoint, "--ledger", str(ledger))
+    gateway = start_service(*args)
+    done: list[dict] = []  # (id, usage) of every stream whose [DONE] arrived
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            result = _stream(gateway.address, key)
+            if result is not None:
+                done.append(result)
+
+    try:
+        wait_for(lambda: _stream(gateway.address, key), "the gateway serves the tenant")
+        threads = [threading.Thread(target=load, daemon=True) for _ in range(4)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(done) >= 6, "streams completing", 120)
+        gateway.proc.kill()  # mid-stream for some: no drain, nothing flushed on the way out
+        gateway.proc.wait(timeout=30)
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        gateway = start_service(*args)  # the restarted gateway reopens the same ledger
+        assert _stream(gateway.address, key) is not None
+    finally:
+        stop.set()
+        gateway.stop()
+    billed = {}
+    for r in records(ledger):
+        if r.tenant == "durable" and r.status == "ok":
+            assert r.request_id not in billed, f"{r.request_id} billed twice"
+            billed[r.request_id] = r
+    assert len(done) >= 6
+    for result in done:
+        record = billed[result["id"]]  # exactly one record for every stream a client saw finish
+        assert (record.prompt_tokens, record.completion_tokens) == (result["usage"]["prompt_tokens"],
+                                                                    result["usage"]["completion_tokens"])
+
+
+def _stream(address: str, key: str) -> dict | None:
+    """One streamed chat completion; its id and usage if [DONE] arrived, else None."""
+    conn = http.client.HTTPConnection(address, timeout=60)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 12,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                     {"content-type": "application/json", "authorization": f"Bearer {key}"})
+        response = conn.getresponse()
+        if response.status != 200:
+            return None
+        request_id, usage = None, None
+        while line := response.readline().decode():
+            if line.startswith("data: [DONE]"):
+                return {"id": request_id, "usage": usage}
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                request_id = event.get("id", request_id)
+                usage = event.get("usage") or usage
+        return None
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        conn.close()
+
+
+def _try(call):  # type: ignore[no-untyped-def]
+    try:
+        return call()
+    except openai.APIStatusError:
+        return None
+
+
+def _status(call) -> int:  # type: ignore[no-untyped-def]
+    try:
+        call()
+        return 200
+    except openai.APIStatusError as e:
+        return e.status_code
+

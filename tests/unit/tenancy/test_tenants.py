@@ -1,0 +1,43 @@
+"""Tenants, key format, hashed lookup and the 401 cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenfleet.tenancy.tenants import ApiKey, AuthError, Directory, Tenant, hash_key, key_id_of, new_key
+
+
+def test_keys_are_random_well_formed_and_stored_only_hashed():
+    key, record = new_key("acme", now=5.0)
+    other, _ = new_key("acme")
+    assert key != other and key.startswith("tfk_") and len(key) == 4 + 8 + 1 + 32
+    assert key_id_of(key) == record.key_id and record.key_hash == hash_key(key) and key not in record.to_json().decode()
+    assert ApiKey.from_json(record.to_json()) == record
+
+
+def test_authenticate_missing_unknown_revoked_and_orphaned_keys():
+    key, record = new_key("acme")
+    directory = Directory({"acme": Tenant("acme")}, {record.key_hash: record})
+    assert directory.authenticate(key)[0].name == "acme"
+    with pytest.raises(AuthError, match="didn't provide"):
+        directory.authenticate(None)
+    with pytest.raises(AuthError, match="Incorrect API key"):
+        directory.authenticate("sk-not-ours")
+    with pytest.raises(AuthError, match=f"key id {record.key_id}"):
+        directory.authenticate(key[:-1] + ("A" if key[-1] != "A" else "B"))
+    directory.keys[record.key_hash] = ApiKey(record.key_hash, record.key_id, "acme", revoked=True)
+    with pytest.raises(AuthError, match="Incorrect API key"):
+        directory.authenticate(key)
+    directory.keys[record.key_hash] = record
+    del directory.tenants["acme"]
+    with pytest.raises(AuthError, match="no longer exists"):
+        directory.authenticate(key)
+
+
+def test_tenant_validation_and_allowed_models():
+    t = Tenant("acme", "batch", 1000, 10, 2, ("smol",))
+    assert t.allows("smol") and not t.allows("other") and Tenant("x").allows("anything")
+    assert Tenant.from_json(t.to_json()) == t
+    for bad in ({"name": "a/b"}, {"name": "x", "tier": "gold"}, {"name": "x", "tokens_per_minute": -1}):
+        with pytest.raises(ValueError):
+            Tenant(**bad)

@@ -1,0 +1,117 @@
+"""Tenants and API keys in etcd (``tenants/<name>``, ``apikeys/<key hash>``) or in a YAML file,
+and a directory that gateways keep current with a watch (a revoked key stops working on every
+gateway as soon as the watch delivers the change: well under a second on a healthy etcd)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import yaml
+
+from tokenfleet.cluster.etcd import EtcdClient, KeyEvent, mirror_prefix
+from tokenfleet.tenancy.tenants import ApiKey, Directory, Tenant, new_key
+
+TENANTS, KEYS = "tenants/", "apikeys/"
+
+
+class TenantStore:
+    """Admin operations (the `tokenfleet tenants` CLI) over etcd."""
+
+    def __init__(self, etcd: EtcdClient):
+        self.etcd = etcd
+
+    async def add(self, tenant: Tenant, update: bool = False) -> str | None:
+        """Create the tenant and its first key (returned, shown once). ``update``: replace an existing
+        tenant's settings and issue no key. ValueError if it exists (and not ``update``)."""
+        key = TENANTS + tenant.name
+        if update:
+            if await self.etcd.get(key) is None:
+                raise LookupError(f"no tenant {tenant.name!r}")
+            await self.etcd.put(key, tenant.to_json())
+            return None
+        if not await self.etcd.put_if_absent(key, tenant.to_json()):
+            raise ValueError(f"tenant {tenant.name!r} exists (use --update to change it)")
+        return await self.issue_key(tenant.name)
+
+    async def issue_key(self, tenant: str) -> str:
+        if await self.etcd.get(TENANTS + tenant) is None:
+            raise LookupError(f"no tenant {tenant!r}")
+        key, record = new_key(tenant)
+        await self.etcd.put(KEYS + record.key_hash, record.to_json())
+        return key
+
+    async def directory(self) -> Directory:
+        tenants = await self.etcd.get_prefix(TENANTS)
+        keys = await self.etcd.get_prefix(KEYS)
+        return Directory({k.removeprefix(TENANTS): Tenant.from_json(v) for k, v in tenants.items()},
+                         {k.removeprefix(KEYS): ApiKey.from_json(v) for k, v in keys.items()})
+
+    async def revoke(self, key_id: str) -> ApiKey:
+        record = await self._find(key_id)
+        revoked = dataclasses.replace(record, revoked=True)
+        await self.etcd.put(KEYS + record.key_hash, revoked.to_json())
+        return revoked
+
+    async def rotate(self, key_id: str) -> str:
+        """A new key for the same tenant; the old one is revoked."""
+        record = await self._find(key_id)
+        key = await self.issue_key(record.tenant)
+        await self.revoke(key_id)
+        return key
+
+    async def _find(self, key_id: str) -> ApiKey:
+        matches = [r for r in (await self.directory()).keys.values() if r.key_id == key_id]
+        if not matches:
+            raise LookupError(f"no API key with id {key_id!r}")
+        return matches[0]
+
+
+async def follow_directory(etcd: EtcdClient, directory: Directory, synced: asyncio.Event | None = None) -> None:
+    """Keep ``directory`` equal to etcd's tenants and keys (runs until cancelled)."""
+
+    def reset_tenants(listing: dict[str, bytes]) -> None:
+        directory.tenants = {k.removeprefix(TENANTS): Tenant.from_json(v) for k, v in listing.items()}
+
+    def on_tenant(event: KeyEvent) -> None:
+        name = event.key.removeprefix(TENANTS)
+        if event.value is None:
+            directory.tenants.pop(name, None)
+        else:
+            directory.tenants[name] = Tenant.from_json(event.value)
+
+    def reset_keys(listing: dict[str, bytes]) -> None:
+        directory.keys = {k.removeprefix(KEYS): ApiKey.from_json(v) for k, v in listing.items()}
+        if synced is not None:
+            synced.set()
+
+    def on_key(event: KeyEvent) -> None:
+        key_hash = event.key.removeprefix(KEYS)
+        if event.value is None:
+            directory.keys.pop(key_hash, None)
+        else:
+            directory.keys[key_hash] = ApiKey.from_json(event.value)
+
+    await asyncio.gather(mirror_prefix(etcd, TENANTS, reset_tenants, on_tenant),
+                         mirror_prefix(etcd, KEYS, reset_keys, on_key))
+
+
+# ---- a static YAML file (small setups) ------------------------------------------------------------
+def load_file(path: str | Path) -> Directory:
+    """``tenants: {name: {tier, tokens_per_minute, ...}}`` and ``keys: [{key_hash, key_id, tenant, revoked}]``."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    tenants = {name: Tenant.from_dict({**(fields or {}), "name": name}) for name, fields in
+               (data.get("tenants") or {}).items()}
+    keys = {}
+    for entry in data.get("keys") or []:
+        record = ApiKey(**{k: v for k, v in entry.items() if k in {f.name for f in dataclasses.fields(ApiKey)}})
+        keys[record.key_hash] = record
+    return Directory(tenants, keys)
+
+
+def save_file(path: str | Path, directory: Directory) -> None:
+    data = {"tenants": {name: {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(t).items()
+                               if k != "name"} for name, t in sorted(directory.tenants.items())},
+            "keys": [dataclasses.asdict(k) for k in directory.keys.values()]}
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))

@@ -1,0 +1,171 @@
+"""The usage ledger: one record per request, in SQLite (WAL).
+
+``write`` returns once the record is durable (committed with synchronous=FULL): the gateway
+awaits it before it sends a request's final chunk, so a client that saw the end of its
+response is billed even if the gateway dies right after. One writer thread owns the
+connection and commits whatever has queued up in one transaction (group commit), so the
+fsync is shared by concurrent requests and the event loop never blocks on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import dataclasses
+import io
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+STATUSES = ("ok", "cancelled", "failed", "rejected")
+_COLUMNS = ("request_id", "tenant", "key_id", "model", "endpoint", "status", "prompt_tokens", "cached_tokens",
+            "completion_tokens", "ttft_ms", "duration_ms", "started_at", "finished_at", "detail")
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS usage (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    request_id TEXT NOT NULL, tenant TEXT NOT NULL, key_id TEXT NOT NULL, model TEXT NOT NULL,
+    endpoint TEXT NOT NULL, status TEXT NOT NULL CHECK (status IN {STATUSES}),
+    prompt_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
+    ttft_ms REAL, duration_ms REAL NOT NULL, started_at REAL NOT NULL, finished_at REAL NOT NULL, detail TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS usage_request ON usage (request_id);
+CREATE INDEX IF NOT EXISTS usage_time ON usage (finished_at);
+"""
+
+
+@dataclass
+class UsageRecord:
+    request_id: str
+    tenant: str
+    model: str
+    endpoint: str
+    status: str = "ok"
+    key_id: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_ms: float | None = None
+    duration_ms: float = 0.0
+    started_at: float = 0.0  # unix seconds
+    finished_at: float = 0.0
+    detail: str = ""  # why it was rejected or failed
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+
+    def row(self) -> tuple:
+        return tuple(getattr(self, c) for c in _COLUMNS)
+
+
+class Ledger:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with _connect(self.path) as conn:
+            conn.executescript(_SCHEMA)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="tokenfleet-ledger", daemon=True)
+        self._thread.start()
+        self.num_commits = 0
+
+    async def write(self, record: UsageRecord) -> None:
+        """Returns when the record is on disk."""
+        await asyncio.wrap_future(self.submit(record))
+
+    def submit(self, record: UsageRecord) -> Future:
+        done: Future = Future()
+        self._queue.put((record, done))
+        return done
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        conn = _connect(self.path)
+        try:
+            while True:
+                item = self._queue.get()
+                batch = [item]
+                while True:  # group commit: everything queued meanwhile goes in this transaction
+                    try:
+                        batch.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                stop = None in batch
+                items = [i for i in batch if i is not None]
+                if items:
+                    self._commit(conn, items)
+                if stop:
+                    return
+        finally:
+            conn.close()
+
+    def _commit(self, conn: sqlite3.Connection, items: list[tuple[UsageRecord, Future]]) -> None:
+        try:
+            with conn:
+                conn.executemany(f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
+                                 [record.row() for record, _ in items])
+            self.num_commits += 1
+        except sqlite3.Error as e:
+            for _, done in items:
+                done.set_exception(e)
+            return
+        for _, done in items:
+            done.set_result(None)
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, timeout=10, check_same_thread=False, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.isolation_level = ""  # `with conn:` opens and commits a transaction
+    return conn
+
+
+def records(path: str | Path, since: float = 0.0) -> list[UsageRecord]:
+    with _connect(Path(path)) as conn:
+        rows = conn.execute(f"SELECT {', '.join(_COLUMNS)} FROM usage WHERE finished_at >= ? ORDER BY id",
+                            (since,)).fetchall()
+    return [UsageRecord(**dict(zip(_COLUMNS, row))) for row in rows]
+
+
+REPORT_COLUMNS = ("day", "tenant", "model", "requests", "ok", "rejected", "cancelled", "failed", "prompt_tokens",
+                  "cached_tokens", "completion_tokens")
+
+
+def report(path: str | Path, since: float = 0.0, tenant: str | None = None) -> list[dict]:
+    """Per tenant, model and UTC day: request counts by status and token sums."""
+    sql = """SELECT date(finished_at, 'unixepoch') AS day, tenant, model, count(*),
+                    sum(status = 'ok'), sum(status = 'rejected'), sum(status = 'cancelled'), sum(status = 'failed'),
+                    sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens)
+             FROM usage WHERE finished_at >= ? AND (? IS NULL OR tenant = ?)
+             GROUP BY day, tenant, model ORDER BY day, tenant, model"""
+    with _connect(Path(path)) as conn:
+        rows = conn.execute(sql, (since, tenant, tenant)).fetchall()
+    return [dict(zip(REPORT_COLUMNS, row)) for row in rows]
+
+
+def format_report(rows: Sequence[dict], fmt: str = "table") -> str:
+    if fmt == "csv":
+        out = io.StringIO()
+        writer = csv.DictWriter(out, REPORT_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+        return out.getvalue()
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) if rows else len(c) for c in REPORT_COLUMNS}
+    lines = ["  ".join(c.ljust(widths[c]) for c in REPORT_COLUMNS)]
+    lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in REPORT_COLUMNS) for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def now_record(**fields: object) -> UsageRecord:
+    """A record finished now (convenience for callers that only know durations)."""
+    record = UsageRecord(**fields)  # type: ignore[arg-type]
+    return dataclasses.replace(record, finished_at=record.finished_at or time.time())
