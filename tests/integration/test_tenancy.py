@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 
 import openai
 import pytest
@@ -210,3 +211,42 @@ def _status(call) -> int:  # type: ignore[no-untyped-def]
     except openai.APIStatusError as e:
         return e.status_code
 
+
+
+def test_two_gateways_split_one_budget_and_admit_no_more_than_it(stack, default_model_dir):
+    """Each gateway enforces half of the tenant's budget while both are alive; together, under more
+    demand than the budget, they admit at most the budget plus what refills during the run."""
+    etcd, router, first, _ = stack
+    budget = 240  # tokens per minute: 4 per second, 120 per gateway
+    key = add_tenant(etcd.endpoint, "shared", "--tokens-per-minute", str(budget))
+    second = start_service("tokenfleet.services.gateway", "--router", router.address, "--model",
+                           f"{MODEL}={default_model_dir}", "--auth", "on", "--etcd", etcd.endpoint, "--ledger", "none")
+    try:
+        clients = [client(first, key), client(second, key)]
+        wait_for(lambda: all(_try(lambda c=c: ask(c, max_tokens=1)) for c in clients), "both gateways serve the key")
+        wait_for(lambda: int(ask(clients[1], max_tokens=1).headers["x-ratelimit-remaining-tokens"]) < budget / 2,
+                 "the second gateway enforces half the budget")
+        admitted, denied = [], []
+        start = time.monotonic()
+
+        def hammer(c: openai.OpenAI) -> None:
+            while time.monotonic() - start < 8:
+                try:  # ignore_eos and an exact max_tokens: used == reserved
+                    admitted.append(ask(c, max_tokens=16, extra_body={"ignore_eos": True}).parse().usage.total_tokens)
+                except openai.RateLimitError:
+                    denied.append(1)
+                    time.sleep(0.2)
+
+        threads = [threading.Thread(target=hammer, args=(c,)) for c in clients for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        elapsed = time.monotonic() - start
+        print(f"two-gateway budget: admitted {sum(admitted)} tokens in {elapsed:.1f} s, {len(denied)} denials; "
+              f"bound {budget + budget / 60 * elapsed:.0f}")
+        assert denied, "the demand must exceed the budget for this test to mean anything"
+        assert sum(admitted) <= budget + budget / 60 * elapsed, (sum(admitted), elapsed)
+        assert sum(admitted) >= budget / 2  # both shares were spent, not just one
+    finally:
+        second.stop()
