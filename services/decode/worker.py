@@ -18,7 +18,7 @@ import structlog
 from tokenfleet.services.common.errors import map_errors
 from tokenfleet.services.decode import convert
 
-from tokenfleet.engine.interface import Engine, EngineStoppedError
+from tokenfleet.engine.interface import Engine, EngineOverloadedError, EngineStoppedError
 from tokenfleet.engine.kv_transfer import KVLayout, KVTransferError, PrefillEvent
 from tokenfleet.telemetry.latency import RecentLatencies
 from tokenfleet.telemetry.request_id import metadata as request_id_metadata
@@ -47,6 +47,7 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         self.draining = False
         self.in_flight: set[str] = set()
         self.latencies = RecentLatencies()
+        self.num_early_rejections = 0
         self.channels: dict[str, grpc.aio.Channel] = {}  # prefill replicas this worker pulls KV from
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -57,6 +58,16 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
     async def close(self) -> None:
         for channel in self.channels.values():
             await channel.close()
+
+    def _check_objective(self, request: engine_pb2.GenerateRequest) -> None:
+        """Early rejection: say no now when the request would wait past its TTFT objective."""
+        if not request.ttft_objective_ms or request.HasField("prefill"):
+            return
+        wait = self.engine.stats().predicted_wait(len(request.prompt_token_ids))
+        if wait * 1000 > request.ttft_objective_ms:
+            self.num_early_rejections += 1
+            raise EngineOverloadedError(f"predicted wait {wait:.1f} s for the first token exceeds the objective "
+                                        f"{request.ttft_objective_ms / 1000:.1f} s")
 
     def _admit(self, request_id: str) -> str:
         """A stream's request id (the caller's or a new one), now counted in flight until it ends."""
@@ -73,6 +84,7 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         params = convert.sampling_params(request.sampling)
+        self._check_objective(request)
         request_id = self._admit(request.request_id)
         start, first, last, count = time.monotonic(), None, None, 0
         kv_source = None
@@ -182,6 +194,8 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             num_kv_blocks_received=stats.num_kv_blocks_received,
             num_remote_prefills=stats.num_remote_prefills,
             num_kv_bytes_received=stats.num_kv_bytes_received,
+            num_queued_prompt_tokens=stats.num_queued_prompt_tokens,
+            prefill_tokens_per_s=stats.prefill_tokens_per_s,
         )
 
 

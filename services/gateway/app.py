@@ -49,6 +49,8 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
         grpc.StatusCode.CANCELLED)
 REPLICA_HEADER = "x-tokenfleet-replica"
+# Generous for a CPU development cluster (the serving benchmark's load must pass); set per fleet.
+DEFAULT_TTFT_OBJECTIVES = {"interactive": 30.0, "batch": 300.0}
 TIER_PRIORITY = {"interactive": common_pb2.PRIORITY_INTERACTIVE, "batch": common_pb2.PRIORITY_BATCH}
 # Per HTTP request: where it was placed (a dict shared with the middleware, which sets the header).
 PLACEMENT: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("placement", default=None)
@@ -116,6 +118,8 @@ class Gateway:
     draining: bool = False  # set on SIGTERM: /health says so, open streams finish
     max_resumes: int = 2  # a stream whose replica dies is continued elsewhere at most this many times
     admission: Admission = field(default_factory=Admission)  # API keys, budgets, the ledger
+    # Early rejection: a worker refuses a request it predicts would wait longer than its tier's objective.
+    ttft_objectives: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TTFT_OBJECTIVES))
     _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -174,7 +178,8 @@ class Gateway:
         try:
             first = await _first(stream)
         except BaseException as e:
-            status = "cancelled" if isinstance(e, asyncio.CancelledError) else "failed"
+            status = ("cancelled" if isinstance(e, asyncio.CancelledError) else
+                      "rejected" if isinstance(e, APIError) and e.code == "overloaded" else "failed")
             await ticket.finish(status, len(prompt), 0, 0, None, durable=False, detail=str(e))
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -193,16 +198,26 @@ class Gateway:
         delivered: list[int] = []  # output tokens already passed on, and their text
         text = ""
         resumes = 0
+        last_error: grpc.aio.AioRpcError | None = None
         while True:
-            picked = await self.pick(model.ref, request_id, prompt, failed, colocated=bool(delivered))
+            try:
+                picked = await self.pick(model.ref, request_id, prompt, failed, colocated=bool(delivered))
+            except APIError as e:
+                refused = last_error is not None and last_error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                if refused and e.code == "no_replica" and last_error is not None:  # every replica refused: say why
+                    raise _status_error(last_error) from e
+                raise
             stub = engine_pb2_grpc.EngineServiceStub(self.channel(picked.address))
             request = engine_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=to_proto(params),
                                                  tenant=tenant.name, priority=TIER_PRIORITY[tenant.tier])
             if delivered:
                 request.resume.output_token_ids.extend(delivered)
                 request.resume.text = text
-            elif picked.prefill_address:
-                request.prefill.replica_id, request.prefill.address = picked.prefill_replica_id, picked.prefill_address
+            else:
+                request.ttft_objective_ms = int(1000 * self.ttft_objectives.get(tenant.tier, 0))
+                if picked.prefill_address:
+                    request.prefill.replica_id = picked.prefill_replica_id
+                    request.prefill.address = picked.prefill_address
             call = stub.Generate(request, metadata=_trace_metadata())
             responded = False
             try:
@@ -232,6 +247,7 @@ class Gateway:
                                        code="replica_lost") from e
                     raise _status_error(e) from e
                 failed.append(picked.replica_id)
+                last_error = e
             finally:
                 call.cancel()  # no-op when finished; aborts the request when the client went away
 
@@ -247,7 +263,8 @@ def _status_error(e: grpc.aio.AioRpcError) -> APIError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return APIError(400, e.details() or "invalid request")
     if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
-        return APIError(503, f"overloaded: {e.details()}", "server_error", code="overloaded")
+        return APIError(503, f"overloaded: {e.details()}", "server_error", code="overloaded",
+                        headers={"retry-after": "2"})
     return APIError(500, f"worker error: {e.details()}", "server_error")
 
 

@@ -12,7 +12,14 @@ from collections.abc import Iterator, Sequence
 import structlog
 import uvicorn
 from tokenfleet.services.common.server import GrpcServer, run_service
-from tokenfleet.services.gateway.app import Gateway, ModelCatalog, ServedModel, create_app, load_served
+from tokenfleet.services.gateway.app import (
+    DEFAULT_TTFT_OBJECTIVES,
+    Gateway,
+    ModelCatalog,
+    ServedModel,
+    create_app,
+    load_served,
+)
 from tokenfleet.services.gateway.grpc_api import InferenceAPI
 from tokenfleet.services.gateway.tenancy import Admission
 from tokenfleet.services.registry.client import watch_registry
@@ -22,7 +29,7 @@ from tokenfleet.cluster.gateways import GatewayPeers, GatewayRecord
 from tokenfleet.cluster.registry import RegistryView
 from tokenfleet.cluster.tenants import follow_directory, load_file
 from tokenfleet.ledger import Ledger
-from tokenfleet.tenancy.tenants import Directory
+from tokenfleet.tenancy.tenants import TIERS, Directory
 from tokenfleet.v1 import inference_pb2, inference_pb2_grpc
 
 log = structlog.get_logger()
@@ -52,6 +59,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--gateway-id", help="this gateway's id in etcd (default: <hostname>-<port>)")
     p.add_argument("--ledger", default=str(default_ledger()),
                    help="SQLite usage ledger (one record per request; 'none' turns it off)")
+    p.add_argument("--ttft-objective", action="append", default=[], metavar="TIER=SECONDS",
+                   help="early rejection: a request whose predicted wait for its first token exceeds its tier's "
+                   "objective gets 503 at once (defaults: interactive=30, batch=300, for CPU clusters)")
     p.add_argument("--grace-seconds", type=float, default=30.0,
                    help="on SIGTERM: stop accepting, let open streams finish for this long")
     return p.parse_args(argv)
@@ -100,7 +110,8 @@ async def serve(args: argparse.Namespace) -> None:
         await peers.start()
     ledger = Ledger(args.ledger) if args.ledger != "none" else None
     admission = Admission(directory, ledger, share=peers.share if peers is not None else lambda: 1.0)
-    gateway = Gateway(args.router, catalog, max_resumes=args.max_resumes, admission=admission)
+    gateway = Gateway(args.router, catalog, max_resumes=args.max_resumes, admission=admission,
+                      ttft_objectives=ttft_objectives(args.ttft_objective))
     log.info("gateway admission", auth=args.auth, ledger=args.ledger)
     http = _Server(uvicorn.Config(create_app(gateway), log_level="warning",
                                   timeout_graceful_shutdown=int(args.grace_seconds)))
@@ -156,6 +167,16 @@ async def tenant_directory(args: argparse.Namespace, etcd: EtcdClient | None) ->
     with contextlib.suppress(TimeoutError):  # etcd away: start with no keys (401s) and fill in when it returns
         await asyncio.wait_for(synced.wait(), timeout=10)
     return directory, [task]
+
+
+def ttft_objectives(specs: list[str]) -> dict[str, float]:
+    objectives = dict(DEFAULT_TTFT_OBJECTIVES)
+    for spec in specs:
+        tier, sep, seconds = spec.partition("=")
+        if not sep or tier not in TIERS:
+            raise SystemExit(f"--ttft-objective expects TIER=SECONDS with TIER in {TIERS}, got {spec!r}")
+        objectives[tier] = float(seconds)
+    return objectives
 
 
 def default_ledger():  # type: ignore[no-untyped-def]

@@ -250,3 +250,29 @@ def test_two_gateways_split_one_budget_and_admit_no_more_than_it(stack, default_
         assert sum(admitted) >= budget / 2  # both shares were spent, not just one
     finally:
         second.stop()
+
+
+def test_early_rejection_when_the_predicted_wait_exceeds_the_tier_objective(stack, default_model_dir, tmp_path):
+    etcd, router, _, _ = stack
+    ledger = tmp_path / "ledger.sqlite3"
+    strict = start_service("tokenfleet.services.gateway", "--router", router.address, "--model",
+                           f"{MODEL}={default_model_dir}", "--ttft-objective", "interactive=0.001",
+                           "--ledger", str(ledger))
+    try:
+        c = client(strict, "unused")  # auth off: the anonymous tenant, interactive
+        # the worker knows its prefill rate after one prefill; then any prompt predicts > 1 ms
+        error = wait_for(lambda: _rejected(c), "an early rejection")
+        assert error.status_code == 503 and error.body["code"] == "overloaded"
+        assert "exceeds the objective" in error.message and int(error.response.headers["retry-after"]) >= 1
+        rejected = wait_for(lambda: [r for r in records(ledger) if r.status == "rejected"], "the ledger record")
+        assert rejected[0].tenant == "anonymous" and "objective" in rejected[0].detail
+    finally:
+        strict.stop()
+
+
+def _rejected(c: openai.OpenAI):  # type: ignore[no-untyped-def]
+    try:
+        ask(c)
+    except openai.APIStatusError as e:
+        return e
+    return None

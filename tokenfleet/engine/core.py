@@ -14,7 +14,7 @@ from typing import Protocol
 from tokenfleet.engine.detokenizer import Decoder
 from tokenfleet.engine.kv_transfer import KVLayout
 from tokenfleet.engine.output import OutputState, RequestOutput, Resume, TokenLogprobs
-from tokenfleet.engine.request import FinishReason, Priority, Request
+from tokenfleet.engine.request import FinishReason, Priority, Request, RequestStatus
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import Scheduler, SchedulerOutput
 from tokenfleet.engine.stats import EngineStats, StepTimer
@@ -213,6 +213,8 @@ class EngineCore:
             if entry.samples and entry.request_id in result.sampled:
                 outputs.append(self._process(entry.request_id, result, finished))
         self.stats.record_step(self._timer.last, output.num_scheduled_tokens)
+        if any(s.num_new_tokens > 1 for s in output.scheduled):
+            self.stats.record_prefill_rate(output.num_scheduled_tokens, self._timer.last)
         return outputs
 
     def _process(self, request_id: str, result: ExecuteResult, finished: dict[str, Request]) -> RequestOutput:
@@ -240,4 +242,7 @@ class EngineCore:
             num_blocks_used=bm.num_used_blocks,
             num_blocks_free=bm.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            num_queued_prompt_tokens=sum(
+                max(0, r.num_tokens - r.num_computed_tokens - 1) for r in self.scheduler.requests.values()
+                if r.status is not RequestStatus.REMOTE_PREFILL),
         )

@@ -34,6 +34,8 @@ class EngineStats:
     num_blocks_used: int = 0
     num_blocks_free: int = 0
     last_step_seconds: float = 0.0
+    num_queued_prompt_tokens: int = 0  # prompt tokens waiting to be computed
+    prefill_tokens_per_s: float = 0.0  # recent rate of steps that prefilled (EMA)
 
     @property
     def mean_step_seconds(self) -> float:
@@ -44,6 +46,18 @@ class EngineStats:
         self.num_scheduled_tokens += num_tokens
         self.total_step_seconds += seconds
         self.last_step_seconds = seconds
+
+    def record_prefill_rate(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:
+        if seconds > 0:
+            rate = tokens / seconds
+            self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else (
+                alpha * rate + (1 - alpha) * self.prefill_tokens_per_s)
+
+    def predicted_wait(self, prompt_tokens: int) -> float:
+        """Seconds before a new prompt's prefill would be done, at the recent rate (0 when unknown)."""
+        if not self.prefill_tokens_per_s:
+            return 0.0
+        return (self.num_queued_prompt_tokens + prompt_tokens) / self.prefill_tokens_per_s
 
     def record_finished(self, request: Request) -> None:
         self.num_finished += 1

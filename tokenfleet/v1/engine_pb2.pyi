@@ -18,7 +18,7 @@ WORKER_STATE_SERVING: WorkerState
 WORKER_STATE_DRAINING: WorkerState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "prefill", "resume", "tenant")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "prefill", "resume", "tenant", "ttft_objective_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class GenerateRequest(_message.Message):
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    TTFT_OBJECTIVE_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -33,7 +34,8 @@ class GenerateRequest(_message.Message):
     prefill: PrefillSource
     resume: ResumeState
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., prefill: _Optional[_Union[PrefillSource, _Mapping]] = ..., resume: _Optional[_Union[ResumeState, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
+    ttft_objective_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., prefill: _Optional[_Union[PrefillSource, _Mapping]] = ..., resume: _Optional[_Union[ResumeState, _Mapping]] = ..., tenant: _Optional[str] = ..., ttft_objective_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillSource(_message.Message):
     __slots__ = ("replica_id", "address")
@@ -186,7 +188,7 @@ class LoadRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("state", "num_waiting", "num_running", "num_blocks_used", "num_blocks_free", "num_in_flight", "num_prefix_hit_tokens", "num_preemptions", "num_aborted", "num_steps", "ttft_ms_recent", "tpot_ms_recent", "step_ms_mean", "hashes_reset", "added_block_hashes", "removed_block_hashes", "layout", "num_prompt_tokens_computed", "num_kv_blocks_sent", "num_kv_blocks_received", "num_remote_prefills", "num_kv_bytes_received")
+    __slots__ = ("state", "num_waiting", "num_running", "num_blocks_used", "num_blocks_free", "num_in_flight", "num_prefix_hit_tokens", "num_preemptions", "num_aborted", "num_steps", "ttft_ms_recent", "tpot_ms_recent", "step_ms_mean", "num_queued_prompt_tokens", "prefill_tokens_per_s", "hashes_reset", "added_block_hashes", "removed_block_hashes", "layout", "num_prompt_tokens_computed", "num_kv_blocks_sent", "num_kv_blocks_received", "num_remote_prefills", "num_kv_bytes_received")
     STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +202,8 @@ class LoadReport(_message.Message):
     TTFT_MS_RECENT_FIELD_NUMBER: _ClassVar[int]
     TPOT_MS_RECENT_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_MEAN_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     HASHES_RESET_FIELD_NUMBER: _ClassVar[int]
     ADDED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     REMOVED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +226,8 @@ class LoadReport(_message.Message):
     ttft_ms_recent: float
     tpot_ms_recent: float
     step_ms_mean: float
+    num_queued_prompt_tokens: int
+    prefill_tokens_per_s: float
     hashes_reset: bool
     added_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     removed_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -231,7 +237,7 @@ class LoadReport(_message.Message):
     num_kv_blocks_received: int
     num_remote_prefills: int
     num_kv_bytes_received: int
-    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., ttft_ms_recent: _Optional[float] = ..., tpot_ms_recent: _Optional[float] = ..., step_ms_mean: _Optional[float] = ..., hashes_reset: _Optional[bool] = ..., added_block_hashes: _Optional[_Iterable[bytes]] = ..., removed_block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_kv_blocks_sent: _Optional[int] = ..., num_kv_blocks_received: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_kv_bytes_received: _Optional[int] = ...) -> None: ...
+    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., ttft_ms_recent: _Optional[float] = ..., tpot_ms_recent: _Optional[float] = ..., step_ms_mean: _Optional[float] = ..., num_queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., hashes_reset: _Optional[bool] = ..., added_block_hashes: _Optional[_Iterable[bytes]] = ..., removed_block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_kv_blocks_sent: _Optional[int] = ..., num_kv_blocks_received: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_kv_bytes_received: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()
