@@ -378,10 +378,15 @@ def create_app(gateway: Gateway) -> FastAPI:
 
 
 async def _parse(request: Request, schema: type) -> Any:
+    raw = await request.body()
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8 (byte {e.start})") from e
     except json.JSONDecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
     return validate_body(schema, body)
 
 

@@ -252,3 +252,37 @@ def test_cancelling_a_grpc_stream_aborts_on_the_worker(stack):
     after = wait_for(lambda: (r := load_report(worker.address)).num_running == 0 and r.num_in_flight == 0 and r,
                      "abort on the worker")
     assert after.num_aborted == idle.num_aborted + 1 and after.num_blocks_used == idle.num_blocks_used
+
+
+USER = [{"role": "user", "content": "Hi"}]
+BAD_BODIES = [  # (body, status, param or message fragment)
+    (b"\xff\xfe{}", 400, "UTF-8"),
+    (b"[1, 2]", 400, "JSON object"),
+    ({"model": MODEL, "messages": "hello"}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "  "}]}, 400, "messages.0.content"),
+    ({"model": MODEL, "messages": USER, "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL, "messages": USER, "top_p": 1.5}, 400, "top_p"),
+    ({"model": MODEL, "messages": USER, "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": USER, "n": 3}, 400, "n"),
+    ({"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": 50}, 400, "logprobs"),
+    ({"model": MODEL, "messages": USER, "stop": ["x"] * 17}, 400, "stop"),
+    ({"model": MODEL, "messages": USER, "stop": "y" * 300}, 400, "stop"),
+    ({"model": MODEL, "messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"model": MODEL, "messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"model": 7, "messages": USER}, 400, "model"),
+    ({"model": "no-such-model", "messages": USER}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "where"), BAD_BODIES, ids=[str(i) for i in range(len(BAD_BODIES))])
+def test_bad_input_gets_a_clear_openai_error_and_breaks_nothing(gateway, body, status, where):
+    url, client, _ = gateway
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    got, answer = post(f"{url}/v1/chat/completions", raw)
+    assert got == status, answer
+    error = answer["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert where in (error["param"] or "") or where in error["message"]
+    reply = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, temperature=0)
+    assert reply.usage.completion_tokens == 2  # the gateway still serves

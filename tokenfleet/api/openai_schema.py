@@ -22,6 +22,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -47,10 +51,25 @@ class _Common(BaseModel):
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float | None = None
+    # Not supported yet: rejected by name, never silently ignored.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.n != 1:
             raise APIError(400, "only n=1 is supported", param="n")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise APIError(400, f"response_format {self.response_format.get('type')!r} is not supported yet; only "
+                           "'text'", param="response_format")
+        for name in ("tools", "tool_choice"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported yet", param=name)
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
+        if any(len(s) > MAX_STOP_LENGTH for s in stops):
+            raise APIError(400, f"stop strings must be at most {MAX_STOP_LENGTH} characters", param="stop")
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -84,6 +103,9 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
 
     def sampling_params(self) -> SamplingParams:
+        for i, m in enumerate(self.messages):
+            if m.role in ("user", "system", "developer") and not (m.content or "").strip():
+                raise APIError(400, f"messages[{i}].content must not be empty", param=f"messages.{i}.content")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
