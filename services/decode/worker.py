@@ -92,7 +92,7 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             kv_source = RemotePrefill(self.channel(request.prefill.address), request, context)
         stream = self.engine.generate(
             list(request.prompt_token_ids), params, request_id, convert.priority(request.priority),
-            resume=convert.resume(request.resume), kv_source=kv_source,
+            resume=convert.resume(request.resume), kv_source=kv_source, tenant=request.tenant,
         )
         try:
             # aclosing: a cancelled call closes the engine stream now, which aborts the request.

@@ -57,6 +57,7 @@ class _Add:
     done: Future
     resume: Resume | None = None
     hold_kv: bool = False
+    tenant: str = ""
 
 
 @dataclass
@@ -162,6 +163,7 @@ class AsyncEngine:
         resume: Resume | None = None,
         kv_source: KVSource | None = None,
         hold_kv: bool = False,
+        tenant: str = "",
     ) -> AsyncGenerator[RequestOutput, None]:
         """``resume``: continue after output another replica delivered. ``kv_source``: pull the
         prompt's first token and KV from a prefill replica (falls back to local prefill when the
@@ -178,11 +180,12 @@ class AsyncEngine:
         held = None
         if kv_source is not None and resume is None:
             held = await self._call(lambda core: self._add_remote(core, prompt, sampling_params, request_id,
-                                                                  int(priority), sink),
+                                                                  int(priority), sink, tenant),
                                     abandoned=lambda core, held: _forget(core.abort(request_id)))
         if held is None:
             done: Future = Future()
-            self._commands.put(_Add(prompt, sampling_params, request_id, int(priority), sink, done, resume, hold_kv))
+            self._commands.put(_Add(prompt, sampling_params, request_id, int(priority), sink, done, resume, hold_kv,
+                                    tenant))
             try:
                 await asyncio.wrap_future(done)  # re-raises ValueError / EngineOverloadedError
             except asyncio.CancelledError:
@@ -209,8 +212,8 @@ class AsyncEngine:
 
     # ---- disaggregation ------------------------------------------------------------------------
     def _add_remote(self, core: EngineCore, prompt: list[int], params: SamplingParams, request_id: str,
-                    priority: int, sink: Callable[[RequestOutput], None]) -> int | None:
-        held = core.add_remote(prompt, params, request_id, priority)  # ValueError for bad input
+                    priority: int, sink: Callable[[RequestOutput], None], tenant: str = "") -> int | None:
+        held = core.add_remote(prompt, params, request_id, priority, tenant)  # ValueError for bad input
         if held is not None:
             self._sinks[request_id] = sink
         return held
@@ -393,7 +396,7 @@ class AsyncEngine:
     def _add(self, core: EngineCore, command: _Add) -> None:
         try:
             core.add_request(command.prompt_token_ids, command.sampling_params, command.request_id, command.priority,
-                             resume=command.resume, hold_kv=command.hold_kv)
+                             resume=command.resume, hold_kv=command.hold_kv, tenant=command.tenant)
         except QueueFullError as e:
             _resolve(command.done, error=EngineOverloadedError(str(e)))
         except ValueError as e:

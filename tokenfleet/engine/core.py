@@ -71,6 +71,7 @@ class EngineCore:
         arrival_time: float | None = None,
         resume: Resume | None = None,
         hold_kv: bool = False,
+        tenant: str = "",
     ) -> str:
         """Validate and queue a request; returns its id. ValueError for bad input, QueueFullError when full.
 
@@ -79,6 +80,7 @@ class EngineCore:
         (``release_held``), at most ``hold_seconds``."""
         request = self._new_request(prompt_token_ids, sampling_params, request_id, priority, arrival_time, resume)
         request.hold_blocks = hold_kv
+        request.tenant = tenant
         self.scheduler.add_request(request)
         self._states[request.request_id] = OutputState(request, self.tokenizer, resume.text if resume else None)
         return request.request_id
@@ -139,10 +141,11 @@ class EngineCore:
 
     # ---- disaggregation: decode side ----------------------------------------------------------
     def add_remote(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, request_id: str,
-                   priority: int = Priority.INTERACTIVE) -> int | None:
+                   priority: int = Priority.INTERACTIVE, tenant: str = "") -> int | None:
         """Reserve blocks for a prompt prefilled elsewhere. Returns the leading prompt blocks
         already cached here (not to be sent), or None when the blocks are not free now."""
         request = self._new_request(prompt_token_ids, sampling_params, request_id, priority, None)
+        request.tenant = tenant
         held = self.scheduler.add_remote(request)
         if held is not None:
             self._states[request_id] = OutputState(request, self.tokenizer)

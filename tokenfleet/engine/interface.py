@@ -36,13 +36,15 @@ class Engine(Protocol):
         priority: int = Priority.INTERACTIVE,
         resume: Resume | None = None,
         kv_source: KVSource | None = None,
+        tenant: str = "",
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream deltas until one with ``finished``. Closing the iterator early aborts the
         request and frees its resources. Raises ValueError for invalid input,
         EngineOverloadedError when full, EngineStoppedError when draining.
 
         ``resume``: output another replica already delivered (continue after it).
-        ``kv_source``: take the prompt's first token and KV from a prefill replica."""
+        ``kv_source``: take the prompt's first token and KV from a prefill replica.
+        ``tenant``: who is billed (fair queuing between tenants of one priority)."""
 
     def prefill(
         self,

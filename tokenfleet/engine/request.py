@@ -53,6 +53,7 @@ class Request:
     finish_reason: FinishReason | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of all_token_ids
     hold_blocks: bool = False  # prefill role: keep the blocks when finished, for a KV transfer
+    tenant: str = ""  # who is billed; tenants of one priority are queued fairly (FairQueue)
 
     @property
     def num_prompt_tokens(self) -> int:

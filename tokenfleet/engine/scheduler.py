@@ -19,13 +19,13 @@ they finish, their blocks stay in ``held`` until ``release_held`` (transfer done
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tokenfleet.engine.block_hash import hash_blocks
 from tokenfleet.engine.block_manager import BlockManager
+from tokenfleet.engine.fair_queue import FairQueue
 from tokenfleet.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -41,6 +41,9 @@ class SchedulerConfig:
     max_prefill_chunk: int = 0  # per-request chunk cap; 0 = limited only by the budget
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
+    fair_queuing: bool = True  # within a priority, tenants by virtual token counters (FairQueue)
+    fair_prompt_weight: float = 1.0
+    fair_output_weight: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_running < 1 or self.max_num_waiting < 0:
@@ -79,7 +82,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.hash_salt = hash_salt
         self.requests: dict[str, Request] = {}
-        self.waiting: list[tuple[tuple, Request]] = []  # sorted by (priority, arrival, seq)
+        self.waiting = FairQueue(config.fair_queuing, config.fair_prompt_weight, config.fair_output_weight)
         self.running: list[Request] = []
         self._seq = itertools.count()
         self._order: dict[str, tuple] = {}
@@ -90,9 +93,16 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a validated request. Raises QueueFullError or ValueError (can never fit)."""
         self._check_new(request)
+        active = self.active_tenants()
+        if request.tenant not in active:
+            self.waiting.activate(request.tenant, active)
         self.requests[request.request_id] = request
         self._order[request.request_id] = (request.priority, request.arrival_time, next(self._seq))
         self._push_waiting(request)
+
+    def active_tenants(self) -> set[str]:
+        """Tenants with a request waiting or running."""
+        return {r.tenant for r in self.requests.values() if r.status is not RequestStatus.REMOTE_PREFILL}
 
     def _check_new(self, request: Request) -> None:
         if request.request_id in self.requests or request.request_id in self.held:
@@ -174,12 +184,13 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is not RequestStatus.REMOTE_PREFILL:
-            self.waiting = [(k, r) for k, r in self.waiting if r is not request]
+            self.waiting.remove(request)
         if request.hold_blocks and reason is not FinishReason.ABORT:
             self.held[request_id] = request
         else:
             self.block_manager.free(request_id)
         self._order.pop(request_id, None)
+        self.waiting.forget_idle(self.active_tenants())
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         return request
@@ -239,7 +250,8 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], copies: list) -> int:
         bm, bs = self.block_manager, self.block_manager.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_running:
-            request = self.waiting[0][1]
+            request = self.waiting.peek()
+            assert request is not None
             prefix: list[int] = []
             if self.config.enable_prefix_caching:
                 # Always leave at least one token to compute: its logits are needed.
@@ -249,7 +261,7 @@ class Scheduler:
             allocation = bm.allocate_slots(request.request_id, computed + n, prefix)
             if allocation is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(request)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = min(computed, request.num_prompt_tokens)
             request.num_computed_tokens = computed
@@ -280,8 +292,7 @@ class Scheduler:
         self._push_waiting(request)
 
     def _push_waiting(self, request: Request) -> None:
-        key = self._order[request.request_id]
-        bisect.insort(self.waiting, (key, request), key=lambda item: item[0])
+        self.waiting.push(request, self._order[request.request_id], resumed=request.status is RequestStatus.PREEMPTED)
 
     # ---- after the forward -----------------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
@@ -296,6 +307,8 @@ class Scheduler:
             request = self.requests.get(entry.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
+            prompt_part = max(0, min(entry.start + entry.num_new_tokens, request.num_prompt_tokens) - entry.start)
+            self.waiting.charge(request.tenant, prompt_part, 1 if entry.samples else 0)
             request.num_computed_tokens += entry.num_new_tokens
             if entry.samples:
                 request.output_token_ids.append(sampled[entry.request_id])
