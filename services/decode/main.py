@@ -43,6 +43,9 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
     p.add_argument("--num-blocks", type=int)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-waiting", type=int, default=1024)
+    p.add_argument("--max-num-running", type=int, default=128, help="requests decoding at once (the batch cap)")
+    p.add_argument("--no-fair-queuing", action="store_true",
+                   help="queue by (priority, arrival) only, not fairly between tenants")
     p.add_argument("--transfer-timeout", type=float, default=30.0,
                    help="seconds a KV transfer may take: prefill-side held blocks are freed after it, and a "
                    "decode worker prefills locally instead")
@@ -75,6 +78,8 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_waiting=args.max_num_waiting,
         max_prefill_chunk=args.max_prefill_chunk,
+        max_num_running=args.max_num_running,
+        fair_queuing=not args.no_fair_queuing,
     )
 
 

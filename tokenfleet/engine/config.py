@@ -21,6 +21,7 @@ class EngineConfig:
     max_num_waiting: int = 1024
     max_prefill_chunk: int = 0
     enable_prefix_caching: bool = True
+    fair_queuing: bool = True  # tenants of one priority by virtual token counters (engine.fair_queue)
     num_threads: int | None = None  # CPU torch threads; None = TOKENFLEET_NUM_THREADS or all usable cores
 
     def __post_init__(self) -> None:
@@ -41,4 +42,5 @@ class EngineConfig:
             max_prefill_chunk=self.max_prefill_chunk,
             max_model_len=max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
+            fair_queuing=self.fair_queuing,
         )
