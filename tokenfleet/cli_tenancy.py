@@ -17,6 +17,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add.add_argument("--max-concurrent", type=int, default=0, help="open streams at once; 0 = unlimited")
     add.add_argument("--models", default="", help="comma-separated models it may use (default: all)")
     add.add_argument("--update", action="store_true", help="change an existing tenant's settings (no new key)")
+    add.add_argument("--if-missing", action="store_true", help="do nothing (exit 0) when the tenant exists")
     add.set_defaults(func=_cmd_add)
     lst = tenants.add_parser("list", help="tenants and their keys (ids only; keys are stored hashed)")
     lst.set_defaults(func=_cmd_list)
@@ -132,7 +133,13 @@ class _FileStore:
 
 def _cmd_add(args: argparse.Namespace) -> int:
     tenant = _tenant(args)
-    key = _run(args, lambda store: store.add(tenant, args.update))
+    try:
+        key = _run(args, lambda store: store.add(tenant, args.update))
+    except ValueError as e:
+        if args.if_missing and "exists" in str(e):
+            print(f"tenant {tenant.name} exists; nothing to do")
+            return 0
+        raise
     if key is None:
         print(f"updated tenant {tenant.name}")
     else:

@@ -83,7 +83,8 @@ def test_init_imports_and_registers_the_model_workers_serve(monkeypatch: pytest.
     from tokenfleet.models import gguf_import
 
     init = [argv for argv in command_lines(services()["init"])]
-    assert [argv[1:3] for argv in init] == [["models", "import"], ["models", "register"]]
+    assert [argv[1:3] for argv in init] == [["models", "import"], ["models", "register"], ["tenants", "add"]]
+    assert "--if-missing" in init[2], "a second `up` must not fail init because the demo tenant exists"
     register = init[1]
     monkeypatch.setenv("TOKENFLEET_CACHE_DIR", dockerfile_env()["TOKENFLEET_CACHE_DIR"])
     assert register[3] == gguf_import.DEFAULT_MODEL_NAME
