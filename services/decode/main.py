@@ -44,6 +44,8 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-waiting", type=int, default=1024)
     p.add_argument("--max-num-running", type=int, default=128, help="requests decoding at once (the batch cap)")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the registry record's, else the "
+                   "model's)")
     p.add_argument("--no-fair-queuing", action="store_true",
                    help="queue by (priority, arrival) only, not fairly between tenants")
     p.add_argument("--transfer-timeout", type=float, default=30.0,
@@ -71,7 +73,7 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
     return EngineConfig(
         model=model,
         dtype=args.dtype or (record.dtype if record is not None else "bfloat16"),
-        max_model_len=record.max_model_len or None if record is not None else None,
+        max_model_len=args.max_model_len or (record.max_model_len or None if record is not None else None),
         device=args.device,
         num_threads=args.threads,
         num_blocks=args.num_blocks,

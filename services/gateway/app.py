@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import structlog
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -294,8 +295,27 @@ def check_context(model: ServedModel, num_prompt: int, max_tokens: int | None) -
         )
 
 
+def _json_body(schema: type) -> dict[str, Any]:
+    """The OpenAPI request body of a route that parses its JSON itself (for clients and fuzzers)."""
+    ref = {"$ref": f"#/components/schemas/{schema.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (ChatCompletionRequest, CompletionRequest):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def create_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="tokenfleet gateway")
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -356,7 +376,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             {"id": name, "object": "model", "created": created, "owned_by": "tokenfleet"}
             for name, created in gateway.models.names()]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat(request: Request):  # type: ignore[no-untyped-def]
         timer = RequestTimer(gateway.metrics)
         body = await _parse(request, ChatCompletionRequest)
@@ -365,7 +385,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             return StreamingResponse(chat_events(run, timer), media_type="text/event-stream")
         return await chat_body(run, timer)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request):  # type: ignore[no-untyped-def]
         timer = RequestTimer(gateway.metrics)
         body = await _parse(request, CompletionRequest)

@@ -1,0 +1,62 @@
+"""Fuzz the gateway's OpenAPI document with schemathesis: no request may get a 5xx or crash it.
+
+Starts etcd, one worker (--max-model-len 96 so valid generations stay short on CPU), the router
+and the gateway (auth off), then runs schemathesis against http://GATEWAY/openapi.json with the
+`not_a_server_error` check, and finally checks that the gateway still answers.
+
+schemathesis is not a tokenfleet dependency: give its command (a separate venv is simplest):
+
+    python -m venv /tmp/fz && /tmp/fz/bin/pip install schemathesis
+    .venv/bin/python benchmarks/fuzz_gateway.py --schemathesis /tmp/fz/bin/schemathesis [--max-examples 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from serving.procs import Children, wait_completion
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--schemathesis", required=True, help="the schemathesis command")
+    parser.add_argument("--max-examples", type=int, default=40)
+    args = parser.parse_args()
+
+    from tokenfleet.models.gguf_import import DEFAULT_MODEL_NAME, ensure_default_model
+
+    model_dir = str(Path(ensure_default_model()).resolve())
+    children = Children()
+    try:
+        from tokenfleet.cluster.etcd_server import EtcdServer
+
+        children.etcd = EtcdServer.create().start()
+        etcd = children.etcd.endpoint
+        children.spawn_service("worker", "tokenfleet.services.decode", "--model", model_dir, "--model-name",
+                               DEFAULT_MODEL_NAME, "--etcd", etcd, "--threads", "1", "--max-model-len", "96", threads=1)
+        router = children.spawn_service("router", "tokenfleet.services.router", "--etcd", etcd)
+        gateway = children.spawn_service("gateway", "tokenfleet.services.gateway", "--router", router.address,
+                                         "--model", f"{DEFAULT_MODEL_NAME}={model_dir}", "--ledger", "none")
+        url = f"http://{gateway.address}"
+        wait_completion(url, DEFAULT_MODEL_NAME, 120, lambda: all(c.proc.poll() is None for c in children.children))
+        run = subprocess.run([args.schemathesis, "run", f"{url}/openapi.json", "--checks", "not_a_server_error",
+                              "--max-examples", str(args.max_examples), "--request-timeout", "120"],
+                             capture_output=True, text=True)
+        print(run.stdout[-6000:])
+        print(run.stderr[-2000:], file=sys.stderr)
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
+            alive = json.loads(response.read())["data"][0]["id"] == DEFAULT_MODEL_NAME
+        print(f"schemathesis exit {run.returncode}; gateway still serving: {alive}")
+        sys.exit(run.returncode or (0 if alive else 1))
+    finally:
+        children.stop_all()
+        children.remove_logs()
+
+
+if __name__ == "__main__":
+    main()
