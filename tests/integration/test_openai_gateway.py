@@ -286,3 +286,11 @@ def test_bad_input_gets_a_clear_openai_error_and_breaks_nothing(gateway, body, s
     assert where in (error["param"] or "") or where in error["message"]
     reply = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, temperature=0)
     assert reply.usage.completion_tokens == 2  # the gateway still serves
+
+
+def test_out_of_range_prompt_token_ids_are_a_400_not_a_500(gateway):
+    """Found by benchmarks/fuzz_gateway.py: negative or huge token ids reached protobuf and failed there."""
+    url, _, _ = gateway
+    for prompt in ([-1, 5], [2**40], [10**9]):
+        status, body = post(f"{url}/v1/completions", json.dumps({"model": MODEL, "prompt": prompt}).encode())
+        assert status == 400 and "prompt" in (body["error"]["param"] or "") + body["error"]["message"], body

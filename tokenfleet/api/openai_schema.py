@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -113,7 +113,7 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int]
+    prompt: str | list[Annotated[int, Field(ge=0, lt=2**31)]]  # text, or token ids (checked against the vocab)
     logprobs: int | None = None
     max_tokens: int | None = 16  # OpenAI's default for completions
 
