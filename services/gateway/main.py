@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 from collections.abc import Iterator, Sequence
@@ -159,7 +160,8 @@ async def tenant_directory(args: argparse.Namespace, etcd: EtcdClient | None) ->
     if args.auth == "off":
         return None, []
     if args.tenants_file:
-        return load_file(args.tenants_file), []
+        directory = load_file(args.tenants_file)
+        return directory, [asyncio.create_task(reload_on_change(args.tenants_file, directory))]
     if etcd is None:
         raise SystemExit("--auth on needs --tenants-file or --etcd")
     directory, synced = Directory(), asyncio.Event()
@@ -167,6 +169,22 @@ async def tenant_directory(args: argparse.Namespace, etcd: EtcdClient | None) ->
     with contextlib.suppress(TimeoutError):  # etcd away: start with no keys (401s) and fill in when it returns
         await asyncio.wait_for(synced.wait(), timeout=10)
     return directory, [task]
+
+
+async def reload_on_change(path: str, directory: Directory, interval: float = 1.0) -> None:
+    """Follow edits of the tenants file (revocations take effect within ``interval``); a broken
+    edit keeps the last good contents."""
+    seen = os.stat(path).st_mtime_ns
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            mtime = os.stat(path).st_mtime_ns
+            if mtime != seen:
+                fresh = load_file(path)
+                directory.tenants, directory.keys, seen = fresh.tenants, fresh.keys, mtime
+                log.info("tenants file reloaded", tenants=len(fresh.tenants), keys=len(fresh.keys))
+        except (OSError, ValueError, TypeError) as e:
+            log.warning("tenants file unreadable; keeping the last good one", error=str(e))
 
 
 def ttft_objectives(specs: list[str]) -> dict[str, float]:

@@ -276,3 +276,18 @@ def _rejected(c: openai.OpenAI):  # type: ignore[no-untyped-def]
     except openai.APIStatusError as e:
         return e
     return None
+
+
+def test_a_tenants_file_works_and_its_revocations_apply_without_a_restart(stack, default_model_dir, tmp_path):
+    _, router, _, _ = stack
+    path = tmp_path / "tenants.yaml"
+    key = cli("tenants", "add", "filed", "--file", str(path)).strip().splitlines()[-1]
+    gateway = start_service("tokenfleet.services.gateway", "--router", router.address, "--model",
+                            f"{MODEL}={default_model_dir}", "--auth", "on", "--tenants-file", str(path),
+                            "--ledger", "none")
+    try:
+        assert wait_for(lambda: _try(lambda: ask(client(gateway, key))), "served with the file's key")
+        cli("tenants", "revoke", key.split("_")[1], "--file", str(path))
+        wait_for(lambda: _status(lambda: ask(client(gateway, key))) == 401, "the file's revocation applied", 10)
+    finally:
+        gateway.stop()
