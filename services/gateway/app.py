@@ -174,6 +174,9 @@ class Gateway:
         check_context(model, len(prompt), params.max_tokens)
         caller = CALLER.get()
         reserve = len(prompt) + (params.max_tokens or model.max_model_len - len(prompt))
+        placement = PLACEMENT.get()
+        if placement is not None:
+            placement["admission"] = request_id  # from here on the ticket (or admit's 429) writes the ledger record
         ticket = self.admission.admit(caller, model.name, endpoint, request_id, len(prompt), reserve)  # 403, 429
         stream = self.generate(model, request_id, prompt, params, caller.tenant)
         try:
@@ -348,6 +351,8 @@ def create_app(gateway: Gateway) -> FastAPI:
                     structlog.contextvars.bind_contextvars(tenant=caller.tenant.name, key_id=caller.key_id)
                 response = await call_next(request)
                 if request.url.path.startswith("/v1/"):
+                    if response.status_code >= 400 and "admission" not in placement and request.method == "POST":
+                        gateway.admission.refused(CALLER.get(), request_id, request.url.path, response.status_code)
                     gateway.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
                     log.info("http request", path=request.url.path, status=response.status_code,
                              replica=placement.get("replica"))

@@ -108,6 +108,7 @@ class Admission:
         """Reserve the request's tokens; APIError 403 (model not allowed) or 429 (over budget)."""
         tenant = caller.tenant
         if not tenant.allows(model):
+            self.refused(caller, request_id, endpoint, 403, model)
             raise APIError(403, f"Tenant {tenant.name!r} may not use the model `{model}`.", param="model",
                            code="model_not_allowed")
         budget = self.budget(tenant)
@@ -128,6 +129,13 @@ class Admission:
             raise APIError(429, f"Rate limit reached for tenant {tenant.name!r}: {denied.reason}.", "requests",
                            code="rate_limit_exceeded", headers=headers)
         return Ticket(self, caller, model, endpoint, request_id, prompt_tokens, reserve)
+
+    def refused(self, caller: Caller, request_id: str, endpoint: str, status: int, model: str = "") -> None:
+        """A request refused before admission (bad body, unknown model): a `rejected` ledger record."""
+        if self.ledger is not None:
+            now = time.time()
+            self.ledger.submit(UsageRecord(request_id, caller.tenant.name, model, endpoint, "rejected", caller.key_id,
+                                           started_at=now, finished_at=now, detail=f"HTTP {status}"))
 
     def settle(self, caller: Caller, reserved: int, used: int) -> None:
         budget = self.budgets.get(caller.tenant.name)

@@ -81,6 +81,11 @@ def test_keys_tenants_models_and_revocation(stack):
     with pytest.raises(openai.PermissionDeniedError) as forbidden:
         ask(client(gateway, other))
     assert forbidden.value.body["code"] == "model_not_allowed"
+    with pytest.raises(openai.BadRequestError):  # refused before admission: still one `rejected` record
+        ask(client(gateway, key), top_p=7)
+    refused = wait_for(lambda: [r for r in records(ledger) if r.tenant == "acme" and r.status == "rejected"],
+                       "a ledger record of the refused request")
+    assert refused[0].detail == "HTTP 400" and refused[0].key_id == key.split("_")[1]
 
     key_id = key.split("_")[1]
     assert f"keys: {key_id}" in cli("tenants", "list", "--etcd", etcd.endpoint)
