@@ -22,6 +22,8 @@ class EngineConfig:
     max_prefill_chunk: int = 0
     enable_prefix_caching: bool = True
     fair_queuing: bool = True  # tenants of one priority by virtual token counters (engine.fair_queue)
+    fair_prompt_weight: float = 1.0  # counter cost of one computed prompt token (prefix-cache hits are free)
+    fair_output_weight: float = 2.0  # counter cost of one generated token
     num_threads: int | None = None  # CPU torch threads; None = TOKENFLEET_NUM_THREADS or all usable cores
 
     def __post_init__(self) -> None:
@@ -43,4 +45,6 @@ class EngineConfig:
             max_model_len=max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
             fair_queuing=self.fair_queuing,
+            fair_prompt_weight=self.fair_prompt_weight,
+            fair_output_weight=self.fair_output_weight,
         )

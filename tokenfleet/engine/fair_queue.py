@@ -27,50 +27,53 @@ class FairQueue:
     prompt_weight: float = 1.0
     output_weight: float = 2.0
     counters: dict[str, float] = field(default_factory=dict)
+    # (priority, tenant) -> its never-admitted requests by key; only non-empty lists are kept
     _queues: dict[tuple[int, str], list[tuple[tuple, Request]]] = field(default_factory=dict)
     _resumed: list[tuple[tuple, Request]] = field(default_factory=list)  # preempted, by key
-    _size: int = 0
+    _where: dict[str, list[tuple[tuple, Request]]] = field(default_factory=dict)  # request id -> its list
 
     # ---- queue ---------------------------------------------------------------------------------
     def push(self, request: Request, key: tuple, resumed: bool = False) -> None:
         """Queue a request; ``key`` = (priority, arrival, seq). ``resumed``: it was admitted before."""
-        tenant = self._tenant(request)
-        if resumed:
-            bisect.insort(self._resumed, (key, request), key=lambda item: item[0])
+        if request.request_id in self._where:
+            raise ValueError(f"{request.request_id!r} is already waiting")
+        queue = self._resumed if resumed else self._queues.setdefault((key[0], self._tenant(request)), [])
+        if not queue or queue[-1][0] <= key:
+            queue.append((key, request))  # the usual case: keys grow with arrival
         else:
-            bisect.insort(self._queues.setdefault((key[0], tenant), []), (key, request), key=lambda item: item[0])
-        self._size += 1
+            bisect.insort(queue, (key, request), key=lambda item: item[0])
+        self._where[request.request_id] = queue
 
     def peek(self) -> Request | None:
-        """The request to admit next (not removed)."""
-        heads = [queue[0] for queue in self._queues.values() if queue]
-        if self._resumed:
-            heads.append(self._resumed[0])
-        if not heads:
-            return None
-        best_class = min(key[0] for key, _ in heads)
-        resumed = [r for k, r in self._resumed[:1] if k[0] == best_class]
-        if resumed:
-            return resumed[0]
-        candidates = [(key, r) for key, r in heads if key[0] == best_class]
-        if not self.enabled:
-            return min(candidates, key=lambda item: item[0])[1]
-        return min(candidates, key=lambda item: (self.counters.get(self._tenant(item[1]), 0.0), item[0]))[1]
+        """The request to admit next (not removed). O(tenants with waiting requests)."""
+        best: tuple | None = None
+        best_request: Request | None = None
+        for (_, tenant), queue in self._queues.items():
+            key, request = queue[0]
+            rank = (key[0], self.counters.get(tenant, 0.0) if self.enabled else 0.0, key)
+            if best is None or rank < best:
+                best, best_request = rank, request
+        if self._resumed and (best is None or self._resumed[0][0][0] <= best[0]):
+            return self._resumed[0][1]  # admitted before: first in its class
+        return best_request
 
     def remove(self, request: Request) -> bool:
-        for queue in [self._resumed, *self._queues.values()]:
-            for i, (_, r) in enumerate(queue):
-                if r is request:
-                    del queue[i]
-                    self._size -= 1
-                    return True
-        return False
+        queue = self._where.pop(request.request_id, None)
+        if queue is None:
+            return False
+        for i, (key, r) in enumerate(queue):  # usually the head
+            if r is request:
+                del queue[i]
+                if not queue and queue is not self._resumed:
+                    del self._queues[(key[0], self._tenant(request))]
+                return True
+        raise AssertionError(f"{request.request_id!r} is not in its queue")
 
     def __len__(self) -> int:
-        return self._size
+        return len(self._where)
 
     def __bool__(self) -> bool:
-        return self._size > 0
+        return bool(self._where)
 
     def __iter__(self) -> Iterator[tuple[tuple, Request]]:
         """Every waiting (key, request), by key (not the service order)."""

@@ -7,8 +7,11 @@ that reaches ``num_tokens`` samples one token. Order of a step:
 1. running requests, highest priority and earliest arrival first: decodes (1 token) and the
    rest of partially prefilled prompts. If blocks run out, the lowest-priority,
    latest-arrived running request is preempted (blocks freed, recomputed later).
-2. waiting requests, by (priority, arrival), fill the remaining budget with prefill chunks,
-   admitted only if their blocks can be allocated (prefix-cache hits are reused).
+2. waiting requests fill the remaining budget with prefill chunks, admitted only if their
+   blocks can be allocated (prefix-cache hits are reused). Priority classes are strict; within
+   one, preempted requests first, then tenants by virtual token counters (``FairQueue``: the
+   tenant served least goes next, FCFS within a tenant), or plain arrival order without
+   ``fair_queuing``. Prompt tokens are charged when scheduled, output tokens when sampled.
 
 Disaggregation adds two lifecycles outside the step loop. A decode worker reserves a remote
 request's prompt blocks (``add_remote``), takes its first token and KV from a prefill
@@ -93,9 +96,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a validated request. Raises QueueFullError or ValueError (can never fit)."""
         self._check_new(request)
-        active = self.active_tenants()
-        if request.tenant not in active:
-            self.waiting.activate(request.tenant, active)
+        self._lift(request.tenant)
         self.requests[request.request_id] = request
         self._order[request.request_id] = (request.priority, request.arrival_time, next(self._seq))
         self._push_waiting(request)
@@ -103,6 +104,14 @@ class Scheduler:
     def active_tenants(self) -> set[str]:
         """Tenants with a request waiting or running."""
         return {r.tenant for r in self.requests.values() if r.status is not RequestStatus.REMOTE_PREFILL}
+
+    def _lift(self, tenant: str) -> None:
+        """Call before ``tenant``'s request joins the waiting or running requests: if it had none,
+        its counter is lifted to the smallest active one (VTC: idle time earns no credit)."""
+        if self.config.fair_queuing:
+            active = self.active_tenants()
+            if tenant not in active:
+                self.waiting.activate(tenant, active)
 
     def _check_new(self, request: Request) -> None:
         if request.request_id in self.requests or request.request_id in self.held:
@@ -151,6 +160,7 @@ class Scheduler:
         request.block_hashes = hash_blocks(request.all_token_ids, bs, self.hash_salt, request.block_hashes)
         if self.config.enable_prefix_caching:
             self.block_manager.cache_blocks(request_id, request.block_hashes[: request.num_prompt_tokens // bs])
+        self._lift(request.tenant)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
@@ -159,6 +169,7 @@ class Scheduler:
         tokens so far are kept, as after a preemption)."""
         request = self.remote_request(request_id)
         self.block_manager.free(request_id)
+        self._lift(request.tenant)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         self._push_waiting(request)
@@ -190,7 +201,8 @@ class Scheduler:
         else:
             self.block_manager.free(request_id)
         self._order.pop(request_id, None)
-        self.waiting.forget_idle(self.active_tenants())
+        if len(self.waiting.counters) > 64:  # forget_idle's floor: skip the O(requests) scan below it
+            self.waiting.forget_idle(self.active_tenants())
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         return request
@@ -273,7 +285,11 @@ class Scheduler:
         return budget
 
     def _entry(self, request: Request, n: int) -> ScheduledRequest:
+        """The step's entry for ``request``; its tenant is charged for the prompt tokens it
+        computes now (when scheduled, so later admissions of this step see the charge; prefix
+        cache hits are not computed, hence free)."""
         start = request.num_computed_tokens
+        self.waiting.charge(request.tenant, prompt_tokens=max(0, min(start + n, request.num_prompt_tokens) - start))
         return ScheduledRequest(
             request_id=request.request_id,
             start=start,
@@ -307,10 +323,9 @@ class Scheduler:
             request = self.requests.get(entry.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
-            prompt_part = max(0, min(entry.start + entry.num_new_tokens, request.num_prompt_tokens) - entry.start)
-            self.waiting.charge(request.tenant, prompt_part, 1 if entry.samples else 0)
             request.num_computed_tokens += entry.num_new_tokens
             if entry.samples:
+                self.waiting.charge(request.tenant, output_tokens=1)
                 request.output_token_ids.append(sampled[entry.request_id])
                 if request.num_tokens % bs == 0:
                     request.block_hashes = hash_blocks(
