@@ -202,6 +202,10 @@ class Gateway:
         delivered: list[int] = []  # output tokens already passed on, and their text
         text = ""
         resumes = 0
+        # What the worker allows in all; a request that delivered as much has nothing left to resume.
+        limit = model.max_model_len - len(prompt)
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens)
         last_error: grpc.aio.AioRpcError | None = None
         while True:
             try:
@@ -217,13 +221,15 @@ class Gateway:
             if delivered:
                 request.resume.output_token_ids.extend(delivered)
                 request.resume.text = text
+                log.warning("resuming the stream on another replica", replica=picked.replica_id, lost=failed,
+                            tokens_delivered=len(delivered), resume=resumes)
             else:
                 request.ttft_objective_ms = int(1000 * self.ttft_objectives.get(tenant.tier, 0))
                 if picked.prefill_address:
                     request.prefill.replica_id = picked.prefill_replica_id
                     request.prefill.address = picked.prefill_address
             call = stub.Generate(request, metadata=_trace_metadata())
-            responded = False
+            responded = finished = False
             try:
                 async for response in call:
                     if response.HasField("error"):
@@ -232,23 +238,35 @@ class Gateway:
                     if response.HasField("chunk"):
                         delivered.extend(response.chunk.token_ids)
                         text += response.chunk.text
+                    finished = finished or response.HasField("final")
                     yield response
                 return
             except grpc.aio.AioRpcError as e:
+                # Our own cancel (client gone) surfaces as CancelledError/GeneratorExit, never here.
+                if finished:  # the result arrived; only the call's end was lost
+                    return
+                lost = responded and e.code() in LOST
                 if not responded and e.code() in RETRYABLE and len(failed) + 1 < MAX_PLACEMENTS:
                     log.warning("replica failed before responding; placing again", replica=picked.replica_id,
                                 code=e.code().name, details=e.details())
-                elif responded and e.code() in LOST and resumes < self.max_resumes:
+                elif lost and resumes < self.max_resumes and len(delivered) < limit:
                     resumes += 1
                     self.metrics.resumes.labels("ok").inc()
                     log.warning("replica lost mid-stream; continuing on another", replica=picked.replica_id,
-                                code=e.code().name, tokens_delivered=len(delivered), resume=resumes)
+                                code=e.code().name, details=e.details(), tokens_delivered=len(delivered),
+                                resume=resumes, excluded=[*failed, picked.replica_id])
+                elif lost:
+                    log.warning("replica lost mid-stream; not resuming", replica=picked.replica_id,
+                                code=e.code().name, details=e.details(), tokens_delivered=len(delivered),
+                                resumes=resumes, max_resumes=self.max_resumes)
+                    if len(delivered) >= limit:  # every token delivered, only the final lost: nothing to continue
+                        raise APIError(503, f"the request's replica was lost after its last token: {e.details()}",
+                                       "server_error", code="replica_lost") from e
+                    self.metrics.resumes.labels("exhausted").inc()
+                    raise APIError(503, f"the request's replica was lost mid-stream {resumes + 1} time(s); "
+                                   f"gave up after {resumes} resume(s): {e.details()}", "server_error",
+                                   code="replica_lost") from e
                 else:
-                    if responded and e.code() in LOST:
-                        self.metrics.resumes.labels("exhausted").inc()
-                        raise APIError(503, f"the request's replica was lost mid-stream {resumes + 1} time(s); "
-                                       f"gave up after {resumes} resume(s): {e.details()}", "server_error",
-                                       code="replica_lost") from e
                     raise _status_error(e) from e
                 failed.append(picked.replica_id)
                 last_error = e

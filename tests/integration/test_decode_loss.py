@@ -1,22 +1,51 @@
 """kill -9 of the decode worker mid-stream: the gateway continues the request on another
 replica (prompt + tokens already streamed re-prefilled there) and the client sees one
 uninterrupted stream, identical to an undisturbed greedy run; with no resumes left it gets a
-clear error event instead of a cut connection."""
+clear error event instead of a cut connection (or a hang)."""
 
 from __future__ import annotations
 
-import contextlib
+import urllib.error
 import urllib.request
 
-from tests.integration.conftest import start_service
-from tests.integration.test_fleet import REPLICA_HEADER, _check_complete, _lines, _read_events, _stream
+import openai
+import pytest
+
+from tests.integration.conftest import start_service, wait_for
+from tests.integration.test_fleet import MODEL, REPLICA_HEADER
 from tests.integration.test_fleet import fleet as fleet  # noqa: F401 - the fixture
 
-MAX_TOKENS = 64
+MAX_TOKENS = 60
+MESSAGES = [{"role": "user", "content": "Count slowly from one to one hundred, one number per line."}]
 
 
-def text_of(events: list) -> str:
-    return "".join(c["text"] for e in events if isinstance(e, dict) for c in e.get("choices", ()))
+def client_of(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(client: openai.OpenAI, kill=None) -> tuple[str, list, str]:  # type: ignore[no-untyped-def]
+    """(text, chunks, replica) of one streamed greedy chat completion (ignore_eos, usage at the end);
+    ``kill(replica)`` is called once five content chunks have arrived."""
+    with client.chat.completions.with_streaming_response.create(
+            model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}) as response:
+        replica = response.headers[REPLICA_HEADER]
+        chunks, content = [], 0
+        for chunk in response.parse():
+            chunks.append(chunk)
+            content += bool(chunk.choices and chunk.choices[0].delta.content)
+            if kill is not None and content == 5:
+                kill(replica)
+                kill = None
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks, replica
+
+
+def usage_and_finish(chunks: list) -> tuple[int, list[str]]:  # type: ignore[type-arg]
+    usage = [c.usage for c in chunks if c.usage]
+    assert len(usage) == 1
+    return usage[0].completion_tokens, [c.choices[0].finish_reason for c in chunks if c.choices and
+                                        c.choices[0].finish_reason]
 
 
 def metric(url: str, name: str) -> float:
@@ -27,22 +56,35 @@ def metric(url: str, name: str) -> float:
     return 0.0
 
 
-def test_kill_9_of_the_decode_worker_mid_stream_continues_elsewhere_with_identical_text(fleet):  # noqa: F811
-    conn, response = _stream(fleet.url, MAX_TOKENS)
-    with contextlib.closing(conn):
-        undisturbed = _read_events(_lines(response))
-    _check_complete(undisturbed, MAX_TOKENS)
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
-    conn, response = _stream(fleet.url, MAX_TOKENS)
-    with contextlib.closing(conn):
-        serving = response.headers[REPLICA_HEADER]
-        lines = _lines(response)
-        head = [next(lines) for _ in range(12)]  # six token events have reached us
-        fleet.workers[serving].proc.kill()  # no drain, no deregistration
-        events = _read_events(head + list(lines))
-    _check_complete(events, MAX_TOKENS)  # usage counts every token, finish_reason once, [DONE]
-    assert text_of(events) == text_of(undisturbed)
+
+def test_kill_9_of_the_decode_worker_mid_stream_continues_elsewhere_with_identical_text(fleet):  # noqa: F811
+    client = client_of(fleet.url)
+    undisturbed, chunks, _ = chat(client)
+    assert usage_and_finish(chunks) == (MAX_TOKENS, ["length"])
+    assert len(undisturbed) > 20
+
+    killed: list[str] = []
+
+    def kill(replica: str) -> None:
+        fleet.workers[replica].proc.kill()  # kill -9: no drain, no deregistration
+        killed.append(replica)
+
+    text, chunks, _ = chat(client, kill)
+    assert killed
+    # One uninterrupted stream: same text (nothing duplicated or missing), usage counts every token, one finish.
+    assert text == undisturbed
+    assert usage_and_finish(chunks) == (MAX_TOKENS, ["length"])
     assert metric(fleet.url, 'tokenfleet_gateway_resumes_total{result="ok"}') == 1
+    assert metric(fleet.url, 'tokenfleet_gateway_resumes_total{result="exhausted"}') == 0
+    wait_for(lambda: any("replica lost mid-stream" in line and killed[0] in line for line in fleet.gateway.stderr_lines),
+             "the gateway's warning naming the lost replica", 30)
 
 
 def test_with_no_resumes_left_the_stream_ends_with_an_error_event(fleet):  # noqa: F811
@@ -50,16 +92,13 @@ def test_with_no_resumes_left_the_stream_ends_with_an_error_event(fleet):  # noq
                             fleet.others[0].address, "--max-resumes", "0")
     try:
         url = f"http://{gateway.address}"
-        conn, response = _stream(url, MAX_TOKENS)
-        with contextlib.closing(conn):
-            serving = response.headers[REPLICA_HEADER]
-            lines = _lines(response)
-            head = [next(lines) for _ in range(6)]
-            fleet.workers[serving].proc.kill()
-            events = _read_events(head + list(lines))
-        assert "[DONE]" not in events
-        error = events[-1]["error"]
-        assert error["code"] == "replica_lost" and "mid-stream" in error["message"]
+        wait_for(lambda: healthy(url), "gateway with --max-resumes 0 ready", 120)
+        with pytest.raises(openai.APIError) as raised:  # the client raises the stream's error event
+            chat(client_of(url), lambda replica: fleet.workers[replica].proc.kill())
+        error = raised.value.body
+        assert isinstance(error, dict) and error["code"] == "replica_lost", error
+        assert "mid-stream" in error["message"] and error["type"] == "server_error"
         assert metric(url, 'tokenfleet_gateway_resumes_total{result="exhausted"}') == 1
+        assert metric(url, 'tokenfleet_gateway_resumes_total{result="ok"}') == 0
     finally:
         gateway.stop()
