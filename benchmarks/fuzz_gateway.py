@@ -6,8 +6,8 @@ and the gateway (auth off), then runs schemathesis against http://GATEWAY/openap
 
 schemathesis is not a tokenfleet dependency: give its command (a separate venv is simplest):
 
-    python -m venv /tmp/fz && /tmp/fz/bin/pip install schemathesis
-    .venv/bin/python benchmarks/fuzz_gateway.py --schemathesis /tmp/fz/bin/schemathesis [--max-examples 40]
+    python -m venv FZ_VENV && FZ_VENV/bin/pip install schemathesis
+    .venv/bin/python benchmarks/fuzz_gateway.py --schemathesis FZ_VENV/bin/schemathesis [--max-examples 40]
 """
 
 from __future__ import annotations

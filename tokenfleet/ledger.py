@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import csv
-import dataclasses
 import io
 import queue
 import sqlite3
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -164,8 +162,3 @@ def format_report(rows: Sequence[dict], fmt: str = "table") -> str:
     lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in REPORT_COLUMNS) for r in rows]
     return "\n".join(lines) + "\n"
 
-
-def now_record(**fields: object) -> UsageRecord:
-    """A record finished now (convenience for callers that only know durations)."""
-    record = UsageRecord(**fields)  # type: ignore[arg-type]
-    return dataclasses.replace(record, finished_at=record.finished_at or time.time())
