@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     reg.add_argument("--max-model-len", type=int, default=0, help="0 = the model config's context length")
     reg.add_argument("--tokenizer", default="", help="tokenizer/chat-template folder (default: --path)")
     reg.add_argument("--description", default="")
+    reg.add_argument("--tool-format", default="", choices=["", "hermes", "generic"],
+                     help="how the model sees tools: hermes (a 'tool' role in its chat template) or generic "
+                     "(tool results as user messages; the default)")
     reg.set_defaults(func=_cmd_register)
     lst = models.add_parser("list", help="list registered models, versions and aliases")
     lst.set_defaults(func=_cmd_list)
@@ -187,7 +190,8 @@ def _cmd_register(args: argparse.Namespace) -> int:
     ModelConfig.from_dir(path)  # fail here, not in every worker, when the folder is not a model
     record = ModelRecord(name=args.name, version=args.version, path=str(path), dtype=args.dtype, backend=args.backend,
                          tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
-                         tokenizer=args.tokenizer, description=args.description)
+                         tokenizer=args.tokenizer, description=args.description,
+                         tool_format=args.tool_format)
     stub = _registry_stub(args)
     reply = _registry_call(stub.RegisterModel, registry_pb2.RegisterModelRequest(record=record_to_proto(record)))
     print(f"{'registered' if reply.created else 'already registered'} {reply.record.name}@{reply.record.version}"

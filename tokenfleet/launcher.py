@@ -67,7 +67,8 @@ def register_model(registry: str, name: str, model_dir: str, dtype: str = "bfloa
     from tokenfleet.services.registry.convert import record_to_proto
     from tokenfleet.v1 import registry_pb2, registry_pb2_grpc
 
-    record = ModelRecord(name=name, version=version, path=str(Path(model_dir).resolve()), dtype=dtype)
+    record = ModelRecord(name=name, version=version, path=str(Path(model_dir).resolve()), dtype=dtype,
+                         tool_format="hermes")  # the default model's ChatML template prints any role
     with grpc.insecure_channel(registry) as channel:
         registry_pb2_grpc.RegistryServiceStub(channel).RegisterModel(
             registry_pb2.RegisterModelRequest(record=record_to_proto(record)), timeout=30)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tokenfleet.engine.grammar import Guided
 from tokenfleet.engine.kv_transfer import (
     DTYPE_SIZES,
     Handoff,
@@ -49,7 +50,17 @@ def sampling_params(msg: common_pb2.SamplingParams) -> SamplingParams:
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         include_stop_str_in_output=msg.include_stop_str_in_output,
         skip_special_tokens=not msg.keep_special_tokens,
+        n=msg.n or 1,
+        logit_bias=dict(msg.logit_bias),
+        guided=guided(msg.guided) if msg.HasField("guided") else None,
     )
+
+
+def guided(msg: common_pb2.GuidedDecoding) -> Guided:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("guided decoding names no grammar")
+    return Guided(kind, "" if kind == "json_object" else getattr(msg, kind))
 
 
 def priority(value: int) -> int:
@@ -70,7 +81,8 @@ def responses(out: RequestOutput) -> list[engine_pb2.GenerateResponse]:
     messages = []
     if out.new_token_ids or out.text:
         chunk = engine_pb2.TokenChunk(
-            token_ids=out.new_token_ids, text=out.text, logprobs=[_logprob(lp) for lp in out.logprobs]
+            token_ids=out.new_token_ids, text=out.text, logprobs=[_logprob(lp) for lp in out.logprobs],
+            index=out.index,
         )
         messages.append(engine_pb2.GenerateResponse(chunk=chunk))
     if out.finished:
@@ -82,6 +94,7 @@ def responses(out: RequestOutput) -> list[engine_pb2.GenerateResponse]:
                 cached_prompt_tokens=out.num_cached_tokens,
             ),
             request_id=out.request_id,
+            index=out.index,
         )
         if isinstance(out.stop_reason, str):
             final.stop_string = out.stop_reason

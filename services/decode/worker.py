@@ -194,6 +194,9 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             num_kv_blocks_received=stats.num_kv_blocks_received,
             num_remote_prefills=stats.num_remote_prefills,
             num_kv_bytes_received=stats.num_kv_bytes_received,
+            num_forks=stats.num_forks,
+            num_fork_shared_blocks=stats.num_fork_shared_blocks,
+            num_block_copies=stats.num_block_copies,
             num_queued_prompt_tokens=stats.num_queued_prompt_tokens,
             prefill_tokens_per_s=stats.prefill_tokens_per_s,
         )

@@ -30,6 +30,7 @@ from tokenfleet.services.gateway.tenancy import ANONYMOUS, CALLER, HEADERS, Admi
 
 from tokenfleet.api.chat_template import render_chat
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
+from tokenfleet.api.tools import prepare_messages, tool_format
 from tokenfleet.cluster.registry import RegistryView, UnknownModelError
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.models.config import ModelConfig
@@ -63,12 +64,13 @@ class ServedModel:
     ref: str  # what the router is asked for (name@version when registered)
     tokenizer: Tokenizer
     max_model_len: int
+    tool_format: str = ""  # tokenfleet.api.tools.FORMATS key; "" = generic
 
 
-def load_served(name: str, ref: str, tokenizer_dir: str, max_model_len: int = 0) -> ServedModel:
+def load_served(name: str, ref: str, tokenizer_dir: str, max_model_len: int = 0, tool_format: str = "") -> ServedModel:
     if not max_model_len:
         max_model_len = ModelConfig.from_dir(tokenizer_dir).max_position_embeddings
-    return ServedModel(name, ref, Tokenizer(Path(tokenizer_dir)), max_model_len)
+    return ServedModel(name, ref, Tokenizer(Path(tokenizer_dir)), max_model_len, tool_format)
 
 
 @dataclass
@@ -107,7 +109,7 @@ class ModelCatalog:
                            "model_not_found") from e
         if record.ref not in self._loaded:  # tokenizer loads once per version, off the event loop
             self._loaded[record.ref] = await asyncio.to_thread(
-                load_served, name, record.ref, record.tokenizer_path, record.max_model_len)
+                load_served, name, record.ref, record.tokenizer_path, record.max_model_len, record.tool_format)
         return dataclasses.replace(self._loaded[record.ref], name=name)
 
 
@@ -155,7 +157,9 @@ class Gateway:
         model = await self.model(body.model)
         params = body.sampling_params()
         try:
-            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice_name != "none" else None
+            messages = prepare_messages(messages, tools, tool_format(model.tool_format))
             prompt = model.tokenizer.encode(render_chat(model.tokenizer, messages))
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
@@ -173,7 +177,7 @@ class Gateway:
                      body: ChatCompletionRequest | CompletionRequest, endpoint: str) -> Started:
         check_context(model, len(prompt), params.max_tokens)
         caller = CALLER.get()
-        reserve = len(prompt) + (params.max_tokens or model.max_model_len - len(prompt))
+        reserve = len(prompt) + params.n * (params.max_tokens or model.max_model_len - len(prompt))
         placement = PLACEMENT.get()
         if placement is not None:
             placement["admission"] = request_id  # from here on the ticket (or admit's 429) writes the ledger record
@@ -187,7 +191,12 @@ class Gateway:
             await ticket.finish(status, len(prompt), 0, 0, None, durable=False, detail=str(e))
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return Started(model, request_id, first, stream, include_usage, params.logprobs is not None, ticket)
+        tools = isinstance(body, ChatCompletionRequest) and body.tool_choice_name != "none"
+        echo = ""
+        if isinstance(body, CompletionRequest) and body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else model.tokenizer.decode(prompt)
+        return Started(model, request_id, first, stream, include_usage, params.logprobs is not None, ticket,
+                       n=params.n, tools=tools, echo=echo)
 
     async def generate(self, model: ServedModel, request_id: str, prompt: list[int], params: SamplingParams,
                        tenant: Tenant = ANONYMOUS) -> AsyncGenerator[engine_pb2.GenerateResponse, None]:
@@ -230,6 +239,7 @@ class Gateway:
                     request.prefill.address = picked.prefill_address
             call = stub.Generate(request, metadata=_trace_metadata())
             responded = finished = False
+            finals = 0
             try:
                 async for response in call:
                     if response.HasField("error"):
@@ -238,7 +248,8 @@ class Gateway:
                     if response.HasField("chunk"):
                         delivered.extend(response.chunk.token_ids)
                         text += response.chunk.text
-                    finished = finished or response.HasField("final")
+                    finals += response.HasField("final")
+                    finished = finals >= params.n  # n > 1: every sample's final
                     yield response
                 return
             except grpc.aio.AioRpcError as e:
@@ -249,7 +260,7 @@ class Gateway:
                 if not responded and e.code() in RETRYABLE and len(failed) + 1 < MAX_PLACEMENTS:
                     log.warning("replica failed before responding; placing again", replica=picked.replica_id,
                                 code=e.code().name, details=e.details())
-                elif lost and resumes < self.max_resumes and len(delivered) < limit:
+                elif lost and params.n == 1 and resumes < self.max_resumes and len(delivered) < limit:
                     resumes += 1
                     self.metrics.resumes.labels("ok").inc()
                     log.warning("replica lost mid-stream; continuing on another", replica=picked.replica_id,
@@ -302,6 +313,14 @@ def to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.n != 1:
+        msg.n = p.n
+    msg.logit_bias.update(dict(p.logit_bias))
+    if p.guided is not None:
+        if p.guided.kind == "json_object":
+            msg.guided.json_object = True
+        else:
+            setattr(msg.guided, p.guided.kind, p.guided.spec)
     return msg
 
 

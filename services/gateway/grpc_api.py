@@ -7,6 +7,7 @@ the worker stream, which aborts the request.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -20,6 +21,7 @@ from tokenfleet.services.gateway.streams import Started, responses_of
 from tokenfleet.services.gateway.tenancy import CALLER, Caller
 
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
+from tokenfleet.api.tools import ToolCallParser
 from tokenfleet.models.tokenizer import Tokenizer
 from tokenfleet.telemetry.metrics import RequestTimer
 from tokenfleet.telemetry.request_id import from_metadata, new_request_id
@@ -35,17 +37,24 @@ def _fields(message: Message) -> dict[str, Any]:
 
 
 def chat_request(req: inference_pb2.ChatCompletionRequest) -> ChatCompletionRequest:
-    if req.tools or req.tool_choice:
-        raise APIError(501, "tools are not supported by this server yet", param="tools")
-    if req.response_format_json:
-        raise APIError(501, "response_format is not supported by this server yet", param="response_format")
     messages = []
     for m in req.messages:
-        if m.tool_calls or m.tool_call_id:
-            raise APIError(501, "tool calls in messages are not supported by this server yet", param="messages")
-        messages.append({k: v for k, v in _fields(m).items() if k in ("role", "content", "name")})
+        message = {k: v for k, v in _fields(m).items() if k in ("role", "content", "name", "tool_call_id")}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type or "function",
+                                      "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                     for c in m.tool_calls]
+        messages.append(message)
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": True, "n": req.n or 1,
                             "logprobs": req.logprobs, "stream_options": {"include_usage": req.include_usage}}
+    if req.tools:
+        body["tools"] = [{"type": t.type or "function", "function": _function(t.function)} for t in req.tools]
+        body["parallel_tool_calls"] = req.parallel_tool_calls
+    if req.tool_choice:
+        body["tool_choice"] = (req.tool_choice if req.tool_choice in ("none", "auto", "required")
+                               else {"type": "function", "function": {"name": req.tool_choice}})
+    if req.response_format_json:
+        body["response_format"] = _json(req.response_format_json, "response_format_json")
     sampling = _fields(req.sampling)
     if "max_tokens" in sampling:
         body["max_completion_tokens"] = sampling.pop("max_tokens")
@@ -56,13 +65,29 @@ def chat_request(req: inference_pb2.ChatCompletionRequest) -> ChatCompletionRequ
     return validate_body(ChatCompletionRequest, body | sampling)
 
 
+def _json(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise APIError(400, f"{param} is not valid JSON: {e}", param=param) from e
+
+
+def _function(f: inference_pb2.FunctionDefinition) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": f.name}
+    if f.description:
+        out["description"] = f.description
+    if f.parameters_json:
+        out["parameters"] = _json(f.parameters_json, "tools.function.parameters_json")
+    if f.strict:
+        out["strict"] = True
+    return out
+
+
 def completion_request(req: inference_pb2.CompletionRequest) -> CompletionRequest:
-    if req.echo:
-        raise APIError(501, "echo is not supported by this server yet", param="echo")
     which = req.WhichOneof("input")
     if which is None:
         raise APIError(400, "prompt or prompt_token_ids is required", param="prompt")
-    body: dict[str, Any] = {"model": req.model, "stream": True, "n": req.n or 1,
+    body: dict[str, Any] = {"model": req.model, "stream": True, "n": req.n or 1, "echo": req.echo,
                             "prompt": req.prompt if which == "prompt" else list(req.prompt_token_ids.ids),
                             "stream_options": {"include_usage": req.include_usage}}
     if req.HasField("logprobs"):
@@ -72,38 +97,83 @@ def completion_request(req: inference_pb2.CompletionRequest) -> CompletionReques
     return validate_body(CompletionRequest, body | _fields(req.sampling))
 
 
+def _finish(final: Message, called: bool) -> int:
+    if called and final.finish_reason == common_pb2.FINISH_REASON_STOP:
+        return common_pb2.FINISH_REASON_TOOL_CALLS
+    return final.finish_reason
+
+
+def _tool_call_deltas(events: list[tuple]) -> list[inference_pb2.ChatChoiceDelta]:
+    """Parser events -> deltas: content, a call's id and name, then its argument fragments."""
+    out = []
+    for event in events:
+        if event[0] == "content":
+            out.append(inference_pb2.ChatChoiceDelta(content=event[1]))
+        elif event[0] == "call":
+            call = inference_pb2.ToolCall(index=event[1], id=event[2].id, type="function",
+                                          function=inference_pb2.FunctionCall(name=event[2].name))
+            out.append(inference_pb2.ChatChoiceDelta(tool_calls=[call]))
+        else:
+            call = inference_pb2.ToolCall(index=event[1], function=inference_pb2.FunctionCall(arguments=event[2]))
+            out.append(inference_pb2.ChatChoiceDelta(tool_calls=[call]))
+    return out
+
+
 async def _chat_chunks(run: Started, timer: RequestTimer) -> AsyncIterator[Message]:
     def chunk(**kw: Any) -> inference_pb2.ChatCompletionChunk:
         return inference_pb2.ChatCompletionChunk(id=run.request_id, model=run.model.name, created=int(time.time()), **kw)
 
-    yield chunk(choices=[inference_pb2.ChatChoiceDelta(index=0, role="assistant")])
+    def delta(index: int, d: inference_pb2.ChatChoiceDelta) -> inference_pb2.ChatCompletionChunk:
+        d.index = index
+        return chunk(choices=[d])
+
+    parsers = [ToolCallParser() for _ in range(run.n)]
+    for index in range(run.n):
+        yield chunk(choices=[inference_pb2.ChatChoiceDelta(index=index, role="assistant")])
     async with responses_of(run, timer) as responses:
         async for r in responses:
             if r.HasField("chunk"):
-                if r.chunk.text or r.chunk.logprobs:
-                    lp = _logprobs(run.model.tokenizer, list(r.chunk.logprobs))
-                    yield chunk(choices=[inference_pb2.ChatChoiceDelta(index=0, content=r.chunk.text, logprobs=lp)])
+                index = r.chunk.index
+                lp = _logprobs(run.model.tokenizer, list(r.chunk.logprobs))
+                if run.tools:
+                    deltas = _tool_call_deltas(parsers[index].feed(r.chunk.text))
+                else:
+                    deltas = [inference_pb2.ChatChoiceDelta(content=r.chunk.text)] if r.chunk.text else []
+                if not deltas and lp:
+                    deltas = [inference_pb2.ChatChoiceDelta()]
+                for i, d in enumerate(deltas):
+                    if i == 0:
+                        d.logprobs.extend(lp)
+                    yield delta(index, d)
             else:
-                yield chunk(choices=[inference_pb2.ChatChoiceDelta(index=0, finish_reason=r.final.finish_reason)])
-                if run.include_usage:
-                    yield chunk(usage=r.final.usage)
+                index = r.final.index
+                for d in _tool_call_deltas(parsers[index].finish()) if run.tools else []:
+                    yield delta(index, d)
+                finish = _finish(r.final, bool(parsers[index].calls))
+                yield chunk(choices=[inference_pb2.ChatChoiceDelta(index=index, finish_reason=finish)])
+    if run.include_usage:
+        yield chunk(usage=run.usage)
 
 
 async def _completion_chunks(run: Started, timer: RequestTimer) -> AsyncIterator[Message]:
     def chunk(**kw: Any) -> inference_pb2.CompletionChunk:
         return inference_pb2.CompletionChunk(id=run.request_id, model=run.model.name, created=int(time.time()), **kw)
 
-    offset = 0
+    offsets = [len(run.echo)] * run.n
+    for index in range(run.n) if run.echo else ():
+        yield chunk(choices=[inference_pb2.CompletionChoiceDelta(index=index, text=run.echo)])
     async with responses_of(run, timer) as responses:
         async for r in responses:
             if r.HasField("chunk"):
-                lp = _logprobs(run.model.tokenizer, list(r.chunk.logprobs), offset)
-                offset += len(r.chunk.text)
-                yield chunk(choices=[inference_pb2.CompletionChoiceDelta(index=0, text=r.chunk.text, logprobs=lp)])
+                index = r.chunk.index
+                lp = _logprobs(run.model.tokenizer, list(r.chunk.logprobs), offsets[index])
+                offsets[index] += len(r.chunk.text)
+                yield chunk(choices=[inference_pb2.CompletionChoiceDelta(index=index, text=r.chunk.text, logprobs=lp)])
             else:
-                yield chunk(choices=[inference_pb2.CompletionChoiceDelta(index=0, finish_reason=r.final.finish_reason)])
-                if run.include_usage:
-                    yield chunk(usage=r.final.usage)
+                yield chunk(choices=[inference_pb2.CompletionChoiceDelta(index=r.final.index,
+                                                                         finish_reason=r.final.finish_reason)])
+    if run.include_usage:
+        yield chunk(usage=run.usage)
 
 
 def _logprobs(tokenizer: Tokenizer, logprobs: list[common_pb2.TokenLogprob], offset: int = 0

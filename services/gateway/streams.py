@@ -8,7 +8,7 @@ import contextlib
 import functools
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -16,6 +16,7 @@ from tokenfleet.services.gateway import openai_format as fmt
 from tokenfleet.services.gateway.tenancy import Ticket
 
 from tokenfleet.api.openai_schema import APIError
+from tokenfleet.api.tools import ToolCallParser, parse
 from tokenfleet.telemetry.metrics import RequestTimer
 from tokenfleet.v1 import common_pb2, engine_pb2
 
@@ -36,6 +37,10 @@ class Started:
     include_usage: bool
     want_logprobs: bool
     ticket: Ticket | None = None  # the admitted request's budget reservation, settled when it ends
+    n: int = 1  # samples; the worker's stream ends after n finals
+    tools: bool = False  # parse tool calls out of the output (chat with tools, tool_choice not "none")
+    echo: str = ""  # completions with echo: the prompt's text, sent before each choice's text
+    usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)  # totals over the samples so far
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
@@ -45,27 +50,30 @@ def sse(data: dict[str, Any] | str) -> bytes:
 @contextlib.asynccontextmanager
 async def responses_of(run: Started, timer: RequestTimer):
     """The whole worker stream, timed; leaving the block (client gone, error) closes it, which cancels the call."""
-    usage = common_pb2.Usage()
+    usage = run.usage
 
     async def chain() -> AsyncIterator[engine_pb2.GenerateResponse]:
         yield run.first
         async for response in run.stream:
             yield response
 
-    produced = 0
+    produced = finals = 0
 
     def ttft_ms() -> float | None:
         return 1000 * (timer.first - timer.start) if timer.first is not None else None
 
     async def timed() -> AsyncIterator[engine_pb2.GenerateResponse]:
-        nonlocal usage, produced
+        nonlocal produced, finals
         async for response in chain():
             if response.HasField("chunk"):
                 timer.on_chunk(len(response.chunk.token_ids))
                 produced += len(response.chunk.token_ids)
             elif response.HasField("final"):
-                usage = response.final.usage
-                if run.ticket is not None:  # billed durably before the client can see the end
+                finals += 1  # the prompt is counted once: the samples share it
+                usage.prompt_tokens = response.final.usage.prompt_tokens
+                usage.cached_prompt_tokens = response.final.usage.cached_prompt_tokens
+                usage.completion_tokens += response.final.usage.completion_tokens
+                if finals == run.n and run.ticket is not None:  # billed durably before the client can see the end
                     await run.ticket.finish("ok", usage.prompt_tokens, usage.cached_prompt_tokens,
                                             usage.completion_tokens, ttft_ms())
             yield response
@@ -87,27 +95,43 @@ async def responses_of(run: Started, timer: RequestTimer):
                                     detail=detail)
 
 
-async def _collect(run: Started, timer: RequestTimer
-                   ) -> tuple[str, list[common_pb2.TokenLogprob], engine_pb2.GenerateFinal]:
-    """A whole worker stream folded into (text, logprobs, final) for non-streamed responses."""
-    text, logprobs, final = "", [], engine_pb2.GenerateFinal()
+@dataclass
+class _Choice:
+    text: str = ""
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    final: engine_pb2.GenerateFinal | None = None
+
+
+async def _collect(run: Started, timer: RequestTimer) -> list[_Choice]:
+    """A whole worker stream folded into one (text, logprobs, final) per sample, by index."""
+    choices = [_Choice() for _ in range(run.n)]
     async with responses_of(run, timer) as responses:
         async for r in responses:
             if r.HasField("chunk"):
-                text += r.chunk.text
-                logprobs += list(r.chunk.logprobs)
+                choice = choices[r.chunk.index]
+                choice.text += r.chunk.text
+                choice.logprobs += list(r.chunk.logprobs)
             else:
-                final = r.final
-    return text, logprobs, final
+                choices[r.final.index].final = r.final
+    return choices
+
+
+def _finish_reason(final: engine_pb2.GenerateFinal | None, called: bool) -> str:
+    reason = fmt.FINISH.get(final.finish_reason, "stop") if final is not None else "stop"
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 async def chat_body(run: Started, timer: RequestTimer) -> dict[str, Any]:
-    model, request_id, want_logprobs = run.model, run.request_id, run.want_logprobs
-    text, logprobs, final = await _collect(run, timer)
-    message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "finish_reason": fmt.FINISH.get(final.finish_reason, "stop"),
-              "logprobs": fmt.chat_logprobs(model.tokenizer, logprobs) if want_logprobs else None}
-    return fmt.envelope("chat.completion", request_id, model.name, [choice], usage=fmt.usage(final.usage))
+    model, request_id = run.model, run.request_id
+    choices = []
+    for index, c in enumerate(await _collect(run, timer)):
+        content, calls = parse(c.text) if run.tools else (c.text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.openai() for call in calls]
+        choices.append({"index": index, "message": message, "finish_reason": _finish_reason(c.final, bool(calls)),
+                        "logprobs": fmt.chat_logprobs(model.tokenizer, c.logprobs) if run.want_logprobs else None})
+    return fmt.envelope("chat.completion", request_id, model.name, choices, usage=fmt.usage(run.usage))
 
 
 def _error_events(events: Callable[[Started, RequestTimer], AsyncIterator[bytes]]
@@ -125,54 +149,85 @@ def _error_events(events: Callable[[Started, RequestTimer], AsyncIterator[bytes]
     return wrapped
 
 
+def _tool_deltas(events: list[tuple]) -> list[dict[str, Any]]:
+    """Parser events -> chat deltas the way OpenAI streams calls: id and name first, then argument fragments."""
+    deltas = []
+    for event in events:
+        if event[0] == "content":
+            deltas.append({"content": event[1]})
+        elif event[0] == "call":
+            call = event[2]
+            deltas.append({"tool_calls": [{"index": event[1], "id": call.id, "type": "function",
+                                           "function": {"name": call.name, "arguments": ""}}]})
+        else:
+            deltas.append({"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]})
+    return deltas
+
+
 @_error_events
 async def chat_events(run: Started, timer: RequestTimer) -> AsyncIterator[bytes]:
-    model, request_id, include_usage = run.model, run.request_id, run.include_usage
-    head = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [head]))
+    model, request_id = run.model, run.request_id
+
+    def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [choice]))
+
+    parsers = [ToolCallParser() for _ in range(run.n)]
+    for index in range(run.n):
+        yield chunk(index, {"role": "assistant", "content": None if run.tools else ""})
     async with responses_of(run, timer) as responses:
         async for r in responses:
             if r.HasField("chunk"):
-                if not r.chunk.text and not r.chunk.logprobs:
-                    continue
+                index = r.chunk.index
                 lp = fmt.chat_logprobs(model.tokenizer, list(r.chunk.logprobs)) if r.chunk.logprobs else None
-                choice = {"index": 0, "delta": {"content": r.chunk.text}, "logprobs": lp, "finish_reason": None}
-                yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [choice]))
+                deltas = _tool_deltas(parsers[index].feed(r.chunk.text)) if run.tools else (
+                    [{"content": r.chunk.text}] if r.chunk.text else [])
+                if not deltas and lp is not None:
+                    deltas = [{}]  # the text is held by the call parser; the logprobs go now
+                for i, delta in enumerate(deltas):
+                    yield chunk(index, delta, lp if i == 0 else None)
             else:
-                reason = fmt.FINISH.get(r.final.finish_reason)
-                done = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
-                yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [done]))
-                if include_usage:
-                    usage = fmt.usage(r.final.usage)
-                    yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [], usage=usage))
+                index = r.final.index
+                if run.tools:
+                    for delta in _tool_deltas(parsers[index].finish()):
+                        yield chunk(index, delta)
+                yield chunk(index, {}, finish=_finish_reason(r.final, bool(parsers[index].calls)))
+    if run.include_usage:
+        yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [], usage=fmt.usage(run.usage)))
     yield sse("[DONE]")
 
 
 async def completion_body(run: Started, timer: RequestTimer) -> dict[str, Any]:
-    model, request_id, want_logprobs = run.model, run.request_id, run.want_logprobs
-    text, logprobs, final = await _collect(run, timer)
-    choice = {"index": 0, "text": text, "finish_reason": fmt.FINISH.get(final.finish_reason, "stop"),
-              "logprobs": fmt.completion_logprobs(model.tokenizer, logprobs, 0) if want_logprobs else None}
-    return fmt.envelope("text_completion", request_id, model.name, [choice], usage=fmt.usage(final.usage))
+    model, request_id = run.model, run.request_id
+    choices = []
+    for index, c in enumerate(await _collect(run, timer)):
+        lp = fmt.completion_logprobs(model.tokenizer, c.logprobs, len(run.echo)) if run.want_logprobs else None
+        choices.append({"index": index, "text": run.echo + c.text, "finish_reason": _finish_reason(c.final, False),
+                        "logprobs": lp})
+    return fmt.envelope("text_completion", request_id, model.name, choices, usage=fmt.usage(run.usage))
 
 
 @_error_events
 async def completion_events(run: Started, timer: RequestTimer) -> AsyncIterator[bytes]:
-    model, request_id, include_usage = run.model, run.request_id, run.include_usage
-    offset = 0
+    model, request_id = run.model, run.request_id
+
+    def chunk(index: int, text: str, logprobs: Any = None, finish: str | None = None) -> bytes:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return sse(fmt.envelope("text_completion", request_id, model.name, [choice]))
+
+    offsets = [len(run.echo)] * run.n
+    if run.echo:
+        for index in range(run.n):
+            yield chunk(index, run.echo)
     async with responses_of(run, timer) as responses:
         async for r in responses:
             if r.HasField("chunk"):
-                logprobs = list(r.chunk.logprobs)
-                lp = fmt.completion_logprobs(model.tokenizer, logprobs, offset) if logprobs else None
-                offset += len(r.chunk.text)
-                choice = {"index": 0, "text": r.chunk.text, "logprobs": lp, "finish_reason": None}
-                yield sse(fmt.envelope("text_completion", request_id, model.name, [choice]))
+                index, logprobs = r.chunk.index, list(r.chunk.logprobs)
+                lp = fmt.completion_logprobs(model.tokenizer, logprobs, offsets[index]) if logprobs else None
+                offsets[index] += len(r.chunk.text)
+                yield chunk(index, r.chunk.text, lp)
             else:
-                reason = fmt.FINISH.get(r.final.finish_reason)
-                done = {"index": 0, "text": "", "logprobs": None, "finish_reason": reason}
-                yield sse(fmt.envelope("text_completion", request_id, model.name, [done]))
-                if include_usage:
-                    usage = fmt.usage(r.final.usage)
-                    yield sse(fmt.envelope("text_completion", request_id, model.name, [], usage=usage))
+                yield chunk(r.final.index, "", finish=_finish_reason(r.final, False))
+    if run.include_usage:
+        yield sse(fmt.envelope("text_completion", request_id, model.name, [], usage=fmt.usage(run.usage)))
     yield sse("[DONE]")

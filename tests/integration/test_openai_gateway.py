@@ -230,9 +230,10 @@ def test_public_grpc_api_streams_a_chat_like_the_http_api(stack):
     assert status(lambda: stub.ChatCompletion(bad_model)) == grpc.StatusCode.NOT_FOUND
     no_messages = inference_pb2.ChatCompletionRequest(model=MODEL)
     assert status(lambda: stub.ChatCompletion(no_messages)) == grpc.StatusCode.INVALID_ARGUMENT
-    tools = inference_pb2.ChatCompletionRequest(model=MODEL, messages=request.messages, tools=[inference_pb2.Tool(
-        type="function", function=inference_pb2.FunctionDefinition(name="f"))])
-    assert status(lambda: stub.ChatCompletion(tools)) == grpc.StatusCode.UNIMPLEMENTED
+    unknown_tool = inference_pb2.ChatCompletionRequest(model=MODEL, messages=request.messages, tool_choice="g",
+                                                       tools=[inference_pb2.Tool(type="function",
+                                                              function=inference_pb2.FunctionDefinition(name="f"))])
+    assert status(lambda: stub.ChatCompletion(unknown_tool)) == grpc.StatusCode.INVALID_ARGUMENT
     too_hot = inference_pb2.ChatCompletionRequest(model=MODEL, messages=request.messages,
                                                   sampling=inference_pb2.SamplingOptions(temperature=-1))
     assert status(lambda: stub.ChatCompletion(too_hot)) == grpc.StatusCode.INVALID_ARGUMENT
@@ -264,12 +265,31 @@ BAD_BODIES = [  # (body, status, param or message fragment)
     ({"model": MODEL, "messages": USER, "temperature": "hot"}, 400, "temperature"),
     ({"model": MODEL, "messages": USER, "top_p": 1.5}, 400, "top_p"),
     ({"model": MODEL, "messages": USER, "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": MODEL, "messages": USER, "n": 3}, 400, "n"),
+    ({"model": MODEL, "messages": USER, "n": 17}, 400, "n"),
+    ({"model": MODEL, "messages": USER, "n": 0}, 400, "n"),
+    ({"model": MODEL, "messages": USER, "frobnicate": 1, "audio": {}}, 400, "audio"),
+    ({"model": MODEL, "messages": USER, "functions": [{"name": "f"}]}, 400, "functions"),
+    ({"model": MODEL, "messages": USER, "store": True}, 400, "store"),
+    ({"model": MODEL, "messages": USER, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "messages": USER, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"model": MODEL, "messages": USER, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
+     "messages"),
     ({"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": 50}, 400, "logprobs"),
     ({"model": MODEL, "messages": USER, "stop": ["x"] * 17}, 400, "stop"),
     ({"model": MODEL, "messages": USER, "stop": "y" * 300}, 400, "stop"),
-    ({"model": MODEL, "messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ({"model": MODEL, "messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"model": MODEL, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strng"}}}}, 400, "response_format"),
+    ({"model": MODEL, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#/nowhere"}}}}, 400, "response_format"),
+    ({"model": MODEL, "messages": USER, "response_format": {"type": "yaml"}}, 400, "response_format"),
+    ({"model": MODEL, "messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ({"model": MODEL, "messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
+    ({"model": MODEL, "messages": USER, "tools": [{"type": "function", "function": {"name": "bad name"}}]}, 400,
+     "tools"),
+    ({"model": MODEL, "messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}]}, 400, "tools"),
     ({"model": 7, "messages": USER}, 400, "model"),
     ({"model": "no-such-model", "messages": USER}, 404, "model"),
 ]

@@ -1,12 +1,18 @@
-"""OpenAI request schema (the subset we serve) and its translation to engine sampling params."""
+"""OpenAI request schema and its translation to engine sampling params.
+
+Every parameter OpenAI defines for chat and completions is either served or rejected with a
+400 that names it (``UNSUPPORTED``); unknown parameters are rejected the same way, never ignored."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.api import tools as tool_calls
+from tokenfleet.engine.grammar import GrammarError, Guided, validate
+from tokenfleet.engine.sampling_params import MAX_N, SamplingParams
 
 
 class APIError(Exception):
@@ -24,6 +30,8 @@ class APIError(Exception):
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+# Accepted, with no effect on generation (bookkeeping fields clients send by default).
+INFORMATIONAL = {"metadata", "service_tier"}
 
 
 class StreamOptions(BaseModel):
@@ -31,7 +39,7 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI-compatible servers do
+    model_config = ConfigDict(extra="allow")  # collected and rejected by name in sampling()
 
     model: str
     max_tokens: int | None = None
@@ -44,32 +52,38 @@ class _Common(BaseModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
+    store: bool | None = None
     # extras that benchmark clients send (vLLM-compatible)
     ignore_eos: bool = False
     min_tokens: int = 0
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float | None = None
-    # Not supported yet: rejected by name, never silently ignored.
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
 
-    def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise APIError(400, f"response_format {self.response_format.get('type')!r} is not supported yet; only "
-                           "'text'", param="response_format")
-        for name in ("tools", "tool_choice"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported yet", param=name)
+    def _check_unsupported(self) -> None:
+        extra = sorted(set(self.model_extra or {}) - INFORMATIONAL)
+        if extra:
+            raise APIError(400, f"Unsupported parameter(s): {', '.join(extra)}. This server does not implement "
+                           "them, and does not ignore them silently.", param=extra[0], code="unsupported_parameter")
+        if self.store:
+            raise APIError(400, "store=true is not supported: completions are not stored", param="store",
+                           code="unsupported_parameter")
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None, guided: Guided | None = None) -> SamplingParams:
+        self._check_unsupported()
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(400, f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > MAX_STOP_STRINGS:
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
         if any(len(s) > MAX_STOP_LENGTH for s in stops):
             raise APIError(400, f"stop strings must be at most {MAX_STOP_LENGTH} characters", param="stop")
+        try:
+            bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError as e:
+            raise APIError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from e
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -85,15 +99,76 @@ class _Common(BaseModel):
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
+                n=self.n,
+                logit_bias=bias,
+                guided=guided,
             )
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            param = "logit_bias" if "logit_bias" in str(e) else None
+            raise APIError(400, str(e), param=param) from e
+
+
+class FunctionCallIn(BaseModel):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(BaseModel):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]  # images and audio: not served (a 400 names the part type)
+    text: str
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | None = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+
+class FunctionDef(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -101,21 +176,80 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def tool_choice_name(self) -> str:
+        """"none", "auto", "required" or the named function; "none" when there are no tools."""
+        if not self.tools:
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
 
     def sampling_params(self) -> SamplingParams:
         for i, m in enumerate(self.messages):
-            if m.role in ("user", "system", "developer") and not (m.content or "").strip():
+            if m.role in ("user", "system", "developer") and not (m.text() or "").strip():
                 raise APIError(400, f"messages[{i}].content must not be empty", param=f"messages.{i}.content")
+            if m.role == "tool" and m.tool_call_id is None:
+                raise APIError(400, f"messages[{i}]: a tool message needs tool_call_id",
+                               param=f"messages.{i}.tool_call_id")
+        if self.tool_choice is not None and not self.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling(limit, (self.top_logprobs or 0) if self.logprobs else None)
+        return self.sampling(limit, (self.top_logprobs or 0) if self.logprobs else None, self.guided())
+
+    def _text_format(self) -> Guided | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return Guided("json_object")
+        if fmt.json_schema is None:
+            raise APIError(400, "response_format json_schema needs a json_schema object",
+                           param="response_format.json_schema")
+        return Guided("json_schema", json.dumps(fmt.json_schema.schema_))
+
+    def guided(self) -> Guided | None:
+        """The output grammar: the tools' (calls, or text / JSON under tool_choice auto), else
+        response_format's; None when the output is free text. 400 when it does not compile."""
+        text = self._text_format()
+        choice = self.tool_choice_name
+        param = "response_format"
+        try:
+            if choice != "none":
+                param = "tools"
+                functions = [t.model_dump(exclude_none=True) for t in self.tools or []]
+                spec = tool_calls.grammar(functions, choice, self.parallel_tool_calls, text)
+            else:
+                spec = text
+            if spec is not None:
+                validate(spec)
+            return spec
+        except (GrammarError, ValueError) as e:
+            raise APIError(400, str(e), param="tool_choice" if "tool_choice" in str(e) else param) from e
 
 
 class CompletionRequest(_Common):
     prompt: str | list[Annotated[int, Field(ge=0, lt=2**31)]]  # text, or token ids (checked against the vocab)
     logprobs: int | None = None
     max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
     def sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise APIError(400, "suffix (insertion) is not supported", param="suffix", code="unsupported_parameter")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of is not supported (only best_of equal to n)", param="best_of",
+                           code="unsupported_parameter")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo",
+                           code="unsupported_parameter")
         return self.sampling(self.max_tokens, self.logprobs)

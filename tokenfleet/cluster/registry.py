@@ -25,6 +25,7 @@ MODELS, ALIASES = "models/", "aliases/"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 DTYPES = ("bfloat16", "float16", "float32")
 STATUSES = ("ready", "disabled")
+TOOL_FORMATS = ("hermes", "generic")  # tokenfleet.api.tools.FORMATS
 
 
 class UnknownModelError(LookupError):
@@ -65,6 +66,7 @@ class ModelRecord:
     status: str = "ready"
     created_at: float = 0.0
     description: str = ""
+    tool_format: str = ""  # tokenfleet.api.tools.FORMATS; "" = the generic fallback
 
     def __post_init__(self) -> None:
         check_name("model name", self.name)
@@ -75,6 +77,8 @@ class ModelRecord:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.status not in STATUSES:
             raise ValueError(f"status {self.status!r} is not one of {', '.join(STATUSES)}")
+        if self.tool_format and self.tool_format not in TOOL_FORMATS:
+            raise ValueError(f"tool_format {self.tool_format!r} is not one of {', '.join(TOOL_FORMATS)}")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
 

@@ -177,8 +177,9 @@ class AsyncEngine:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         prompt = list(prompt_token_ids)
+        await self._prepare_grammar(sampling_params)
         held = None
-        if kv_source is not None and resume is None:
+        if kv_source is not None and resume is None and sampling_params.n == 1:
             held = await self._call(lambda core: self._add_remote(core, prompt, sampling_params, request_id,
                                                                   int(priority), sink, tenant),
                                     abandoned=lambda core, held: _forget(core.abort(request_id)))
@@ -192,6 +193,7 @@ class AsyncEngine:
                 self._commands.put(_Abort(request_id))  # the add may have happened before the cancel
                 raise
         finished = False
+        running = sampling_params.n  # samples not finished yet
         try:
             if held is not None and kv_source is not None:
                 async for out in self._pull(request_id, prompt, held, kv_source, outputs):
@@ -199,7 +201,8 @@ class AsyncEngine:
                     yield out
             while not finished:
                 out = await outputs.get()
-                finished = out.finished
+                running -= out.finished
+                finished = running == 0
                 if out.error is not None:
                     raise RuntimeError(out.error)
                 yield out
@@ -209,6 +212,12 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
+
+    async def _prepare_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar into the cache on a worker thread, so that adding the
+        request on the engine thread is a cheap copy (GrammarError, a ValueError, if it does not compile)."""
+        if params.guided is not None:
+            await asyncio.to_thread(self.core.guides.prepare, params.guided)
 
     # ---- disaggregation ------------------------------------------------------------------------
     def _add_remote(self, core: EngineCore, prompt: list[int], params: SamplingParams, request_id: str,
@@ -288,7 +297,7 @@ class AsyncEngine:
         hashes = hash_blocks(prompt, mine.block_size, mine.hash_salt)
         if list(held_block_hashes) != hashes[: len(held_block_hashes)]:
             raise ValueError("held block hashes are not this prompt's leading blocks")
-        params = dataclasses.replace(sampling_params, max_tokens=1, min_tokens=min(sampling_params.min_tokens, 1),
+        params = dataclasses.replace(sampling_params, max_tokens=1, min_tokens=min(sampling_params.min_tokens, 1), n=1,
                                      stop=())
         first = None
         try:
@@ -377,8 +386,7 @@ class AsyncEngine:
             elif isinstance(command, _Call):
                 self._run_call(core, command)
             elif isinstance(command, _Abort):
-                out = core.abort(command.request_id)
-                if out is not None:
+                for out in core.abort_group(command.request_id):
                     self._deliver(out)
 
     def _run_call(self, core: EngineCore, command: _Call) -> None:
@@ -403,7 +411,8 @@ class AsyncEngine:
             _resolve(command.done, error=e)
         else:
             if _resolve(command.done):
-                self._sinks[command.request_id] = command.sink
+                for member in core.group(command.request_id):  # n > 1: every sample's output to one sink
+                    self._sinks[member] = command.sink
             else:  # the caller was cancelled while waiting for admission
                 core.abort(command.request_id)
 

@@ -5,13 +5,17 @@ Not thread-safe: one thread owns it (the async bridge runs it in a dedicated thr
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import threading
 import time
+from collections import ChainMap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from tokenfleet.engine.detokenizer import Decoder
+from tokenfleet.engine.guided import GuideCompiler
 from tokenfleet.engine.kv_transfer import KVLayout
 from tokenfleet.engine.output import OutputState, RequestOutput, Resume, TokenLogprobs
 from tokenfleet.engine.request import FinishReason, Priority, Request, RequestStatus
@@ -60,6 +64,21 @@ class EngineCore:
         self._timer = StepTimer()
         self._held_until: dict[str, float] = {}  # prefill role: request id -> when its held blocks go
         self.hold_seconds = 30.0  # how long a finished prefill keeps its blocks for the transfer
+        self._groups: dict[str, set[str]] = {}  # n > 1: first sample's id -> ids of the group still running
+        self._group_of: dict[str, str] = {}
+        self._guides: GuideCompiler | None = None
+        self._guides_lock = threading.Lock()
+
+    @property
+    def guides(self) -> GuideCompiler:
+        """The grammar compiler, built on first use (seconds: the tokenizer's token trie); thread-safe."""
+        with self._guides_lock:
+            if self._guides is None:
+                to_json = getattr(self.tokenizer, "to_json", None)
+                if to_json is None:
+                    raise ValueError("guided decoding needs the model's tokenizer")
+                self._guides = GuideCompiler(to_json(), self.model.vocab_size, self.model.eos_token_ids)
+            return self._guides
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
@@ -81,9 +100,34 @@ class EngineCore:
         request = self._new_request(prompt_token_ids, sampling_params, request_id, priority, arrival_time, resume)
         request.hold_blocks = hold_kv
         request.tenant = tenant
-        self.scheduler.add_request(request)
+        forks = [self._fork_of(request, i) for i in range(1, sampling_params.n)]
+        if forks and (hold_kv or resume is not None):
+            raise ValueError("n > 1 cannot be combined with a KV hold or a resume")
+        self.scheduler.add_request(request, forks)
         self._states[request.request_id] = OutputState(request, self.tokenizer, resume.text if resume else None)
+        if forks:
+            group = {request.request_id, *(f.request_id for f in forks)}
+            self._groups[request.request_id] = group
+            for member in group:
+                self._group_of[member] = request.request_id
+            for fork in forks:
+                self._states[fork.request_id] = OutputState(fork, self.tokenizer)
         return request.request_id
+
+    def _fork_of(self, request: Request, index: int) -> Request:
+        """Sample ``index`` of ``request``'s group: same prompt; a seeded request's samples use
+        seed + index, so they differ from each other yet reproduce."""
+        params = request.sampling_params
+        if params.seed is not None:
+            params = dataclasses.replace(params, seed=params.seed + index)
+        fork = dataclasses.replace(request, request_id=f"{request.request_id}#{index}", sampling_params=params,
+                                   output_token_ids=[], block_hashes=[], index=index,
+                                   guide=self.guides.matcher(params.guided) if params.guided else None)
+        return fork
+
+    def group(self, request_id: str) -> set[str]:
+        """Ids of the request's samples still running (itself alone when n = 1)."""
+        return set(self._groups.get(request_id, {request_id}))
 
     def _new_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, request_id: str | None,
                      priority: int, arrival_time: float | None, resume: Resume | None = None) -> Request:
@@ -95,6 +139,14 @@ class EngineCore:
             raise ValueError(f"resumed with {len(outputs)} output tokens; the request allows {max_tokens}")
         if any(not 0 <= t < self.model.vocab_size for t in outputs):
             raise ValueError(f"resumed output token ids out of range [0, {self.model.vocab_size})")
+        bad_bias = [t for t, _ in sampling_params.logit_bias if t >= self.model.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids out of range [0, {self.model.vocab_size}): {bad_bias[:5]}")
+        guide = None
+        if sampling_params.guided is not None:
+            guide = self.guides.matcher(sampling_params.guided)  # cached: a copy (compiles on a miss)
+            if outputs and not guide.consume_tokens(outputs):
+                raise ValueError("the resumed output does not match the request's grammar")
         return Request(
             request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=prompt,
@@ -104,6 +156,7 @@ class EngineCore:
             max_tokens=max_tokens,
             eos_token_ids=self.model.eos_token_ids,
             output_token_ids=outputs,
+            guide=guide,
         )
 
     def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
@@ -122,6 +175,16 @@ class EngineCore:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now; frees its blocks (held ones too). Returns its final output, or None if unknown/finished."""
+        outputs = self.abort_group(request_id)
+        return next((o for o in outputs if o.request_id == request_id), None)
+
+    def abort_group(self, request_id: str) -> list[RequestOutput]:
+        """Abort a request and, when it is the first of n samples, the others; their final outputs."""
+        outputs = [self._abort_one(member) for member in sorted(self.group(request_id))]
+        return [o for o in outputs if o is not None]
+
+    def _abort_one(self, request_id: str) -> RequestOutput | None:
+        self._leave_group(request_id)
         self.release_held(request_id)
         request = self.scheduler.finish_request(request_id, FinishReason.ABORT)
         state = self._states.pop(request_id, None)
@@ -159,6 +222,9 @@ class EngineCore:
         """The first token sampled by the prefill replica, as this request's first output."""
         if not 0 <= token_id < self.model.vocab_size:
             raise ValueError(f"first token {token_id} out of range [0, {self.model.vocab_size})")
+        guide = self.scheduler.remote_request(request_id).guide
+        if guide is not None and not guide.consume_token(token_id):
+            raise ValueError(f"first token {token_id} does not match the request's grammar")
         finished = self.scheduler.append_remote_token(request_id, token_id)
         result = ExecuteResult({request_id: token_id}, {request_id: logprobs} if logprobs is not None else {})
         return self._process(request_id, result, {request_id: finished} if finished is not None else {})
@@ -205,7 +271,7 @@ class EngineCore:
         if output.is_empty:
             return []
         with self._timer:
-            result = self.runner.execute(output, self.scheduler.requests)
+            result = self.runner.execute(output, ChainMap(self.scheduler.requests, self.scheduler.pending_forks))
         requests = self.scheduler.requests
         self.stats.num_prompt_tokens_computed += sum(
             max(0, min(s.start + s.num_new_tokens, requests[s.request_id].num_prompt_tokens) - s.start)
@@ -215,6 +281,7 @@ class EngineCore:
         for entry in output.scheduled:
             if entry.samples and entry.request_id in result.sampled:
                 outputs.append(self._process(entry.request_id, result, finished))
+                outputs.extend(self._process(fork_id, result, finished) for fork_id in entry.forks)
         self.stats.record_step(self._timer.last, output.num_scheduled_tokens)
         if any(s.num_new_tokens > 1 for s in output.scheduled):
             self.stats.record_prefill_rate(output.num_scheduled_tokens, self._timer.last)
@@ -223,18 +290,30 @@ class EngineCore:
     def _process(self, request_id: str, result: ExecuteResult, finished: dict[str, Request]) -> RequestOutput:
         state = self._states[request_id]
         request = finished.get(request_id)
-        by_token = request is not None and request.finish_reason is FinishReason.STOP
-        out = state.on_token(result.sampled[request_id], result.logprobs.get(request_id), by_token)
+        token = result.sampled[request_id]
+        # Ended by EOS or a stop token id: that token is not text. (A completed grammar's last token is.)
+        by_token = request is not None and request.finish_reason is FinishReason.STOP and (
+            token in request.eos_token_ids or token in request.sampling_params.stop_token_ids)
+        out = state.on_token(token, result.logprobs.get(request_id), by_token)
         if request is None and state.matcher.matched is not None:
             request = self.scheduler.finish_request(request_id, FinishReason.STOP)
         if request is not None and request.finish_reason is not None:
             if request_id in self.scheduler.held:
                 self._held_until[request_id] = time.monotonic() + self.hold_seconds
             self._states.pop(request_id)
+            self._leave_group(request_id)
             self.runner.release(request_id)
             self.stats.record_finished(request)
             out = state.finish(out, request.finish_reason)
         return out
+
+    def _leave_group(self, request_id: str) -> None:
+        first = self._group_of.pop(request_id, None)
+        if first is not None:
+            group = self._groups[first]
+            group.discard(request_id)
+            if not group:
+                del self._groups[first]
 
     def snapshot(self) -> EngineStats:
         """Current counters and gauges (copied)."""
@@ -245,6 +324,9 @@ class EngineCore:
             num_blocks_used=bm.num_used_blocks,
             num_blocks_free=bm.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            num_forks=self.scheduler.num_forks,
+            num_fork_shared_blocks=self.scheduler.num_fork_shared_blocks,
+            num_block_copies=self.scheduler.num_block_copies,
             num_queued_prompt_tokens=sum(
                 max(0, r.num_tokens - r.num_computed_tokens - 1) for r in self.scheduler.requests.values()
                 if r.status is not RequestStatus.REMOTE_PREFILL),

@@ -39,6 +39,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     error: str | None = None  # set when the engine failed the request (not a user error)
+    index: int = 0  # which of the request's n samples
 
 
 class OutputState:
@@ -96,6 +97,7 @@ class OutputState:
             num_prompt_tokens=r.num_prompt_tokens,
             num_cached_tokens=r.num_cached_tokens,
             num_output_tokens=len(r.output_token_ids),
+            index=r.index,
         )
 
     def empty_output(self) -> RequestOutput:

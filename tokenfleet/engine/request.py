@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenfleet.engine.sampling_params import SamplingParams
 
@@ -54,6 +55,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of all_token_ids
     hold_blocks: bool = False  # prefill role: keep the blocks when finished, for a KV transfer
     tenant: str = ""  # who is billed; tenants of one priority are queued fairly (FairQueue)
+    guide: Any = None  # grammar matcher (llguidance.LLMatcher) when sampling_params.guided is set
+    index: int = 0  # which of the n samples of its group (forks share the prompt's blocks)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,8 +1,9 @@
 """Sampler: turns one step's logits into tokens, per-request parameters, batch-independent.
 
 Order per row: logprobs of the raw logits (reported values) -> repetition/frequency/presence
-penalties -> min_tokens mask (EOS and stop ids) -> greedy argmax, or temperature -> top_k ->
-top_p -> min_p -> a draw from the request's own generator. Each request has its own
+penalties -> logit_bias -> grammar mask (guided requests; their matcher then consumes the
+sampled token) or min_tokens mask (EOS and stop ids) -> greedy argmax, or temperature ->
+top_k -> top_p -> min_p -> a draw from the request's own generator. Each request has its own
 ``torch.Generator`` advanced by exactly one draw per sampled token, so a seeded request
 produces the same tokens whatever else shares its batch.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenfleet.engine.guided import apply_masks, fill_masks, mask_width
 from tokenfleet.engine.output import TokenLogprobs
 from tokenfleet.engine.request import Request
 
@@ -42,7 +44,16 @@ class Sampler:
         if penalized:
             apply_penalties(logits, [requests[i] for i in penalized], penalized)
         for i, r in enumerate(requests):
-            if len(r.output_token_ids) < r.sampling_params.min_tokens:
+            if r.sampling_params.logit_bias:
+                ids, values = zip(*r.sampling_params.logit_bias)
+                logits[i, list(ids)] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+        guided = [i for i, r in enumerate(requests) if r.guide is not None]
+        if guided:
+            bitmask = torch.empty(len(guided), mask_width(logits.shape[-1]), dtype=torch.int32)
+            fill_masks([requests[i].guide for i in guided], bitmask)
+            apply_masks(logits, guided, bitmask)
+        for i, r in enumerate(requests):
+            if r.guide is None and len(r.output_token_ids) < r.sampling_params.min_tokens:
                 banned = list(r.sampling_params.stop_token_ids)
                 if not r.sampling_params.ignore_eos:
                     banned += list(r.eos_token_ids)
@@ -52,6 +63,8 @@ class Sampler:
         for i, r in enumerate(requests):
             if not r.sampling_params.is_greedy:
                 token_ids[i] = self._sample_row(logits[i], r)
+        for i in guided:
+            requests[i].guide.consume_token(token_ids[i])  # an error state ends the request (scheduler)
         logprobs = [
             _token_logprobs(raw_logprobs[i], token_ids[i], r.sampling_params.logprobs)
             if raw_logprobs is not None and r.sampling_params.logprobs is not None

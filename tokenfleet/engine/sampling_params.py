@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenfleet.engine.grammar import Guided
+
 _GREEDY_EPS = 1e-5
+MAX_N = 16  # samples per request (they share the prompt's KV blocks)
 
 
 @dataclass(frozen=True)
@@ -17,6 +20,9 @@ class SamplingParams:
     ``logprobs`` is the number of top alternatives to return per token (0 = only the sampled
     token's logprob, None = no logprobs); values are the log-softmax of the raw logits, before
     temperature and penalties.
+    ``n`` samples share the prompt's KV blocks (forked, copy-on-write) and are told apart by index.
+    ``logit_bias`` (token id, bias in [-100, 100]) is added to the logits after penalties;
+    ``guided`` constrains the output to a grammar (token masks after the bias).
     """
 
     max_tokens: int | None = 16
@@ -35,6 +41,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    n: int = 1
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    guided: Guided | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -53,6 +62,8 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         self._validate()
 
     def _validate(self) -> None:
@@ -78,6 +89,12 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias entries must map token ids >= 0 to values in [-100, 100], "
+                                 f"got {token_id}: {bias}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
 

@@ -23,7 +23,7 @@ they finish, their blocks stay in ``held`` until ``release_held`` (transfer done
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tokenfleet.engine.block_hash import hash_blocks
@@ -62,6 +62,7 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: tuple[int, ...]  # the request's whole block table after allocation
     samples: bool  # the chunk reaches the end of the known tokens: sample one token
+    forks: tuple[str, ...] = ()  # samples of the same prompt: each samples its own first token from these logits
 
 
 @dataclass(frozen=True)
@@ -90,16 +91,32 @@ class Scheduler:
         self._seq = itertools.count()
         self._order: dict[str, tuple] = {}
         self.held: dict[str, Request] = {}  # finished, blocks kept for a KV transfer
+        # n > 1: the other samples of a request wait here until its prompt is computed, then
+        # share its blocks (fork, copy-on-write) and join the running batch.
+        self.forks: dict[str, list[Request]] = {}  # parent id -> its pending samples
+        self.pending_forks: dict[str, Request] = {}  # id -> pending sample
         self.num_preemptions = 0
+        self.num_forks = self.num_fork_shared_blocks = self.num_block_copies = 0
 
     # ---- queue management --------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        """Queue a validated request. Raises QueueFullError or ValueError (can never fit)."""
+    def add_request(self, request: Request, forks: Sequence[Request] = ()) -> None:
+        """Queue a validated request. Raises QueueFullError or ValueError (can never fit).
+
+        ``forks``: more samples of the same prompt (n > 1); they are forked from ``request``
+        when its prompt is computed, sharing its blocks."""
         self._check_new(request)
+        for fork in forks:
+            if fork.request_id in self.requests or fork.request_id in self.pending_forks or fork.output_token_ids:
+                raise ValueError(f"bad fork {fork.request_id!r}: duplicate id or already has output")
+        if forks and request.output_token_ids:
+            raise ValueError("a request with output tokens (resumed) cannot fork samples")
         self._lift(request.tenant)
         self.requests[request.request_id] = request
         self._order[request.request_id] = (request.priority, request.arrival_time, next(self._seq))
         self._push_waiting(request)
+        if forks:
+            self.forks[request.request_id] = list(forks)
+            self.pending_forks.update((f.request_id, f) for f in forks)
 
     def active_tenants(self) -> set[str]:
         """Tenants with a request waiting or running."""
@@ -188,10 +205,21 @@ class Scheduler:
         return request
 
     def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
-        """End a request (abort, stop string): free its blocks and drop it from the queues."""
+        """End a request (abort, stop string): free its blocks and drop it from the queues.
+        Samples still waiting to fork from it end with it."""
+        pending = self.pending_forks.pop(request_id, None)
+        if pending is not None:  # a sample not forked yet: it holds nothing
+            for forks in self.forks.values():
+                if pending in forks:
+                    forks.remove(pending)
+            pending.status, pending.finish_reason = RequestStatus.FINISHED, reason
+            return pending
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        for fork in self.forks.pop(request_id, []):
+            self.pending_forks.pop(fork.request_id, None)
+            fork.status, fork.finish_reason = RequestStatus.FINISHED, reason
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is not RequestStatus.REMOTE_PREFILL:
@@ -240,6 +268,7 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, scheduled, copies)
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        self.num_block_copies += len(copies)
         return SchedulerOutput(tuple(scheduled), tuple(copies), tuple(preempted))
 
     def _chunk(self, request: Request, num_computed: int, budget: int) -> int:
@@ -296,6 +325,8 @@ class Scheduler:
             num_new_tokens=n,
             block_ids=tuple(self.block_manager.block_table(request.request_id)),
             samples=start + n == request.num_tokens,
+            forks=tuple(f.request_id for f in self.forks.get(request.request_id, ()))
+            if start + n == request.num_tokens else (),
         )
 
     def _preempt(self, request: Request) -> None:
@@ -335,14 +366,48 @@ class Scheduler:
                 self.block_manager.cache_blocks(
                     entry.request_id, request.block_hashes[: request.num_computed_tokens // bs]
                 )
+            if entry.forks:
+                finished.extend(self._fork(request, entry.forks, sampled))
             reason = self._check_stop(request) if entry.samples else None
             if reason is not None:
                 self.finish_request(entry.request_id, reason)
                 finished.append(request)
         return finished
 
+    def _fork(self, parent: Request, fork_ids: Sequence[str], sampled: Mapping[str, int]) -> list[Request]:
+        """The parent's prompt is computed: its pending samples take its blocks (shared; the
+        partial last block is copied when one of them first writes to it) and their own first
+        token. Returns those that finished with it."""
+        bs = self.block_manager.block_size
+        finished = []
+        for fork_id in fork_ids:
+            fork = self.pending_forks.pop(fork_id)
+            self.forks[parent.request_id].remove(fork)
+            self.block_manager.fork(parent.request_id, fork_id)
+            self.num_forks += 1
+            self.num_fork_shared_blocks += len(self.block_manager.block_table(fork_id))
+            fork.num_computed_tokens = parent.num_prompt_tokens
+            fork.num_cached_tokens = parent.num_cached_tokens
+            fork.output_token_ids.append(sampled[fork_id])
+            fork.block_hashes = hash_blocks(fork.all_token_ids, bs, self.hash_salt,
+                                            parent.block_hashes[: parent.num_prompt_tokens // bs])
+            fork.status = RequestStatus.RUNNING
+            self.requests[fork_id] = fork
+            self._order[fork_id] = (fork.priority, fork.arrival_time, next(self._seq))
+            self.running.append(fork)
+            self.waiting.charge(fork.tenant, output_tokens=1)
+            reason = self._check_stop(fork)
+            if reason is not None:
+                self.finish_request(fork_id, reason)
+                finished.append(fork)
+        if not self.forks[parent.request_id]:
+            del self.forks[parent.request_id]
+        return finished
+
     def _check_stop(self, request: Request) -> FinishReason | None:
         params = request.sampling_params
+        if request.guide is not None and (request.guide.is_stopped() or request.guide.is_error()):
+            return FinishReason.STOP  # the grammar is complete (or cannot continue)
         num_output = len(request.output_token_ids)
         token = request.output_token_ids[-1]
         if num_output >= params.min_tokens:

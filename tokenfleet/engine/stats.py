@@ -27,6 +27,9 @@ class EngineStats:
     num_kv_bytes_received: int = 0
     num_kv_blocks_sent: int = 0
     num_transfer_timeouts: int = 0  # held blocks released because the decode side never finished
+    num_forks: int = 0  # n > 1: samples forked from their request once its prompt was computed
+    num_fork_shared_blocks: int = 0  # blocks those forks share with their request instead of copying
+    num_block_copies: int = 0  # partially filled shared blocks copied on write
     total_step_seconds: float = 0.0
     # gauges (filled by snapshot)
     num_running: int = 0

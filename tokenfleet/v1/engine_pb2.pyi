@@ -138,28 +138,32 @@ class PrefillResponse(_message.Message):
     def __init__(self, started: _Optional[_Union[PrefillStarted, _Mapping]] = ..., kv: _Optional[_Union[KVChunk, _Mapping]] = ..., handoff: _Optional[bytes] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs")
+    __slots__ = ("token_ids", "text", "logprobs", "index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class GenerateFinal(_message.Message):
-    __slots__ = ("finish_reason", "stop_string", "stop_token_id", "usage", "request_id")
+    __slots__ = ("finish_reason", "stop_string", "stop_token_id", "usage", "request_id", "index")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _common_pb2.FinishReason
     stop_string: str
     stop_token_id: int
     usage: _common_pb2.Usage
     request_id: str
-    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    index: int
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., request_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "final", "error")
@@ -188,7 +192,7 @@ class LoadRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("state", "num_waiting", "num_running", "num_blocks_used", "num_blocks_free", "num_in_flight", "num_prefix_hit_tokens", "num_preemptions", "num_aborted", "num_steps", "ttft_ms_recent", "tpot_ms_recent", "step_ms_mean", "num_queued_prompt_tokens", "prefill_tokens_per_s", "hashes_reset", "added_block_hashes", "removed_block_hashes", "layout", "num_prompt_tokens_computed", "num_kv_blocks_sent", "num_kv_blocks_received", "num_remote_prefills", "num_kv_bytes_received")
+    __slots__ = ("state", "num_waiting", "num_running", "num_blocks_used", "num_blocks_free", "num_in_flight", "num_prefix_hit_tokens", "num_preemptions", "num_aborted", "num_steps", "ttft_ms_recent", "tpot_ms_recent", "step_ms_mean", "num_queued_prompt_tokens", "prefill_tokens_per_s", "hashes_reset", "added_block_hashes", "removed_block_hashes", "layout", "num_prompt_tokens_computed", "num_kv_blocks_sent", "num_kv_blocks_received", "num_remote_prefills", "num_kv_bytes_received", "num_forks", "num_fork_shared_blocks", "num_block_copies")
     STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +217,9 @@ class LoadReport(_message.Message):
     NUM_KV_BLOCKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     NUM_REMOTE_PREFILLS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_FORKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FORK_SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     state: WorkerState
     num_waiting: int
     num_running: int
@@ -237,7 +244,10 @@ class LoadReport(_message.Message):
     num_kv_blocks_received: int
     num_remote_prefills: int
     num_kv_bytes_received: int
-    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., ttft_ms_recent: _Optional[float] = ..., tpot_ms_recent: _Optional[float] = ..., step_ms_mean: _Optional[float] = ..., num_queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., hashes_reset: _Optional[bool] = ..., added_block_hashes: _Optional[_Iterable[bytes]] = ..., removed_block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_kv_blocks_sent: _Optional[int] = ..., num_kv_blocks_received: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_kv_bytes_received: _Optional[int] = ...) -> None: ...
+    num_forks: int
+    num_fork_shared_blocks: int
+    num_block_copies: int
+    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., ttft_ms_recent: _Optional[float] = ..., tpot_ms_recent: _Optional[float] = ..., step_ms_mean: _Optional[float] = ..., num_queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., hashes_reset: _Optional[bool] = ..., added_block_hashes: _Optional[_Iterable[bytes]] = ..., removed_block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_kv_blocks_sent: _Optional[int] = ..., num_kv_blocks_received: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_kv_bytes_received: _Optional[int] = ..., num_forks: _Optional[int] = ..., num_fork_shared_blocks: _Optional[int] = ..., num_block_copies: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

@@ -311,3 +311,26 @@ def test_chunks_stay_under_the_message_limit_and_cover_every_block_once():
     covered = sorted((c.layer, b) for c in plan for b in range(c.first_block, c.first_block + c.num_blocks))
     assert covered == [(layer, b) for layer in range(30) for b in range(5, 205)]
     assert [c.seq for c in plan] == list(range(len(plan)))
+
+
+def test_grammar_state_survives_the_hand_off(engines, tokenizer):
+    """The prefill side samples the first token under the grammar; the decode side replays it into
+    its own matcher and continues: the output is the colocated one and validates."""
+    import json
+
+    from tokenfleet.engine.grammar import Guided
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                               "country": {"enum": ["FR", "IT"]}},
+              "required": ["city", "country"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=40, temperature=0.0, guided=Guided("json_schema", json.dumps(schema)))
+    prefill, decode = engines
+    prompt = chat_ids(tokenizer, "Where is the Eiffel Tower? Answer as JSON.")
+    colocated = asyncio.run(collect(prefill, prompt, params, "g-colo"))
+    before = decode.core.stats.num_prompt_tokens_computed
+    outputs = asyncio.run(disaggregated(prefill, decode, prompt, params, "g-disagg"))
+    assert decode.core.stats.num_prompt_tokens_computed == before  # the KV came from the prefill side
+    assert tokens(outputs) == tokens(colocated)
+    value = json.loads(text(outputs))
+    assert set(value) == {"city", "country"} and value["country"] in ("FR", "IT")
+    check_idle(prefill, decode)

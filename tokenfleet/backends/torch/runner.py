@@ -31,8 +31,15 @@ class TorchModelRunner:
         sampling = [s for s in output.scheduled if s.samples]
         if not sampling:
             return ExecuteResult({}, {})
-        rows = [requests[s.request_id] for s in sampling]
-        result = self.sampler.sample(logits, rows)
+        rows, index = [], []
+        for k, s in enumerate(sampling):  # a request forking n samples: one logits row each
+            for request_id in (s.request_id, *s.forks):
+                rows.append(requests[request_id])
+                index.append(k)
+        if len(index) != len(sampling):
+            logits = logits[torch.tensor(index, device=logits.device)]
+        with torch.inference_mode():  # the logits are inference tensors: masks and biases edit them in place
+            result = self.sampler.sample(logits, rows)
         sampled = {r.request_id: t for r, t in zip(rows, result.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(rows, result.logprobs) if lp is not None}
         return ExecuteResult(sampled, logprobs)

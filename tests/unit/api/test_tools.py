@@ -1,0 +1,97 @@
+"""Tool calling: the call grammar accepts exactly well-formed calls, and the incremental parser
+gives the same calls however the text is split."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import llguidance
+import pytest
+
+from tokenfleet.api import tools
+from tokenfleet.cluster.registry import TOOL_FORMATS
+from tokenfleet.engine.grammar import grammar_text
+from tokenfleet.models.tokenizer import Tokenizer
+
+FUNCS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "noop"}},
+]
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    tok = Tokenizer(default_model_dir)
+    return tok, llguidance.LLTokenizer(tok.to_json(), n_vocab=tok.vocab_size, eos_token=2)
+
+
+def accepts(tokenizer, guided, text: str) -> bool:
+    tok, lt = tokenizer
+    matcher = llguidance.LLMatcher(lt, grammar_text(guided), log_level=0)
+    return matcher.consume_tokens(tok.encode(text)) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize(("choice", "parallel", "text", "ok"), [
+    ("auto", True, "Hello there, friend.", True),
+    ("auto", True, "Sure: " + CALL, False),  # the marker never appears inside text
+    ("auto", True, CALL, True),
+    ("auto", True, CALL + "\n" + CALL, True),
+    ("auto", False, CALL + "\n" + CALL, False),
+    ("required", True, "Hello", False),
+    ("required", True, '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>', False),  # city required
+    ("required", True, '<tool_call>{"name": "nope", "arguments": {}}</tool_call>', False),
+    ("required", True, '<tool_call>{"arguments": {"city": "Paris"}, "name": "get_weather"}</tool_call>', False),
+    ("required", True, '<tool_call>{"name": "noop", "arguments": {}}</tool_call>', True),
+    ("noop", True, CALL, False),
+    ("get_weather", True, CALL, True),
+])
+def test_call_grammar(tokenizer, choice, parallel, text, ok):
+    assert accepts(tokenizer, tools.grammar(FUNCS, choice, parallel), text) is ok
+
+
+def test_unknown_named_function_is_an_error():
+    with pytest.raises(ValueError, match="tool_choice"):
+        tools.grammar(FUNCS, "missing", True)
+
+
+def test_parser_is_split_invariant():
+    text = CALL + '\n<tool_call>{"name": "noop", "arguments": {"s": "a}\\"b{", "l": [1, {"x": [2]}]}}</tool_call>'
+    content, whole = tools.parse(text)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in whole] == \
+        [("get_weather", {"city": "Paris"}), ("noop", {"s": 'a}"b{', "l": [1, {"x": [2]}]})]
+    rng = random.Random(0)
+    for _ in range(200):
+        parser, events, i = tools.ToolCallParser(), [], 0
+        while i < len(text):
+            j = i + rng.randint(1, 9)
+            events += parser.feed(text[i:j])
+            i = j
+        events += parser.finish()
+        names = [e[2].name for e in events if e[0] == "call"]
+        arguments = ["".join(e[2] for e in events if e[0] == "arguments" and e[1] == k) for k in range(len(names))]
+        assert names == [c.name for c in whole] and arguments == [c.arguments for c in whole]
+        assert not [e for e in events if e[0] == "content"]
+
+
+def test_plain_text_and_a_marker_prefix_are_content():
+    assert tools.parse("Hello <b>world</b>") == ("Hello <b>world</b>", [])
+    assert tools.parse("<tool") == ("<tool", [])
+
+
+def test_history_rendering_and_formats():
+    assert set(tools.FORMATS) == set(TOOL_FORMATS)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "21C"}]
+    hermes = tools.prepare_messages(messages, FUNCS, tools.FORMATS["hermes"])
+    assert hermes[0]["role"] == "system" and hermes[0]["content"].startswith("Be brief.")
+    assert '"name": "get_weather"' in hermes[0]["content"] and "<tools>" in hermes[0]["content"]
+    assert hermes[2]["content"] == CALL
+    assert hermes[3] == {"role": "tool", "content": "<tool_response>\n21C\n</tool_response>"}
+    generic = tools.prepare_messages(messages, None, tools.FORMATS["generic"])
+    assert generic[0] == {"role": "system", "content": "Be brief."} and generic[3]["role"] == "user"
