@@ -27,6 +27,8 @@ class Completion:
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # SamplingParams.prompt_logprobs
+    samples: list[Completion] = field(default_factory=list)  # n > 1: samples 1..n-1 (this one is sample 0)
 
 
 class LLM:
@@ -56,17 +58,23 @@ class LLM:
 
     def _run(self, token_lists: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         completions: dict[str, Completion] = {}
+        owners: dict[str, Completion] = {}  # engine request id (samples of n > 1 too) -> its completion
         try:
             for tokens, p in zip(token_lists, params):
                 request_id = self.core.add_request(tokens, p)
-                completions[request_id] = Completion(request_id=request_id, prompt_token_ids=tokens)
+                completion = completions[request_id] = Completion(request_id=request_id, prompt_token_ids=tokens)
+                completion.samples = [Completion(request_id=f"{request_id}#{i}", prompt_token_ids=tokens)
+                                      for i in range(1, p.n)]
+                for member in self.core.group(request_id):
+                    owners[member] = completion
         except ValueError:
             for request_id in completions:  # all or nothing
                 self.core.abort(request_id)
             raise
         while self.core.has_unfinished():
             for out in self.core.step():
-                _accumulate(completions[out.request_id], out)
+                completion = owners[out.request_id]
+                _accumulate(completion.samples[out.index - 1] if out.index else completion, out)
         return list(completions.values())
 
 
@@ -74,6 +82,7 @@ def _accumulate(completion: Completion, out: RequestOutput) -> None:
     completion.token_ids += out.new_token_ids
     completion.text += out.text
     completion.logprobs += out.logprobs
+    completion.prompt_logprobs += out.prompt_logprobs
     completion.num_cached_tokens = out.num_cached_tokens
     if out.finished:
         completion.finish_reason = out.finish_reason

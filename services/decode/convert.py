@@ -51,6 +51,7 @@ def sampling_params(msg: common_pb2.SamplingParams) -> SamplingParams:
         include_stop_str_in_output=msg.include_stop_str_in_output,
         skip_special_tokens=not msg.keep_special_tokens,
         n=msg.n or 1,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         logit_bias=dict(msg.logit_bias),
         guided=guided(msg.guided) if msg.HasField("guided") else None,
     )
@@ -82,7 +83,7 @@ def responses(out: RequestOutput) -> list[engine_pb2.GenerateResponse]:
     if out.new_token_ids or out.text:
         chunk = engine_pb2.TokenChunk(
             token_ids=out.new_token_ids, text=out.text, logprobs=[_logprob(lp) for lp in out.logprobs],
-            index=out.index,
+            index=out.index, prompt_logprobs=[_logprob(lp) for lp in out.prompt_logprobs],
         )
         messages.append(engine_pb2.GenerateResponse(chunk=chunk))
     if out.finished:

@@ -196,7 +196,7 @@ class Gateway:
         if isinstance(body, CompletionRequest) and body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else model.tokenizer.decode(prompt)
         return Started(model, request_id, first, stream, include_usage, params.logprobs is not None, ticket,
-                       n=params.n, tools=tools, echo=echo)
+                       n=params.n, tools=tools, echo=echo, prompt=prompt if echo else [])
 
     async def generate(self, model: ServedModel, request_id: str, prompt: list[int], params: SamplingParams,
                        tenant: Tenant = ANONYMOUS) -> AsyncGenerator[engine_pb2.GenerateResponse, None]:
@@ -315,6 +315,8 @@ def to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.logprobs = p.logprobs
     if p.n != 1:
         msg.n = p.n
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     msg.logit_bias.update(dict(p.logit_bias))
     if p.guided is not None:
         if p.guided.kind == "json_object":

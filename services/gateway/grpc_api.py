@@ -160,12 +160,16 @@ async def _completion_chunks(run: Started, timer: RequestTimer) -> AsyncIterator
         return inference_pb2.CompletionChunk(id=run.request_id, model=run.model.name, created=int(time.time()), **kw)
 
     offsets = [len(run.echo)] * run.n
-    for index in range(run.n) if run.echo else ():
-        yield chunk(choices=[inference_pb2.CompletionChoiceDelta(index=index, text=run.echo)])
+    echoed = [not run.echo] * run.n
     async with responses_of(run, timer) as responses:
         async for r in responses:
+            index = r.chunk.index if r.HasField("chunk") else r.final.index
+            if not echoed[index]:  # the prompt first; its tokens after the first carry logprobs when asked
+                echoed[index] = True
+                first = run.model.tokenizer.decode(run.prompt[:1], skip_special_tokens=False)
+                lp = _logprobs(run.model.tokenizer, list(r.chunk.prompt_logprobs), len(first))
+                yield chunk(choices=[inference_pb2.CompletionChoiceDelta(index=index, text=run.echo, logprobs=lp)])
             if r.HasField("chunk"):
-                index = r.chunk.index
                 lp = _logprobs(run.model.tokenizer, list(r.chunk.logprobs), offsets[index])
                 offsets[index] += len(r.chunk.text)
                 yield chunk(choices=[inference_pb2.CompletionChoiceDelta(index=index, text=r.chunk.text, logprobs=lp)])

@@ -54,5 +54,25 @@ def completion_logprobs(tokenizer: Tokenizer, logprobs: list[common_pb2.TokenLog
     }
 
 
+def echo_logprobs(tokenizer: Tokenizer, prompt: list[int], logprobs: list[common_pb2.TokenLogprob]
+                  ) -> dict[str, Any]:
+    """Completion logprobs of an echoed prompt: its first token has none (null), as OpenAI's."""
+    tokens = [_token_text(tokenizer, t) for t in prompt]
+    offsets, offset = [], 0
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None] + [lp.logprob for lp in logprobs],
+        "top_logprobs": [None] + [{_token_text(tokenizer, t.token_id): t.logprob for t in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def join_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    return {key: first[key] + second[key] for key in first}
+
+
 def envelope(kind: str, request_id: str, model: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices, **extra}

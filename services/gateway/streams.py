@@ -40,6 +40,7 @@ class Started:
     n: int = 1  # samples; the worker's stream ends after n finals
     tools: bool = False  # parse tool calls out of the output (chat with tools, tool_choice not "none")
     echo: str = ""  # completions with echo: the prompt's text, sent before each choice's text
+    prompt: list[int] = field(default_factory=list)  # echo: the prompt's token ids (for its logprobs)
     usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)  # totals over the samples so far
 
 
@@ -99,6 +100,7 @@ async def responses_of(run: Started, timer: RequestTimer):
 class _Choice:
     text: str = ""
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     final: engine_pb2.GenerateFinal | None = None
 
 
@@ -111,6 +113,7 @@ async def _collect(run: Started, timer: RequestTimer) -> list[_Choice]:
                 choice = choices[r.chunk.index]
                 choice.text += r.chunk.text
                 choice.logprobs += list(r.chunk.logprobs)
+                choice.prompt_logprobs = choice.prompt_logprobs or list(r.chunk.prompt_logprobs)
             else:
                 choices[r.final.index].final = r.final
     return choices
@@ -202,6 +205,8 @@ async def completion_body(run: Started, timer: RequestTimer) -> dict[str, Any]:
     choices = []
     for index, c in enumerate(await _collect(run, timer)):
         lp = fmt.completion_logprobs(model.tokenizer, c.logprobs, len(run.echo)) if run.want_logprobs else None
+        if lp is not None and run.echo:
+            lp = fmt.join_logprobs(fmt.echo_logprobs(model.tokenizer, run.prompt, c.prompt_logprobs), lp)
         choices.append({"index": index, "text": run.echo + c.text, "finish_reason": _finish_reason(c.final, False),
                         "logprobs": lp})
     return fmt.envelope("text_completion", request_id, model.name, choices, usage=fmt.usage(run.usage))
@@ -216,13 +221,20 @@ async def completion_events(run: Started, timer: RequestTimer) -> AsyncIterator[
         return sse(fmt.envelope("text_completion", request_id, model.name, [choice]))
 
     offsets = [len(run.echo)] * run.n
-    if run.echo:
-        for index in range(run.n):
-            yield chunk(index, run.echo)
+    echoed = [not run.echo] * run.n
+
+    def echo(index: int, prompt_logprobs: list[common_pb2.TokenLogprob]) -> bytes:
+        echoed[index] = True
+        lp = fmt.echo_logprobs(model.tokenizer, run.prompt, prompt_logprobs) if run.want_logprobs else None
+        return chunk(index, run.echo, lp)
+
     async with responses_of(run, timer) as responses:
         async for r in responses:
+            index = r.chunk.index if r.HasField("chunk") else r.final.index
+            if not echoed[index]:  # the prompt first, with its logprobs (they come on the first chunk)
+                yield echo(index, list(r.chunk.prompt_logprobs))
             if r.HasField("chunk"):
-                index, logprobs = r.chunk.index, list(r.chunk.logprobs)
+                logprobs = list(r.chunk.logprobs)
                 lp = fmt.completion_logprobs(model.tokenizer, logprobs, offsets[index]) if logprobs else None
                 offsets[index] += len(r.chunk.text)
                 yield chunk(index, r.chunk.text, lp)

@@ -234,6 +234,29 @@ def test_completion_logprobs_echo_and_text_offset(client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.choices[0].text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt(client, stream):
+    """What evaluation harnesses do: the prompt's token logprobs (the first is null), then the completion's."""
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    if stream:
+        parts = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
+        text = "".join(p.text for p in parts)
+        tokens = [t for p in parts if p.logprobs for t in p.logprobs.tokens]
+        values = [v for p in parts if p.logprobs for v in p.logprobs.token_logprobs]
+        offsets = [o for p in parts if p.logprobs for o in p.logprobs.text_offset]
+    else:
+        reply = client.completions.create(**kwargs)
+        text, lp = reply.choices[0].text, reply.choices[0].logprobs
+        tokens, values, offsets = lp.tokens, lp.token_logprobs, lp.text_offset
+        assert lp.top_logprobs[0] is None and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert text.startswith(prompt)
+    assert values[0] is None and all(v is not None and math.isfinite(v) and v <= 0 for v in values[1:])
+    assert "".join(tokens) == text and offsets == sorted(offsets) and offsets[0] == 0
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    assert text == prompt + greedy.choices[0].text
+
+
 def test_logit_bias_bans_and_forces_tokens(client):
     plain = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=1, temperature=0,
                                       logprobs=0)
@@ -259,3 +282,20 @@ def test_stop_list_and_max_completion_tokens(client):
     reply = client.chat.completions.create(model=MODEL, messages=ask("Count from 1 to 20 separated by commas."),
                                            max_completion_tokens=40, temperature=0, stop=["7", "eleven"])
     assert "7" not in reply.choices[0].message.content and reply.usage.completion_tokens <= 40
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "best_of": 2}, "best_of"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "frobnicate": True}, "frobnicate"),
+    ({"prompt": "x", "n": 2, "echo": True, "logprobs": 1, "logit_bias": {"-1": 5}}, "logit_bias"),
+])
+def test_completions_reject_what_they_do_not_serve_by_name(stack, body, param):  # noqa: F811
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        stack[1].completions.create(model=MODEL, **body) if "frobnicate" not in body else \
+            stack[1].completions.create(model=MODEL, prompt="x", extra_body={"frobnicate": True})
+    error = info.value.body
+    assert param in (error.get("param") or "") + error.get("message", ""), error

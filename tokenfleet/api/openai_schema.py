@@ -5,6 +5,7 @@ Every parameter OpenAI defines for chat and completions is either served or reje
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Annotated, Any, Literal
 
@@ -249,7 +250,7 @@ class CompletionRequest(_Common):
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of is not supported (only best_of equal to n)", param="best_of",
                            code="unsupported_parameter")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo",
-                           code="unsupported_parameter")
-        return self.sampling(self.max_tokens, self.logprobs)
+        params = self.sampling(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:  # the prompt's tokens get logprobs too
+            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params

@@ -179,7 +179,7 @@ class AsyncEngine:
         prompt = list(prompt_token_ids)
         await self._prepare_grammar(sampling_params)
         held = None
-        if kv_source is not None and resume is None and sampling_params.n == 1:
+        if kv_source is not None and resume is None and sampling_params.n == 1 and sampling_params.prompt_logprobs is None:
             held = await self._call(lambda core: self._add_remote(core, prompt, sampling_params, request_id,
                                                                   int(priority), sink, tenant),
                                     abandoned=lambda core, held: _forget(core.abort(request_id)))
@@ -298,6 +298,7 @@ class AsyncEngine:
         if list(held_block_hashes) != hashes[: len(held_block_hashes)]:
             raise ValueError("held block hashes are not this prompt's leading blocks")
         params = dataclasses.replace(sampling_params, max_tokens=1, min_tokens=min(sampling_params.min_tokens, 1), n=1,
+                                     prompt_logprobs=None,
                                      stop=())
         first = None
         try:

@@ -28,6 +28,8 @@ from tokenfleet.engine.stats import EngineStats, StepTimer
 class ExecuteResult:
     sampled: dict[str, int]  # request id -> token, for scheduled entries that sample
     logprobs: dict[str, TokenLogprobs]
+    # request id -> logprobs of the prompt tokens this step's chunk predicts (prompt_logprobs set)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = dataclasses.field(default_factory=dict)
 
 
 class ModelRunner(Protocol):
@@ -121,7 +123,7 @@ class EngineCore:
         if params.seed is not None:
             params = dataclasses.replace(params, seed=params.seed + index)
         fork = dataclasses.replace(request, request_id=f"{request.request_id}#{index}", sampling_params=params,
-                                   output_token_ids=[], block_hashes=[], index=index,
+                                   output_token_ids=[], block_hashes=[], index=index,  # prompt_logprobs: shared
                                    guide=self.guides.matcher(params.guided) if params.guided else None)
         return fork
 
@@ -273,6 +275,8 @@ class EngineCore:
         with self._timer:
             result = self.runner.execute(output, ChainMap(self.scheduler.requests, self.scheduler.pending_forks))
         requests = self.scheduler.requests
+        for request_id, lps in result.prompt_logprobs.items():
+            requests[request_id].prompt_logprobs.extend(lps)
         self.stats.num_prompt_tokens_computed += sum(
             max(0, min(s.start + s.num_new_tokens, requests[s.request_id].num_prompt_tokens) - s.start)
             for s in output.scheduled)

@@ -40,6 +40,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     error: str | None = None  # set when the engine failed the request (not a user error)
     index: int = 0  # which of the request's n samples
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.., on the first output
 
 
 class OutputState:
@@ -56,6 +57,7 @@ class OutputState:
         )
         self.matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self._pending = ""  # resumed: text of the delivered tokens the client has not received yet
+        self._sent_prompt_logprobs = False
         if tokenizer is not None and request.output_token_ids:
             emitted = resumed_text or ""
             full = IncrementalDetokenizer.text_of(tokenizer, request.prompt_token_ids, request.output_token_ids,
@@ -72,6 +74,9 @@ class OutputState:
         out = self._output([token_id], text)
         if logprobs is not None:
             out.logprobs.append(logprobs)
+        if self.request.sampling_params.prompt_logprobs is not None and not self._sent_prompt_logprobs:
+            out.prompt_logprobs = list(self.request.prompt_logprobs)
+            self._sent_prompt_logprobs = True
         return out
 
     def finish(self, out: RequestOutput, reason: FinishReason) -> RequestOutput:

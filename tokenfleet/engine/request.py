@@ -57,6 +57,7 @@ class Request:
     tenant: str = ""  # who is billed; tenants of one priority are queued fairly (FairQueue)
     guide: Any = None  # grammar matcher (llguidance.LLMatcher) when sampling_params.guided is set
     index: int = 0  # which of the n samples of its group (forks share the prompt's blocks)
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1.. (prompt_logprobs set)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -66,7 +66,7 @@ class Sampler:
         for i in guided:
             requests[i].guide.consume_token(token_ids[i])  # an error state ends the request (scheduler)
         logprobs = [
-            _token_logprobs(raw_logprobs[i], token_ids[i], r.sampling_params.logprobs)
+            token_logprobs(raw_logprobs[i], token_ids[i], r.sampling_params.logprobs)
             if raw_logprobs is not None and r.sampling_params.logprobs is not None
             else None
             for i, r in enumerate(requests)
@@ -125,7 +125,7 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request], rows: Seq
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def _token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+def token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
     value = row[token_id]
     rank = int((row > value).sum()) + 1
     top: tuple[tuple[int, float], ...] = ()

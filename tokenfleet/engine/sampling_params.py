@@ -42,6 +42,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1
+    prompt_logprobs: int | None = None  # like logprobs, for the prompt's tokens (echo); disables prefix-cache hits
     logit_bias: tuple[tuple[int, float], ...] = ()
     guided: Guided | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -95,6 +96,8 @@ class SamplingParams:
             if token_id < 0 or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias entries must map token ids >= 0 to values in [-100, 100], "
                                  f"got {token_id}: {bias}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
 

@@ -294,8 +294,9 @@ class Scheduler:
             request = self.waiting.peek()
             assert request is not None
             prefix: list[int] = []
-            if self.config.enable_prefix_caching:
-                # Always leave at least one token to compute: its logits are needed.
+            if self.config.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
+                # Always leave at least one token to compute: its logits are needed. (Prompt
+                # logprobs need every prompt position's logits: no hits.)
                 prefix = bm.match_prefix(request.block_hashes[: (request.num_tokens - 1) // bs])
             computed = len(prefix) * bs
             n = self._chunk(request, computed, budget)

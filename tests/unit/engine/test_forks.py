@@ -108,3 +108,16 @@ def test_real_engine_n3_seeded_samples_differ_reproduce_and_sample0_matches_n1(c
     assert sorted(three) == [0, 1, 2] and three == again
     assert len({tuple(v) for v in three.values()}) == 3
     assert three[0] == one[0]  # sample 0 is the request itself, seed unchanged
+
+
+def test_offline_llm_returns_every_sample(default_model_dir):
+    from tokenfleet.engine.sampling_params import SamplingParams
+    from tokenfleet.llm import LLM
+
+    llm = LLM(str(default_model_dir), dtype="float32", num_threads=1, num_blocks=64)
+    first, second = llm.generate(["Hello, my name is", "The sea is"],
+                                 [SamplingParams(max_tokens=5, temperature=1.0, seed=1, n=3, ignore_eos=True),
+                                  SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)])
+    assert len(first.samples) == 2 and not second.samples
+    assert all(len(c.token_ids) == 5 for c in (first, *first.samples)) and len(second.token_ids) == 4
+    assert len({tuple(c.token_ids) for c in (first, *first.samples)}) == 3

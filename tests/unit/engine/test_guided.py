@@ -82,6 +82,36 @@ def test_grammar_state_survives_a_resume(core):
     assert json.loads(whole_text)
 
 
+def test_prompt_logprobs_are_the_same_chunked_or_not_and_reported_once(default_model_dir, core):
+    from tokenfleet.engine.builder import build_engine_core
+    from tokenfleet.engine.config import EngineConfig
+
+    chunked = build_engine_core(EngineConfig(model=str(default_model_dir), dtype="float32", num_threads=1,
+                                             num_blocks=64, max_num_batched_tokens=5))
+    prompt = core.tokenizer.encode("The capital of France is Paris. The capital of Italy is Rome.")
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
+
+    def prompt_logprobs(engine, preempt=False):
+        engine.add_request(prompt, params, request_id="p")
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+            request = engine.scheduler.requests.get("p")
+            if preempt and request is not None and 0 < request.num_computed_tokens < len(prompt):
+                engine.scheduler._preempt(request)  # recomputes the prompt from the start
+                preempt = False
+        assert [len(o.prompt_logprobs) for o in outs] == [len(prompt) - 1] + [0] * (len(outs) - 1)
+        assert outs[-1].num_cached_tokens == 0  # every prompt position computed, even when cached
+        return outs[0].prompt_logprobs
+
+    whole = prompt_logprobs(core)
+    assert prompt_logprobs(core) == whole  # the prompt's blocks are cached now: not used
+    split = prompt_logprobs(chunked, preempt=True)
+    assert [lp.token_id for lp in whole] == prompt[1:] == [lp.token_id for lp in split]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(whole, split)) < 1e-4
+    assert all(len(lp.top) == 3 and lp.top[0][1] >= lp.logprob for lp in whole)
+
+
 def test_invalid_grammars_are_named():
     for guided, fragment in [(Guided("json_schema", '{"type": "strng"}'), "strng"),
                              (Guided("json_schema", "{not json"), "json_schema"),

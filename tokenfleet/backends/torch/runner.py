@@ -11,8 +11,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from tokenfleet.engine.core import ExecuteResult
+from tokenfleet.engine.output import TokenLogprobs
 from tokenfleet.engine.request import Request
-from tokenfleet.engine.sampler import Sampler
+from tokenfleet.engine.sampler import Sampler, token_logprobs
 from tokenfleet.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenfleet.models.attention import ForwardBatch, PrefillSpan
 from tokenfleet.models.llama import KVCache, LlamaModel
@@ -25,12 +26,15 @@ class TorchModelRunner:
         self.block_size = block_size
         self.kv = KVCache(model.config, num_blocks, block_size, kv_dtype or model.dtype, model.device)
         self.sampler = Sampler(model.device)
+        self._prompt_spans: list[tuple[str, int, int]] = []
 
     def execute(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> ExecuteResult:
         logits = self.compute_logits(output, requests)
         sampling = [s for s in output.scheduled if s.samples]
+        prompt_logprobs = self._prompt_logprobs(logits[len(sampling):], requests)
+        logits = logits[: len(sampling)]
         if not sampling:
-            return ExecuteResult({}, {})
+            return ExecuteResult({}, {}, prompt_logprobs)
         rows, index = [], []
         for k, s in enumerate(sampling):  # a request forking n samples: one logits row each
             for request_id in (s.request_id, *s.forks):
@@ -42,13 +46,28 @@ class TorchModelRunner:
             result = self.sampler.sample(logits, rows)
         sampled = {r.request_id: t for r, t in zip(rows, result.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(rows, result.logprobs) if lp is not None}
-        return ExecuteResult(sampled, logprobs)
+        return ExecuteResult(sampled, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, logits: torch.Tensor, requests: Mapping[str, Request]
+                         ) -> dict[str, list[TokenLogprobs]]:
+        """Logprobs of prompt tokens (echo with logprobs), from the rows ``build_batch`` appended
+        after the sampling ones: row i of a span predicts the token after its position."""
+        out: dict[str, list[TokenLogprobs]] = {}
+        row = 0
+        for request_id, first, count in self._prompt_spans:
+            request = requests[request_id]
+            lps = torch.log_softmax(logits[row: row + count].float(), dim=-1)
+            targets = request.prompt_token_ids[first + 1: first + 1 + count]
+            out[request_id] = [token_logprobs(lps[i], t, request.sampling_params.prompt_logprobs or 0)
+                               for i, t in enumerate(targets)]
+            row += count
+        return out
 
     def compute_logits(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> torch.Tensor:
         """float32 logits [num sampling entries, vocab] in ``output.scheduled`` order."""
         if output.copies:
             self.kv.copy_blocks(list(output.copies))
-        token_ids, batch = self.build_batch(output.scheduled, requests)
+        token_ids, batch, self._prompt_spans = self.build_batch(output.scheduled, requests)
         return self.model.forward(token_ids, batch, self.kv)
 
     def release(self, request_id: str) -> None:
@@ -77,7 +96,10 @@ class TorchModelRunner:
 
     def build_batch(
         self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]
-    ) -> tuple[torch.Tensor, ForwardBatch]:
+    ) -> tuple[torch.Tensor, ForwardBatch, list[tuple[str, int, int]]]:
+        """Token ids and metadata of the step; logits rows are the sampling entries' last
+        positions, then (requests that want prompt logprobs) spans of prompt positions, listed
+        as (request id, first position, count)."""
         bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -85,6 +107,8 @@ class TorchModelRunner:
         logits_indices: list[int] = []
         decode_entries: list[ScheduledRequest] = []
         prefills: list[PrefillSpan] = []
+        spans: list[tuple[str, int, int]] = []
+        span_rows: list[int] = []
         for entry in scheduled:
             start, end = entry.start, entry.start + entry.num_new_tokens
             row = len(tokens)
@@ -94,6 +118,15 @@ class TorchModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             if entry.samples:
                 logits_indices.append(len(tokens) - 1)
+            request = requests[entry.request_id]
+            if request.sampling_params.prompt_logprobs is not None:
+                # Positions whose next token is a prompt token and whose logprob is not known yet
+                # (a preempted request recomputes its prompt but reports each logprob once).
+                first = max(start, len(request.prompt_logprobs))
+                last = min(end, request.num_prompt_tokens - 1)
+                if last > first:
+                    spans.append((entry.request_id, first, last - first))
+                    span_rows += range(row + first - start, row + last - start)
             if entry.num_new_tokens == 1:
                 if prefills:
                     raise ValueError("decode entries must precede prefill chunks")
@@ -104,12 +137,12 @@ class TorchModelRunner:
         batch = ForwardBatch(
             positions=self._tensor(positions),
             slot_mapping=self._tensor(slots),
-            logits_indices=self._tensor(logits_indices),
+            logits_indices=self._tensor(logits_indices + span_rows),
             prefills=prefills,
         )
         if decode_entries:
             self._add_decode_metadata(batch, decode_entries)
-        return self._tensor(tokens), batch
+        return self._tensor(tokens), batch, spans
 
     def _add_decode_metadata(self, batch: ForwardBatch, entries: list[ScheduledRequest]) -> None:
         bs = self.block_size
