@@ -116,7 +116,8 @@ def layout_to_proto(layout: KVLayout) -> engine_pb2.KVLayout:
 
 
 def layout_from_proto(msg: engine_pb2.KVLayout) -> KVLayout:
-    if msg.dtype not in DTYPE_SIZES or msg.block_size == 0:
+    opaque = msg.num_layers == 0  # a backend whose blocks never travel raw (TensorRT-LLM): any dtype tag
+    if not (msg.dtype in DTYPE_SIZES or opaque and msg.dtype) or msg.block_size == 0:
         raise KVLayoutError(f"invalid KV layout: dtype {msg.dtype!r}, block size {msg.block_size}")
     return KVLayout(msg.hash_salt, msg.dtype, msg.block_size, msg.num_layers, msg.num_kv_heads, msg.head_dim)
 

@@ -7,6 +7,7 @@ import asyncio
 import socket
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -61,14 +62,26 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
     p.add_argument("--advertise-address", help="host:port others use to reach this worker (default: the bound "
                    "address; set it when binding 0.0.0.0, e.g. in containers)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = any free port)")
+    p.add_argument("--backend", choices=["torch", "trtllm"],
+                   help="engine implementation (default: the registry record's, else torch); trtllm needs the "
+                   "tokenfleet[trtllm] extra on a GPU node")
+    _add_trtllm_arguments(p)
     return p.parse_args(argv)
+
+
+def _add_trtllm_arguments(p: argparse.ArgumentParser) -> None:
+    """The TensorRT-LLM flags; their module imports no tensorrt_llm."""
+    from tokenfleet.backends.trtllm.worker import add_arguments
+
+    add_arguments(p)
 
 
 def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -> EngineConfig:
     from tokenfleet.models.gguf_import import ensure_default_model
 
     if record is not None and record.backend != "torch":
-        raise ValueError(f"{record.ref} needs the {record.backend!r} backend; this worker runs the torch engine")
+        raise ValueError(f"{record.ref} needs the {record.backend!r} backend; start the worker with --backend "
+                         f"{record.backend}")
     model = record.path if record is not None else args.model or str(ensure_default_model())
     return EngineConfig(
         model=model,
@@ -92,8 +105,15 @@ async def serve(args: argparse.Namespace) -> None:
             raise SystemExit("--registry needs --model-name (the registered name, alias or name@version)")
         record = await fetch_record(args.registry, args.model_name)
         log.info("model from the registry", ref=record.ref, path=record.path)
-    config = engine_config(args, record)
-    engine = AsyncEngine(lambda: build_engine_core(config), transfer_timeout=args.transfer_timeout)
+    backend = args.backend or (record.backend if record is not None else "torch")
+    if backend == "trtllm":
+        from tokenfleet.backends.trtllm.worker import build_engine  # imports tensorrt_llm only at start()
+
+        engine: Any = build_engine(args, record)
+        config = EngineConfig(model=engine.spec.model, max_num_running=args.max_num_running)  # for registration
+    else:
+        config = engine_config(args, record)
+        engine = AsyncEngine(lambda: build_engine_core(config), transfer_timeout=args.transfer_timeout)
     await engine.start()
     server = GrpcServer([engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name], args.host, args.port)
     address = args.advertise_address or server.address
@@ -118,14 +138,28 @@ async def serve(args: argparse.Namespace) -> None:
     async def on_drain() -> None:
         await asyncio.wait_for(worker.drain(), timeout=args.grace_seconds)
 
+    async def watch_health() -> None:
+        """An engine whose library failed (``error`` set) takes no more work: leave the fleet and exit."""
+        while getattr(engine, "error", None) is None:
+            await asyncio.sleep(1.0)
+        log.error("engine failed; deregistering and exiting", error=repr(engine.error))
+        if registration is not None:
+            await registration.stop()
+        server.stop_requested.set()
+
+    watcher = asyncio.create_task(watch_health())
+
     try:
         await server.run_until_signal(on_drain, args.grace_seconds)
     finally:
+        watcher.cancel()
         if registration is not None:
             await registration.stop()
             await registration.client.close()
         await worker.close()
         await engine.shutdown()
+    if getattr(engine, "error", None) is not None:
+        raise SystemExit(3)  # a failed engine: the supervisor restarts the worker
 
 
 async def register(args: argparse.Namespace, config: EngineConfig, address: str,

@@ -1,3 +1,4 @@
 from tokenfleet.services.decode.main import main
 
-raise SystemExit(main(default_role="prefill"))
+if __name__ == "__main__":  # guarded: TensorRT-LLM's MPI workers import the main module again
+    raise SystemExit(main(default_role="prefill"))

@@ -1,0 +1,329 @@
+"""``TrtllmEngine``: our ``Engine`` interface over one TensorRT-LLM ``LLM`` instance.
+
+Requests: a fresh SamplingParams per request (the library mutates it; max_tokens always set),
+``generate_async(..., streaming=True)`` read through each step's ``*_diff`` fields (the same
+mutable result object comes back every step), the handle kept by our request id for aborts
+(the LLM API has no abort by id). ``RequestError`` is the request's fault (ValueError at submit,
+a RuntimeError mid-stream); any other exception marks the engine failed: ``error`` is set, it
+takes no more work, and the worker deregisters.
+
+Disaggregation: the prefill role submits ``context_only`` (max_tokens 1), then sends
+PrefillStarted (the first token), one Handoff (the DisaggregatedParams, every field, plus
+whether the first token already ended the request) and PrefillDone through our Prefill RPC.
+The decode role submits ``generation_only`` with the original params; that stream includes the
+first token, so the prefill's first token is not emitted a second time. The KV moves through
+TensorRT-LLM's cache transceiver (UCX/NIXL), never through us.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import Any
+
+import structlog
+
+from tokenfleet.backends.trtllm import translate
+from tokenfleet.backends.trtllm.spec import TrtllmSpec, llm_class, llm_kwargs, load_api
+from tokenfleet.engine.interface import EngineStoppedError
+from tokenfleet.engine.kv_transfer import (
+    Handoff,
+    KVLayout,
+    KVLayoutError,
+    KVSource,
+    KVTransferError,
+    PrefillDone,
+    PrefillEvent,
+    PrefillStarted,
+)
+from tokenfleet.engine.output import RequestOutput, Resume
+from tokenfleet.engine.request import FinishReason, Priority
+from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.engine.stats import EngineStats
+
+log = structlog.get_logger()
+HEALTH_TIMEOUT_S = 120.0
+
+
+class TrtllmEngine:
+    def __init__(self, spec: TrtllmSpec, hash_salt: str, vocab_size: int, max_model_len: int,
+                 api_loader: Callable[[], Any] = load_api, health_prompt: Sequence[int] = (1, 2, 3),
+                 transfer_timeout: float = 60.0):
+        self.spec = spec
+        self.hash_salt = hash_salt
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.transfer_timeout = transfer_timeout
+        self.error: BaseException | None = None  # set when the library failed: the worker is unhealthy
+        self._api_loader = api_loader
+        self._health_prompt = list(health_prompt)
+        self.api: Any = None
+        self.llm: Any = None
+        self._handles: dict[str, Any] = {}  # our request id -> the library's RequestOutput
+        self._accepting = False
+        self._stats = EngineStats()
+        self._mirror = translate.BlockHashMirror(hash_salt, spec.tokens_per_block)
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.api = await asyncio.to_thread(self._api_loader)
+        cls = llm_class(self.api, self.spec)
+        self.llm = await asyncio.to_thread(lambda: cls(model=self.spec.model, **llm_kwargs(self.api, self.spec)))
+        await self.health_check()
+        self._tasks = [asyncio.create_task(self._poll("get_stats_async", self._on_stat)),
+                       asyncio.create_task(self._poll("get_kv_cache_events_async", self._mirror.apply))]
+        self._accepting = True
+
+    async def health_check(self, timeout: float = HEALTH_TIMEOUT_S) -> None:
+        """A real one-token generation, not a ping (a wedged transceiver can leave /health green)."""
+        params = self.api.SamplingParams(max_tokens=1, top_k=1)
+        try:
+            result = self.llm.generate_async(self._health_prompt, sampling_params=params)
+            await asyncio.wait_for(result.aresult(), timeout)
+        except Exception as e:
+            self._fail(e)
+            raise EngineStoppedError(f"TensorRT-LLM health generation failed: {e}") from e
+
+    async def drain(self) -> None:
+        self._accepting = False
+        while self._handles:
+            await asyncio.sleep(0.05)
+
+    async def shutdown(self) -> None:
+        self._accepting = False
+        for handle in list(self._handles.values()):
+            handle.abort()
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:  # a library iterator may swallow one cancel (wait_for races): the flag ends the loop
+            await asyncio.wait(self._tasks, timeout=5)
+        if self.llm is not None:
+            await asyncio.to_thread(self.llm.shutdown)
+            self.llm = None
+
+    def _fail(self, error: BaseException) -> None:
+        if self.error is None:
+            log.error("TensorRT-LLM failed; the engine takes no more requests", error=repr(error))
+        self.error = error
+        self._accepting = False
+
+    # ---- signals -------------------------------------------------------------------------------
+    def kv_layout(self) -> KVLayout:
+        """Routers hash prompts with this salt and block size. Raw blocks never leave the library:
+        the zero geometry makes our torch engines refuse them (they fall back to local prefill)."""
+        dtype = "trtllm-fp8" if self.spec.kv_fp8 else "trtllm"
+        return KVLayout(self.hash_salt, dtype, self.spec.tokens_per_block, 0, 0, 0)
+
+    def cached_block_hashes(self) -> frozenset[bytes]:
+        return self._mirror.hashes
+
+    def stats(self) -> EngineStats:
+        return self._stats.snapshot()
+
+    def _on_stat(self, stat: dict[str, Any]) -> None:
+        gauges = translate.gauges(stat)
+        self._stats = self._stats.snapshot(**gauges)
+        self._stats.num_steps += 1
+
+    async def _poll(self, method: str, sink: Callable[[dict[str, Any]], None]) -> None:
+        """Drain an ``*_async(timeout)`` iterator forever (it ends after ``timeout`` with no data)."""
+        while not self._stopping:
+            try:
+                async for item in getattr(self.llm, method)(timeout=2):
+                    sink(item)
+                    if self._stopping:
+                        return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - stats are advisory; the request path reports failures
+                log.warning("TensorRT-LLM poll failed", method=method, error=repr(e))
+            await asyncio.sleep(0.5)
+
+    # ---- requests ------------------------------------------------------------------------------
+    async def abort(self, request_id: str) -> None:
+        handle = self._handles.get(request_id)
+        if handle is not None:
+            handle.abort()
+
+    def _check_accepting(self) -> None:
+        if not self._accepting:
+            raise EngineStoppedError("engine is not accepting requests (starting, draining, stopped or failed)")
+
+    def _max_tokens(self, prompt: Sequence[int], params: SamplingParams) -> int:
+        limit = self.max_model_len - len(prompt)
+        if limit <= 0:
+            raise ValueError(f"prompt has {len(prompt)} tokens; the model's context is {self.max_model_len}")
+        return limit if params.max_tokens is None else min(params.max_tokens, limit)
+
+    def _submit(self, prompt: list[int], sp: Any, streaming: bool, disaggregated: Any = None) -> Any:
+        try:
+            return self.llm.generate_async(prompt, sampling_params=sp, streaming=streaming,
+                                           disaggregated_params=disaggregated)
+        except self.api.RequestError as e:
+            raise ValueError(str(e)) from e
+        except ValueError:
+            raise  # the library's own argument checks (e.g. prompt longer than max_num_tokens)
+        except Exception as e:
+            self._fail(e)
+            raise EngineStoppedError(f"TensorRT-LLM refused the request: {e}") from e
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = Priority.INTERACTIVE,
+        resume: Resume | None = None,
+        kv_source: KVSource | None = None,
+        tenant: str = "",
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """``resume`` continues after delivered tokens by appending them to the prompt (the library
+        cannot start a request with output): penalties then see them as prompt tokens."""
+        self._check_accepting()
+        prompt = list(prompt_token_ids)
+        max_tokens = self._max_tokens(prompt, sampling_params)
+        delivered = list(resume.output_token_ids) if resume is not None else []
+        if delivered:
+            prompt, max_tokens = prompt + delivered, max_tokens - len(delivered)
+            if max_tokens <= 0:
+                raise ValueError(f"resumed with {len(delivered)} output tokens; the request allows no more")
+        disaggregated, ended = None, None
+        if kv_source is not None and not delivered and sampling_params.n == 1:
+            disaggregated, ended = await self._pull(kv_source, request_id)
+        if ended is not None:  # the prefill's first token ended the request: nothing to decode
+            token, reason = ended
+            yield RequestOutput(request_id, [token], "", finished=True, finish_reason=reason,
+                                num_prompt_tokens=len(prompt), num_output_tokens=1)
+            return
+        sp = translate.sampling(self.api, sampling_params, max_tokens, guided_backend=self.spec.guided_decoding_backend,
+                                vocab_size=self.vocab_size)
+        handle = self._submit(prompt, sp, True, disaggregated)
+        self._handles[request_id] = handle
+        running = set(range(sampling_params.n))
+        try:
+            async for result in handle:
+                for out in self._deltas(request_id, result, running, len(prompt) - len(delivered), len(delivered)):
+                    yield out
+                if not running:
+                    break
+        except self.api.RequestError as e:  # this request's fault (RequestError is a RuntimeError: first)
+            raise RuntimeError(f"TensorRT-LLM failed the request: {e}") from e
+        except (GeneratorExit, asyncio.CancelledError):
+            raise
+        except Exception as e:  # anything else (CUDA errors are RuntimeErrors) fails the engine
+            self._fail(e)
+            raise EngineStoppedError(f"TensorRT-LLM failed: {e}") from e
+        finally:
+            self._handles.pop(request_id, None)
+            if running:  # closed early (client gone) or failed: free the library's request
+                handle.abort()
+                self._stats.num_aborted += 1
+
+    def _deltas(self, request_id: str, result: Any, running: set[int], num_prompt: int,
+                num_resumed: int) -> list[RequestOutput]:
+        outs = []
+        for c in result.outputs:
+            if c.index not in running:
+                continue
+            tokens = list(c.token_ids_diff)
+            reason = translate.finish_reason(c.finish_reason)
+            if not tokens and not c.text_diff and reason is None:
+                continue
+            out = RequestOutput(request_id, tokens, c.text_diff, index=c.index, num_prompt_tokens=num_prompt,
+                                num_cached_tokens=int(getattr(result, "cached_tokens", 0) or 0),
+                                num_output_tokens=num_resumed + len(c.token_ids),
+                                logprobs=translate.token_logprobs(getattr(c, "logprobs_diff", None), tokens))
+            if reason is not None:
+                out.finished, out.finish_reason, out.stop_reason = True, reason, c.stop_reason
+                running.discard(c.index)
+                self._stats.num_finished += 1
+                self._stats.num_generated_tokens += len(c.token_ids)
+            outs.append(out)
+        return outs
+
+    async def _pull(self, kv_source: KVSource, request_id: str) -> tuple[Any, tuple[int, FinishReason] | None]:
+        """Decode side: read the prefill replica's hand-off. Returns (DisaggregatedParams, None), or
+        (None, (token, reason)) when its first token ended the request, or (None, None) to prefill
+        here (any transfer failure)."""
+        first: int | None = None
+        try:
+            async with contextlib.aclosing(kv_source((), self.kv_layout())) as events:
+                async with asyncio.timeout(self.transfer_timeout):
+                    async for event in events:
+                        if isinstance(event, PrefillStarted):
+                            first = event.token_id
+                        elif isinstance(event, Handoff):
+                            if first is None:
+                                raise KVTransferError("hand-off before the first token")
+                            finish = json.loads(event.payload).get("finish")
+                            if finish is not None:
+                                return None, (first, FinishReason(finish))
+                            self._stats.num_remote_prefills += 1
+                            return translate.decode_disagg(self.api, event.payload), None
+                        elif isinstance(event, PrefillDone):
+                            break
+                        else:
+                            raise KVTransferError(f"a TensorRT-LLM engine cannot install {type(event).__name__}")
+            raise KVTransferError("the prefill replica sent no hand-off")
+        except (KVTransferError, ValueError, TimeoutError) as e:
+            log.warning("hand-off failed; prefilling locally", engine_request_id=request_id, error=str(e) or "timeout")
+            self._stats.num_remote_fallbacks += 1
+            return None, None
+
+    async def prefill(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = Priority.INTERACTIVE,
+        held_block_hashes: Sequence[bytes] = (),
+        layout: KVLayout | None = None,
+    ) -> AsyncGenerator[PrefillEvent, None]:
+        """Prefill role: a context_only request; its KV stays in the library until the decode side
+        pulls it or ``kv_transfer_timeout_ms`` passes (there is no release call)."""
+        self._check_accepting()
+        problem = self.kv_layout().mismatch(layout) if layout is not None else None
+        if problem is not None:
+            raise KVLayoutError(problem)
+        prompt = list(prompt_token_ids)
+        max_tokens = self._max_tokens(prompt, sampling_params)
+        sp = translate.sampling(self.api, sampling_params, max_tokens, context_only=True,
+                                guided_backend=self.spec.guided_decoding_backend, vocab_size=self.vocab_size)
+        handle = self._submit(prompt, sp, False, self.api.DisaggregatedParams(request_type="context_only"))
+        self._handles[request_id] = handle
+        try:
+            result = await handle.aresult()
+        except self.api.RequestError as e:
+            raise RuntimeError(f"TensorRT-LLM failed the prefill: {e}") from e
+        except (GeneratorExit, asyncio.CancelledError):
+            handle.abort()
+            raise
+        except Exception as e:
+            self._fail(e)
+            raise EngineStoppedError(f"TensorRT-LLM failed: {e}") from e
+        finally:
+            self._handles.pop(request_id, None)
+        c0 = result.outputs[0]
+        if not c0.token_ids:
+            raise KVTransferError(f"the prefill produced no token (finish reason {c0.finish_reason!r})")
+        token = int(c0.token_ids[0])
+        ended = None
+        if c0.finish_reason == "stop":
+            ended = FinishReason.STOP.value
+        elif max_tokens == 1:
+            ended = FinishReason.LENGTH.value
+        lps = translate.token_logprobs(getattr(c0, "logprobs", None), [token])
+        yield PrefillStarted(token, lps[0] if lps else None, int(getattr(result, "cached_tokens", 0) or 0), 0, 0, 0)
+        params = result.disaggregated_params
+        if params is None and ended is None:
+            raise KVTransferError("the context_only request returned no DisaggregatedParams (is the cache "
+                                  "transceiver configured on this instance?)")
+        body = json.loads(translate.encode_disagg(params)) if params is not None else {"fields": {}}
+        body["finish"] = ended
+        yield Handoff(json.dumps(body).encode())
+        yield PrefillDone(0)

@@ -1,0 +1,131 @@
+"""What a TensorRT-LLM worker builds: the LLM class and its constructor arguments, from the
+model's registry record and the worker's flags. Pure: the API module is passed in."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+TRT_ENGINE, PYTORCH = "trt", "pytorch"
+TRANSCEIVERS = ("DEFAULT", "UCX", "NIXL", "MPI")
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True)
+class TrtllmSpec:
+    """One TensorRT-LLM instance. ``model``: a TRT engine dir (``kind="trt"``) or an HF / ModelOpt
+    checkpoint (``kind="pytorch"``)."""
+
+    model: str
+    kind: str = TRT_ENGINE
+    role: str = "both"  # prefill: context_only requests; decode: generation_only; both: aggregated
+    tensor_parallel_size: int = 1
+    kv_free_gpu_memory_fraction: float = 0.85
+    kv_max_gpu_bytes: int = 0  # 0: no byte cap (the fraction alone)
+    kv_fp8: bool = True  # pytorch: KvCacheConfig(dtype="fp8"); trt: FP8 KV must be baked into the engine
+    block_reuse: bool = True  # prefix caching
+    tokens_per_block: int = 32  # must match between prefill and decode instances
+    max_batch_size: int | None = None
+    max_num_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    guided_decoding_backend: str | None = "xgrammar"  # the TRT backend accepts only xgrammar
+    transceiver: str = "UCX"
+    kv_transfer_timeout_ms: int = 60_000  # always set (reference §10.2: leaked blocks otherwise)
+    speculative: dict[str, Any] | None = None  # passed as speculative_config ({"decoding_type": ..., ...})
+    extra: dict[str, Any] = field(default_factory=dict)  # further LLM(...) kwargs, verbatim
+
+    def __post_init__(self) -> None:
+        if self.kind not in (TRT_ENGINE, PYTORCH):
+            raise ValueError(f"TensorRT-LLM kind must be {TRT_ENGINE!r} or {PYTORCH!r}, got {self.kind!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.transceiver not in TRANSCEIVERS:
+            raise ValueError(f"transceiver must be one of {', '.join(TRANSCEIVERS)}, got {self.transceiver!r}")
+        if self.kv_transfer_timeout_ms <= 0:
+            raise ValueError("kv_transfer_timeout_ms must be positive")
+        if not 0 < self.kv_free_gpu_memory_fraction <= 1:
+            raise ValueError("kv_free_gpu_memory_fraction must be in (0, 1]")
+        if self.kind == TRT_ENGINE and self.guided_decoding_backend not in (None, "xgrammar"):
+            raise ValueError("the TRT-engine backend supports only the xgrammar guided decoding backend")
+
+    @classmethod
+    def from_record(cls, record: Any, role: str, **overrides: Any) -> TrtllmSpec:
+        """From a registry ModelRecord (backend "trtllm"): ``quantization`` "fp8" means FP8 weights
+        and KV; ``default_sampling`` is not ours to read. A record path ending in an engine dir
+        (``rank0.engine`` inside) is a TRT engine; anything else a checkpoint for the PyTorch backend."""
+        from pathlib import Path
+
+        kind = TRT_ENGINE if (Path(record.path) / "rank0.engine").exists() else PYTORCH
+        options = {"model": record.path, "kind": kind, "role": role,
+                   "tensor_parallel_size": record.tensor_parallel_size, "kv_fp8": record.quantization == "fp8"}
+        if kind == PYTORCH:
+            options["guided_decoding_backend"] = "llguidance"
+        # None means "not given", except for the guided backend, where it means "off".
+        options.update({k: v for k, v in overrides.items() if v is not None or k == "guided_decoding_backend"})
+        return cls(**options)
+
+
+def llm_class(api: Any, spec: TrtllmSpec) -> Any:
+    """``_tensorrt_engine.LLM`` for engine dirs (the default ``tensorrt_llm.LLM`` cannot load them)."""
+    if spec.kind == TRT_ENGINE:
+        return api.TrtEngineLLM
+    return api.LLM
+
+
+def llm_kwargs(api: Any, spec: TrtllmSpec) -> dict[str, Any]:
+    """Constructor kwargs (the args classes are strict: only fields they define)."""
+    kv: dict[str, Any] = {"enable_block_reuse": spec.block_reuse,
+                          "free_gpu_memory_fraction": spec.kv_free_gpu_memory_fraction,
+                          "tokens_per_block": spec.tokens_per_block,
+                          "event_buffer_max_size": 1024 if spec.block_reuse else 0}  # KV events for routing
+    if spec.kv_max_gpu_bytes:
+        kv["max_gpu_total_bytes"] = spec.kv_max_gpu_bytes
+    if spec.kind == PYTORCH and spec.kv_fp8:
+        kv["dtype"] = "fp8"  # PyTorch backend only; TRT engines carry FP8 KV from their build
+    kwargs: dict[str, Any] = {
+        "tensor_parallel_size": spec.tensor_parallel_size,
+        "kv_cache_config": api.KvCacheConfig(**kv),
+        "enable_chunked_prefill": spec.enable_chunked_prefill,
+    }
+    if spec.guided_decoding_backend:
+        kwargs["guided_decoding_backend"] = spec.guided_decoding_backend
+    if spec.max_batch_size:
+        kwargs["max_batch_size"] = spec.max_batch_size
+    if spec.max_num_tokens:
+        kwargs["max_num_tokens"] = spec.max_num_tokens
+    if spec.role != "both":  # disaggregated: the transceiver moves the KV; never without a timeout
+        kwargs["cache_transceiver_config"] = api.CacheTransceiverConfig(
+            backend=spec.transceiver, kv_transfer_timeout_ms=spec.kv_transfer_timeout_ms)
+    if spec.speculative:
+        kwargs["speculative_config"] = dict(spec.speculative)
+    if spec.kind == PYTORCH:
+        kwargs["enable_iter_perf_stats"] = True  # get_stats needs it on the PyTorch backend
+        if spec.role == "prefill":
+            kwargs["disable_overlap_scheduler"] = True  # upstream's context servers run without it
+    kwargs.update(spec.extra)
+    return kwargs
+
+
+def load_api() -> SimpleNamespace:
+    """The parts of ``tensorrt_llm`` we use, imported now (only a trtllm worker calls this)."""
+    trt = importlib.import_module("tensorrt_llm")
+    llmapi = importlib.import_module("tensorrt_llm.llmapi")
+    engine = importlib.import_module("tensorrt_llm._tensorrt_engine")
+    utils = importlib.import_module("tensorrt_llm.executor.utils")
+    return SimpleNamespace(
+        LLM=trt.LLM, TrtEngineLLM=engine.LLM, SamplingParams=trt.SamplingParams,
+        DisaggregatedParams=llmapi.DisaggregatedParams, KvCacheConfig=llmapi.KvCacheConfig,
+        CacheTransceiverConfig=llmapi.CacheTransceiverConfig,
+        GuidedDecodingParams=_guided_params_class(trt, llmapi), RequestError=utils.RequestError,
+    )
+
+
+def _guided_params_class(*modules: Any) -> Any:
+    for module in modules:
+        cls = getattr(module, "GuidedDecodingParams", None)
+        if cls is not None:
+            return cls
+    sampling = importlib.import_module("tensorrt_llm.sampling_params")
+    return sampling.GuidedDecodingParams
