@@ -151,6 +151,8 @@ class _FolderDict:
         return prompt, expiry
 
 
+PROCESS_FABRIC = Fabric()  # instances in one process reach each other, as through a real transceiver
+
 COMMON_ARGS = {"tensor_parallel_size", "kv_cache_config", "enable_chunked_prefill", "guided_decoding_backend",
                "max_batch_size", "max_num_tokens", "cache_transceiver_config", "speculative_config"}
 TORCH_ONLY = {"enable_iter_perf_stats", "disable_overlap_scheduler", "cuda_graph_config"}
@@ -160,7 +162,7 @@ class _BaseLLM:
     pytorch_backend = True
 
     def __init__(self, model: str, *, fabric: Fabric | None = None, fail_with: BaseException | None = None,
-                 hang: bool = False, eos_after: int | None = None, **kwargs: Any):
+                 hang: bool = False, eos_after: int | None = None, logprob_offset: float = 0.0, **kwargs: Any):
         allowed = COMMON_ARGS | (TORCH_ONLY if self.pytorch_backend else set())
         for key in kwargs:
             if key not in allowed:
@@ -172,8 +174,9 @@ class _BaseLLM:
             raise ValueError("llguidance guided decoding is supported by the PyTorch backend only")
         self.model, self.kwargs, self.kv = model, kwargs, kv
         shared = os.environ.get("TRTLLM_DOUBLE_FABRIC")
-        self.fabric = fabric or (FolderFabric(shared) if shared else Fabric())
+        self.fabric = fabric or (FolderFabric(shared) if shared else PROCESS_FABRIC)
         self.fail_with, self.hang, self.eos_after = fail_with, hang, eos_after
+        self.logprob_offset = logprob_offset  # TRT-engine instances score text this much worse (gate tests)
         self.submitted: list[tuple[list[int], SamplingParams, DisaggregatedParams | None]] = []
         self.aborted: list[int] = []
         self._ids = itertools.count(1)
@@ -202,6 +205,10 @@ class _BaseLLM:
         self.submitted.append((prompt, sp, disaggregated_params))
         out = FakeRequestOutput(next(self._ids), prompt, sp.n, self)
         out.cached_tokens = self._match(prompt)
+        if sp.prompt_logprobs is not None:  # position 0 has none; then {token: Logprob}
+            offset = 0.0 if self.pytorch_backend else self.logprob_offset
+            out.outputs[0].prompt_logprobs = [None] + [
+                {t: Logprob(-0.5 * (1 + t % 3) - offset, 1)} for t in prompt[1:]]
         first: list[int] | None = None
         if request_type == "generation_only":
             state = self.fabric.pending.pop(disaggregated_params.opaque_state or b"", None)
@@ -341,6 +348,12 @@ class TrtEngineLLM(_BaseLLM):
 
 
 @dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str = ""
@@ -349,6 +362,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     disaggregated_params: Any = None
+    prompt_logprobs: list | None = None
     _last: int = 0
     _last_text: int = 0
 

@@ -108,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
     from tokenfleet.cli_tenancy import add_commands
 
     add_commands(sub)
+    from tokenfleet.backends.trtllm.build import add_commands as add_engine_commands  # imports no tensorrt_llm
+
+    add_engine_commands(sub)
     for name in SERVICE_COMMANDS:
         sub.add_parser(name, help=f"run the {name} service (gRPC); --help for its flags")
     return parser

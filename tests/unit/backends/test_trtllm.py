@@ -343,3 +343,43 @@ def test_a_torch_engine_layout_is_refused_and_a_failed_hand_off_prefills_locally
 
     outs, stats = asyncio.run(run())
     assert len([t for o in outs for t in o.new_token_ids]) == 4 and stats.num_remote_fallbacks == 1
+
+
+def test_a_refused_generation_only_request_prefills_locally():
+    """The context state expired before the decode side submitted (kv_transfer_timeout_ms)."""
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+
+    async def run():
+        fabric = double.Fabric()
+        prefill, decode = pair(fabric)
+        for e in (prefill, decode):
+            await e.start()
+
+        def expiring(held, layout):
+            async def events():
+                async for event in source_of(prefill, params, "d")(held, layout):
+                    if isinstance(event, Handoff):
+                        fabric.pending.clear()  # the transceiver dropped it
+                    yield event
+            return events()
+
+        outs = await collect(decode.generate(PROMPT, params, "d", kv_source=expiring))
+        stats = decode.stats()
+        for e in (prefill, decode):
+            await e.shutdown()
+        return outs, stats
+
+    outs, stats = asyncio.run(run())
+    assert len([t for o in outs for t in o.new_token_ids]) == 5 and outs[-1].finished
+    assert (stats.num_remote_prefills, stats.num_remote_fallbacks) == (0, 1)
+
+
+def test_the_operator_smoke_script_passes_against_the_double(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"pretrained_config": {"vocab_size": 1000},
+                                                      "build_config": {"max_seq_len": 2048}}))
+    (tmp_path / "rank0.engine").write_bytes(b"")
+    done = subprocess.run([sys.executable, "scripts/trtllm_smoke.py", "--model", str(tmp_path),
+                           "--api", "tests.trtllm_double:api"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "5/5 steps passed" in done.stdout, done.stdout + done.stderr
+    assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("PASS")] == \
+        ["load", "stream", "abort", "stats", "disagg"]

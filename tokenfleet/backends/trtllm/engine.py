@@ -202,7 +202,18 @@ class TrtllmEngine:
             return
         sp = translate.sampling(self.api, sampling_params, max_tokens, guided_backend=self.spec.guided_decoding_backend,
                                 vocab_size=self.vocab_size)
-        handle = self._submit(prompt, sp, True, disaggregated)
+        try:
+            handle = self._submit(prompt, sp, True, disaggregated)
+        except ValueError as e:
+            if disaggregated is None:
+                raise
+            # The context state is gone (transfer timeout, prefill instance restarted): compute it here.
+            log.warning("generation_only refused; prefilling locally", engine_request_id=request_id, error=str(e))
+            self._stats.num_remote_prefills -= 1
+            self._stats.num_remote_fallbacks += 1
+            handle = self._submit(prompt, translate.sampling(
+                self.api, sampling_params, max_tokens, guided_backend=self.spec.guided_decoding_backend,
+                vocab_size=self.vocab_size), True, None)
         self._handles[request_id] = handle
         running = set(range(sampling_params.n))
         try:
