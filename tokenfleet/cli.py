@@ -63,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     reg.add_argument("--max-model-len", type=int, default=0, help="0 = the model config's context length")
     reg.add_argument("--tokenizer", default="", help="tokenizer/chat-template folder (default: --path)")
     reg.add_argument("--description", default="")
+    reg.add_argument("--speculative-config", default="", help="TensorRT-LLM: JSON speculative_config, e.g. "
+                     '\'{"decoding_type": "Eagle", "max_draft_len": 4, "speculative_model": "/eagle"}\'')
     reg.add_argument("--tool-format", default="", choices=["", "hermes", "generic"],
                      help="how the model sees tools: hermes (a 'tool' role in its chat template) or generic "
                      "(tool results as user messages; the default)")
@@ -194,7 +196,7 @@ def _cmd_register(args: argparse.Namespace) -> int:
     record = ModelRecord(name=args.name, version=args.version, path=str(path), dtype=args.dtype, backend=args.backend,
                          tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
                          tokenizer=args.tokenizer, description=args.description,
-                         tool_format=args.tool_format)
+                         tool_format=args.tool_format, speculative_config=args.speculative_config)
     stub = _registry_stub(args)
     reply = _registry_call(stub.RegisterModel, registry_pb2.RegisterModelRequest(record=record_to_proto(record)))
     print(f"{'registered' if reply.created else 'already registered'} {reply.record.name}@{reply.record.version}"

@@ -67,6 +67,7 @@ class ModelRecord:
     created_at: float = 0.0
     description: str = ""
     tool_format: str = ""  # tokenfleet.api.tools.FORMATS; "" = the generic fallback
+    speculative_config: str = ""  # trtllm: JSON passed as the LLM's speculative_config ({"decoding_type": ...})
 
     def __post_init__(self) -> None:
         check_name("model name", self.name)
@@ -79,6 +80,13 @@ class ModelRecord:
             raise ValueError(f"status {self.status!r} is not one of {', '.join(STATUSES)}")
         if self.tool_format and self.tool_format not in TOOL_FORMATS:
             raise ValueError(f"tool_format {self.tool_format!r} is not one of {', '.join(TOOL_FORMATS)}")
+        if self.speculative_config:
+            try:
+                spec = json.loads(self.speculative_config)
+            except ValueError as e:
+                raise ValueError(f"speculative_config is not JSON: {e}") from e
+            if not isinstance(spec, dict) or "decoding_type" not in spec:
+                raise ValueError("speculative_config must be a JSON object with a decoding_type")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
 

@@ -17,7 +17,7 @@ MODEL_STATUS_READY: ModelStatus
 MODEL_STATUS_DISABLED: ModelStatus
 
 class ModelRecord(_message.Message):
-    __slots__ = ("name", "version", "path", "architecture", "dtype", "quantization", "backend", "tensor_parallel_size", "tokenizer", "max_model_len", "default_sampling", "status", "created_at", "description", "tool_format")
+    __slots__ = ("name", "version", "path", "architecture", "dtype", "quantization", "backend", "tensor_parallel_size", "tokenizer", "max_model_len", "default_sampling", "status", "created_at", "description", "tool_format", "speculative_config")
     class DefaultSamplingEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class ModelRecord(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_CONFIG_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     path: str
@@ -55,7 +56,8 @@ class ModelRecord(_message.Message):
     created_at: float
     description: str
     tool_format: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., backend: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., max_model_len: _Optional[int] = ..., default_sampling: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[ModelStatus, str]] = ..., created_at: _Optional[float] = ..., description: _Optional[str] = ..., tool_format: _Optional[str] = ...) -> None: ...
+    speculative_config: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., backend: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., max_model_len: _Optional[int] = ..., default_sampling: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[ModelStatus, str]] = ..., created_at: _Optional[float] = ..., description: _Optional[str] = ..., tool_format: _Optional[str] = ..., speculative_config: _Optional[str] = ...) -> None: ...
 
 class Alias(_message.Message):
     __slots__ = ("alias", "target")

@@ -99,10 +99,8 @@ def test_constructor_arguments_fit_each_llm_class(kind, role):
     kwargs = llm_kwargs(api, spec)
     llm = llm_class(api, spec)(model="/m", **kwargs)  # the double's constructor is strict, like the library's
     assert llm.kv.event_buffer_max_size > 0 and llm.kv.max_gpu_total_bytes == 2**30
-    transceiver = kwargs.get("cache_transceiver_config")
-    assert (transceiver is None) == (role == "both")
-    if transceiver is not None:
-        assert transceiver.backend == "UCX" and transceiver.kv_transfer_timeout_ms == 60_000
+    transceiver = kwargs["cache_transceiver_config"]  # every role: "both" workers serve Prefill too
+    assert transceiver.backend == "UCX" and transceiver.kv_transfer_timeout_ms == 60_000
     assert (llm.kv.dtype == "fp8") == (kind == PYTORCH)
     with pytest.raises(ValueError, match="xgrammar"):
         TrtllmSpec(model="/m", kind=TRT_ENGINE, guided_decoding_backend="llguidance")
@@ -383,3 +381,31 @@ def test_the_operator_smoke_script_passes_against_the_double(tmp_path):
     assert done.returncode == 0 and "5/5 steps passed" in done.stdout, done.stdout + done.stderr
     assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("PASS")] == \
         ["load", "stream", "abort", "stats", "disagg"]
+
+
+def test_a_record_names_the_speculative_config_and_a_wedged_engine_fails_its_periodic_check():
+    from types import SimpleNamespace
+
+    record = SimpleNamespace(path="/ckpt", tensor_parallel_size=2, quantization="fp8",
+                             speculative_config='{"decoding_type": "Eagle", "max_draft_len": 4}')
+    spec = TrtllmSpec.from_record(record, "decode")
+    assert spec.speculative == {"decoding_type": "Eagle", "max_draft_len": 4} and spec.kind == PYTORCH
+    assert llm_kwargs(double.api(), spec)["speculative_config"]["decoding_type"] == "Eagle"
+
+    async def run():
+        api = double.api()
+        e = engine(api)
+        e.health_interval = 0.05
+        await e.start()
+        api.instances[0].hang = True  # the engine wedges: generations never finish
+        original = e.health_check
+        e.health_check = lambda timeout=0.2: original(timeout)
+        for _ in range(100):
+            if e.error is not None:
+                break
+            await asyncio.sleep(0.05)
+        await e.shutdown()
+        return e
+
+    e = asyncio.run(run())
+    assert e.error is not None and not e._accepting

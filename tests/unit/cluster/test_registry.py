@@ -91,3 +91,12 @@ def test_same_content_ignores_registration_time():
     assert rec(created=1).same_content(rec(created=2))
     assert not rec().same_content(rec(dtype="float32"))
     assert split_ref("m@v1") == ("m", "v1") and split_ref("m") == ("m", "")
+
+
+def test_speculative_config_must_be_a_decoding_config():
+    import pytest as _pytest
+
+    assert rec(speculative_config='{"decoding_type": "Eagle", "max_draft_len": 4}').speculative_config
+    for bad in ("{not json", '["Eagle"]', '{"max_draft_len": 4}'):
+        with _pytest.raises(ValueError, match="speculative_config"):
+            rec(speculative_config=bad)

@@ -50,12 +50,13 @@ HEALTH_TIMEOUT_S = 120.0
 class TrtllmEngine:
     def __init__(self, spec: TrtllmSpec, hash_salt: str, vocab_size: int, max_model_len: int,
                  api_loader: Callable[[], Any] = load_api, health_prompt: Sequence[int] = (1, 2, 3),
-                 transfer_timeout: float = 60.0):
+                 transfer_timeout: float = 60.0, health_interval: float = 30.0):
         self.spec = spec
         self.hash_salt = hash_salt
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.transfer_timeout = transfer_timeout
+        self.health_interval = health_interval
         self.error: BaseException | None = None  # set when the library failed: the worker is unhealthy
         self._api_loader = api_loader
         self._health_prompt = list(health_prompt)
@@ -75,7 +76,8 @@ class TrtllmEngine:
         self.llm = await asyncio.to_thread(lambda: cls(model=self.spec.model, **llm_kwargs(self.api, self.spec)))
         await self.health_check()
         self._tasks = [asyncio.create_task(self._poll("get_stats_async", self._on_stat)),
-                       asyncio.create_task(self._poll("get_kv_cache_events_async", self._mirror.apply))]
+                       asyncio.create_task(self._poll("get_kv_cache_events_async", self._mirror.apply)),
+                       asyncio.create_task(self._keep_checking())]
         self._accepting = True
 
     async def health_check(self, timeout: float = HEALTH_TIMEOUT_S) -> None:
@@ -87,6 +89,15 @@ class TrtllmEngine:
         except Exception as e:
             self._fail(e)
             raise EngineStoppedError(f"TensorRT-LLM health generation failed: {e}") from e
+
+    async def _keep_checking(self) -> None:
+        """A real generation every ``health_interval`` seconds: a wedged engine (a transceiver waiting
+        forever, reference §10.2) fails the check and the worker leaves the fleet."""
+        while not self._stopping and self.error is None:
+            await asyncio.sleep(self.health_interval)
+            if not self._stopping:
+                with contextlib.suppress(EngineStoppedError):  # _fail has recorded it
+                    await self.health_check()
 
     async def drain(self) -> None:
         self._accepting = False

@@ -4,6 +4,7 @@ model's registry record and the worker's flags. Pure: the API module is passed i
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -62,6 +63,8 @@ class TrtllmSpec:
                    "tensor_parallel_size": record.tensor_parallel_size, "kv_fp8": record.quantization == "fp8"}
         if kind == PYTORCH:
             options["guided_decoding_backend"] = "llguidance"
+        if getattr(record, "speculative_config", ""):
+            options["speculative"] = json.loads(record.speculative_config)
         # None means "not given", except for the guided backend, where it means "off".
         options.update({k: v for k, v in overrides.items() if v is not None or k == "guided_decoding_backend"})
         return cls(**options)
@@ -95,9 +98,10 @@ def llm_kwargs(api: Any, spec: TrtllmSpec) -> dict[str, Any]:
         kwargs["max_batch_size"] = spec.max_batch_size
     if spec.max_num_tokens:
         kwargs["max_num_tokens"] = spec.max_num_tokens
-    if spec.role != "both":  # disaggregated: the transceiver moves the KV; never without a timeout
-        kwargs["cache_transceiver_config"] = api.CacheTransceiverConfig(
-            backend=spec.transceiver, kv_transfer_timeout_ms=spec.kv_transfer_timeout_ms)
+    # Always: a "both" worker registers as a prefill replica too, and context_only requests need the
+    # transceiver; never without a timeout (blocks of a request no decode side pulls stay pinned until it).
+    kwargs["cache_transceiver_config"] = api.CacheTransceiverConfig(
+        backend=spec.transceiver, kv_transfer_timeout_ms=spec.kv_transfer_timeout_ms)
     if spec.speculative:
         kwargs["speculative_config"] = dict(spec.speculative)
     if spec.kind == PYTORCH:
