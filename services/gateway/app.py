@@ -6,6 +6,7 @@ import asyncio
 import contextvars
 import dataclasses
 import json
+import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ log = structlog.get_logger()
 MAX_BODY_BYTES = 4 << 20
 PICK_TIMEOUT_S = 10.0
 MAX_PLACEMENTS = 3  # a request tries at most this many replicas before its first token
+RESUME_PICK_WAIT_S = 3.0  # a stream being resumed waits this long for the fleet to show a replica
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 # How a stream looks when its replica died mid-way (connection reset, RST_STREAM, server gone).
 LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
@@ -151,6 +153,19 @@ class Gateway:
             placement["replica"] = picked.replica_id
         return picked
 
+    async def _pick_for(self, model: ServedModel, request_id: str, prompt: list[int], failed: list[str],
+                        resuming: bool) -> router_pb2.PickResponse:
+        """A placement; when resuming a stream whose replica was lost, a fleet with no replica right
+        now (a lease renewing, a worker restarting) is given up to RESUME_PICK_WAIT_S to show one."""
+        deadline = time.monotonic() + (RESUME_PICK_WAIT_S if resuming else 0)
+        while True:
+            try:
+                return await self.pick(model.ref, request_id, prompt, failed, colocated=resuming)
+            except APIError as e:
+                if e.code != "no_replica" or time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.25)
+
     async def start_chat(self, body: ChatCompletionRequest) -> Started:
         """Validate, render, tokenize, place and open the worker stream (errors before the first
         response become proper statuses, not a broken stream)."""
@@ -218,7 +233,7 @@ class Gateway:
         last_error: grpc.aio.AioRpcError | None = None
         while True:
             try:
-                picked = await self.pick(model.ref, request_id, prompt, failed, colocated=bool(delivered))
+                picked = await self._pick_for(model, request_id, prompt, failed, resuming=bool(delivered))
             except APIError as e:
                 refused = last_error is not None and last_error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 if refused and e.code == "no_replica" and last_error is not None:  # every replica refused: say why
