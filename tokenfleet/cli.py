@@ -113,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     from tokenfleet.backends.trtllm.build import add_commands as add_engine_commands  # imports no tensorrt_llm
 
     add_engine_commands(sub)
+    from tokenfleet.planning.calc import add_command as add_plan_command
+
+    add_plan_command(sub)
     for name in SERVICE_COMMANDS:
         sub.add_parser(name, help=f"run the {name} service (gRPC); --help for its flags")
     return parser

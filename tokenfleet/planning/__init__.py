@@ -1,0 +1,1 @@
+"""Capacity planning: the calculator (``tokenfleet plan``); the fleet simulator comes next."""
