@@ -266,6 +266,9 @@ class Gateway:
                     finals += response.HasField("final")
                     finished = finals >= params.n  # n > 1: every sample's final
                     yield response
+                if not finished:  # e.g. a worker that predates n > 1 and sent one final
+                    raise APIError(503, f"the worker's stream ended with {finals} of {params.n} results",
+                                   "server_error", code="incomplete")
                 return
             except grpc.aio.AioRpcError as e:
                 # Our own cancel (client gone) surfaces as CancelledError/GeneratorExit, never here.

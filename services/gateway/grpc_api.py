@@ -149,7 +149,7 @@ async def _chat_chunks(run: Started, timer: RequestTimer) -> AsyncIterator[Messa
                 index = r.final.index
                 for d in _tool_call_deltas(parsers[index].finish()) if run.tools else []:
                     yield delta(index, d)
-                finish = _finish(r.final, bool(parsers[index].calls))
+                finish = _finish(r.final, any(call.complete for call in parsers[index].calls))
                 yield chunk(choices=[inference_pb2.ChatChoiceDelta(index=index, finish_reason=finish)])
     if run.include_usage:
         yield chunk(usage=run.usage)

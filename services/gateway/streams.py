@@ -119,6 +119,10 @@ async def _collect(run: Started, timer: RequestTimer) -> list[_Choice]:
     return choices
 
 
+def _complete_calls(parser: ToolCallParser) -> bool:
+    return any(call.complete for call in parser.calls)
+
+
 def _finish_reason(final: engine_pb2.GenerateFinal | None, called: bool) -> str:
     reason = fmt.FINISH.get(final.finish_reason, "stop") if final is not None else "stop"
     return "tool_calls" if called and reason == "stop" else reason
@@ -194,7 +198,7 @@ async def chat_events(run: Started, timer: RequestTimer) -> AsyncIterator[bytes]
                 if run.tools:
                     for delta in _tool_deltas(parsers[index].finish()):
                         yield chunk(index, delta)
-                yield chunk(index, {}, finish=_finish_reason(r.final, bool(parsers[index].calls)))
+                yield chunk(index, {}, finish=_finish_reason(r.final, _complete_calls(parsers[index])))
     if run.include_usage:
         yield sse(fmt.envelope("chat.completion.chunk", request_id, model.name, [], usage=fmt.usage(run.usage)))
     yield sse("[DONE]")

@@ -273,6 +273,10 @@ BAD_BODIES = [  # (body, status, param or message fragment)
     ({"model": MODEL, "messages": USER, "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ({"model": MODEL, "messages": USER, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ({"model": MODEL, "messages": USER, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "messages": USER, "logit_bias": {str(2**40): 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "messages": USER, "seed": 2**64}, 400, "seed"),
+    ({"model": MODEL, "messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "string"}}}]}, 400, "tools"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
      "messages"),
     ({"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": 50}, 400, "logprobs"),

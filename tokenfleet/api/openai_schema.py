@@ -9,7 +9,7 @@ import dataclasses
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tokenfleet.api import tools as tool_calls
 from tokenfleet.engine.grammar import GrammarError, Guided, validate
@@ -85,6 +85,8 @@ class _Common(BaseModel):
             bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         except ValueError as e:
             raise APIError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from e
+        if any(not 0 <= k < 2**31 for k in bias):
+            raise APIError(400, "logit_bias keys must be token ids in [0, 2**31)", param="logit_bias")
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -144,6 +146,13 @@ class FunctionDef(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError("a function's parameters must be a JSON schema of type object")
+        return value
 
 
 class ToolDef(BaseModel):

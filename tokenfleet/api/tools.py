@@ -90,10 +90,12 @@ def prepare_messages(messages: list[dict[str, Any]], tools: Sequence[dict[str, A
     return out
 
 
-def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
+def _call_rule(rule: str, function: dict[str, Any]) -> str:
+    """One function's call: the literal head with its name, then its parameters schema as the root of
+    a ``%json`` (so ``$defs``/``$ref`` resolve), in the compact layout the parser reads."""
     parameters = function.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    head = f'{_NAME_PREFIX}{json.dumps(function["name"])}{_ARGS_PREFIX}'
+    return f"{rule}: {json.dumps(head)} %json {json.dumps({**parameters, 'x-guidance': JSON_LAYOUT})} \"}}\""
 
 
 def grammar(tools: Sequence[dict[str, Any]], choice: str, parallel: bool, text: Guided | None = None) -> Guided:
@@ -103,9 +105,10 @@ def grammar(tools: Sequence[dict[str, Any]], choice: str, parallel: bool, text: 
     functions = [t["function"] for t in tools if choice in ("auto", "required") or t["function"]["name"] == choice]
     if not functions:
         raise ValueError(f"tool_choice names {choice!r}, which is not among the tools")
-    schema = {"anyOf": [_call_schema(f) for f in functions], "x-guidance": JSON_LAYOUT}
+    names = [f"fn{i}" for i in range(len(functions))]
     rules = [
-        f"call: {json.dumps(CALL_OPEN)} %json {json.dumps(schema)} {json.dumps(CALL_CLOSE)}",
+        f"call: {json.dumps(CALL_OPEN)} ({' | '.join(names)}) {json.dumps(CALL_CLOSE)}",
+        *(_call_rule(name, f) for name, f in zip(names, functions)),
         'calls: call ("\\n" call)*' if parallel else "calls: call",
     ]
     if choice != "auto":
@@ -258,4 +261,5 @@ def parse(text: str) -> tuple[str | None, list[ToolCall]]:
     except ValueError:
         return text, []
     content = "".join(e[1] for e in events if e[0] == "content")
-    return (content if parser.mode == "content" else None), [c for c in parser.calls if c.complete]
+    calls = [c for c in parser.calls if c.complete]
+    return (content if parser.mode != "calls" or not calls else None), calls

@@ -363,8 +363,7 @@ class AsyncEngine:
         self.error = error
         self._accepting = False
         for request_id in list(self._sinks):
-            out = core.abort(request_id)
-            if out is not None:
+            for out in core.abort_group(request_id):
                 out.error = f"engine failure: {type(error).__name__}: {error}"
                 self._deliver(out)
 

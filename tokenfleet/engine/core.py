@@ -99,6 +99,8 @@ class EngineCore:
         ``resume``: output tokens (and their text) another replica already delivered; generation
         continues after them. ``hold_kv``: keep the blocks when finished, for a KV transfer
         (``release_held``), at most ``hold_seconds``."""
+        if request_id is not None and "#" in request_id:
+            raise ValueError(f"request id {request_id!r} must not contain '#' (it names a request's samples)")
         request = self._new_request(prompt_token_ids, sampling_params, request_id, priority, arrival_time, resume)
         request.hold_blocks = hold_kv
         request.tenant = tenant
@@ -121,7 +123,7 @@ class EngineCore:
         seed + index, so they differ from each other yet reproduce."""
         params = request.sampling_params
         if params.seed is not None:
-            params = dataclasses.replace(params, seed=params.seed + index)
+            params = dataclasses.replace(params, seed=(params.seed + index) % 2**64)
         fork = dataclasses.replace(request, request_id=f"{request.request_id}#{index}", sampling_params=params,
                                    output_token_ids=[], block_hashes=[], index=index,  # prompt_logprobs: shared
                                    guide=self.guides.matcher(params.guided) if params.guided else None)
@@ -182,7 +184,9 @@ class EngineCore:
 
     def abort_group(self, request_id: str) -> list[RequestOutput]:
         """Abort a request and, when it is the first of n samples, the others; their final outputs."""
-        outputs = [self._abort_one(member) for member in sorted(self.group(request_id))]
+        # The other samples first: aborting the first sample drops those not forked yet from the scheduler.
+        members = sorted(self.group(request_id), key=lambda member: member == request_id)
+        outputs = [self._abort_one(member) for member in members]
         return [o for o in outputs if o is not None]
 
     def _abort_one(self, request_id: str) -> RequestOutput | None:

@@ -131,7 +131,8 @@ class Scheduler:
                 self.waiting.activate(tenant, active)
 
     def _check_new(self, request: Request) -> None:
-        if request.request_id in self.requests or request.request_id in self.held:
+        if request.request_id in self.requests or request.request_id in self.held or \
+                request.request_id in self.pending_forks:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if len(self.waiting) >= self.config.max_num_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_num_waiting} requests)")
@@ -293,6 +294,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_running:
             request = self.waiting.peek()
             assert request is not None
+            samples = len(self.forks.get(request.request_id, ()))
+            if samples and self.running and len(self.running) + 1 + samples > self.config.max_num_running:
+                break  # its samples join the batch when forked: admit it when they fit (alone: always)
             prefix: list[int] = []
             if self.config.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
                 # Always leave at least one token to compute: its logits are needed. (Prompt

@@ -95,3 +95,21 @@ def test_history_rendering_and_formats():
     assert hermes[3] == {"role": "tool", "content": "<tool_response>\n21C\n</tool_response>"}
     generic = tools.prepare_messages(messages, None, tools.FORMATS["generic"])
     assert generic[0] == {"role": "system", "content": "Be brief."} and generic[3]["role"] == "user"
+
+
+def test_parameters_with_defs_and_refs_compile_and_accept_a_valid_call(tokenizer):
+    """Found in review: nesting parameters inside a wrapper schema broke `#/$defs/...` pointers."""
+    from tokenfleet.engine.grammar import validate
+
+    address = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+               "additionalProperties": False}
+    fn = {"type": "function", "function": {"name": "ship", "parameters": {
+        "type": "object", "$defs": {"Address": address}, "properties": {"to": {"$ref": "#/$defs/Address"}},
+        "required": ["to"], "additionalProperties": False}}}
+    guided = tools.grammar([fn], "required", False)
+    validate(guided)
+    assert accepts(tokenizer, guided, '<tool_call>{"name": "ship", "arguments": {"to": {"city": "Oslo"}}}</tool_call>')
+    assert not accepts(tokenizer, guided, '<tool_call>{"name": "ship", "arguments": {"to": {}}}</tool_call>')
+    content, calls = tools.parse('<tool_call>{"name": "ship", "arguments": {"to": {"city": "Oslo"}}}</tool_call>')
+    assert content is None and json.loads(calls[0].arguments) == {"to": {"city": "Oslo"}}
+    assert tools.parse("") == ("", [])  # an empty reply is empty content, not null

@@ -409,3 +409,17 @@ def test_a_record_names_the_speculative_config_and_a_wedged_engine_fails_its_per
 
     e = asyncio.run(run())
     assert e.error is not None and not e._accepting
+
+
+def test_prompt_logprobs_reach_our_outputs():
+    """Found in review: prompt logprobs (echo with logprobs) were asked of the library but dropped."""
+    async def run():
+        e = engine()
+        await e.start()
+        outs = await collect(e.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0), "e"))
+        await e.shutdown()
+        return outs
+
+    outs = asyncio.run(run())
+    assert [lp.token_id for lp in outs[0].prompt_logprobs] == PROMPT[1:]
+    assert all(not o.prompt_logprobs for o in outs[1:])

@@ -121,3 +121,39 @@ def test_offline_llm_returns_every_sample(default_model_dir):
     assert len(first.samples) == 2 and not second.samples
     assert all(len(c.token_ids) == 5 for c in (first, *first.samples)) and len(second.token_ids) == 4
     assert len({tuple(c.token_ids) for c in (first, *first.samples)}) == 3
+
+
+def test_review_regressions_abort_before_forking_huge_seeds_and_fork_ids(core):
+    """Found in review: aborting before the prompt was computed lost the pending samples' finals
+    (their streams hung); seed + i overflowed torch's generator inside the step; a caller id equal
+    to a sample's id collided with it at fork time."""
+    from tokenfleet.engine.sampling_params import SamplingParams
+
+    prompt = core.tokenizer.encode("A long prompt about the sea. " * 8)
+    rid = core.add_request(prompt, SamplingParams(max_tokens=4, temperature=1.0, n=3))
+    finals = core.abort_group(rid)
+    assert sorted(o.index for o in finals) == [0, 1, 2] and all(o.finished for o in finals)
+    assert not core.scheduler.pending_forks and not core._groups and not core._states
+
+    outs = []
+    core.add_request(prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=2**64 - 1, n=2))
+    while core.has_unfinished():
+        outs += core.step()
+    assert sorted(o.index for o in outs if o.finished) == [0, 1]
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+    with pytest.raises(ValueError, match="'#'"):
+        core.add_request(prompt, SamplingParams(max_tokens=2), request_id="x#1")
+    core.scheduler.block_manager.check_invariants()
+    assert core.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_request_with_samples_waits_until_they_fit_the_batch():
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_running=3)
+    first = make_request(num_prompt_tokens=4, max_tokens=5)
+    s.add_request(first)
+    s.schedule()
+    parent = make_request(num_prompt_tokens=4, max_tokens=2)
+    s.add_request(parent, _forks(parent, 3))  # 1 + 2 samples + the running one > 3
+    out = s.schedule()
+    assert [e.request_id for e in out.scheduled] == [first.request_id]

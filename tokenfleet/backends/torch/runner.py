@@ -13,7 +13,7 @@ import torch
 from tokenfleet.engine.core import ExecuteResult
 from tokenfleet.engine.output import TokenLogprobs
 from tokenfleet.engine.request import Request
-from tokenfleet.engine.sampler import Sampler, token_logprobs
+from tokenfleet.engine.sampler import Sampler
 from tokenfleet.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenfleet.models.attention import ForwardBatch, PrefillSpan
 from tokenfleet.models.llama import KVCache, LlamaModel
@@ -54,12 +54,21 @@ class TorchModelRunner:
         after the sampling ones: row i of a span predicts the token after its position."""
         out: dict[str, list[TokenLogprobs]] = {}
         row = 0
-        for request_id, first, count in self._prompt_spans:
+        for request_id, first, count in self._prompt_spans:  # batched per span: a few syncs, not per token
             request = requests[request_id]
             lps = torch.log_softmax(logits[row: row + count].float(), dim=-1)
             targets = request.prompt_token_ids[first + 1: first + 1 + count]
-            out[request_id] = [token_logprobs(lps[i], t, request.sampling_params.prompt_logprobs or 0)
-                               for i, t in enumerate(targets)]
+            index = torch.tensor(targets, dtype=torch.long, device=lps.device)[:, None]
+            chosen = lps.gather(1, index)
+            ranks = ((lps > chosen).sum(dim=1) + 1).tolist()
+            num_top = request.sampling_params.prompt_logprobs or 0
+            values = chosen.squeeze(1).tolist()
+            tops: list = [([], [])] * count
+            if num_top:
+                top_values, top_ids = lps.topk(num_top, dim=1)
+                tops = list(zip(top_ids.tolist(), top_values.tolist()))
+            out[request_id] = [TokenLogprobs(t, v, r, tuple(zip(ids, vals)))
+                               for t, v, r, (ids, vals) in zip(targets, values, ranks, tops)]
             row += count
         return out
 

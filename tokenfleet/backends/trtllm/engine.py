@@ -63,6 +63,7 @@ class TrtllmEngine:
         self.api: Any = None
         self.llm: Any = None
         self._handles: dict[str, Any] = {}  # our request id -> the library's RequestOutput
+        self._prompt_sent: dict[str, set[int]] = {}  # samples whose first output carried the prompt logprobs
         self._accepting = False
         self._stats = EngineStats()
         self._mirror = translate.BlockHashMirror(hash_salt, spec.tokens_per_block)
@@ -242,6 +243,7 @@ class TrtllmEngine:
             raise EngineStoppedError(f"TensorRT-LLM failed: {e}") from e
         finally:
             self._handles.pop(request_id, None)
+            self._prompt_sent.pop(request_id, None)
             if running:  # closed early (client gone) or failed: free the library's request
                 handle.abort()
                 self._stats.num_aborted += 1
@@ -260,6 +262,10 @@ class TrtllmEngine:
                                 num_cached_tokens=int(getattr(result, "cached_tokens", 0) or 0),
                                 num_output_tokens=num_resumed + len(c.token_ids),
                                 logprobs=translate.token_logprobs(getattr(c, "logprobs_diff", None), tokens))
+            if c.index not in self._prompt_sent.setdefault(request_id, set()):
+                self._prompt_sent[request_id].add(c.index)
+                out.prompt_logprobs = translate.prompt_logprobs(getattr(c, "prompt_logprobs", None),
+                                                                list(result.prompt_token_ids))
             if reason is not None:
                 out.finished, out.finish_reason, out.stop_reason = True, reason, c.stop_reason
                 running.discard(c.index)

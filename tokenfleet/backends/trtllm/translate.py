@@ -107,6 +107,15 @@ def token_logprobs(entries: Any, token_ids: list[int]) -> list[TokenLogprobs]:
     return out
 
 
+def prompt_logprobs(entries: Any, prompt: list[int]) -> list[TokenLogprobs]:
+    """``CompletionOutput.prompt_logprobs`` -> ours for prompt tokens 1.. (the first has none; a
+    leading None entry, when the library sends one, is dropped)."""
+    values = [e for e in entries or [] if e is not None]
+    if not values:
+        return []
+    return token_logprobs(values, prompt[len(prompt) - len(values):])
+
+
 # ---- DisaggregatedParams on the wire ---------------------------------------------------------------
 def encode_disagg(params: Any) -> bytes:
     """Every field the installed version defines (bytes base64, tensors and tuples as lists), as JSON."""
