@@ -69,12 +69,15 @@ class Smoke:
         self.args = args
         self.results: list[tuple[str, bool, str]] = []
         kind = TRT_ENGINE if (Path(args.model) / "rank0.engine").exists() else PYTORCH
+        if kind == TRT_ENGINE and not args.tokenizer:
+            raise SystemExit("an engine dir holds no tokenizer: pass --tokenizer HF_DIR (the checkpoint's)")
         config = json.loads((Path(args.model) / "config.json").read_text())
         pretrained = config.get("pretrained_config", config)
         self.vocab = int(pretrained.get("vocab_size", 32000))
         self.max_len = int(config.get("build_config", {}).get("max_seq_len") or
                            pretrained.get("max_position_embeddings", 4096))
-        self.spec = dict(model=args.model, kind=kind, tensor_parallel_size=args.tp,
+        self.spec = dict(model=args.model, kind=kind, tensor_parallel_size=args.tp, gather_generation_logits=False,
+                         tokenizer=args.tokenizer or (None if kind == TRT_ENGINE else args.model),
                          kv_free_gpu_memory_fraction=args.kv_fraction, transceiver=args.transceiver,
                          guided_decoding_backend="xgrammar" if kind == TRT_ENGINE else "llguidance")
         self.loader = load_api

@@ -153,8 +153,9 @@ class _FolderDict:
 
 PROCESS_FABRIC = Fabric()  # instances in one process reach each other, as through a real transceiver
 
-COMMON_ARGS = {"tensor_parallel_size", "kv_cache_config", "enable_chunked_prefill", "guided_decoding_backend",
-               "max_batch_size", "max_num_tokens", "cache_transceiver_config", "speculative_config"}
+COMMON_ARGS = {"tokenizer", "gather_generation_logits", "tensor_parallel_size", "kv_cache_config",
+               "enable_chunked_prefill", "guided_decoding_backend", "max_batch_size", "max_num_tokens",
+               "cache_transceiver_config", "speculative_config"}
 TORCH_ONLY = {"enable_iter_perf_stats", "disable_overlap_scheduler", "cuda_graph_config"}
 
 
@@ -199,6 +200,10 @@ class _BaseLLM:
         request_type = disaggregated_params.request_type if disaggregated_params else None
         if request_type is not None and "cache_transceiver_config" not in self.kwargs:
             raise RuntimeError("Disaggregated serving is not enabled, please check the configuration")
+        if not self.pytorch_backend and self.kwargs.get("tokenizer") is None and sp.end_id is None:
+            raise ValueError("end_id is required when no tokenizer is set (an engine dir holds none)")
+        if not self.pytorch_backend and sp.logprobs is not None and not self.kwargs.get("gather_generation_logits"):
+            raise ValueError("logprobs on the TRT backend need gather_generation_logits=True")
         sp.end_id, sp.pad_id = EOS, EOS  # mutated, as the library does
         if request_type == "context_only" and self.pytorch_backend:
             sp.max_tokens = 1  # forced on the PyTorch backend only
@@ -210,13 +215,9 @@ class _BaseLLM:
             out.outputs[0].prompt_logprobs = [None] + [
                 {t: Logprob(-0.5 * (1 + t % 3) - offset, 1)} for t in prompt[1:]]
         first: list[int] | None = None
-        if request_type == "generation_only":
-            state = self.fabric.pending.pop(disaggregated_params.opaque_state or b"", None)
-            if state is None or state[1] < time.monotonic():
-                raise RequestError("context KV not found (transfer timed out or never prefilled)")
-            if state[0] != prompt:
-                raise RequestError("generation_only prompt differs from the context request's")
+        if request_type == "generation_only":  # like the library: a missing context fails in the stream
             first = list(disaggregated_params.first_gen_tokens or [])
+            out._context = (disaggregated_params.opaque_state or b"", prompt)
         out._task = loop.create_task(self._produce(out, prompt, sp, request_type, first))
         return out
 
@@ -236,6 +237,12 @@ class _BaseLLM:
                 return
             if self.hang:
                 await asyncio.sleep(3600)
+            if out._context is not None:
+                state = self.fabric.pending.pop(out._context[0], None)
+                if state is None or state[1] < time.monotonic() or state[0] != out._context[1]:
+                    await asyncio.sleep(0)
+                    out._push(error=RequestError("context KV not found (transfer timed out or never prefilled)"))
+                    return
             self._store(prompt)
             last = [prompt[-1]] * sp.n
             for step in range(sp.max_tokens):
@@ -264,7 +271,9 @@ class _BaseLLM:
                         request_type="context_only", first_gen_tokens=[tokens[0]],
                         ctx_request_id=next(self.fabric.ids), opaque_state=opaque, draft_tokens=None)
                     finishes = [f or "not_finished" for f in finishes]
-                out._push(tokens=tokens, finish=finishes)
+                for i in range(sp.n):  # one sequence per response, as the library does
+                    if out.outputs[i].finish_reason in (None, "not_finished") or request_type == "context_only":
+                        out._push(tokens=tokens, finish=finishes, only=i)
                 if all(f is not None for f in finishes):
                     return
         finally:
@@ -393,15 +402,19 @@ class FakeRequestOutput:
         self._cancelled = False
         self._llm = llm
         self._task: asyncio.Task | None = None
+        self._context: tuple[bytes, list[int]] | None = None  # generation_only: the context state to pull
 
     def _push(self, tokens: list[int] | None = None, finish: list[str | None] | None = None,
-              error: BaseException | None = None) -> None:
-        self._queue.put_nowait((tokens, finish, error))
+              error: BaseException | None = None, only: int | None = None) -> None:
+        self._queue.put_nowait((tokens, finish, error, only))
 
-    def _apply(self, tokens: list[int] | None, finish: list[str | None] | None) -> None:
-        for c in self.outputs:
-            c._last, c._last_text = len(c.token_ids), len(c.text)
+    def _apply(self, tokens: list[int] | None, finish: list[str | None] | None, only: int | None = None) -> None:
+        for i, c in enumerate(self.outputs):  # only the updated sequence's diff moves: the others' go stale
+            if only is None or i == only:
+                c._last, c._last_text = len(c.token_ids), len(c.text)
         for i, c in enumerate(self.outputs):
+            if only is not None and i != only:
+                continue
             if c.finish_reason is not None and c.finish_reason != "not_finished":
                 continue
             if tokens is not None:
@@ -420,10 +433,10 @@ class FakeRequestOutput:
     async def __anext__(self) -> FakeRequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        tokens, finish, error = await self._queue.get()
+        tokens, finish, error, only = await self._queue.get()
         if error is not None:
             raise error
-        self._apply(tokens, finish)
+        self._apply(tokens, finish, only)
         return self
 
     async def aresult(self) -> FakeRequestOutput:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -136,7 +137,10 @@ async def serve(args: argparse.Namespace) -> None:
     serve_metrics(metrics, args.host, args.metrics_port)
 
     async def on_drain() -> None:
-        await asyncio.wait_for(worker.drain(), timeout=args.grace_seconds)
+        if getattr(engine, "error", None) is not None:
+            return  # a failed engine finishes nothing: leave now
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(worker.drain(), timeout=args.grace_seconds)
 
     async def watch_health() -> None:
         """An engine whose library failed (``error`` set) takes no more work: leave the fleet and exit."""

@@ -37,8 +37,8 @@ def cluster(default_model_dir, fake_engine_dir, tmp_path_factory):
     os.environ["TOKENFLEET_TRTLLM_API"] = "tests.trtllm_double:api"
     os.environ["TRTLLM_DOUBLE_FABRIC"] = str(tmp_path_factory.mktemp("fabric"))
     etcd = EtcdServer.create().start()
-    common = ("--backend", "trtllm", "--model", str(fake_engine_dir), "--etcd", etcd.endpoint, "--model-name", MODEL,
-              "--lease-ttl", "5")
+    common = ("--backend", "trtllm", "--model", str(fake_engine_dir), "--tokenizer", str(default_model_dir),
+              "--etcd", etcd.endpoint, "--model-name", MODEL, "--lease-ttl", "5")
     prefill = start_service("tokenfleet.services.prefill", *common, "--replica-id", "trt-p")
     decode = start_service("tokenfleet.services.decode", *common, "--replica-id", "trt-d")
     router = start_service("tokenfleet.services.router", "--etcd", etcd.endpoint)
@@ -102,6 +102,7 @@ def test_a_failed_engine_deregisters_and_exits(fake_engine_dir, tmp_path):
     os.environ.update(TOKENFLEET_TRTLLM_API="tests.trtllm_double:api", TRTLLM_DOUBLE_FAIL_AFTER="2")
     try:
         worker = start_service("tokenfleet.services.decode", "--backend", "trtllm", "--model", str(fake_engine_dir),
+                               "--tokenizer", str(fake_engine_dir),
                                "--etcd", etcd.endpoint, "--model-name", MODEL, "--replica-id", "doomed",
                                "--lease-ttl", "30")
     finally:

@@ -27,7 +27,7 @@ PROMPT = list(range(100, 170))  # 70 tokens: 2 full blocks of 32
 
 
 def engine(api=None, **spec) -> TrtllmEngine:
-    options = {"model": "/models/engine", "kind": TRT_ENGINE, **spec}
+    options = {"model": "/models/engine", "kind": TRT_ENGINE, "tokenizer": "/models/tokenizer", **spec}
     return TrtllmEngine(TrtllmSpec(**options), "salt", vocab_size=1000, max_model_len=4096,
                         api_loader=lambda: api or double.api(), transfer_timeout=2.0)
 
@@ -376,8 +376,8 @@ def test_the_operator_smoke_script_passes_against_the_double(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"pretrained_config": {"vocab_size": 1000},
                                                       "build_config": {"max_seq_len": 2048}}))
     (tmp_path / "rank0.engine").write_bytes(b"")
-    done = subprocess.run([sys.executable, "scripts/trtllm_smoke.py", "--model", str(tmp_path),
-                           "--api", "tests.trtllm_double:api"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "scripts/trtllm_smoke.py", "--model", str(tmp_path), "--tokenizer",
+                           str(tmp_path), "--api", "tests.trtllm_double:api"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "5/5 steps passed" in done.stdout, done.stdout + done.stderr
     assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("PASS")] == \
         ["load", "stream", "abort", "stats", "disagg"]
@@ -414,9 +414,11 @@ def test_a_record_names_the_speculative_config_and_a_wedged_engine_fails_its_per
 def test_prompt_logprobs_reach_our_outputs():
     """Found in review: prompt logprobs (echo with logprobs) were asked of the library but dropped."""
     async def run():
-        e = engine()
+        e = engine(gather_generation_logits=True)
         await e.start()
         outs = await collect(e.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0), "e"))
+        with pytest.raises(ValueError, match="gather-generation-logits"):  # TRT engines without gathered logits
+            await collect(engine().generate(PROMPT, SamplingParams(max_tokens=2, logprobs=1), "x"))
         await e.shutdown()
         return outs
 

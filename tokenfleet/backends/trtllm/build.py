@@ -135,7 +135,7 @@ async def run_gate(api: Any, engine_dir: str, reference_dir: str, tokenize: Any,
         ref_ppl, ref_greedy = await measure(api, reference, prompts, text)
     finally:
         reference.shutdown()
-    engine = api.TrtEngineLLM(model=engine_dir, tensor_parallel_size=tp)
+    engine = api.TrtEngineLLM(model=engine_dir, tokenizer=reference_dir, tensor_parallel_size=tp)  # no tokenizer inside
     try:
         eng_ppl, eng_greedy = await measure(api, engine, prompts, text)
     finally:

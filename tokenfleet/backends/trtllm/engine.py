@@ -47,6 +47,10 @@ log = structlog.get_logger()
 HEALTH_TIMEOUT_S = 120.0
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed (not the engine); maps like any RuntimeError at the worker."""
+
+
 class TrtllmEngine:
     def __init__(self, spec: TrtllmSpec, hash_salt: str, vocab_size: int, max_model_len: int,
                  api_loader: Callable[[], Any] = load_api, health_prompt: Sequence[int] = (1, 2, 3),
@@ -84,10 +88,16 @@ class TrtllmEngine:
     async def health_check(self, timeout: float = HEALTH_TIMEOUT_S) -> None:
         """A real one-token generation, not a ping (a wedged transceiver can leave /health green)."""
         params = self.api.SamplingParams(max_tokens=1, top_k=1)
+        result = None
         try:
             result = self.llm.generate_async(self._health_prompt, sampling_params=params)
             await asyncio.wait_for(result.aresult(), timeout)
+        except self.api.RequestError as e:  # the probe's own fault, not the engine's
+            log.warning("health generation refused", error=str(e))
         except Exception as e:
+            if result is not None:
+                with contextlib.suppress(Exception):
+                    result.abort()
             self._fail(e)
             raise EngineStoppedError(f"TensorRT-LLM health generation failed: {e}") from e
 
@@ -107,22 +117,29 @@ class TrtllmEngine:
 
     async def shutdown(self) -> None:
         self._accepting = False
-        for handle in list(self._handles.values()):
-            handle.abort()
         self._stopping = True
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:  # a library iterator may swallow one cancel (wait_for races): the flag ends the loop
-            await asyncio.wait(self._tasks, timeout=5)
-        if self.llm is not None:
-            await asyncio.to_thread(self.llm.shutdown)
-            self.llm = None
+        try:
+            self._abort_all()
+            for task in self._tasks:
+                task.cancel()
+            if self._tasks:  # a library iterator may swallow one cancel (wait_for races): the flag ends the loop
+                await asyncio.wait(self._tasks, timeout=5)
+        finally:
+            if self.llm is not None:  # always: MPI workers must not outlive us
+                await asyncio.to_thread(self.llm.shutdown)
+                self.llm = None
+
+    def _abort_all(self) -> None:
+        for handle in list(self._handles.values()):
+            with contextlib.suppress(Exception):  # a dead executor may refuse: we are leaving anyway
+                handle.abort()
 
     def _fail(self, error: BaseException) -> None:
         if self.error is None:
             log.error("TensorRT-LLM failed; the engine takes no more requests", error=repr(error))
         self.error = error
         self._accepting = False
+        self._abort_all()  # streams blocked on a dead executor end instead of holding the drain
 
     # ---- signals -------------------------------------------------------------------------------
     def kv_layout(self) -> KVLayout:
@@ -166,6 +183,12 @@ class TrtllmEngine:
         if not self._accepting:
             raise EngineStoppedError("engine is not accepting requests (starting, draining, stopped or failed)")
 
+    def _check_params(self, params: SamplingParams) -> None:
+        if self.spec.kind == "trt" and not self.spec.gather_generation_logits and (
+                params.logprobs is not None or params.prompt_logprobs is not None):
+            raise ValueError("logprobs need an engine worker started with --gather-generation-logits (TensorRT "
+                             "engines gather logits only when asked)")
+
     def _max_tokens(self, prompt: Sequence[int], params: SamplingParams) -> int:
         limit = self.max_model_len - len(prompt)
         if limit <= 0:
@@ -196,6 +219,7 @@ class TrtllmEngine:
     ) -> AsyncGenerator[RequestOutput, None]:
         """``resume`` continues after delivered tokens by appending them to the prompt (the library
         cannot start a request with output): penalties then see them as prompt tokens."""
+        self._check_params(sampling_params)
         self._check_accepting()
         prompt = list(prompt_token_ids)
         max_tokens = self._max_tokens(prompt, sampling_params)
@@ -205,63 +229,102 @@ class TrtllmEngine:
             if max_tokens <= 0:
                 raise ValueError(f"resumed with {len(delivered)} output tokens; the request allows no more")
         disaggregated, ended = None, None
-        if kv_source is not None and not delivered and sampling_params.n == 1:
+        if kv_source is not None and not delivered and sampling_params.n == 1 and max_tokens > 1:
             disaggregated, ended = await self._pull(kv_source, request_id)
         if ended is not None:  # the prefill's first token ended the request: nothing to decode
-            token, reason = ended
-            yield RequestOutput(request_id, [token], "", finished=True, finish_reason=reason,
+            token, reason, text = ended
+            yield RequestOutput(request_id, [token], text, finished=True, finish_reason=reason,
                                 num_prompt_tokens=len(prompt), num_output_tokens=1)
             return
-        sp = translate.sampling(self.api, sampling_params, max_tokens, guided_backend=self.spec.guided_decoding_backend,
-                                vocab_size=self.vocab_size)
-        try:
-            handle = self._submit(prompt, sp, True, disaggregated)
-        except ValueError as e:
-            if disaggregated is None:
-                raise
-            # The context state is gone (transfer timeout, prefill instance restarted): compute it here.
-            log.warning("generation_only refused; prefilling locally", engine_request_id=request_id, error=str(e))
-            self._stats.num_remote_prefills -= 1
-            self._stats.num_remote_fallbacks += 1
-            handle = self._submit(prompt, translate.sampling(
-                self.api, sampling_params, max_tokens, guided_backend=self.spec.guided_decoding_backend,
-                vocab_size=self.vocab_size), True, None)
+        def local_params() -> Any:
+            return translate.sampling(self.api, sampling_params, max_tokens,
+                                      guided_backend=self.spec.guided_decoding_backend, vocab_size=self.vocab_size)
+
+        handle: Any
+        first = None
+        if disaggregated is None:
+            handle = self._submit(prompt, local_params(), True, None)
+        else:
+            handle, first = await self._start_generation_only(prompt, local_params, disaggregated, request_id)
         self._handles[request_id] = handle
         running = set(range(sampling_params.n))
+        sent: dict[int, tuple[int, int]] = {}  # index -> (tokens, characters) already emitted
+        num_prompt = len(prompt) - len(delivered)
         try:
-            async for result in handle:
-                for out in self._deltas(request_id, result, running, len(prompt) - len(delivered), len(delivered)):
+            results = handle.__aiter__()
+            while running:
+                if first is not None:
+                    result, first = first, None
+                else:
+                    try:
+                        result = await anext(results)
+                    except StopAsyncIteration:
+                        break
+                try:
+                    outs = self._deltas(request_id, result, running, sent, num_prompt, len(delivered))
+                except Exception as e:  # our translation of one result: this request's problem, not the engine's
+                    raise RequestFailedError(f"cannot read TensorRT-LLM's output: {e!r}") from e
+                for out in outs:
                     yield out
-                if not running:
-                    break
+            for index in sorted(running):  # the library ended the stream without a reason for these samples
+                running.discard(index)
+                yield RequestOutput(request_id, [], "", finished=True, finish_reason=FinishReason.ABORT, index=index,
+                                    num_prompt_tokens=num_prompt, num_output_tokens=sent.get(index, (0, 0))[0])
         except self.api.RequestError as e:  # this request's fault (RequestError is a RuntimeError: first)
             raise RuntimeError(f"TensorRT-LLM failed the request: {e}") from e
-        except (GeneratorExit, asyncio.CancelledError):
+        except (GeneratorExit, asyncio.CancelledError, RequestFailedError):
             raise
-        except Exception as e:  # anything else (CUDA errors are RuntimeErrors) fails the engine
+        except Exception as e:  # anything else from the library (device errors) fails the engine
             self._fail(e)
             raise EngineStoppedError(f"TensorRT-LLM failed: {e}") from e
         finally:
             self._handles.pop(request_id, None)
             self._prompt_sent.pop(request_id, None)
             if running:  # closed early (client gone) or failed: free the library's request
-                handle.abort()
+                with contextlib.suppress(Exception):
+                    handle.abort()
                 self._stats.num_aborted += 1
 
-    def _deltas(self, request_id: str, result: Any, running: set[int], num_prompt: int,
-                num_resumed: int) -> list[RequestOutput]:
+    async def _start_generation_only(self, prompt: list[int], local_params: Callable[[], Any], disaggregated: Any,
+                                     request_id: str) -> tuple[Any, Any]:
+        """Submit the decode phase and wait (at most ``transfer_timeout``) for its first result; a refusal
+        or a wedge (the context state is gone, a transceiver never delivers) prefills here instead.
+        Returns (handle, first result or None)."""
+        handle = None
+        try:
+            handle = self._submit(prompt, local_params(), True, disaggregated)
+            async with asyncio.timeout(self.transfer_timeout):
+                return handle, await anext(handle.__aiter__())
+        except (ValueError, self.api.RequestError, TimeoutError, StopAsyncIteration) as e:
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    handle.abort()
+            log.warning("generation_only failed; prefilling locally", engine_request_id=request_id,
+                        error=str(e) or type(e).__name__)
+            self._stats.num_remote_prefills -= 1
+            self._stats.num_remote_fallbacks += 1
+            return self._submit(prompt, local_params(), True, None), None
+
+    def _deltas(self, request_id: str, result: Any, running: set[int], sent: dict[int, tuple[int, int]],
+                num_prompt: int, num_resumed: int) -> list[RequestOutput]:
+        """New tokens per sample since we last emitted it (our own counts: the library updates one
+        sequence per response, so another sequence's ``*_diff`` can repeat what we sent)."""
         outs = []
         for c in result.outputs:
             if c.index not in running:
                 continue
-            tokens = list(c.token_ids_diff)
+            done_tokens, done_chars = sent.get(c.index, (0, 0))
+            token_ids, text = list(c.token_ids), c.text or ""
+            tokens, new_text = token_ids[done_tokens:], text[done_chars:]
             reason = translate.finish_reason(c.finish_reason)
-            if not tokens and not c.text_diff and reason is None:
+            if not tokens and not new_text and reason is None:
                 continue
-            out = RequestOutput(request_id, tokens, c.text_diff, index=c.index, num_prompt_tokens=num_prompt,
+            sent[c.index] = (len(token_ids), len(text))
+            logprobs = list(getattr(c, "logprobs", None) or [])[done_tokens:]
+            out = RequestOutput(request_id, tokens, new_text, index=c.index, num_prompt_tokens=num_prompt,
                                 num_cached_tokens=int(getattr(result, "cached_tokens", 0) or 0),
-                                num_output_tokens=num_resumed + len(c.token_ids),
-                                logprobs=translate.token_logprobs(getattr(c, "logprobs_diff", None), tokens))
+                                num_output_tokens=num_resumed + len(token_ids),
+                                logprobs=translate.token_logprobs(logprobs, tokens))
             if c.index not in self._prompt_sent.setdefault(request_id, set()):
                 self._prompt_sent[request_id].add(c.index)
                 out.prompt_logprobs = translate.prompt_logprobs(getattr(c, "prompt_logprobs", None),
@@ -270,11 +333,11 @@ class TrtllmEngine:
                 out.finished, out.finish_reason, out.stop_reason = True, reason, c.stop_reason
                 running.discard(c.index)
                 self._stats.num_finished += 1
-                self._stats.num_generated_tokens += len(c.token_ids)
+                self._stats.num_generated_tokens += len(token_ids)
             outs.append(out)
         return outs
 
-    async def _pull(self, kv_source: KVSource, request_id: str) -> tuple[Any, tuple[int, FinishReason] | None]:
+    async def _pull(self, kv_source: KVSource, request_id: str) -> tuple[Any, tuple[int, FinishReason, str] | None]:
         """Decode side: read the prefill replica's hand-off. Returns (DisaggregatedParams, None), or
         (None, (token, reason)) when its first token ended the request, or (None, None) to prefill
         here (any transfer failure)."""
@@ -288,9 +351,9 @@ class TrtllmEngine:
                         elif isinstance(event, Handoff):
                             if first is None:
                                 raise KVTransferError("hand-off before the first token")
-                            finish = json.loads(event.payload).get("finish")
-                            if finish is not None:
-                                return None, (first, FinishReason(finish))
+                            body = json.loads(event.payload)
+                            if body.get("finish") is not None:
+                                return None, (first, FinishReason(body["finish"]), str(body.get("text", "")))
                             self._stats.num_remote_prefills += 1
                             return translate.decode_disagg(self.api, event.payload), None
                         elif isinstance(event, PrefillDone):
@@ -314,6 +377,7 @@ class TrtllmEngine:
     ) -> AsyncGenerator[PrefillEvent, None]:
         """Prefill role: a context_only request; its KV stays in the library until the decode side
         pulls it or ``kv_transfer_timeout_ms`` passes (there is no release call)."""
+        self._check_params(sampling_params)
         self._check_accepting()
         problem = self.kv_layout().mismatch(layout) if layout is not None else None
         if problem is not None:
@@ -339,6 +403,8 @@ class TrtllmEngine:
         c0 = result.outputs[0]
         if not c0.token_ids:
             raise KVTransferError(f"the prefill produced no token (finish reason {c0.finish_reason!r})")
+        if c0.finish_reason in ("cancelled", "timeout"):
+            raise KVTransferError(f"the prefill ended {c0.finish_reason}")
         token = int(c0.token_ids[0])
         ended = None
         if c0.finish_reason == "stop":
@@ -352,6 +418,6 @@ class TrtllmEngine:
             raise KVTransferError("the context_only request returned no DisaggregatedParams (is the cache "
                                   "transceiver configured on this instance?)")
         body = json.loads(translate.encode_disagg(params)) if params is not None else {"fields": {}}
-        body["finish"] = ended
+        body["finish"], body["text"] = ended, c0.text or ""  # the text matters when the first token ends it
         yield Handoff(json.dumps(body).encode())
         yield PrefillDone(0)

@@ -21,6 +21,7 @@ class TrtllmSpec:
 
     model: str
     kind: str = TRT_ENGINE
+    tokenizer: str | None = None  # HF tokenizer folder; engine dirs hold none (end_id, stop strings, text)
     role: str = "both"  # prefill: context_only requests; decode: generation_only; both: aggregated
     tensor_parallel_size: int = 1
     kv_free_gpu_memory_fraction: float = 0.85
@@ -34,6 +35,7 @@ class TrtllmSpec:
     guided_decoding_backend: str | None = "xgrammar"  # the TRT backend accepts only xgrammar
     transceiver: str = "UCX"
     kv_transfer_timeout_ms: int = 60_000  # always set (reference §10.2: leaked blocks otherwise)
+    gather_generation_logits: bool = False  # TRT engines: needed for logprobs (costs memory; bug #10810)
     speculative: dict[str, Any] | None = None  # passed as speculative_config ({"decoding_type": ..., ...})
     extra: dict[str, Any] = field(default_factory=dict)  # further LLM(...) kwargs, verbatim
 
@@ -59,7 +61,7 @@ class TrtllmSpec:
         from pathlib import Path
 
         kind = TRT_ENGINE if (Path(record.path) / "rank0.engine").exists() else PYTORCH
-        options = {"model": record.path, "kind": kind, "role": role,
+        options = {"model": record.path, "kind": kind, "role": role, "tokenizer": getattr(record, "tokenizer", "") or None,
                    "tensor_parallel_size": record.tensor_parallel_size, "kv_fp8": record.quantization == "fp8"}
         if kind == PYTORCH:
             options["guided_decoding_backend"] = "llguidance"
@@ -88,6 +90,7 @@ def llm_kwargs(api: Any, spec: TrtllmSpec) -> dict[str, Any]:
     if spec.kind == PYTORCH and spec.kv_fp8:
         kv["dtype"] = "fp8"  # PyTorch backend only; TRT engines carry FP8 KV from their build
     kwargs: dict[str, Any] = {
+        "tokenizer": spec.tokenizer,
         "tensor_parallel_size": spec.tensor_parallel_size,
         "kv_cache_config": api.KvCacheConfig(**kv),
         "enable_chunked_prefill": spec.enable_chunked_prefill,
@@ -104,6 +107,10 @@ def llm_kwargs(api: Any, spec: TrtllmSpec) -> dict[str, Any]:
         backend=spec.transceiver, kv_transfer_timeout_ms=spec.kv_transfer_timeout_ms)
     if spec.speculative:
         kwargs["speculative_config"] = dict(spec.speculative)
+    if spec.kind == TRT_ENGINE and spec.gather_generation_logits:
+        kwargs["gather_generation_logits"] = True
+    if kwargs["tokenizer"] is None:
+        del kwargs["tokenizer"]  # a checkpoint carries its own
     if spec.kind == PYTORCH:
         kwargs["enable_iter_perf_stats"] = True  # get_stats needs it on the PyTorch backend
         if spec.role == "prefill":

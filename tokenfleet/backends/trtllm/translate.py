@@ -87,8 +87,8 @@ def _embedding_bias(bias: Iterable[tuple[int, float]], vocab_size: int) -> Any:
 def finish_reason(value: str | None) -> FinishReason | None:
     if value is None or value == "not_finished":
         return None
-    if value not in FINISH:
-        raise ValueError(f"unknown TensorRT-LLM finish reason {value!r}")
+    if value not in FINISH:  # a newer release's reason: end the sample rather than fail the worker
+        return FinishReason.ABORT
     return FINISH[value]
 
 

@@ -19,6 +19,9 @@ from tokenfleet.backends.trtllm.spec import TrtllmSpec, load_api
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("TensorRT-LLM backend (--backend trtllm)")
     g.add_argument("--tensor-parallel-size", type=int, help="default: the registry record's")
+    g.add_argument("--tokenizer", help="HF tokenizer folder (default: the registry record's; engine dirs have none)")
+    g.add_argument("--gather-generation-logits", action="store_true",
+                   help="TRT engines: allow logprobs (the engine gathers generation logits; more memory)")
     g.add_argument("--kv-free-gpu-memory-fraction", type=float, default=0.85,
                    help="share of the GPU memory free after loading that the KV cache takes")
     g.add_argument("--kv-max-gpu-bytes", type=int, default=0, help="KV cache byte cap (0: the fraction alone)")
@@ -63,7 +66,8 @@ def build_engine(args: argparse.Namespace, record: Any | None, api_loader: Any =
         "kv_max_gpu_bytes": args.kv_max_gpu_bytes, "tokens_per_block": args.tokens_per_block,
         "transceiver": args.transceiver, "kv_transfer_timeout_ms": args.kv_transfer_timeout_ms,
         "max_batch_size": args.max_num_running, "max_num_tokens": args.max_num_batched_tokens,
-        "tensor_parallel_size": args.tensor_parallel_size,
+        "tensor_parallel_size": args.tensor_parallel_size, "tokenizer": args.tokenizer,
+        "gather_generation_logits": args.gather_generation_logits or None,
         "speculative": json.loads(args.speculative_config) if args.speculative_config else None,
     }
     if guided is not None:
