@@ -222,7 +222,8 @@ class Gateway:
         excluded too and the request continues on another one, which re-prefills the prompt
         plus the tokens already streamed (``resume``) and streams only what follows, at most
         ``max_resumes`` times; after that the stream ends with an error."""
-        failed: list[str] = []
+        failed: list[str] = []  # replicas this request left: refused it, failed before responding, or were lost
+        lost_ids: list[str] = []  # of those, lost mid-stream: a resume avoids only these (a refusal is transient)
         delivered: list[int] = []  # output tokens already passed on, and their text
         text = ""
         resumes = 0
@@ -233,7 +234,8 @@ class Gateway:
         last_error: grpc.aio.AioRpcError | None = None
         while True:
             try:
-                picked = await self._pick_for(model, request_id, prompt, failed, resuming=bool(delivered))
+                picked = await self._pick_for(model, request_id, prompt, lost_ids if delivered else failed,
+                                              resuming=bool(delivered))
             except APIError as e:
                 refused = last_error is not None and last_error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 if refused and e.code == "no_replica" and last_error is not None:  # every replica refused: say why
@@ -298,6 +300,8 @@ class Gateway:
                 else:
                     raise _status_error(e) from e
                 failed.append(picked.replica_id)
+                if lost:
+                    lost_ids.append(picked.replica_id)
                 last_error = e
             finally:
                 call.cancel()  # no-op when finished; aborts the request when the client went away
