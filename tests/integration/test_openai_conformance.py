@@ -142,7 +142,6 @@ def test_streamed_tool_call_reassembles_to_the_non_streamed_call(client):
 
 
 def test_auto_tool_choice_gives_text_or_valid_calls_never_both(client):
-    outcomes = set()
     for seed, question in enumerate(["Hello! How are you today?", "What's the weather in Rome in celsius?",
                                      "Tell me a joke.", "Add 40 and 2."]):
         reply = client.chat.completions.create(model=MODEL, messages=ask(question), tools=TOOLS, max_tokens=60,
@@ -152,11 +151,8 @@ def test_auto_tool_choice_gives_text_or_valid_calls_never_both(client):
             assert message.content is None and reply.choices[0].finish_reason == "tool_calls"
             for call in message.tool_calls:
                 _check_call(call)
-            outcomes.add("call")
         else:
             assert "<tool_call>" not in (message.content or "")
-            outcomes.add("text")
-    assert outcomes  # the grammar allows both; each reply is one of them, well formed
 
 
 def test_tool_results_in_the_history_are_accepted(client):
@@ -191,7 +187,7 @@ def test_n3_returns_three_choices_sharing_the_prompt_blocks(stack, client, strea
         texts = [c.message.content for c in reply.choices]
         usage = reply.usage
     assert all(texts) and len(set(texts)) > 1  # three samples, not one copied
-    assert usage.completion_tokens == 3 * 12 or usage.completion_tokens <= 3 * 12
+    assert 3 <= usage.completion_tokens <= 3 * 12  # summed over the three choices
     after = wait_for(lambda: (r := load_report(worker.address)).num_in_flight == 0 and r, "request done")
     assert after.num_forks - before.num_forks == 2
     shared = after.num_fork_shared_blocks - before.num_fork_shared_blocks
@@ -217,7 +213,7 @@ def test_chat_logprobs_are_finite_sorted_and_greedy_picks_the_top(client, stream
         assert len(tops) == 5 and all(math.isfinite(v) and v <= 0 for v in tops)
         assert tops == sorted(tops, reverse=True)
         assert math.isclose(e.logprob, tops[0], abs_tol=1e-5)  # greedy: the chosen token is the most likely
-        assert bytes(e.bytes).decode(errors="replace") == e.token or e.bytes
+        assert e.bytes and bytes(e.bytes).decode() == e.token
 
 
 def test_completion_logprobs_echo_and_text_offset(client):

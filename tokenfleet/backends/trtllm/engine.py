@@ -294,14 +294,15 @@ class TrtllmEngine:
         try:
             handle = self._submit(prompt, local_params(), True, disaggregated)
             async with asyncio.timeout(self.transfer_timeout):
-                return handle, await anext(handle.__aiter__())
+                first = await anext(handle.__aiter__())
+            self._stats.num_remote_prefills += 1  # counted once the decode phase has produced
+            return handle, first
         except (ValueError, self.api.RequestError, TimeoutError, StopAsyncIteration) as e:
             if handle is not None:
                 with contextlib.suppress(Exception):
                     handle.abort()
             log.warning("generation_only failed; prefilling locally", engine_request_id=request_id,
                         error=str(e) or type(e).__name__)
-            self._stats.num_remote_prefills -= 1
             self._stats.num_remote_fallbacks += 1
             return self._submit(prompt, local_params(), True, None), None
 
@@ -354,7 +355,6 @@ class TrtllmEngine:
                             body = json.loads(event.payload)
                             if body.get("finish") is not None:
                                 return None, (first, FinishReason(body["finish"]), str(body.get("text", "")))
-                            self._stats.num_remote_prefills += 1
                             return translate.decode_disagg(self.api, event.payload), None
                         elif isinstance(event, PrefillDone):
                             break
