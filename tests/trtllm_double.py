@@ -163,7 +163,8 @@ class _BaseLLM:
     pytorch_backend = True
 
     def __init__(self, model: str, *, fabric: Fabric | None = None, fail_with: BaseException | None = None,
-                 hang: bool = False, eos_after: int | None = None, logprob_offset: float = 0.0, **kwargs: Any):
+                 hang: bool = False, wedge_transfers: bool = False, eos_after: int | None = None,
+                 logprob_offset: float = 0.0, **kwargs: Any):
         allowed = COMMON_ARGS | (TORCH_ONLY if self.pytorch_backend else set())
         for key in kwargs:
             if key not in allowed:
@@ -177,6 +178,7 @@ class _BaseLLM:
         shared = os.environ.get("TRTLLM_DOUBLE_FABRIC")
         self.fabric = fabric or (FolderFabric(shared) if shared else PROCESS_FABRIC)
         self.fail_with, self.hang, self.eos_after = fail_with, hang, eos_after
+        self.wedge_transfers = wedge_transfers  # generation_only requests wait forever (a stuck transceiver)
         self.logprob_offset = logprob_offset  # TRT-engine instances score text this much worse (gate tests)
         self.submitted: list[tuple[list[int], SamplingParams, DisaggregatedParams | None]] = []
         self.aborted: list[int] = []
@@ -235,7 +237,7 @@ class _BaseLLM:
                 await asyncio.sleep(0)
                 out._push(error=self.fail_with)
                 return
-            if self.hang:
+            if self.hang or (self.wedge_transfers and out._context is not None):
                 await asyncio.sleep(3600)
             if out._context is not None:
                 state = self.fabric.pending.pop(out._context[0], None)
@@ -247,6 +249,7 @@ class _BaseLLM:
             last = [prompt[-1]] * sp.n
             for step in range(sp.max_tokens):
                 await asyncio.sleep(0.001)
+                self._stat()  # one per iteration, as the executor does
                 if out._cancelled:
                     out._push(finish=["cancelled"] * sp.n)
                     return
@@ -277,8 +280,8 @@ class _BaseLLM:
                 if all(f is not None for f in finishes):
                     return
         finally:
+            self._stat()  # the last iteration still counts this request active (the library's stats do)
             self._active -= 1
-            self._stat()
 
     def _transfer_timeout(self) -> float:
         config = self.kwargs.get("cache_transceiver_config")
@@ -312,10 +315,10 @@ class _BaseLLM:
     def _stat(self) -> None:
         used = len(self._cached)
         self._queue("_stats").put_nowait({
-            "iter": 1, "iterLatencyMS": 2.5, "numActiveRequests": self._active, "numQueuedRequests": 1,
+            "iter": 1, "iterLatencyMS": 2.5, "numActiveRequests": self._active, "numQueuedRequests": 0,
             "kvCacheStats": {"maxNumBlocks": 100, "usedNumBlocks": used, "freeNumBlocks": 100 - used,
                              "tokensPerBlock": self.kv.tokens_per_block},
-            "inflightBatchingStats": {"numPausedRequests": 2}})
+            "inflightBatchingStats": {"numPausedRequests": 0}})
 
     def _event(self, event: dict) -> None:
         if self.kv.event_buffer_max_size > 0:
@@ -454,7 +457,7 @@ class FakeRequestOutput:
 
 def api(**llm_options: Any) -> SimpleNamespace:
     """What ``tokenfleet.backends.trtllm.spec.load_api()`` returns, for this double. ``llm_options``
-    (fabric, fail_with, hang, eos_after) go to every LLM it constructs."""
+    (fabric, fail_with, hang, wedge_transfers, eos_after) go to every LLM it constructs."""
     def bind(cls: type) -> Any:
         class Bound(cls):  # type: ignore[misc, valid-type]
             def __init__(self, model: str, **kwargs: Any):

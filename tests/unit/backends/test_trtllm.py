@@ -239,18 +239,34 @@ def test_stats_and_prefix_hashes_flow_from_the_pollers():
     async def run():
         e = engine(block_reuse=True)
         await e.start()
-        await collect(e.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0.0), "s"))
+        busy = []
+        async for _ in e.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0.0), "s"):
+            await asyncio.sleep(0.005)  # let the stats poller run between iterations
+            busy.append(e.stats().num_running)
         for _ in range(100):
             if e.cached_block_hashes() and e.stats().num_blocks_used:
                 break
             await asyncio.sleep(0.02)
-        stats, hashes = e.stats(), e.cached_block_hashes()
+        await asyncio.sleep(0.1)  # the last iteration's stat (still counting the request) has arrived
+        stats, hashes, last_raw = e.stats(), e.cached_block_hashes(), e._stats.num_running
         await e.shutdown()
-        return stats, hashes
+        return busy, stats, hashes, last_raw
 
-    stats, hashes = asyncio.run(run())
-    assert stats.num_blocks_used == 2 and stats.num_waiting == 3 and stats.num_finished == 1
+    busy, stats, hashes, last_raw = asyncio.run(run())
+    assert max(busy) == 1 and stats.num_blocks_used == 2 and stats.num_finished == 1
+    # Found in review: stats stop when the library idles, and the last said "1 running" forever.
+    assert last_raw == 1 and (stats.num_running, stats.num_waiting) == (0, 0)
     assert hashes == set(hash_blocks(PROMPT, 32, "salt"))
+
+
+def test_gauges_never_exceed_the_requests_we_hold():
+    e = engine()
+    e._on_stat({"numActiveRequests": 5, "numQueuedRequests": 4, "inflightBatchingStats": {"numPausedRequests": 1}})
+    assert (e.stats().num_running, e.stats().num_waiting) == (0, 0)
+    e._handles = {"a": object(), "b": object(), "c": object()}
+    assert (e.stats().num_running, e.stats().num_waiting) == (3, 0)
+    e._on_stat({"numActiveRequests": 1, "numQueuedRequests": 1, "inflightBatchingStats": {"numPausedRequests": 3}})
+    assert (e.stats().num_running, e.stats().num_waiting) == (1, 2)
 
 
 # ---- disaggregation -----------------------------------------------------------------------------------------------
@@ -370,6 +386,52 @@ def test_a_refused_generation_only_request_prefills_locally():
     outs, stats = asyncio.run(run())
     assert len([t for o in outs for t in o.new_token_ids]) == 5 and outs[-1].finished
     assert (stats.num_remote_prefills, stats.num_remote_fallbacks) == (0, 1)
+
+
+def test_a_wedged_transfer_times_out_and_prefills_locally():
+    """Found in review: generation_only never producing (a transceiver that waits forever) must not
+    hold the request: after the transfer timeout it is aborted and the prompt is prefilled here."""
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+
+    async def run():
+        fabric = double.Fabric()
+        prefill = engine(double.api(fabric=fabric), role="prefill")
+        decode = engine(double.api(fabric=fabric, wedge_transfers=True), role="decode")
+        decode.transfer_timeout = 0.3
+        for e in (prefill, decode):
+            await e.start()
+        outs = await collect(decode.generate(PROMPT, params, "d", kv_source=source_of(prefill, params, "d")))
+        stats, llm = decode.stats(), decode.llm
+        for e in (prefill, decode):
+            await e.shutdown()
+        return outs, stats, llm
+
+    outs, stats, llm = asyncio.run(run())
+    kinds = [d.request_type if d else None for _, _, d in llm.submitted]
+    assert kinds == [None, "generation_only", None]  # health probe, the wedged hand-off, the local prefill
+    assert 2 in llm.aborted  # the wedged generation_only request was freed, not left pinned
+    assert len([t for o in outs for t in o.new_token_ids]) == 5 and outs[-1].finished
+    assert (stats.num_remote_prefills, stats.num_remote_fallbacks) == (0, 1)
+
+
+def test_an_engine_dir_decides_kv_dtype_block_size_and_tp(tmp_path):
+    """Found in review: FP8 KV and tokens per block are baked into a TRT engine; reading them from the
+    record (or the worker's default 32) could hash prompts with the wrong block size."""
+    from types import SimpleNamespace
+
+    (tmp_path / "rank0.engine").write_bytes(b"")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "pretrained_config": {"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None},
+                              "mapping": {"tp_size": 4}},
+        "build_config": {"plugin_config": {"tokens_per_block": 64}}}))
+    record = SimpleNamespace(path=str(tmp_path), tensor_parallel_size=1, quantization="fp8")
+    spec = TrtllmSpec.from_record(record, "decode", tokens_per_block=None)
+    assert (spec.kind, spec.kv_fp8, spec.tokens_per_block, spec.tensor_parallel_size) == (TRT_ENGINE, False, 64, 4)
+    with pytest.raises(ValueError, match="tokens_per_block=64"):
+        TrtllmSpec.from_record(record, "decode", tokens_per_block=32)
+    checkpoint = SimpleNamespace(path=str(tmp_path / "none"), tensor_parallel_size=2, quantization="fp8")
+    spec = TrtllmSpec.from_record(checkpoint, "decode")  # a checkpoint: the record and flags decide
+    assert (spec.kind, spec.kv_fp8, spec.tokens_per_block, spec.tensor_parallel_size) == (PYTORCH, True, 32, 2)
 
 
 def test_the_operator_smoke_script_passes_against_the_double(tmp_path):

@@ -152,7 +152,12 @@ class TrtllmEngine:
         return self._mirror.hashes
 
     def stats(self) -> EngineStats:
-        return self._stats.snapshot()
+        """Iteration stats arrive only while the library iterates: the last one of a busy spell would
+        say "running" forever once idle. All of the library's requests are ours (health probes aside),
+        so the gauges are bounded by the requests we hold."""
+        held = len(self._handles)
+        running = min(self._stats.num_running, held)
+        return self._stats.snapshot(num_running=running, num_waiting=min(self._stats.num_waiting, held - running))
 
     def _on_stat(self, stat: dict[str, Any]) -> None:
         gauges = translate.gauges(stat)

@@ -68,8 +68,39 @@ class TrtllmSpec:
         if getattr(record, "speculative_config", ""):
             options["speculative"] = json.loads(record.speculative_config)
         # None means "not given", except for the guided backend, where it means "off".
-        options.update({k: v for k, v in overrides.items() if v is not None or k == "guided_decoding_backend"})
+        given = {k: v for k, v in overrides.items() if v is not None or k == "guided_decoding_backend"}
+        if kind == TRT_ENGINE:  # what the build baked in wins over the record; a contradicting flag is an error
+            baked = engine_facts(record.path)
+            for key, value in baked.items():
+                if key in given and given[key] != value:
+                    raise ValueError(f"{record.path} was built with {key}={value!r}; the worker was given {given[key]!r}")
+            options.update(baked)
+        options.update(given)
         return cls(**options)
+
+
+def engine_facts(path: str) -> dict[str, Any]:
+    """What a TRT engine dir's ``config.json`` fixes at build time: the KV dtype (FP8 KV is baked in,
+    ``kv_cache_quant_algo``), tokens per block (``plugin_config``; prefill and decode instances must
+    agree, and routers hash prompts by it) and the TP size. Keys a build does not write are left out."""
+    from pathlib import Path
+
+    file = Path(path) / "config.json"
+    if not file.exists():
+        return {}
+    config = json.loads(file.read_text())
+    pretrained, build = config.get("pretrained_config", {}), config.get("build_config", {})
+    facts: dict[str, Any] = {}
+    quant = pretrained.get("quantization") or {}
+    if "kv_cache_quant_algo" in quant:
+        facts["kv_fp8"] = str(quant["kv_cache_quant_algo"] or "").upper() == "FP8"
+    block = (build.get("plugin_config") or {}).get("tokens_per_block") or build.get("tokens_per_block")
+    if block:
+        facts["tokens_per_block"] = int(block)
+    tp = (pretrained.get("mapping") or {}).get("tp_size")
+    if tp:
+        facts["tensor_parallel_size"] = int(tp)
+    return facts
 
 
 def llm_class(api: Any, spec: TrtllmSpec) -> Any:

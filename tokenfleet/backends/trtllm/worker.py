@@ -25,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-free-gpu-memory-fraction", type=float, default=0.85,
                    help="share of the GPU memory free after loading that the KV cache takes")
     g.add_argument("--kv-max-gpu-bytes", type=int, default=0, help="KV cache byte cap (0: the fraction alone)")
-    g.add_argument("--tokens-per-block", type=int, default=32, help="KV block size; equal on prefill and decode")
+    g.add_argument("--tokens-per-block", type=int,
+                   help="KV block size; equal on prefill and decode (default: the engine's build, else 32)")
     g.add_argument("--transceiver", default="UCX", choices=["DEFAULT", "UCX", "NIXL", "MPI"],
                    help="KV transfer backend between prefill and decode instances")
     g.add_argument("--kv-transfer-timeout-ms", type=int, default=60_000,
