@@ -116,6 +116,9 @@ def _parser() -> argparse.ArgumentParser:
     from tokenfleet.planning.calc import add_command as add_plan_command
 
     add_plan_command(sub)
+    from tokenfleet.planning.commands import add_command as add_simulate_command
+
+    add_simulate_command(sub)
     for name in SERVICE_COMMANDS:
         sub.add_parser(name, help=f"run the {name} service (gRPC); --help for its flags")
     return parser

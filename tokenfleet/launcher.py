@@ -31,21 +31,13 @@ class Cluster:
     etcd: EtcdServer
     processes: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     gateway_url: str = ""
+    owns_state: bool = True  # `tokenfleet up`'s cluster: its state file goes with it
 
     def spawn(self, name: str, *args: str, threads: int = 1) -> str:
-        env = {**os.environ, "TOKENFLEET_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "TOKENFLEET_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
         self.processes.append((name, proc))
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if line.startswith("LISTENING "):
-                threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
-                return line.split()[1]
-            if not line and proc.poll() is not None:
-                break
-        raise RuntimeError(f"{name} failed to start (exit {proc.poll()})")
+        return wait_listening(name, proc)
 
     def stop(self) -> None:
         for _name, proc in reversed(self.processes):
@@ -56,7 +48,22 @@ class Cluster:
                 except subprocess.TimeoutExpired:
                     proc.kill()
         self.etcd.cleanup()
-        state_file().unlink(missing_ok=True)
+        if self.owns_state:
+            state_file().unlink(missing_ok=True)
+
+
+def wait_listening(name: str, proc: subprocess.Popen, timeout: float = 300) -> str:
+    """The address a service prints (``LISTENING host:port``) once it serves."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("LISTENING "):
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
+            return line.split()[1]
+        if not line and proc.poll() is not None:
+            break
+    raise RuntimeError(f"{name} failed to start (exit {proc.poll()})")
 
 
 def register_model(registry: str, name: str, model_dir: str, dtype: str = "bfloat16", version: str = "v1") -> None:
@@ -75,10 +82,11 @@ def register_model(registry: str, name: str, model_dir: str, dtype: str = "bfloa
 
 
 def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_port: int,
-       role: str = "both", dtype: str = "bfloat16", prefill_workers: int = 0) -> Cluster:
+       role: str = "both", dtype: str = "bfloat16", prefill_workers: int = 0, record: bool = True) -> Cluster:
     """``prefill_workers`` > 0 disaggregates: that many prefill workers, and the ``num_workers``
-    others decode only (unless ``role`` says otherwise); the router sends long prompts' prefill there."""
-    cluster = Cluster(EtcdServer.create().start())
+    others decode only (unless ``role`` says otherwise); the router sends long prompts' prefill there.
+    ``record``: write the state file `tokenfleet down` reads (off for private clusters, e.g. calibration)."""
+    cluster = Cluster(EtcdServer.create().start(), owns_state=record)
     try:
         etcd = cluster.etcd.endpoint
         registry = cluster.spawn("registry", "tokenfleet.services.registry", "--etcd", etcd)
@@ -97,9 +105,10 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
     except BaseException:
         cluster.stop()
         raise
-    state = {"pid": os.getpid(), "gateway": cluster.gateway_url, "etcd": etcd, "registry": registry}
-    state_file().parent.mkdir(parents=True, exist_ok=True)
-    state_file().write_text(json.dumps(state))
+    if record:
+        state = {"pid": os.getpid(), "gateway": cluster.gateway_url, "etcd": etcd, "registry": registry}
+        state_file().parent.mkdir(parents=True, exist_ok=True)
+        state_file().write_text(json.dumps(state))
     return cluster
 
 

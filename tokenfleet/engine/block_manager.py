@@ -16,7 +16,7 @@ write into a shared, partially filled last block gets a private copy, returned a
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import KeysView, Sequence
 from dataclasses import dataclass
 
 
@@ -24,6 +24,9 @@ from dataclasses import dataclass
 class SlotAllocation:
     new_block_ids: list[int]
     copies: list[tuple[int, int]]  # (src, dst) block pairs to copy before the forward
+
+
+_NOTHING_NEW = SlotAllocation(new_block_ids=[], copies=[])  # shared: callers only read allocations
 
 
 class BlockManager:
@@ -69,6 +72,10 @@ class BlockManager:
     def cached_hashes(self) -> set[bytes]:
         return set(self._hash_to_block)
 
+    def cached_hash_view(self) -> KeysView[bytes]:
+        """The cached hashes, live and uncopied (read-only; for callers that test membership often)."""
+        return self._hash_to_block.keys()
+
     def match_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
         """Block ids of the longest cached prefix of ``block_hashes``; changes nothing."""
         hits = []
@@ -96,7 +103,14 @@ class BlockManager:
         ``prefix_block_ids`` (from ``match_prefix``) may be given only on a request's first
         allocation; they are shared, not copied.
         """
-        if prefix_block_ids and request_id in self._tables:
+        table = self._tables.get(request_id)
+        if table is not None and not prefix_block_ids and num_tokens <= len(table) * self.block_size \
+                and not self._needs_copy(request_id, num_tokens):
+            # Fast path (most decode steps): the table covers the tokens and its last block is ours.
+            if num_tokens > self._num_slots[request_id]:
+                self._num_slots[request_id] = num_tokens
+            return _NOTHING_NEW
+        if prefix_block_ids and table is not None:
             raise ValueError(f"prefix blocks given for {request_id}, which already has a table")
         if self.blocks_needed(request_id, num_tokens, prefix_block_ids) > self.num_free_blocks:
             return None

@@ -322,17 +322,14 @@ class Scheduler:
         """The step's entry for ``request``; its tenant is charged for the prompt tokens it
         computes now (when scheduled, so later admissions of this step see the charge; prefix
         cache hits are not computed, hence free)."""
-        start = request.num_computed_tokens
-        self.waiting.charge(request.tenant, prompt_tokens=max(0, min(start + n, request.num_prompt_tokens) - start))
-        return ScheduledRequest(
-            request_id=request.request_id,
-            start=start,
-            num_new_tokens=n,
-            block_ids=tuple(self.block_manager.block_table(request.request_id)),
-            samples=start + n == request.num_tokens,
-            forks=tuple(f.request_id for f in self.forks.get(request.request_id, ()))
-            if start + n == request.num_tokens else (),
-        )
+        start, end = request.num_computed_tokens, request.num_computed_tokens + n
+        num_prompt = len(request.prompt_token_ids)
+        if start < num_prompt:
+            self.waiting.charge(request.tenant, prompt_tokens=min(end, num_prompt) - start)
+        samples = end == num_prompt + len(request.output_token_ids)
+        forks = self.forks.get(request.request_id) if samples else None
+        return ScheduledRequest(request.request_id, start, n, tuple(self.block_manager.block_table(request.request_id)),
+                                samples, tuple(f.request_id for f in forks) if forks else ())
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -360,6 +357,7 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += entry.num_new_tokens
+            completed_block = request.num_computed_tokens // bs != entry.start // bs
             if entry.samples:
                 self.waiting.charge(request.tenant, output_tokens=1)
                 request.output_token_ids.append(sampled[entry.request_id])
@@ -367,7 +365,7 @@ class Scheduler:
                     request.block_hashes = hash_blocks(
                         request.all_token_ids, bs, self.hash_salt, request.block_hashes
                     )
-            if self.config.enable_prefix_caching:
+            if self.config.enable_prefix_caching and completed_block:  # else no new full block to record
                 self.block_manager.cache_blocks(
                     entry.request_id, request.block_hashes[: request.num_computed_tokens // bs]
                 )

@@ -15,7 +15,7 @@ prompts are cheaper to prefill locally, in chunks, than to ship).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from tokenfleet.routing.policies import FleetSnapshot, ReplicaLoad, RoundRobin, least_loaded
@@ -52,13 +52,31 @@ def anchor_of(chain: Sequence[bytes], config: PrefixPolicyConfig) -> bytes | Non
     return chain[config.min_match_blocks - 1] if len(chain) >= config.min_match_blocks else None
 
 
+class _WithHead(Collection[bytes]):
+    """A replica's reported hashes plus a prefix's leading blocks, without copying the reported set
+    (a replica reports ~10^5 hashes; a pick only tests a prompt's few hundred)."""
+
+    def __init__(self, head: frozenset[bytes], reported: Collection[bytes]):
+        self.head, self.reported = head, reported
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self.head or block_hash in self.reported
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self.head
+        yield from (h for h in self.reported if h not in self.head)
+
+    def __len__(self) -> int:
+        return len(self.head) + sum(1 for h in self.reported if h not in self.head)
+
+
 def with_affinity(cached: Mapping[str, Collection[bytes]], chain: Sequence[bytes], homes: Collection[str],
                   config: PrefixPolicyConfig) -> dict[str, Collection[bytes]]:
     """Reported hashes plus, for the anchor's homes, the anchor's leading blocks."""
-    head = set(chain[: config.min_match_blocks])
+    head = frozenset(chain[: config.min_match_blocks])
     merged: dict[str, Collection[bytes]] = dict(cached)
     for replica_id in homes:
-        merged[replica_id] = head | set(cached.get(replica_id, ()))
+        merged[replica_id] = _WithHead(head, cached.get(replica_id, ()))
     return merged
 
 

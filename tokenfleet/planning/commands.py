@@ -1,0 +1,164 @@
+"""``tokenfleet simulate``: run a cell, sweep cells, calibrate a cost profile, regenerate docs/sizing.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tokenfleet.planning import plots
+from tokenfleet.planning.scenario import (
+    add_fleet_flags,
+    add_hardware_flags,
+    add_run_flags,
+    add_traffic_flags,
+    run_all,
+    scenario_from_args,
+)
+
+SHOWN = (("offered_rps", "offered req/s", ".1f"), ("ttft_p50_s", "TTFT p50 s", ".3f"), ("ttft_p99_s", "TTFT p99 s", ".3f"),
+         ("tpot_p50_s", "TPOT p50 s", ".4f"), ("tpot_p99_s", "TPOT p99 s", ".4f"), ("itl_p50_s", "ITL p50 s", ".4f"),
+         ("itl_p99_s", "ITL p99 s", ".4f"), ("slo_attainment", "SLO attainment", ".3f"),
+         ("goodput_rps", "goodput req/s", ".1f"), ("output_tok_s", "output tok/s", ",.0f"),
+         ("mean_prompt_tokens", "mean prompt tokens", ",.0f"), ("prefix_hit_rate", "prefix hit rate", ".3f"),
+         ("preemptions", "preemptions", "d"), ("utilization", "busy share", ".3f"),
+         ("kv_utilization", "KV blocks in use", ".3f"), ("mean_batch", "mean batch", ".1f"),
+         ("remote_prefills", "remote prefills", "d"), ("usd_per_m_output_tokens", "$ / 1M output tokens", ".3f"),
+         ("usd_per_m_tokens", "$ / 1M tokens", ".4f"), ("wall_s", "wall seconds", ".1f"))
+
+
+def add_command(sub: Any) -> None:
+    p = sub.add_parser("simulate", help="discrete-event fleet simulation with the real scheduler and router")
+    cmds = p.add_subparsers(dest="simulate_command", required=True)
+
+    run = cmds.add_parser("run", help="simulate one cell and print its figures")
+    for add in (add_hardware_flags, add_fleet_flags, add_traffic_flags, add_run_flags):
+        add(run)
+    run.add_argument("--json", action="store_true")
+    run.add_argument("--csv", help="append the figures to this CSV")
+    run.set_defaults(func=_cmd_run)
+
+    sweep = cmds.add_parser("sweep", help="simulate a grid: per-node rate x policy x P/D split; CSV and plots")
+    for add in (add_hardware_flags, add_fleet_flags, add_traffic_flags, add_run_flags):
+        add(sweep)
+    sweep.add_argument("--rates-per-node", type=float, nargs="+", required=True, help="requests/s per node")
+    sweep.add_argument("--policies", nargs="+", help="default: --policy")
+    sweep.add_argument("--prefill-splits", type=int, nargs="+", help="prefill replicas of the cell (0 = colocated); "
+                                                                      "the cell's size stays --replicas")
+    sweep.add_argument("--jobs", type=int, default=2, help="cells simulated at once (processes)")
+    sweep.add_argument("--out", default="sim-sweep", help="folder for sweep.csv and the plots")
+    sweep.set_defaults(func=_cmd_sweep)
+
+    cal = cmds.add_parser("calibrate", help="measure our engine as it serves here and write a cost profile")
+    cal.add_argument("--model", help="HF model folder (default: the imported SmolLM2-135M-Instruct)")
+    cal.add_argument("--threads", type=int, default=2, help="the worker's torch threads (serve.py's default: 2)")
+    cal.add_argument("--repeats", type=int, default=3)
+    cal.add_argument("--out", default="cost-profile.json")
+    cal.add_argument("--predict", type=int, nargs="*", default=[],
+                     help="then print benchmarks/serve.py's figures predicted at these concurrencies")
+    cal.set_defaults(func=_cmd_calibrate)
+
+    predict = cmds.add_parser("predict-serve", help="benchmarks/serve.py's figures predicted from a cost profile")
+    predict.add_argument("--profile", required=True)
+    predict.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    predict.add_argument("--num-prompts", type=int, default=64)
+    predict.add_argument("--input-len", type=int, default=256)
+    predict.add_argument("--output-len", type=int, default=64)
+    predict.add_argument("--hop-ms", type=float, help="gateway + router + RPC latency each way (default: the "
+                                                      "profile's measured round trip / 2)")
+    predict.set_defaults(func=_cmd_predict)
+
+    sizing = cmds.add_parser("sizing", help="regenerate docs/sizing.md: nodes, GPU-hours and cost for the headline")
+    sizing.add_argument("--out", default="docs/sizing.md")
+    sizing.add_argument("--jobs", type=int, default=2)
+    sizing.add_argument("--quick", action="store_true", help="a tiny smoke version (tests): small cells, short windows")
+    sizing.set_defaults(func=_cmd_sizing)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    result = scenario_from_args(args).run()
+    if args.csv:
+        path = Path(args.csv)
+        rows = _read_csv(path) + [result]
+        plots.write_csv(rows, path)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"cell: {result['replicas']} {'decode' if result['prefill_replicas'] else 'colocated'} replicas"
+          + (f" + {result['prefill_replicas']} prefill" if result["prefill_replicas"] else "")
+          + f", {result['gpus']} GPUs, {result['policy']}; {result['pattern']} arrivals at {result['rate']:.1f} req/s; "
+          f"{result['window_s']:.0f} s measured ({result['simulated_s']:.0f} s simulated)")
+    for key, label, spec in SHOWN:
+        value = result.get(key)
+        print(f"  {label:<22} {'-' if value is None else format(value, spec)}")
+    verdict = "overloaded (stopped early)" if result["overloaded"] else ("yes" if result["meets_slo"] else "no")
+    print(f"  {'meets both p99 SLOs':<22} {verdict}")
+    return 0
+
+
+def _read_csv(path: Path) -> list[dict[str, Any]]:
+    import csv
+
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    base = scenario_from_args(argparse.Namespace(**{**vars(args), "rate": 1.0}))
+    cells = []
+    for policy in args.policies or [args.policy]:
+        for split in args.prefill_splits or [args.prefill_replicas]:
+            fleet = replace(base.fleet, policy=policy, replicas=args.replicas - split if split else args.replicas,
+                            prefill_replicas=split)
+            label = f"{policy}, " + (f"P/D {split}:{args.replicas - split}" if split else "colocated")
+            cells += [replace(base, fleet=fleet, label=label).with_rate_per_node(r) for r in args.rates_per_node]
+    rows = run_all(cells, args.jobs)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plots.write_csv(rows, out / "sweep.csv")
+    plots.line_plot(rows, "rate_per_node", [("slo_attainment", "SLO attainment", None),
+                                            ("ttft_p99_s", "TTFT p99 (s)", base.objectives.ttft_s),
+                                            ("tpot_p99_s", "TPOT p99 (s)", base.objectives.tpot_s)],
+                    lambda r: r["label"], out / "sweep.png", "cell sweep", "requests/s per node")
+    for r in rows:
+        print(f"{r['label']:<32} {r['rate_per_node']:7.1f} req/s/node  SLO {r['slo_attainment'] or 0:.3f}  "
+              f"TTFT p99 {r['ttft_p99_s'] or float('nan'):.3f}  TPOT p99 {r['tpot_p99_s'] or float('nan'):.4f}  "
+              f"hit {r['prefix_hit_rate'] or 0:.2f}  {'ok' if r['meets_slo'] else 'MISS'}  ({r['wall_s']:.0f} s)")
+    print(f"wrote {out / 'sweep.csv'} and {out / 'sweep.png'}")
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from tokenfleet.planning.calibrate import calibrate, predict_serve
+
+    profile = calibrate(args.model, args.threads, args.repeats, log=lambda m: print(m, file=sys.stderr))
+    profile.save(args.out)
+    print(f"wrote {args.out}: {profile.base * 1000:.1f} ms + {profile.per_token * 1000:.3f} ms/token + "
+          f"{profile.per_sample * 1000:.3f} ms/sample + {profile.per_pair * 1e6:.3f} us/pair + "
+          f"{profile.per_kv * 1e6:.3f} us/KV token per step (median fit error {profile.fit['median_rel_error']:.0%})")
+    for c in args.predict:
+        print(json.dumps(predict_serve(profile, c, 64, 256, 64)))
+    return 0
+
+
+def _cmd_predict(args: argparse.Namespace) -> int:
+    from tokenfleet.planning.calibrate import predict_serve
+    from tokenfleet.planning.costs import Profile
+
+    profile = Profile.load(args.profile)
+    for c in args.concurrency:
+        hop = args.hop_ms / 1000 if args.hop_ms is not None else None
+        print(json.dumps(predict_serve(profile, c, args.num_prompts, args.input_len, args.output_len, hop)))
+    return 0
+
+
+def _cmd_sizing(args: argparse.Namespace) -> int:
+    from tokenfleet.planning.sizing import regenerate
+
+    regenerate(Path(args.out), jobs=args.jobs, quick=args.quick)
+    return 0

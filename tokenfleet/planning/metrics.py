@@ -1,0 +1,85 @@
+"""What a simulation reports: latency percentiles, SLO attainment, utilization, cache and cost.
+
+- TTFT: request sent -> first token at the client; TPOT: (last token - first) / (tokens - 1) per
+  request; ITL: every gap between consecutive tokens of measured requests.
+- SLO attainment (goodput share): measured requests whose TTFT and TPOT are within their
+  objectives; a request that never got a first token (queued, rejected) misses, and one still
+  streaming when the simulation ends is judged on its tokens so far. ``goodput_rps``: those per
+  second of the window. ``meets_slo``: both p99s (never-started requests count as infinite TTFT)
+  are within the objectives and the cell was not overloaded (queue growing without bound).
+- Utilization: the share of the window each replica spent stepping; KV: mean share of blocks in use.
+- Prefix hit rate: prompt tokens served from a prefix cache / prompt tokens, over measured requests
+  that were admitted (got a first token).
+- Cost: GPUs x $/GPU-hour over the window, per 1M output tokens and per 1M tokens (prompt + output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tokenfleet.planning.sim import Simulator
+
+NEVER = 1e9  # the TTFT of a request that never started (a finite stand-in for infinity: percentiles interpolate)
+
+
+@dataclass(frozen=True)
+class Objectives:
+    ttft_s: float = 0.7
+    tpot_s: float = 0.04
+
+
+def _pct(values: Any, q: float) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def summarize(sim: Simulator, objectives: Objectives = Objectives(), dollars_per_gpu_hour: float = 2.0) -> dict[str, Any]:
+    start, end = sim.window
+    seconds = end - start
+    measured = [t for t in sim.tracks.values() if t.measured]
+    started = [t for t in measured if t.first is not None]
+    finished = [t for t in started if t.done]
+    # A request never started counts as an infinite TTFT; one still streaming when the simulation
+    # ends is judged on its tokens so far (its TPOT up to then).
+    ttft = np.array([t.ttft for t in started] + [NEVER] * (len(measured) - len(started)), dtype=float)
+    tpot = np.array([v for v in (t.tpot for t in started) if v is not None], dtype=float)
+    good = sum(1 for t in started if t.ttft <= objectives.ttft_s and (t.tpot or 0.0) <= objectives.tpot_s)
+    prompt_tokens = sum(len(t.arrival.prompt) for t in measured)
+    started_prompt_tokens = sum(len(t.arrival.prompt) for t in started)
+    cached_tokens = sum(t.num_cached for t in started)
+    output_tokens = sim.output_tokens_in_window
+    replicas = list(sim.replicas.values())
+    dollars = sim.fleet.num_gpus * dollars_per_gpu_hour * seconds / 3600
+    gaps = np.frombuffer(sim.gaps, dtype=np.float64) if len(sim.gaps) else np.array([])
+    meets = (not sim.overloaded and len(measured) > 0 and float(np.percentile(ttft, 99)) <= objectives.ttft_s
+             and (not len(tpot) or float(np.percentile(tpot, 99)) <= objectives.tpot_s))
+    return {
+        "replicas": sim.fleet.replicas, "prefill_replicas": sim.fleet.prefill_replicas, "gpus": sim.fleet.num_gpus,
+        "policy": sim.fleet.policy, "window_s": seconds,
+        "requests": len(measured), "started": len(started), "finished": len(finished), "rejected": sim.num_rejected,
+        "offered_rps": len(measured) / seconds,
+        "ttft_p50_s": _finite(_pct(ttft, 50)), "ttft_p99_s": _finite(_pct(ttft, 99)),
+        "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
+        "itl_p50_s": _pct(gaps, 50), "itl_p99_s": _pct(gaps, 99),
+        "slo_attainment": good / len(measured) if measured else None,
+        "goodput_rps": good / seconds,
+        "meets_slo": bool(meets),
+        "overloaded": sim.overloaded,
+        "output_tok_s": output_tokens / seconds,
+        "mean_prompt_tokens": prompt_tokens / len(measured) if measured else None,
+        "prefix_hit_rate": cached_tokens / started_prompt_tokens if started_prompt_tokens else None,
+        "preemptions": sum(r.scheduler.num_preemptions for r in replicas),
+        "utilization": float(np.mean([r.busy_seconds / seconds for r in replicas])),
+        "kv_utilization": float(np.mean([np.mean(r.kv_samples) if r.kv_samples else 0.0 for r in replicas])),
+        "mean_batch": sum(r.rows for r in replicas) / max(1, sum(r.steps for r in replicas)),
+        "remote_prefills": sim.num_remote, "transfer_gb": sim.transfer_bytes / 1e9,
+        "dollars_per_gpu_hour": dollars_per_gpu_hour,
+        "usd_per_m_output_tokens": dollars / output_tokens * 1e6 if output_tokens else None,
+        "usd_per_m_tokens": dollars / (output_tokens + prompt_tokens) * 1e6 if output_tokens + prompt_tokens else None,
+    }
+
+
+def _finite(value: float | None) -> float | None:
+    return None if value is None or value >= NEVER else value

@@ -1,0 +1,399 @@
+"""Discrete-event fleet simulator: our real scheduler, block manager and placement policies, with a
+cost model in place of the model runner.
+
+Each replica is a ``Scheduler`` over a ``BlockManager`` (the engine's own classes, with the
+replica's KV capacity in blocks). A replica steps continuously while it has work: ``schedule()``
+gives the batch, the cost model its duration, and at its end ``update()`` appends the tokens
+sampled (synthetic ids that reproduce the conversation's transcript, see ``workload``), exactly as
+the engine core does after the model runner. Placement is ``tokenfleet.routing.placement.place``,
+the router's own decision, over a fleet snapshot refreshed at the router's load-report interval
+(picks since the last report count as pending load, as in services/router) and the affinity map
+of prefix anchors; replicas' cached block hashes are read live (the real router sees them up to one
+report late).
+
+Disaggregation follows the real request path: the decode replica reserves the prompt's blocks
+(``add_remote``; when they are not free it prefills locally), the prefill replica computes the
+prompt with its blocks held, the client gets the first token when the prefill samples it, the KV
+the decode replica lacks travels at the link's bandwidth, then the decode replica installs it
+(``activate_remote``) and the request joins its batch. The prefill replica frees its held blocks when
+the transfer ends.
+
+Only requests that arrive inside the measurement window count; the simulation runs past the window
+(traffic continues) until they finish or ``drain_seconds`` pass. See ``metrics`` for the outputs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from array import array
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tokenfleet.engine.block_hash import hash_blocks
+from tokenfleet.engine.block_manager import BlockManager
+from tokenfleet.engine.request import Request
+from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig, SchedulerOutput
+from tokenfleet.planning.costs import CostModel, StepShape
+from tokenfleet.planning.workload import Arrival, Source
+from tokenfleet.routing.placement import (
+    LEAST_LOADED,
+    POLICIES,
+    PREFIX_AWARE,
+    ROUND_ROBIN,
+    DisaggConfig,
+    live_homes,
+    place,
+)
+from tokenfleet.routing.policies import FleetSnapshot, NoReplicaError, ReplicaLoad, RoundRobin
+from tokenfleet.routing.prefix import PrefixPolicyConfig
+
+PARAMS = SamplingParams(max_tokens=None, ignore_eos=True)  # lengths come from each request's max_tokens
+__all__ = ["FleetConfig", "Simulator", "POLICIES", "PREFIX_AWARE", "ROUND_ROBIN", "LEAST_LOADED"]
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """One cell: colocated replicas (``prefill_replicas == 0``) or a prefill pool and a decode pool."""
+
+    replicas: int = 8  # colocated replicas, or the decode pool's size
+    prefill_replicas: int = 0
+    gpus_per_replica: int = 8
+    num_blocks: int = 100_000  # KV capacity of one replica, in blocks
+    block_size: int = 32
+    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_num_batched_tokens=2048,
+                                                                               max_num_running=1024,
+                                                                               max_num_waiting=100_000,
+                                                                               max_model_len=32_768))
+    policy: str = PREFIX_AWARE
+    prefix: PrefixPolicyConfig = field(default_factory=PrefixPolicyConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    kv_bytes_per_token: float = 163_840.0  # what a transfer moves per uncached prompt token
+    link_bytes_per_s: float = 50e9  # prefill -> decode, effective, per transfer
+    link_latency_s: float = 0.001
+    hop_seconds: float = 0.002  # gateway + router + worker RPCs before a request reaches its replica
+    report_interval_s: float = 0.2  # load reports to the router (services/router: 200 ms)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.prefill_replicas < 0 or self.gpus_per_replica < 1:
+            raise ValueError(f"invalid fleet: {self.replicas} replicas, {self.prefill_replicas} prefill")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.link_bytes_per_s <= 0 or self.report_interval_s <= 0:
+            raise ValueError("link bandwidth and report interval must be positive")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_replicas > 0
+
+    @property
+    def num_gpus(self) -> int:
+        return (self.replicas + self.prefill_replicas) * self.gpus_per_replica
+
+
+class SimReplica:
+    def __init__(self, replica_id: str, roles: tuple[str, ...], config: FleetConfig, salt: str):
+        self.replica_id, self.roles = replica_id, roles
+        self.scheduler = Scheduler(config.scheduler, BlockManager(config.num_blocks, config.block_size), salt)
+        self.busy = False
+        self.busy_seconds = 0.0  # inside the window
+        self.steps = self.rows = 0  # inside the window
+        self.kv_samples: list[float] = []
+
+    def load(self) -> ReplicaLoad:
+        s, bm = self.scheduler, self.scheduler.block_manager
+        return ReplicaLoad(self.replica_id, self.replica_id, self.roles, num_waiting=s.num_waiting,
+                           num_running=s.num_running, num_blocks_used=bm.num_used_blocks,
+                           num_blocks_free=bm.num_free_blocks)
+
+
+@dataclass(eq=False)
+class Track:
+    """What the simulator records of one request (client side)."""
+
+    arrival: Arrival
+    sent: float
+    measured: bool
+    replica: str = ""
+    prefill_replica: str = ""
+    first: float | None = None
+    last: float | None = None
+    num_output: int = 0
+    num_cached: int = 0  # prompt tokens served from a prefix cache
+    done: bool = False
+
+    @property
+    def ttft(self) -> float:
+        if self.first is None:
+            raise ValueError(f"{self.arrival.request_id} has no first token")
+        return self.first - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean gap between its tokens so far (None before a second token)."""
+        if self.first is None or self.last is None or self.num_output < 2:
+            return None
+        return (self.last - self.first) / (self.num_output - 1)
+
+
+class Simulator:
+    def __init__(self, fleet: FleetConfig, cost: CostModel, source: Source, warmup_seconds: float = 20.0,
+                 duration_seconds: float = 60.0, drain_seconds: float = 60.0, salt: str = "sim",
+                 overload_seconds: float = 10.0):
+        self.fleet, self.cost, self.source = fleet, cost, source
+        self.window = (warmup_seconds, warmup_seconds + duration_seconds)
+        self.end = self.window[1] + drain_seconds
+        self.salt = salt
+        self.overload_seconds = overload_seconds  # queued work beyond this many seconds of arrivals: stop early
+        self.overloaded = False
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[Any], None], Any]] = []
+        self._seq = itertools.count()
+        both = ("decode", "prefill")
+        self.replicas = {f"d{i:03d}": SimReplica(f"d{i:03d}", ("decode",) if fleet.disaggregated else both, fleet, salt)
+                         for i in range(fleet.replicas)}
+        self.replicas.update({f"p{i:03d}": SimReplica(f"p{i:03d}", ("prefill",), fleet, salt)
+                              for i in range(fleet.prefill_replicas)})
+        self._loads = {rid: r.load() for rid, r in self.replicas.items()}
+        self._pending: Counter[str] = Counter()
+        self._homes: dict[bytes, tuple[str, ...]] = {}
+        self._homes_count: Counter[str] = Counter()
+        self._round_robin = RoundRobin()
+        self.tracks: dict[str, Track] = {}
+        self.gaps = array("d")  # inter-token gaps of measured requests (ITL)
+        self.num_rejected = self.num_submitted = 0
+        self.num_remote = self.num_fallbacks = 0
+        self.transfer_bytes = 0.0
+        self.output_tokens_in_window = 0
+        self._held: dict[str, int] = {}  # remote request -> leading prompt blocks the decode replica had
+        self._open = 0  # measured requests not finished
+
+    # ---- the event loop (workload.Simulation) --------------------------------------------------------
+    def at(self, time: float, action: Callable[[Any], None], arg: Any = None) -> None:
+        heapq.heappush(self._events, (time, next(self._seq), action, arg))
+
+    def run(self) -> Simulator:
+        self.source.start(self)
+        self.at(0.0, self._report)
+        events = self._events
+        while events:
+            time, _, action, arg = heapq.heappop(events)
+            if time > self.end or (time > self.window[1] and not self._open):
+                break
+            self.now = time
+            action(arg)
+        return self
+
+    def _report(self, _: Any = None) -> None:
+        """Load reports reach the router: fresh gauges, pending picks cleared."""
+        self._loads = {rid: r.load() for rid, r in self.replicas.items()}
+        self._pending.clear()
+        waiting = sum(load.num_waiting for load in self._loads.values())
+        if self.now > self.window[0] and waiting > self.overload_seconds * max(1.0, self.num_submitted / self.now):
+            self.overloaded = True  # the queue grows without bound: the SLOs are lost, stop paying for it
+            self._events.clear()
+            return
+        if self.window[0] <= self.now < self.window[1]:
+            for r in self.replicas.values():
+                bm = r.scheduler.block_manager
+                r.kv_samples.append(bm.num_used_blocks / bm.num_blocks)
+        if self._events:  # anything else left to happen (a closed loop ends when its last request does)
+            self.at(self.now + self.fleet.report_interval_s, self._report)
+
+    def preload(self, tokens: list[int]) -> None:
+        """A warm start: leave ``tokens``' KV cached (evictable) where the router would have placed
+        them, on the decode replica and on the prefill replica that computed them, as an earlier
+        turn that ran before the simulation would have."""
+        fleet = self.fleet
+        chain = hash_blocks(tokens, fleet.block_size, self.salt)
+        if not chain:
+            return
+        anchor_homes: tuple[str, ...] = ()
+        if len(chain) >= fleet.prefix.min_match_blocks:
+            anchor_homes = self._homes.get(chain[fleet.prefix.min_match_blocks - 1], ())
+        cached = {rid: r.scheduler.block_manager.cached_hash_view() for rid, r in self.replicas.items()}
+        placement = place(self._snapshot(), chain, cached, anchor_homes, len(tokens), fleet.block_size, fleet.policy,
+                          self._round_robin, fleet.prefix, fleet.disagg, colocated=not fleet.disaggregated,
+                          homes_count=self._homes_count)
+        self._record_home(placement, anchor_homes)
+        for chosen in (placement.decode, placement.prefill):
+            if chosen is not None:
+                bm = self.replicas[chosen.replica_id].scheduler.block_manager
+                if bm.allocate_slots("preload", len(chain) * fleet.block_size, bm.match_prefix(chain)) is not None:
+                    bm.cache_blocks("preload", chain)
+                    bm.free("preload")
+                self._loads[chosen.replica_id] = self.replicas[chosen.replica_id].load()
+
+    def _record_home(self, placement: Any, anchor_homes: tuple[str, ...]) -> None:
+        if placement.record_home and placement.anchor is not None:
+            homes = live_homes(anchor_homes, self.replicas.keys(), placement.decode.replica_id)
+            self._homes_count.subtract(anchor_homes)
+            self._homes_count.update(homes)
+            self._homes[placement.anchor] = homes
+
+    # ---- placement ------------------------------------------------------------------------------------
+    def submit(self, arrival: Arrival) -> None:
+        measured = self.window[0] <= self.now < self.window[1]
+        track = Track(arrival, self.now, measured)
+        self.tracks[arrival.request_id] = track
+        self._open += measured
+        self.num_submitted += 1
+        self.at(self.now + self.fleet.hop_seconds, self._place, track)
+
+    def _snapshot(self) -> FleetSnapshot:
+        pending = self._pending
+        return FleetSnapshot(tuple(replace(load, pending_assignments=pending[rid]) if pending[rid] else load
+                                   for rid, load in self._loads.items()))
+
+    def _place(self, track: Track) -> None:
+        arrival, fleet = track.arrival, self.fleet
+        chain = hash_blocks(arrival.prompt, fleet.block_size, self.salt)
+        anchor_homes: tuple[str, ...] = ()
+        if len(chain) >= fleet.prefix.min_match_blocks:
+            anchor_homes = self._homes.get(chain[fleet.prefix.min_match_blocks - 1], ())
+        cached = {rid: r.scheduler.block_manager.cached_hash_view() for rid, r in self.replicas.items()}
+        try:
+            placement = place(self._snapshot(), chain, cached, anchor_homes, len(arrival.prompt), fleet.block_size,
+                              fleet.policy, self._round_robin, fleet.prefix, fleet.disagg,
+                              colocated=not fleet.disaggregated, homes_count=self._homes_count)
+        except NoReplicaError:
+            self._reject(track)
+            return
+        decode = placement.decode.replica_id
+        self._record_home(placement, anchor_homes)
+        self._pending[decode] += 1
+        track.replica = decode
+        if placement.prefill is not None:
+            self._pending[placement.prefill.replica_id] += 1
+            self._start_remote(track, placement.prefill.replica_id, chain)
+        else:
+            self._add_local(track, chain)
+
+    def _request(self, arrival: Arrival, chain: list[bytes], max_tokens: int) -> Request:
+        request = Request(arrival.request_id, arrival.prompt, PARAMS, arrival_time=self.now, max_tokens=max_tokens,
+                          tenant=arrival.tenant)
+        request.block_hashes = chain  # what _check_new computes; saves hashing the prompt twice
+        return request
+
+    def _add_local(self, track: Track, chain: list[bytes]) -> None:
+        replica = self.replicas[track.replica]
+        try:
+            replica.scheduler.add_request(self._request(track.arrival, chain, track.arrival.max_tokens))
+        except (QueueFullError, ValueError):
+            self._reject(track)
+            return
+        self._wake(replica)
+
+    def _reject(self, track: Track) -> None:
+        self.num_rejected += track.measured
+        self._close(track)
+
+    # ---- disaggregation -------------------------------------------------------------------------------
+    def _start_remote(self, track: Track, prefill_id: str, chain: list[bytes]) -> None:
+        decode = self.replicas[track.replica]
+        try:
+            held = decode.scheduler.add_remote(self._request(track.arrival, chain, track.arrival.max_tokens))
+        except (QueueFullError, ValueError):
+            held = None
+        if held is None:  # no free blocks on the decode side now: prefill locally (as the worker does)
+            self._add_local(track, chain)
+            return
+        prefill = self.replicas[prefill_id]
+        request = self._request(track.arrival, chain, 1)
+        request.hold_blocks = True
+        try:
+            prefill.scheduler.add_request(request)
+        except (QueueFullError, ValueError):
+            decode.scheduler.fallback_to_local(track.arrival.request_id)
+            self.num_fallbacks += 1
+            self._wake(decode)
+            return
+        track.prefill_replica = prefill_id
+        self.num_remote += 1
+        self._held[track.arrival.request_id] = held
+        self._wake(prefill)
+
+    def _transfer(self, track: Track, request: Request) -> None:
+        """The prefill sampled the first token: ship the blocks the decode replica lacks."""
+        held = self._held.pop(track.arrival.request_id, 0)
+        num_tokens = max(0, request.num_prompt_tokens - held * self.fleet.block_size)
+        num_bytes = num_tokens * self.fleet.kv_bytes_per_token
+        self.transfer_bytes += num_bytes
+        seconds = self.fleet.link_latency_s + num_bytes / self.fleet.link_bytes_per_s
+        self.at(self.now + seconds, self._install, (track, request.output_token_ids[0]))
+
+    def _install(self, item: tuple[Track, int]) -> None:
+        track, token = item
+        self.replicas[track.prefill_replica].scheduler.release_held(track.arrival.request_id)
+        decode = self.replicas[track.replica]
+        rid = track.arrival.request_id
+        if decode.scheduler.append_remote_token(rid, token) is not None:
+            self._finish(track)  # the first token ended it (max_tokens 1)
+            return
+        decode.scheduler.activate_remote(rid)
+        self._wake(decode)
+
+    # ---- stepping --------------------------------------------------------------------------------------
+    def _wake(self, replica: SimReplica) -> None:
+        if not replica.busy:
+            replica.busy = True
+            self.at(self.now, self._step, replica)
+
+    def _step(self, replica: SimReplica) -> None:
+        output = replica.scheduler.schedule()
+        if output.is_empty:
+            replica.busy = False
+            return
+        seconds = self.cost.step_seconds(StepShape.of(output))
+        if self.window[0] <= self.now < self.window[1]:
+            replica.busy_seconds += seconds
+            replica.steps += 1
+            replica.rows += len(output.scheduled)
+        self.at(self.now + seconds, self._step_done, (replica, output))
+
+    def _step_done(self, item: tuple[SimReplica, SchedulerOutput]) -> None:
+        replica, output = item
+        scheduler, tracks, now = replica.scheduler, self.tracks, self.now
+        requests = scheduler.requests
+        sampled = {}
+        for entry in output.scheduled:
+            if entry.samples and entry.request_id in requests:
+                request_id = entry.request_id
+                sampled[request_id] = tracks[request_id].arrival.token(len(requests[request_id].output_token_ids))
+        cached = {rid: requests[rid].num_cached_tokens for rid in sampled if tracks[rid].first is None}
+        finished = scheduler.update(output, sampled)
+        seen = now + self.fleet.hop_seconds  # when the client receives these tokens
+        for request_id in sampled:
+            track = tracks[request_id]
+            if track.first is None:
+                track.first = seen
+                track.num_cached = cached[request_id]
+            elif track.measured:
+                self.gaps.append(seen - (track.last or seen))
+            track.last = seen
+            track.num_output += 1
+        if self.window[0] <= now < self.window[1]:
+            self.output_tokens_in_window += len(sampled)
+        for request in finished:
+            if replica.roles == ("prefill",):
+                self._transfer(tracks[request.request_id], request)
+            else:
+                self._finish(tracks[request.request_id])
+        self._step(replica)
+
+    def _finish(self, track: Track) -> None:
+        self._close(track)
+        self.at(self.now + self.fleet.hop_seconds, self._delivered, track)  # the client has the whole reply
+
+    def _delivered(self, track: Track) -> None:
+        self.source.finished(self, track.arrival, track.num_output)
+
+    def _close(self, track: Track) -> None:
+        track.done = True
+        if track.measured:
+            self._open -= 1
+        else:
+            del self.tracks[track.arrival.request_id]
