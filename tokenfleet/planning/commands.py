@@ -41,13 +41,14 @@ def add_command(sub: Any) -> None:
     run.add_argument("--csv", help="append the figures to this CSV")
     run.set_defaults(func=_cmd_run)
 
-    sweep = cmds.add_parser("sweep", help="simulate a grid: per-node rate x policy x P/D split; CSV and plots")
+    sweep = cmds.add_parser("sweep", help="simulate a grid: cell size x P/D split x policy x per-node rate; CSV and plots")
     for add in (add_hardware_flags, add_fleet_flags, add_traffic_flags, add_run_flags):
         add(sweep)
     sweep.add_argument("--rates-per-node", type=float, nargs="+", required=True, help="requests/s per node")
     sweep.add_argument("--policies", nargs="+", help="default: --policy")
-    sweep.add_argument("--prefill-splits", type=int, nargs="+", help="prefill replicas of the cell (0 = colocated); "
-                                                                      "the cell's size stays --replicas")
+    sweep.add_argument("--cell-sizes", type=int, nargs="+", help="replicas per cell (default: --replicas)")
+    sweep.add_argument("--prefill-splits", type=int, nargs="+", help="prefill replicas of each cell (0 = colocated); "
+                                                                      "the others decode")
     sweep.add_argument("--jobs", type=int, default=2, help="cells simulated at once (processes)")
     sweep.add_argument("--out", default="sim-sweep", help="folder for sweep.csv and the plots")
     sweep.set_defaults(func=_cmd_sweep)
@@ -111,12 +112,14 @@ def _read_csv(path: Path) -> list[dict[str, Any]]:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     base = scenario_from_args(argparse.Namespace(**{**vars(args), "rate": 1.0}))
     cells = []
-    for policy in args.policies or [args.policy]:
+    for size in args.cell_sizes or [args.replicas + args.prefill_replicas]:
         for split in args.prefill_splits or [args.prefill_replicas]:
-            fleet = replace(base.fleet, policy=policy, replicas=args.replicas - split if split else args.replicas,
-                            prefill_replicas=split)
-            label = f"{policy}, " + (f"P/D {split}:{args.replicas - split}" if split else "colocated")
-            cells += [replace(base, fleet=fleet, label=label).with_rate_per_node(r) for r in args.rates_per_node]
+            if not 0 <= split < size:
+                raise SystemExit(f"a {size}-replica cell cannot have {split} prefill replicas")
+            for policy in args.policies or [args.policy]:
+                fleet = replace(base.fleet, policy=policy, replicas=size - split, prefill_replicas=split)
+                label = f"{size} nodes, " + (f"P/D {split}:{size - split}" if split else "colocated") + f", {policy}"
+                cells += [replace(base, fleet=fleet, label=label).with_rate_per_node(r) for r in args.rates_per_node]
     rows = run_all(cells, args.jobs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

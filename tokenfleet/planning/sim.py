@@ -268,20 +268,18 @@ class Simulator:
         track.replica = decode
         if placement.prefill is not None:
             self._pending[placement.prefill.replica_id] += 1
-            self._start_remote(track, placement.prefill.replica_id, chain)
+            self._start_remote(track, placement.prefill.replica_id)
         else:
-            self._add_local(track, chain)
+            self._add_local(track)
 
-    def _request(self, arrival: Arrival, chain: list[bytes], max_tokens: int) -> Request:
-        request = Request(arrival.request_id, arrival.prompt, PARAMS, arrival_time=self.now, max_tokens=max_tokens,
-                          tenant=arrival.tenant)
-        request.block_hashes = chain  # what _check_new computes; saves hashing the prompt twice
-        return request
+    def _request(self, arrival: Arrival, max_tokens: int) -> Request:
+        return Request(arrival.request_id, arrival.prompt, PARAMS, arrival_time=self.now, max_tokens=max_tokens,
+                       tenant=arrival.tenant)
 
-    def _add_local(self, track: Track, chain: list[bytes]) -> None:
+    def _add_local(self, track: Track) -> None:
         replica = self.replicas[track.replica]
         try:
-            replica.scheduler.add_request(self._request(track.arrival, chain, track.arrival.max_tokens))
+            replica.scheduler.add_request(self._request(track.arrival, track.arrival.max_tokens))
         except (QueueFullError, ValueError):
             self._reject(track)
             return
@@ -292,17 +290,17 @@ class Simulator:
         self._close(track)
 
     # ---- disaggregation -------------------------------------------------------------------------------
-    def _start_remote(self, track: Track, prefill_id: str, chain: list[bytes]) -> None:
+    def _start_remote(self, track: Track, prefill_id: str) -> None:
         decode = self.replicas[track.replica]
         try:
-            held = decode.scheduler.add_remote(self._request(track.arrival, chain, track.arrival.max_tokens))
+            held = decode.scheduler.add_remote(self._request(track.arrival, track.arrival.max_tokens))
         except (QueueFullError, ValueError):
             held = None
         if held is None:  # no free blocks on the decode side now: prefill locally (as the worker does)
-            self._add_local(track, chain)
+            self._add_local(track)
             return
         prefill = self.replicas[prefill_id]
-        request = self._request(track.arrival, chain, 1)
+        request = self._request(track.arrival, 1)
         request.hold_blocks = True
         try:
             prefill.scheduler.add_request(request)

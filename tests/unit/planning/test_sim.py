@@ -240,11 +240,15 @@ def test_simulate_run_and_sweep_from_the_command_line(tmp_path):
     assert result["gpus"] == 16 and result["requests"] > 10 and result["meets_slo"] is True
     done = subprocess.run([sys.executable, "-m", "tokenfleet.cli", "simulate", "sweep", *small,
                            "--rates-per-node", "5", "10", "--policies", "prefix-aware", "round-robin",
-                           "--prefill-splits", "0", "1", "--jobs", "1", "--out", str(tmp_path)],
+                           "--prefill-splits", "0", "1", "--cell-sizes", "2", "3", "--jobs", "1", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    lines = (tmp_path / "sweep.csv").read_text().splitlines()
-    assert len(lines) == 1 + 2 * 2 * 2 and (tmp_path / "sweep.png").stat().st_size > 10_000
+    import csv
+
+    rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
+    assert len(rows) == 2 * 2 * 2 * 2 and (tmp_path / "sweep.png").stat().st_size > 10_000
+    assert {(r["nodes"], r["prefill_replicas"]) for r in rows} == {("2", "0"), ("2", "1"), ("3", "0"), ("3", "1")}
+    assert {r["rate"] for r in rows if r["nodes"] == "3"} == {"15.0", "30.0"}  # per-node rate x cell size
 
 
 def test_sizing_regenerates_its_report(tmp_path):

@@ -11,6 +11,7 @@ from tokenfleet.routing.placement import (
     anchor_of,
     live_homes,
     place,
+    with_affinity,
 )
 from tokenfleet.routing.policies import FleetSnapshot, ReplicaLoad, RoundRobin
 from tokenfleet.routing.prefix import PrefixPolicyConfig
@@ -100,3 +101,15 @@ def test_new_prefixes_spread_over_replicas_by_their_homes_within_the_load_bound(
     assert place(hot, PROMPT, {}, (), NUM_TOKENS, 16, homes_count=counts).decode.replica_id == "r1"
     short = chain(SYSTEM[:32])  # too short for a home: plain least-loaded
     assert place(fleet, short, {}, (), 32, 16, homes_count=counts).decode.replica_id == "r0"
+
+
+def test_affinity_adds_the_anchors_head_without_copying_what_a_home_reported():
+    """Found by the fleet simulator: every pick copied each home's whole reported hash set (~10^5
+    hashes per replica) to add a few blocks; a view answers the same membership questions."""
+    config = PrefixPolicyConfig(min_match_blocks=2)
+    hashes = [bytes([i]) * 16 for i in range(5)]  # a prompt's chain
+    reported = frozenset(hashes[1:3]) | {b"other"}
+    known = with_affinity({"a": reported, "b": {b"x"}}, hashes, ["a"], config)
+    assert known["b"] == {b"x"}  # not a home: untouched
+    assert all(h in known["a"] for h in hashes[:3]) and b"other" in known["a"] and hashes[3] not in known["a"]
+    assert set(known["a"]) == set(hashes[:3]) | {b"other"} and len(known["a"]) == 4
