@@ -24,7 +24,7 @@ SHOWN = (("offered_rps", "offered req/s", ".1f"), ("ttft_p50_s", "TTFT p50 s", "
          ("itl_p99_s", "ITL p99 s", ".4f"), ("slo_attainment", "SLO attainment", ".3f"),
          ("goodput_rps", "goodput req/s", ".1f"), ("output_tok_s", "output tok/s", ",.0f"),
          ("mean_prompt_tokens", "mean prompt tokens", ",.0f"), ("prefix_hit_rate", "prefix hit rate", ".3f"),
-         ("preemptions", "preemptions", "d"), ("utilization", "busy share", ".3f"),
+         ("preemptions", "preemptions", "d"), ("utilization", "busy share", ".3f"), ("mfu", "MFU", ".3f"),
          ("kv_utilization", "KV blocks in use", ".3f"), ("mean_batch", "mean batch", ".1f"),
          ("remote_prefills", "remote prefills", "d"), ("usd_per_m_output_tokens", "$ / 1M output tokens", ".3f"),
          ("usd_per_m_tokens", "$ / 1M tokens", ".4f"), ("wall_s", "wall seconds", ".1f"))

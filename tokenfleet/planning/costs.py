@@ -56,11 +56,19 @@ class Roofline:
     layout: Layout
     step_overhead_s: float = 0.002  # host + launches + 2 all-reduce latencies per layer (CUDA graphs lower it)
 
+    def flops(self, tokens: int, pairs: int) -> float:
+        """Model FLOPs of computing ``tokens`` with ``pairs`` attention pairs (weights and attention)."""
+        m = self.model
+        return 2 * m.num_params * tokens + 4 * m.num_layers * m.num_heads * m.head_dim * pairs
+
+    def peak_flops(self) -> float:
+        """Of one replica (all its GPUs), at the weights' dtype."""
+        return self.layout.num_gpus * self.layout.gpu.flops(self.layout.weight_dtype)
+
     def step_seconds(self, shape: StepShape) -> float:
         m, lay = self.model, self.layout
         n = lay.num_gpus
-        flops = 2 * m.num_params * shape.tokens + 4 * m.num_layers * m.num_heads * m.head_dim * shape.pairs
-        compute = flops / (n * lay.gpu.flops(lay.weight_dtype) * lay.prefill_efficiency)
+        compute = self.flops(shape.tokens, shape.pairs) / (self.peak_flops() * lay.prefill_efficiency)
         read = weight_bytes(m, lay.weight_dtype) + shape.kv * m.kv_bytes_per_token(lay.kv_dtype)
         memory = read / (n * lay.gpu.hbm_bytes_per_s * lay.decode_efficiency)
         comms = 0.0

@@ -7,7 +7,8 @@
   streaming when the simulation ends is judged on its tokens so far. ``goodput_rps``: those per
   second of the window. ``meets_slo``: both p99s (never-started requests count as infinite TTFT)
   are within the objectives and the cell was not overloaded (queue growing without bound).
-- Utilization: the share of the window each replica spent stepping; KV: mean share of blocks in use.
+- Utilization: the share of the window each replica spent stepping; MFU: model FLOPs / peak FLOPs
+  (roofline cost models); KV: mean share of blocks in use.
 - Prefix hit rate: prompt tokens served from a prefix cache / prompt tokens, over measured requests
   that were admitted (got a first token).
 - Cost: GPUs x $/GPU-hour over the window, per 1M output tokens and per 1M tokens (prompt + output).
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenfleet.planning.costs import Roofline
 from tokenfleet.planning.sim import Simulator
 
 NEVER = 1e9  # the TTFT of a request that never started (a finite stand-in for infinity: percentiles interpolate)
@@ -74,11 +76,21 @@ def summarize(sim: Simulator, objectives: Objectives = Objectives(), dollars_per
         "utilization": float(np.mean([r.busy_seconds / seconds for r in replicas])),
         "kv_utilization": float(np.mean([np.mean(r.kv_samples) if r.kv_samples else 0.0 for r in replicas])),
         "mean_batch": sum(r.rows for r in replicas) / max(1, sum(r.steps for r in replicas)),
+        "mfu": _mfu(sim, seconds),
         "remote_prefills": sim.num_remote, "transfer_gb": sim.transfer_bytes / 1e9,
         "dollars_per_gpu_hour": dollars_per_gpu_hour,
         "usd_per_m_output_tokens": dollars / output_tokens * 1e6 if output_tokens else None,
         "usd_per_m_tokens": dollars / (output_tokens + prompt_tokens) * 1e6 if output_tokens + prompt_tokens else None,
     }
+
+
+def _mfu(sim: Simulator, seconds: float) -> float | None:
+    """Model FLOPs utilization of the cell (roofline cost models only: a profile knows no FLOPs)."""
+    cost = sim.cost
+    if not isinstance(cost, Roofline):
+        return None
+    used = sum(cost.flops(r.tokens, r.pairs) for r in sim.replicas.values())
+    return used / (len(sim.replicas) * cost.peak_flops() * seconds)
 
 
 def _finite(value: float | None) -> float | None:

@@ -100,7 +100,7 @@ class SimReplica:
         self.scheduler = Scheduler(config.scheduler, BlockManager(config.num_blocks, config.block_size), salt)
         self.busy = False
         self.busy_seconds = 0.0  # inside the window
-        self.steps = self.rows = 0  # inside the window
+        self.steps = self.rows = self.tokens = self.pairs = 0  # inside the window
         self.kv_samples: list[float] = []
 
     def load(self) -> ReplicaLoad:
@@ -345,11 +345,14 @@ class Simulator:
         if output.is_empty:
             replica.busy = False
             return
-        seconds = self.cost.step_seconds(StepShape.of(output))
+        shape = StepShape.of(output)
+        seconds = self.cost.step_seconds(shape)
         if self.window[0] <= self.now < self.window[1]:
             replica.busy_seconds += seconds
             replica.steps += 1
-            replica.rows += len(output.scheduled)
+            replica.rows += shape.rows
+            replica.tokens += shape.tokens
+            replica.pairs += shape.pairs
         self.at(self.now + seconds, self._step_done, (replica, output))
 
     def _step_done(self, item: tuple[SimReplica, SchedulerOutput]) -> None:

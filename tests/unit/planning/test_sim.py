@@ -238,6 +238,7 @@ def test_simulate_run_and_sweep_from_the_command_line(tmp_path):
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["gpus"] == 16 and result["requests"] > 10 and result["meets_slo"] is True
+    assert 0 < result["mfu"] < result["utilization"] <= 1.01  # busy stepping, far from peak FLOPs at this load
     done = subprocess.run([sys.executable, "-m", "tokenfleet.cli", "simulate", "sweep", *small,
                            "--rates-per-node", "5", "10", "--policies", "prefix-aware", "round-robin",
                            "--prefill-splits", "0", "1", "--cell-sizes", "2", "3", "--jobs", "1", "--out", str(tmp_path)],
