@@ -3,7 +3,7 @@
 The cell gets its share of the 5k req/s peak for a fleet of --fleet-nodes (take the count
 docs/sizing.md found); the bar is 10 minutes of wall time on this 2-core machine, one process.
 
-    .venv/bin/python benchmarks/sim_scale.py [--fleet-nodes 70] [--replicas 8] [--duration 60] \\
+    .venv/bin/python benchmarks/sim_scale.py [--fleet-nodes 100] [--replicas 8] [--duration 60] \\
         [--out benchmarks/reports/sim-scale.json]
 """
 
@@ -33,7 +33,7 @@ def main() -> None:
     for add in (add_hardware_flags, add_fleet_flags, add_traffic_flags, add_run_flags):
         add(p)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "reports" / "sim-scale.json"))
-    p.set_defaults(fleet_nodes=70)
+    p.set_defaults(fleet_nodes=100)
     args = p.parse_args()
     scenario = scenario_from_args(args)
     started = time.time()

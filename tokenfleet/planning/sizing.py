@@ -243,8 +243,9 @@ _READING = [
     "lacks at least `min_uncached_tokens` (128) of its prompt. The decode replica that served the previous turn "
     "holds the transcript *including the reply it generated*; the prefill pool holds only prompts it computed "
     "itself. A remote prefill therefore recomputes the last reply and any turns that stayed local, and the "
-    "prefill pool, not the decode pool, sets the limit, even when most of the cell is decode capacity. P/D pays "
-    "off for long fresh prompts (low reuse), not for multi-turn chat on a prefix-aware fleet.",
+    "prefill pool, not the decode pool, sets the limit, even when most of the cell is decode capacity. P/D is "
+    "built for long uncached prompts; this workload reuses most of each prompt (P/D on fresh-prompt traffic is "
+    "not simulated here).",
     "- **At the limit**: TTFT p99 explodes once prefill demand nears a node's compute (the queue grows), and "
     "TPOT p99 rises as more steps carry a full 2048-token prefill chunk (~45 ms on this roofline, above the "
     "40 ms objective); a smaller step budget (`--max-num-batched-tokens`) trades TTFT for TPOT.",
