@@ -22,16 +22,12 @@ BAR_SECONDS = 600
 
 def main() -> None:
     from tokenfleet.planning.scenario import (
-        add_fleet_flags,
-        add_hardware_flags,
-        add_run_flags,
-        add_traffic_flags,
+        add_scenario_flags,
         scenario_from_args,
     )
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for add in (add_hardware_flags, add_fleet_flags, add_traffic_flags, add_run_flags):
-        add(p)
+    add_scenario_flags(p)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "reports" / "sim-scale.json"))
     p.set_defaults(fleet_nodes=100)
     args = p.parse_args()

@@ -11,10 +11,7 @@ from typing import Any
 
 from tokenfleet.planning import plots
 from tokenfleet.planning.scenario import (
-    add_fleet_flags,
-    add_hardware_flags,
-    add_run_flags,
-    add_traffic_flags,
+    add_scenario_flags,
     run_all,
     scenario_from_args,
 )
@@ -35,15 +32,13 @@ def add_command(sub: Any) -> None:
     cmds = p.add_subparsers(dest="simulate_command", required=True)
 
     run = cmds.add_parser("run", help="simulate one cell and print its figures")
-    for add in (add_hardware_flags, add_fleet_flags, add_traffic_flags, add_run_flags):
-        add(run)
+    add_scenario_flags(run)
     run.add_argument("--json", action="store_true")
     run.add_argument("--csv", help="append the figures to this CSV")
     run.set_defaults(func=_cmd_run)
 
     sweep = cmds.add_parser("sweep", help="simulate a grid: cell size x P/D split x policy x per-node rate; CSV and plots")
-    for add in (add_hardware_flags, add_fleet_flags, add_traffic_flags, add_run_flags):
-        add(sweep)
+    add_scenario_flags(sweep)
     sweep.add_argument("--rates-per-node", type=float, nargs="+", required=True, help="requests/s per node")
     sweep.add_argument("--policies", nargs="+", help="default: --policy")
     sweep.add_argument("--cell-sizes", type=int, nargs="+", help="replicas per cell (default: --replicas)")

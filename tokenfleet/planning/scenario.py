@@ -126,6 +126,12 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--usd-per-gpu-hour", type=float, default=2.0)
 
 
+def add_scenario_flags(p: argparse.ArgumentParser) -> None:
+    """Every flag a scenario reads (``scenario_from_args``)."""
+    for add in (add_hardware_flags, add_fleet_flags, add_traffic_flags, add_run_flags):
+        add(p)
+
+
 def hardware(args: argparse.Namespace) -> tuple[Model, Layout]:
     model = MODELS[args.model] if args.model in MODELS else Model.from_config(args.model)
     layout = Layout(GPUS[args.gpu], args.tp, 1, args.weight_dtype, args.kv_dtype, args.reserve_gb * GB,

@@ -45,6 +45,7 @@ from tokenfleet.routing.placement import (
     PREFIX_AWARE,
     ROUND_ROBIN,
     DisaggConfig,
+    Placement,
     live_homes,
     place,
 )
@@ -211,14 +212,7 @@ class Simulator:
         chain = hash_blocks(tokens, fleet.block_size, self.salt)
         if not chain:
             return
-        anchor_homes: tuple[str, ...] = ()
-        if len(chain) >= fleet.prefix.min_match_blocks:
-            anchor_homes = self._homes.get(chain[fleet.prefix.min_match_blocks - 1], ())
-        cached = {rid: r.scheduler.block_manager.cached_hash_view() for rid, r in self.replicas.items()}
-        placement = place(self._snapshot(), chain, cached, anchor_homes, len(tokens), fleet.block_size, fleet.policy,
-                          self._round_robin, fleet.prefix, fleet.disagg, colocated=not fleet.disaggregated,
-                          homes_count=self._homes_count)
-        self._record_home(placement, anchor_homes)
+        placement = self._placement(chain, len(tokens))
         for chosen in (placement.decode, placement.prefill):
             if chosen is not None:
                 bm = self.replicas[chosen.replica_id].scheduler.block_manager
@@ -227,12 +221,23 @@ class Simulator:
                     bm.free("preload")
                 self._loads[chosen.replica_id] = self.replicas[chosen.replica_id].load()
 
-    def _record_home(self, placement: Any, anchor_homes: tuple[str, ...]) -> None:
+    def _placement(self, chain: list[bytes], num_tokens: int) -> Placement:
+        """The router's decision for a prompt (NoReplicaError when none serves), recording the anchor's
+        new home in the affinity map as services/router does."""
+        fleet = self.fleet
+        anchor_homes: tuple[str, ...] = ()
+        if len(chain) >= fleet.prefix.min_match_blocks:
+            anchor_homes = self._homes.get(chain[fleet.prefix.min_match_blocks - 1], ())
+        cached = {rid: r.scheduler.block_manager.cached_hash_view() for rid, r in self.replicas.items()}
+        placement = place(self._snapshot(), chain, cached, anchor_homes, num_tokens, fleet.block_size, fleet.policy,
+                          self._round_robin, fleet.prefix, fleet.disagg, colocated=not fleet.disaggregated,
+                          homes_count=self._homes_count)
         if placement.record_home and placement.anchor is not None:
             homes = live_homes(anchor_homes, self.replicas.keys(), placement.decode.replica_id)
             self._homes_count.subtract(anchor_homes)
             self._homes_count.update(homes)
             self._homes[placement.anchor] = homes
+        return placement
 
     # ---- placement ------------------------------------------------------------------------------------
     def submit(self, arrival: Arrival) -> None:
@@ -249,21 +254,14 @@ class Simulator:
                                    for rid, load in self._loads.items()))
 
     def _place(self, track: Track) -> None:
-        arrival, fleet = track.arrival, self.fleet
-        chain = hash_blocks(arrival.prompt, fleet.block_size, self.salt)
-        anchor_homes: tuple[str, ...] = ()
-        if len(chain) >= fleet.prefix.min_match_blocks:
-            anchor_homes = self._homes.get(chain[fleet.prefix.min_match_blocks - 1], ())
-        cached = {rid: r.scheduler.block_manager.cached_hash_view() for rid, r in self.replicas.items()}
+        arrival = track.arrival
         try:
-            placement = place(self._snapshot(), chain, cached, anchor_homes, len(arrival.prompt), fleet.block_size,
-                              fleet.policy, self._round_robin, fleet.prefix, fleet.disagg,
-                              colocated=not fleet.disaggregated, homes_count=self._homes_count)
+            placement = self._placement(hash_blocks(arrival.prompt, self.fleet.block_size, self.salt),
+                                        len(arrival.prompt))
         except NoReplicaError:
             self._reject(track)
             return
         decode = placement.decode.replica_id
-        self._record_home(placement, anchor_homes)
         self._pending[decode] += 1
         track.replica = decode
         if placement.prefill is not None:

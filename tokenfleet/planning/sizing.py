@@ -22,10 +22,7 @@ from tokenfleet.planning import plots
 from tokenfleet.planning.costs import Roofline, StepShape
 from tokenfleet.planning.scenario import (
     Scenario,
-    add_fleet_flags,
-    add_hardware_flags,
-    add_run_flags,
-    add_traffic_flags,
+    add_scenario_flags,
     run_all,
     scenario_from_args,
 )
@@ -40,8 +37,7 @@ REFINEMENTS = 2  # bisection rounds between the best passing and the first faili
 
 def headline(quick: bool) -> Scenario:
     parser = argparse.ArgumentParser()
-    for add in (add_hardware_flags, add_fleet_flags, add_traffic_flags, add_run_flags):
-        add(parser)
+    add_scenario_flags(parser)
     args = parser.parse_args(["--rate", "1"])
     args.warmup, args.duration, args.drain = (1.0, 2.0, 2.0) if quick else (15.0, 30.0, 15.0)
     if quick:  # small cells, short conversations: seconds, not an hour
