@@ -26,3 +26,8 @@ def device() -> str | None:
 def check_invariants() -> bool:
     """Check the KV block manager's bookkeeping after every engine step (tests, debugging; slow)."""
     return os.environ.get("TOKENFLEET_CHECK_INVARIANTS", "") not in ("", "0")
+
+
+def native_kernels() -> bool:
+    """Build and use the native CPU kernels (models/csrc) when a C compiler is present; "0" forces pure torch."""
+    return os.environ.get("TOKENFLEET_NATIVE_KERNELS", "1") not in ("0", "false", "no")

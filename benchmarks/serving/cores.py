@@ -26,6 +26,18 @@ def _thread_stat(pid: int, tid: int) -> tuple[str, float, int] | None:
     return name, (int(fields[11]) + int(fields[12])) / CLK_TCK, int(fields[36])
 
 
+def _short_name(proc: psutil.Process) -> str:
+    """A child's name for reports: the tokenfleet service it runs (``-m tokenfleet.services.X``), else its name."""
+    try:
+        cmdline = proc.cmdline()
+    except psutil.Error:
+        return "?"
+    for arg in cmdline:
+        if arg.startswith("tokenfleet.services."):
+            return arg.removeprefix("tokenfleet.services.").replace("decode", "worker")
+    return proc.name()
+
+
 @dataclass
 class _Seen:
     label: str
@@ -74,7 +86,7 @@ class CoreMonitor:
                 root = psutil.Process(pid)
                 yield label, root
                 for child in root.children(recursive=True):
-                    yield f"{label}/{child.name()}", child
+                    yield f"{label}/{_short_name(child)}", child
             except psutil.Error:
                 continue
 

@@ -3,9 +3,15 @@
 Order per row: logprobs of the raw logits (reported values) -> repetition/frequency/presence
 penalties -> logit_bias -> grammar mask (guided requests; their matcher then consumes the
 sampled token) or min_tokens mask (EOS and stop ids) -> greedy argmax, or temperature ->
-top_k -> top_p -> min_p -> a draw from the request's own generator. Each request has its own
-``torch.Generator`` advanced by exactly one draw per sampled token, so a seeded request
-produces the same tokens whatever else shares its batch.
+top_k -> top_p -> min_p -> an inverse-CDF draw with one uniform number per row.
+
+Vectorized over the batch: the random rows are filtered and drawn together (one softmax,
+one cumsum, one searchsorted), whatever mix of parameters they carry; sorting for top_p happens
+only for the rows that ask for it. Uniforms: a seeded request has its own ``torch.Generator``
+advanced by exactly one draw per sampled token, so it produces the same tokens whatever else
+shares its batch; unseeded rows take theirs from the sampler's generator in one call.
+(Drawing per row with an exponential race over the whole vocabulary cost 28-41 % of a
+32-request CPU decode step.)
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tokenfleet.engine.guided import apply_masks, fill_masks, mask_width
 from tokenfleet.engine.output import TokenLogprobs
 from tokenfleet.engine.request import Request
+from tokenfleet.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -30,7 +38,8 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
-        self._generators: dict[str, torch.Generator] = {}
+        self._generators: dict[str, torch.Generator] = {}  # seeded requests' own streams (CPU)
+        self._shared_generator = torch.Generator().manual_seed(secrets.randbits(63))
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -59,54 +68,108 @@ class Sampler:
                     banned += list(r.eos_token_ids)
                 if banned:
                     logits[i, banned] = float("-inf")
-        token_ids = logits.argmax(dim=-1).tolist()
-        for i, r in enumerate(requests):
-            if not r.sampling_params.is_greedy:
-                token_ids[i] = self._sample_row(logits[i], r)
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            token_ids[rows] = self._draw(logits.index_select(0, rows), [requests[i] for i in random_rows])
+        token_ids_list: list[int] = token_ids.tolist()
         for i in guided:
-            requests[i].guide.consume_token(token_ids[i])  # an error state ends the request (scheduler)
+            requests[i].guide.consume_token(token_ids_list[i])  # an error state ends the request (scheduler)
         logprobs = [
-            token_logprobs(raw_logprobs[i], token_ids[i], r.sampling_params.logprobs)
+            token_logprobs(raw_logprobs[i], token_ids_list[i], r.sampling_params.logprobs)
             if raw_logprobs is not None and r.sampling_params.logprobs is not None
             else None
             for i, r in enumerate(requests)
         ]
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        return SamplerOutput(token_ids=token_ids_list, logprobs=logprobs)
 
-    def _sample_row(self, row: torch.Tensor, request: Request) -> int:
-        probs = filtered_probs(row, request.sampling_params.temperature, request.sampling_params.top_k,
-                               request.sampling_params.top_p, request.sampling_params.min_p)
-        noise = torch.empty_like(probs).exponential_(generator=self._generator(request))
-        # argmax(p / E) with E ~ Exp(1) is an exact draw from p (the exponential race).
-        return int((probs / noise).argmax())
+    def _draw(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """One token per row of ``logits`` [rows, vocab] under each request's filters: inverse CDF."""
+        params = [r.sampling_params for r in requests]
+        probs = filtered_probs_batch(logits, params)
+        uniforms = torch.empty(len(requests), dtype=probs.dtype)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            uniforms[unseeded] = torch.rand(len(unseeded), generator=self._shared_generator, dtype=probs.dtype)
+        for i, r in enumerate(requests):
+            if params[i].seed is not None:
+                uniforms[i] = torch.rand(1, generator=self._generator(r), dtype=probs.dtype)
+        return inverse_cdf(probs, uniforms.to(probs.device))
 
     def _generator(self, request: Request) -> torch.Generator:
         gen = self._generators.get(request.request_id)
         if gen is None:
-            gen = torch.Generator(device=self.device)
+            gen = torch.Generator()
             seed = request.sampling_params.seed
             gen.manual_seed(seed if seed is not None else secrets.randbits(63))
             self._generators[request.request_id] = gen
         return gen
 
 
+CDF_CHUNK = 256
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative mass exceeds uniform * total (never a zero-probability
+    token). Two levels, so no cumulative sum runs over the whole vocabulary (a [32, 49k] cumsum is
+    one slow serial pass, ~4 ms here): sums of 256-token chunks, the chunk, then the token in it.
+    probs: [rows, vocab] >= 0; uniforms: [rows] in [0, 1)."""
+    rows, vocab = probs.shape
+    pad = -vocab % CDF_CHUNK
+    chunks = F.pad(probs, (0, pad)).view(rows, -1, CDF_CHUNK)  # [rows, num_chunks, CHUNK]
+    chunk_cdf = chunks.sum(dim=-1).cumsum(dim=-1)  # [rows, num_chunks]
+    target = uniforms[:, None] * chunk_cdf[:, -1:]
+    chunk = torch.searchsorted(chunk_cdf, target, right=True).clamp_(max=chunk_cdf.shape[-1] - 1)  # [rows, 1]
+    # Mass before the chosen chunk, then the token inside it.
+    before = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp(min=0)), torch.zeros_like(target))
+    inner = chunks.gather(1, chunk[:, :, None].expand(-1, -1, CDF_CHUNK)).squeeze(1).cumsum(dim=-1)  # [rows, CHUNK]
+    offset = torch.searchsorted(inner, target - before, right=True).clamp_(max=CDF_CHUNK - 1)
+    # A rounding shortfall can point past the chunk's last non-zero token: step back to it.
+    token = (chunk * CDF_CHUNK + offset).squeeze(1)
+    nonzero = probs.gather(1, token.clamp(max=vocab - 1)[:, None]).squeeze(1) > 0
+    if not bool(nonzero.all()):
+        fallback = torch.searchsorted(probs.cumsum(dim=-1), (uniforms[:, None] * probs.sum(-1, keepdim=True)), right=True)
+        token = torch.where(nonzero, token, fallback.squeeze(1))
+    return token.clamp_(max=vocab - 1)
+
+
 def filtered_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Probabilities after temperature, top_k, top_p and min_p. row: [vocab] float32."""
-    logits = row / temperature
-    if top_k > 0 and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
+    params = SamplingParams(max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    return filtered_probs_batch(row[None, :], [params])[0]
+
+
+def filtered_probs_batch(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[rows, vocab] probabilities after each row's temperature, top_k, top_p and min_p (float32 in)."""
+    rows, vocab = logits.shape
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    logits = logits / temperature[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        k_max = max(top_k)
+        top_values = torch.topk(logits, k_max, dim=-1).values  # [rows, k_max], descending
+        kth_index = torch.tensor([max(k, 1) - 1 for k in top_k], device=device)
+        kth = top_values.gather(1, kth_index[:, None])
+        kth = kth.masked_fill(torch.tensor([k == 0 for k in top_k], device=device)[:, None], float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus:
+        index = torch.tensor(nucleus, device=device)
+        top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=logits.dtype, device=device)
+        sorted_logits, order = torch.sort(logits.index_select(0, index), dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the tokens before it already reach top_p; the first always stays.
-        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        logits[index] = logits.index_select(0, index).masked_fill(drop, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if min_p > 0.0:
-        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
-        probs = probs / probs.sum()
+    min_p = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_p):
+        threshold = torch.tensor(min_p, dtype=probs.dtype, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
 

@@ -1,32 +1,38 @@
-"""Paged attention over a flattened mixed batch (decode tokens first, then prefill chunks).
+"""Paged attention over a flattened mixed batch (paged queries first, then prefill chunks).
 
 Layout of one forward's tokens:
 
     [ d_0 d_1 ... d_{D-1} | p0_0 ... p0_{n0-1} | p1_0 ... | ... ]
-      one token per         prefill chunk of      next chunk
-      decoding request      request 0
+      paged queries: a few    prefill chunk of      next chunk
+      per request (decode 1)  request 0
 
-KV cache layout per layer: [kv_heads, num_blocks, block_size, head_dim]. Gathering a
-request's context is then one ``index_select`` of whole blocks (contiguous 2 KB runs), and
-the gathered [kv_heads, D, L, head_dim] tensor feeds the batched matmuls with no permute
-copy. Measured on the 2-core CPU for 32 decodes at L=320, one layer, bf16
-(benchmarks/attention_impls.py): token-major [slots, kv_heads, head_dim] gather + permute
-2.4-3.2 ms; this layout 1.2-1.5 ms; CPU SDPA with q_len=1 7.7 ms; fp32 upcast 5-6 ms.
+KV cache layout per layer: [kv_heads, num_blocks, block_size, head_dim].
 
-- decode tokens: all decoding requests in one pair of batched matmuls over the padded
-  gathered context with an additive mask; GQA by viewing query heads as [kv_heads, group],
-  so K/V are never repeated. Softmax in fp32.
+- paged queries (decode; several per request for speculative verification): one attention
+  interface, ``PagedAttention``, over block tables and context lengths. Two implementations,
+  chosen once per model by ``select_attention``:
+  - ``NativePagedAttention`` (CPU, bf16): a C kernel (csrc/paged_attention.c) that reads each
+    request's blocks where they lie, with scores, softmax and P.V accumulated in fp32.
+  - ``TorchPagedAttention`` (the reference, every device and dtype): gathers the requests'
+    blocks (padded to the longest) and runs batched matmuls with fp32 scores, softmax and
+    accumulation (upcasting the gathered copy, never the cache).
+  Rounding scores to bf16 before the softmax (what a bf16 matmul does) moved greedy decoding
+  off the fp32 path within a few tokens on short chats; both implementations avoid it.
 - prefill chunks: one SDPA per request (q_len = chunk length, where SDPA's blocked kernel
-  is efficient); a chunk with no earlier context attends to its own fresh K/V, skipping the
-  gather.
+  is efficient, fp32 accumulation inside); a chunk with no earlier context attends to its own
+  fresh K/V, skipping the gather.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from tokenfleet.models import native
 
 
 @dataclass
@@ -40,16 +46,113 @@ class PrefillSpan:
 
 
 @dataclass
+class PagedQueries:
+    """Requests with a few query tokens each, attended over their block tables.
+
+    Their query rows are the batch's first ``num_tokens`` rows, request after request. Query j of a
+    request with n rows and context length L sees keys 0 .. L - n + j (causal among its rows)."""
+
+    block_table: torch.Tensor  # [num_requests, max_blocks] long, padded with block 0
+    context_lens: torch.Tensor  # [num_requests] long: keys the request's last query row sees
+    query_start: torch.Tensor  # [num_requests + 1] long: request r owns rows query_start[r] .. [r+1]-1
+    num_tokens: int
+    max_query_len: int
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.context_lens.shape[0])
+
+
+@dataclass
 class ForwardBatch:
     """Everything a forward needs besides token ids; built once per step by the model runner."""
 
     positions: torch.Tensor  # [num_tokens] long
     slot_mapping: torch.Tensor  # [num_tokens] long: block_id * block_size + offset of each token's K/V
     logits_indices: torch.Tensor  # [num_logits] long: batch rows whose logits are sampled
-    num_decode: int = 0
-    decode_block_ids: torch.Tensor | None = None  # [num_decode * max_blocks] long, padded with block 0
-    decode_bias: torch.Tensor | None = None  # [1, num_decode, 1, max_blocks * block_size] 0 or -inf
-    prefills: list[PrefillSpan] = field(default_factory=list)
+    queries: PagedQueries  # every row of the batch, request by request
+    paged: PagedQueries | None = None  # the one-row (decode) requests, the batch's first rows
+    prefills: list[PrefillSpan] = field(default_factory=list)  # the others, for implementations that use SDPA
+
+    @property
+    def num_paged_tokens(self) -> int:
+        return self.paged.num_tokens if self.paged is not None else 0
+
+
+class PagedAttention(Protocol):
+    #: True: it attends every row (prefill chunks too) from the caches; False: decode rows only
+    #: (``paged_attention`` runs SDPA for prefill chunks).
+    handles_prefill: bool
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedQueries) -> torch.Tensor:
+        """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim] in q's dtype; reads the caches only."""
+
+
+class TorchPagedAttention:
+    """Reference implementation: gather every request's blocks (padded to the longest), fp32 math."""
+
+    handles_prefill = False
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedQueries) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads, _, block_size, _ = k_cache.shape
+        group, r, n = num_heads // num_kv_heads, meta.num_requests, meta.max_query_len
+        flat = meta.block_table.reshape(-1)
+        keys = _gather(k_cache, flat).view(num_kv_heads, r, -1, head_dim).float()  # [kvh, R, L, hd]
+        values = _gather(v_cache, flat).view(num_kv_heads, r, -1, head_dim).float()
+        starts = meta.query_start[:-1]
+        counts = meta.query_start[1:] - starts  # [R]
+        row_req = torch.repeat_interleave(torch.arange(r, device=q.device), counts, output_size=num_tokens)
+        row_pos = torch.arange(num_tokens, device=q.device) - starts[row_req]  # index of each row in its request
+        padded = q.new_zeros(r, n, num_heads, head_dim)
+        padded[row_req, row_pos] = q
+        qh = padded.view(r, n, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4).reshape(num_kv_heads, r, n * group, head_dim)
+        scores = torch.matmul(qh.float(), keys.transpose(-1, -2)) * head_dim**-0.5  # [kvh, R, n * group, L]
+        key_pos = torch.arange(keys.shape[2], device=q.device)
+        # keys visible to query j: < L - count + j + 1
+        limit = (meta.context_lens - counts)[:, None] + torch.arange(n, device=q.device)[None, :] + 1  # [R, n]
+        visible = key_pos[None, None, :] < limit[:, :, None]  # [R, n, L]
+        visible = visible[:, :, None, :].expand(r, n, group, -1).reshape(1, r, n * group, -1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, values)  # [kvh, R, n * group, hd]
+        out = out.view(num_kv_heads, r, n, group, head_dim).permute(1, 2, 0, 3, 4).reshape(r, n, num_heads, head_dim)
+        return out[row_req, row_pos].to(q.dtype)
+
+
+class NativePagedAttention:
+    """csrc/paged_attention.c: bf16 caches on CPU, blocks read in place, fp32 math; every row of a
+    step in one call (prefill chunks read their context from the cache, causal rows skip keys)."""
+
+    handles_prefill = True
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._fn = lib.tf_paged_attention_bf16
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, ctypes.c_int]
+        self._fn.restype = ctypes.c_int
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedQueries) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        table = meta.block_table.contiguous()
+        rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), meta.context_lens.data_ptr(),
+                      meta.query_start.data_ptr(), out.data_ptr(), meta.num_requests, num_heads, num_kv_heads, head_dim,
+                      block_size, num_blocks, table.shape[1], head_dim**-0.5, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError("paged attention: inconsistent block table, context lengths or query rows")
+        return out
+
+
+def select_attention(dtype: torch.dtype, device: torch.device) -> PagedAttention:
+    """The native kernel where it applies (bf16 on CPU, a compiler present), else the torch reference."""
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        lib = native.load("paged_attention")
+        if lib is not None:
+            return NativePagedAttention(lib)
+    return TorchPagedAttention()
 
 
 def paged_attention(
@@ -59,16 +162,18 @@ def paged_attention(
     k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]
     v_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]
     batch: ForwardBatch,
+    attend: PagedAttention,
 ) -> torch.Tensor:
-    """Write k/v into the cache at ``batch.slot_mapping``, then attend. Returns [num_tokens, heads * head_dim]."""
-    num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
-    k_cache.view(num_kv_heads, num_blocks * block_size, head_dim).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
-    v_cache.view(num_kv_heads, num_blocks * block_size, head_dim).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
-    num_tokens, num_heads, _ = q.shape
+    """Attend; the step's k/v are already in the caches. Returns [num_tokens, heads * head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    if attend.handles_prefill:
+        return attend(q, k_cache, v_cache, batch.queries).view(num_tokens, num_heads * head_dim)
+    if batch.paged is not None and not batch.prefills:  # a pure decode step: no copy of the output
+        return attend(q, k_cache, v_cache, batch.paged).view(num_tokens, num_heads * head_dim)
     out = torch.empty_like(q)
-    if batch.num_decode:
-        d = batch.num_decode
-        out[:d] = _decode_attention(q[:d], k_cache, v_cache, batch)
+    if batch.paged is not None:
+        d = batch.paged.num_tokens
+        out[:d] = attend(q[:d], k_cache, v_cache, batch.paged)
     for span in batch.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
         if span.context_block_ids is None:  # no earlier context: attend to the chunk's own K/V
@@ -84,20 +189,6 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """[kv_heads, len(block_ids) * block_size, head_dim]: the blocks' tokens in order."""
     num_kv_heads, _, block_size, head_dim = cache.shape
     return cache.index_select(1, block_ids).view(num_kv_heads, -1, head_dim)
-
-
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    if batch.decode_block_ids is None or batch.decode_bias is None:
-        raise ValueError("decode tokens scheduled without decode metadata")
-    d, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[0]
-    group = num_heads // num_kv_heads
-    keys = _gather(k_cache, batch.decode_block_ids).view(num_kv_heads, d, -1, head_dim)  # [kvh, D, L, hd]
-    values = _gather(v_cache, batch.decode_block_ids).view(num_kv_heads, d, -1, head_dim)
-    qh = q.view(d, num_kv_heads, group, head_dim).transpose(0, 1)  # [kvh, D, group, hd]
-    scores = torch.matmul(qh, keys.transpose(-1, -2)).float() * (head_dim**-0.5) + batch.decode_bias
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [kvh, D, group, L]
-    return torch.matmul(probs, values).transpose(0, 1).reshape(d, num_heads, head_dim)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int) -> torch.Tensor:

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenfleet.models.attention import ForwardBatch, paged_attention
+from tokenfleet.models.attention import ForwardBatch, PagedAttention, paged_attention
 from tokenfleet.models.config import ModelConfig, RopeScaling
+from tokenfleet.models.layer_ops import LayerOps
 from tokenfleet.models.linear import LinearKernel
 
 
@@ -77,9 +78,12 @@ class LlamaModel:
     """``weights`` hold matrices already prepared by ``linear`` (see models.linear)."""
 
     def __init__(
-        self, config: ModelConfig, weights: LlamaWeights, dtype: torch.dtype, device: torch.device, linear: LinearKernel
+        self, config: ModelConfig, weights: LlamaWeights, dtype: torch.dtype, device: torch.device, linear: LinearKernel,
+        attention: PagedAttention, ops: LayerOps,
     ):
         self.config = config
+        self.attention = attention
+        self.ops = ops
         self.weights = weights
         self.linear = linear
         self.dtype = dtype
@@ -96,36 +100,15 @@ class LlamaModel:
 
         token_ids: [num_tokens]. Returns float32 logits [num_logits, vocab].
         """
-        cfg, w, linear = self.config, self.weights, self.linear
-        h = F.embedding(token_ids, w.embed)  # [num_tokens, hidden]
-        cos = self.cos[batch.positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin[batch.positions].unsqueeze(1)
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        residual = h
+        cfg, w, linear, ops = self.config, self.weights, self.linear, self.ops
+        residual = F.embedding(token_ids, w.embed)  # [num_tokens, hidden]
+        delta: torch.Tensor | None = None  # what the previous sublayer adds to the residual stream
         for i, layer in enumerate(w.layers):
-            x = rms_norm(residual, layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = linear(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            attn = paged_attention(q, k, v, kv.k[i], kv.v[i], batch)  # [num_tokens, heads * head_dim]
-            residual = residual + linear(attn, layer.o_proj)
-            x = rms_norm(residual, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
-            residual = residual + linear(F.silu(gate) * up, layer.down)
-        last = residual[batch.logits_indices]
-        return linear(rms_norm(last, w.norm, cfg.rms_norm_eps), w.lm_head).float()
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same order of operations as HF's LlamaRMSNorm (fp32 statistics, cast back, then scale).
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF layout). x: [num_tokens, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+            residual, x = ops.add_rms_norm(residual, delta, layer.input_norm, cfg.rms_norm_eps)
+            q, k, v = ops.rope_store_kv(linear(x, layer.qkv), batch, self.cos, self.sin, kv.k[i], kv.v[i])
+            attn = paged_attention(q, k, v, kv.k[i], kv.v[i], batch, self.attention)  # [num_tokens, heads * head_dim]
+            residual, x = ops.add_rms_norm(residual, linear(attn, layer.o_proj), layer.post_norm, cfg.rms_norm_eps)
+            delta = linear(ops.silu_mul(linear(x, layer.gate_up)), layer.down)
+        rows = batch.logits_indices
+        _, last = ops.add_rms_norm(residual[rows], None if delta is None else delta[rows], w.norm, cfg.rms_norm_eps)
+        return linear(last, w.lm_head).float()

@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tokenfleet.models.attention import select_attention
 from tokenfleet.models.config import ModelConfig
+from tokenfleet.models.layer_ops import select_layer_ops
 from tokenfleet.models.linear import LinearKernel, select_linear
 from tokenfleet.models.llama import LayerWeights, LlamaModel, LlamaWeights
 
@@ -25,7 +27,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     tensors = _read_safetensors(Path(model_dir))
     linear = select_linear(dtype, device)
     weights = _build_weights(config, tensors, dtype, device, linear)
-    return LlamaModel(config, weights, dtype, device, linear)
+    return LlamaModel(config, weights, dtype, device, linear, select_attention(dtype, device),
+                      select_layer_ops(config, dtype, device))
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

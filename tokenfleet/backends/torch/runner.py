@@ -15,7 +15,7 @@ from tokenfleet.engine.output import TokenLogprobs
 from tokenfleet.engine.request import Request
 from tokenfleet.engine.sampler import Sampler
 from tokenfleet.engine.scheduler import ScheduledRequest, SchedulerOutput
-from tokenfleet.models.attention import ForwardBatch, PrefillSpan
+from tokenfleet.models.attention import ForwardBatch, PagedQueries, PrefillSpan
 from tokenfleet.models.llama import KVCache, LlamaModel
 
 
@@ -147,25 +147,31 @@ class TorchModelRunner:
             positions=self._tensor(positions),
             slot_mapping=self._tensor(slots),
             logits_indices=self._tensor(logits_indices + span_rows),
+            queries=self._paged_queries(scheduled),
+            paged=self._paged_queries(decode_entries) if decode_entries else None,
             prefills=prefills,
         )
-        if decode_entries:
-            self._add_decode_metadata(batch, decode_entries)
         return self._tensor(tokens), batch, spans
 
-    def _add_decode_metadata(self, batch: ForwardBatch, entries: list[ScheduledRequest]) -> None:
+    def _paged_queries(self, entries: Sequence[ScheduledRequest]) -> PagedQueries:
+        """``entries`` (contiguous rows of the batch, in order) as paged queries over their block tables."""
         bs = self.block_size
-        lengths = [e.start + 1 for e in entries]
+        lengths = [e.start + e.num_new_tokens for e in entries]
         max_blocks = -(-max(lengths) // bs)
-        block_ids = []
-        for e in entries:
-            table = list(e.block_ids[:max_blocks])
-            block_ids += table + [0] * (max_blocks - len(table))
-        valid = torch.arange(max_blocks * bs)[None, :] < torch.tensor(lengths)[:, None]
-        bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
-        batch.num_decode = len(entries)
-        batch.decode_block_ids = self._tensor(block_ids)
-        batch.decode_bias = bias.view(1, len(entries), 1, -1).to(self.device)
+        table: list[int] = []
+        starts = [0]
+        for e, length in zip(entries, lengths):
+            row = e.block_ids[: -(-length // bs)]
+            table += row
+            table += [0] * (max_blocks - len(row))
+            starts.append(starts[-1] + e.num_new_tokens)
+        return PagedQueries(
+            block_table=self._tensor(table).view(len(entries), max_blocks),
+            context_lens=self._tensor(lengths),
+            query_start=self._tensor(starts),
+            num_tokens=starts[-1],
+            max_query_len=max(e.num_new_tokens for e in entries),
+        )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

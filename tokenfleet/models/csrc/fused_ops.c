@@ -1,0 +1,165 @@
+/* The decoder layer's element-wise work, fused, for bf16 tensors on CPU.
+ *
+ * Each function does in one call what takes the torch path 3 to 10 small ops (each a dispatch,
+ * an allocation and a pass over memory: ~5 us apiece, ~30 per layer, 1,000 per step). They
+ * repeat the torch path's (and HF's) rounding steps exactly: every value the torch path stores
+ * as bf16 is rounded to bf16 here at the same point, so results differ from it only by the
+ * summation order of the RMS statistics.
+ *
+ * Rows are independent: loops over rows run on the caller's OpenMP runtime (torch's).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t to_bf(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7f800000u) == 0x7f800000u) return (uint16_t)((u >> 16) | ((u & 0xffffu) ? 0x40u : 0u));
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float round_bf(float f) { return bf(to_bf(f)); }
+
+/* The sum of a contiguous fp32 row in the order torch's CPU sum kernel uses (cascade_sum ->
+ * vectorized_inner_sum, built for AVX2 only in torch 2.13 wheels: 8-lane vectors, 4 interleaved
+ * accumulators, cascade levels, then the
+ * lanes one by one), so the RMS statistics round exactly as the torch path's (and HF's) do: a
+ * different order moved a few normalized values by one bf16 step per layer, enough to change a
+ * greedy continuation. Needs -ffp-contract=off (no fused multiply-adds). */
+static int64_t ceil_log2(int64_t x) {
+    if (x <= 2) return 1;
+    int64_t bits = 0;
+    for (uint64_t v = (uint64_t)(x - 1); v; v >>= 1) bits++;
+    return bits;
+}
+
+static float torch_row_sum(const float *x, int64_t n) {
+    enum { V = 8, ILP = 4, LEVELS = 4 };
+    const int64_t num_vec = n / V, size = num_vec / ILP;
+    const int64_t level_power = ceil_log2(size) / LEVELS > 4 ? ceil_log2(size) / LEVELS : 4;
+    const int64_t level_step = (int64_t)1 << level_power, level_mask = level_step - 1;
+    float acc[LEVELS][ILP][V];
+    memset(acc, 0, sizeof acc);
+    int64_t i = 0;
+    while (i + level_step <= size) {
+        for (int64_t j = 0; j < level_step; j++, i++)
+            for (int k = 0; k < ILP; k++)
+                for (int l = 0; l < V; l++) acc[0][k][l] += x[(i * ILP + k) * V + l];
+        for (int j = 1; j < LEVELS; j++) {
+            for (int k = 0; k < ILP; k++)
+                for (int l = 0; l < V; l++) {
+                    acc[j][k][l] += acc[j - 1][k][l];
+                    acc[j - 1][k][l] = 0.0f;
+                }
+            if ((i & (level_mask << (j * level_power))) != 0) break;
+        }
+    }
+    for (; i < size; i++)
+        for (int k = 0; k < ILP; k++)
+            for (int l = 0; l < V; l++) acc[0][k][l] += x[(i * ILP + k) * V + l];
+    for (int j = 1; j < LEVELS; j++)
+        for (int k = 0; k < ILP; k++)
+            for (int l = 0; l < V; l++) acc[0][k][l] += acc[j][k][l];
+    for (int64_t v = size * ILP; v < num_vec; v++)
+        for (int l = 0; l < V; l++) acc[0][0][l] += x[v * V + l];
+    for (int k = 1; k < ILP; k++)
+        for (int l = 0; l < V; l++) acc[0][0][l] += acc[0][k][l];
+    float total = 0.0f;
+    for (int64_t t = num_vec * V; t < n; t++) total += x[t];
+    for (int l = 0; l < V; l++) total += acc[0][0][l];
+    return total;
+}
+
+/* residual += delta (when delta is not NULL); out = weight * bf16(residual * rsqrt(mean(residual^2) + eps)).
+ * residual, delta, out: [rows, hidden]; weight: [hidden]. */
+void tf_add_rms_norm(uint16_t *residual, const uint16_t *delta, const uint16_t *weight, uint16_t *out, int64_t rows,
+                     int64_t hidden, float eps, int num_threads) {
+#pragma omp parallel for num_threads(rows > 8 ? num_threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *x = residual + r * hidden;
+        if (delta) {
+            const uint16_t *d = delta + r * hidden;
+            for (int64_t i = 0; i < hidden; i++) x[i] = to_bf(bf(x[i]) + bf(d[i]));
+        }
+        float squares[hidden];
+        for (int64_t i = 0; i < hidden; i++) squares[i] = bf(x[i]) * bf(x[i]);
+        const float inv = 1.0f / sqrtf(torch_row_sum(squares, hidden) / (float)hidden + eps);
+        uint16_t *o = out + r * hidden;
+        for (int64_t i = 0; i < hidden; i++) o[i] = to_bf(bf(weight[i]) * round_bf(bf(x[i]) * inv));
+    }
+}
+
+/* qkv: [tokens, (heads + 2 * kv_heads) * head_dim] (the fused projection's output).
+ * Rotate-half RoPE (HF layout, bf16 steps: x*cos and rot*sin rounded, then their sum) of q and k at
+ * each token's position; write q to q_out [tokens, heads, head_dim], k to k_out [tokens, kv_heads,
+ * head_dim], and k and v into the caches [kv_heads, num_slots, head_dim] at slot_mapping[token].
+ * cos, sin: [max_positions, head_dim] bf16. */
+void tf_rope_store_kv(const uint16_t *qkv, const int64_t *positions, const uint16_t *cos_table,
+                      const uint16_t *sin_table, const int64_t *slot_mapping, uint16_t *q_out, uint16_t *k_out,
+                      uint16_t *k_cache, uint16_t *v_cache, int64_t tokens, int64_t heads, int64_t kv_heads,
+                      int64_t head_dim, int64_t num_slots, int num_threads) {
+    const int64_t half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim;
+#pragma omp parallel for num_threads(tokens > 8 ? num_threads : 1) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *row = qkv + t * width;
+        const uint16_t *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
+        const int64_t slot = slot_mapping[t];
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            const uint16_t *x = row + h * head_dim;
+            uint16_t *dst = h < heads ? q_out + (t * heads + h) * head_dim : k_out + (t * kv_heads + h - heads) * head_dim;
+            for (int64_t i = 0; i < head_dim; i++) {
+                const float rotated = i < half ? -bf(x[i + half]) : bf(x[i - half]);
+                dst[i] = to_bf(round_bf(bf(x[i]) * bf(c[i])) + round_bf(rotated * bf(s[i])));
+            }
+            if (h >= heads) memcpy(k_cache + ((h - heads) * num_slots + slot) * head_dim, dst, 2 * (size_t)head_dim);
+        }
+        for (int64_t h = 0; h < kv_heads; h++)
+            memcpy(v_cache + (h * num_slots + slot) * head_dim, row + (heads + kv_heads + h) * head_dim,
+                   2 * (size_t)head_dim);
+    }
+}
+
+/* exp(x) with Cody-Waite range reduction and a degree-6 polynomial (Cephes' expf coefficients,
+ * ~1 ulp, as torch's vectorized exp); plain float code so the compiler vectorizes it. Saturates to
+ * inf above 88.72 like expf. */
+static inline float exp_f32(float x) {
+    const float big = x > 88.72f;
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return big != 0.0f ? INFINITY : p * scale;
+}
+
+/* out = bf16(silu(gate)) * up, rounded; gate_up: [rows, 2 * inter] (gate first), out: [rows, inter]. */
+void tf_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter, int num_threads) {
+#pragma omp parallel for num_threads(rows > 4 ? num_threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
+        uint16_t *o = out + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            const float x = bf(g[i]);
+            o[i] = to_bf(round_bf(x / (1.0f + exp_f32(-x))) * bf(u[i]));
+        }
+    }
+}

@@ -1,0 +1,289 @@
+/* Paged attention for any number of query tokens per request (decode: one; speculative
+ * verification: a few; prefill chunks: many), reading K/V blocks where they lie in the cache:
+ * no gather, no padding.
+ *
+ * bf16 in, bf16 out; scores, softmax and the P.V accumulation in fp32 (one rounding, at the
+ * output), as HF's SDPA kernels and vLLM's paged attention keep them.
+ *
+ * Layouts (row-major, contiguous):
+ *   q, out        [num_queries, num_heads, head_dim]            bf16 as uint16
+ *   k/v cache     [num_kv_heads, num_blocks, block_size, head_dim] bf16 as uint16
+ *   block_table   [num_requests, max_blocks]                    int64
+ *   context_lens  [num_requests]  keys the request's last query token sees (its own included)
+ *   query_start   [num_requests + 1]  request r owns query rows query_start[r] .. query_start[r+1]-1
+ * Query row j (0-based) of a request with n query rows and context length L sees keys 0 .. L-n+j.
+ *
+ * Work item: (request, kv head, up to ROWS_PER_ITEM of its query rows); the item's query heads
+ * (GQA group) x rows share each K/V row as it is loaded, and keys past what the item's last row
+ * sees are never read (causal). Items run on the caller's OpenMP runtime (torch's, loaded first):
+ * num_threads is torch.get_num_threads().
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_HEAD_DIM 256
+#define ROWS_PER_ITEM 32
+
+typedef struct {
+    const uint16_t *q, *k_cache, *v_cache;
+    const int64_t *table; /* this request's block table */
+    uint16_t *out;
+    int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks;
+    float scale;
+} Args;
+
+typedef struct {
+    int64_t request;
+    int64_t kv_head;
+    int64_t first_row;   /* the request's first query row in q / out */
+    int64_t num_rows;    /* n: the request's query rows */
+    int64_t context_len; /* L */
+    int64_t row0, row1;  /* this item's rows, relative to the request */
+} Item;
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7f800000u) == 0x7f800000u) return (uint16_t)(u >> 16); /* inf / nan pass through */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* exp(x) for x <= 0 (scores minus their row max): 2^t = 2^floor(t) * p(frac(t)), p a degree-5
+ * least-squares fit of 2^f on [0, 1) (relative error < 1e-7, below fp32's epsilon). Plain float
+ * code so the compiler vectorizes it. */
+static inline float exp_nonpositive(float x) {
+    float t = x * 1.4426950408889634f;
+    t = t < -126.0f ? -126.0f : t;
+    float fl = floorf(t);
+    float f = t - fl;
+    float p = 1.86718286e-3f;
+    p = p * f + 9.01668762e-3f;
+    p = p * f + 5.58004471e-2f;
+    p = p * f + 2.40164154e-1f;
+    p = p * f + 6.93151363e-1f;
+    p = p * f + 1.0f;
+    int32_t e = (int32_t)fl + 127;
+    uint32_t bits = (uint32_t)e << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* In place: s[0..visible) -> exp(s - max), s[visible..len) -> 0. Returns the sum of the exps. */
+static float softmax_row(float *s, int64_t len, int64_t visible) {
+    float m = s[0];
+    for (int64_t t = 1; t < visible; t++) m = s[t] > m ? s[t] : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < visible; t++) {
+        float p = exp_nonpositive(s[t] - m);
+        s[t] = p;
+        sum += p;
+    }
+    for (int64_t t = visible; t < len; t++) s[t] = 0.0f;
+    return sum;
+}
+
+static inline const uint16_t *cache_row(const Args *a, const uint16_t *cache, int64_t kv_head, int64_t t) {
+    const int64_t block = a->table[t / a->block_size];
+    return cache + ((kv_head * a->num_blocks + block) * a->block_size + t % a->block_size) * a->head_dim;
+}
+
+/* Query vector i of an item (rows row0.., then the group's heads): its row in q / out and head. */
+static inline int64_t q_offset(const Args *a, const Item *it, int64_t i) {
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    const int64_t row = it->first_row + it->row0 + i / group, head = it->kv_head * group + i % group;
+    return (row * a->num_heads + head) * a->head_dim;
+}
+
+static inline int64_t visible_keys(const Item *it, int64_t i, int64_t group) {
+    return it->context_len - it->num_rows + it->row0 + i / group + 1;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && !defined(TF_PORTABLE_ONLY)
+#include <immintrin.h>
+#define HAVE_AVX512_BF16 1
+
+/* r[j] = sum of a[j]'s 16 lanes, for 16 vectors at once (a transpose-and-add tree, ~45 ops). */
+static inline __m512 reduce16(const __m512 a[16]) {
+    __m512 s1[8], s2[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: partial sums of 4 vectors */
+        __m512d x = _mm512_castps_pd(s1[2 * i]), y = _mm512_castps_pd(s1[2 * i + 1]);
+        s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* across 128-bit lanes */
+    __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], 0x88), _mm512_shuffle_f32x4(s2[0], s2[1], 0xdd));
+    __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], 0x88), _mm512_shuffle_f32x4(s2[2], s2[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u, v, 0x88), _mm512_shuffle_f32x4(u, v, 0xdd));
+}
+
+static inline __m512 bf16x16_to_f32(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* head_dim 64, block_size a multiple of 16: scores with bf16 dot-product instructions (fp32
+ * accumulation), 16 keys at a time; P.V with the accumulators of 4 query vectors in registers.
+ * scores: [rows rounded up to 4, stride] scratch, stride >= the item's visible keys rounded up to 16. */
+static void attend_hd64(const Args *a, const Item *it, float *scores, int64_t stride) {
+    enum { HD = 64, QT = 4 };
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    const int64_t num_q = (it->row1 - it->row0) * group, num_q_padded = (num_q + QT - 1) / QT * QT;
+    const __m512 scale_v = _mm512_set1_ps(a->scale);
+    float sums[num_q];
+    for (int64_t i = 0; i < num_q; i++) {
+        const uint16_t *qi = a->q + q_offset(a, it, i);
+        const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qi), q1 = (__m512bh)_mm512_loadu_si512(qi + 32);
+        const int64_t visible = visible_keys(it, i, group);
+        float *s = scores + i * stride;
+        for (int64_t t0 = 0; t0 < visible; t0 += 16) {
+            const uint16_t *k = cache_row(a, a->k_cache, it->kv_head, t0); /* 16 rows in one block */
+            __m512 acc[16];
+            for (int j = 0; j < 16; j++) {
+                acc[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k + j * HD), q0);
+                acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(k + j * HD + 32), q1);
+            }
+            _mm512_storeu_ps(s + t0, _mm512_mul_ps(reduce16(acc), scale_v));
+        }
+        sums[i] = softmax_row(s, (visible + 15) / 16 * 16, visible);
+    }
+    for (int64_t i0 = 0; i0 < num_q_padded; i0 += QT) {
+        const int64_t last = i0 + QT - 1 < num_q ? i0 + QT - 1 : num_q - 1;
+        const int64_t keys = visible_keys(it, last, group); /* the tile's widest row */
+        for (int64_t i = i0; i < i0 + QT; i++) { /* zero what a row of the tile does not see */
+            const int64_t from = i < num_q ? (visible_keys(it, i, group) + 15) / 16 * 16 : 0;
+            if (from < keys) memset(scores + i * stride + from, 0, sizeof(float) * (size_t)(keys - from));
+        }
+        __m512 acc[QT][4];
+        for (int i = 0; i < QT; i++)
+            for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < keys; t++) {
+            const uint16_t *v = cache_row(a, a->v_cache, it->kv_head, t);
+            const __m512 v0 = bf16x16_to_f32(v), v1 = bf16x16_to_f32(v + 16), v2 = bf16x16_to_f32(v + 32),
+                         v3 = bf16x16_to_f32(v + 48);
+            for (int i = 0; i < QT; i++) {
+                const __m512 p = _mm512_set1_ps(scores[(i0 + i) * stride + t]);
+                acc[i][0] = _mm512_fmadd_ps(p, v0, acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(p, v1, acc[i][1]);
+                acc[i][2] = _mm512_fmadd_ps(p, v2, acc[i][2]);
+                acc[i][3] = _mm512_fmadd_ps(p, v3, acc[i][3]);
+            }
+        }
+        for (int i = 0; i < QT && i0 + i < num_q; i++) {
+            uint16_t *dst = a->out + q_offset(a, it, i0 + i);
+            const __m512 inv = _mm512_set1_ps(1.0f / sums[i0 + i]);
+            float tmp[HD];
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(tmp + 16 * c, _mm512_mul_ps(acc[i][c], inv));
+            for (int d = 0; d < HD; d++) dst[d] = f32_to_bf16(tmp[d]);
+        }
+    }
+}
+#endif
+
+/* Portable C (any head_dim <= MAX_HEAD_DIM, any block size); the compiler vectorizes the inner loops.
+ * scratch: scores [num_q, stride] then qf and acc [num_q, head_dim] each. */
+static void attend_portable(const Args *a, const Item *it, float *scratch, int64_t stride) {
+    const int64_t group = a->num_heads / a->num_kv_heads, hd = a->head_dim;
+    const int64_t num_q = (it->row1 - it->row0) * group;
+    float *scores = scratch, *qf = scratch + num_q * stride, *acc = qf + num_q * hd;
+    const int64_t keys = visible_keys(it, num_q - 1, group);
+    float kf[MAX_HEAD_DIM];
+    for (int64_t i = 0; i < num_q; i++) {
+        const uint16_t *src = a->q + q_offset(a, it, i);
+        for (int64_t d = 0; d < hd; d++) qf[i * hd + d] = bf16_to_f32(src[d]) * a->scale;
+        memset(acc + i * hd, 0, sizeof(float) * (size_t)hd);
+    }
+    for (int64_t t = 0; t < keys; t++) { /* scores; K rows converted once for every query vector */
+        const uint16_t *k = cache_row(a, a->k_cache, it->kv_head, t);
+        for (int64_t d = 0; d < hd; d++) kf[d] = bf16_to_f32(k[d]);
+        for (int64_t i = 0; i < num_q; i++) {
+            const float *qi = qf + i * hd;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < hd; d++) s += qi[d] * kf[d];
+            scores[i * stride + t] = s;
+        }
+    }
+    float sums[num_q];
+    for (int64_t i = 0; i < num_q; i++) sums[i] = softmax_row(scores + i * stride, keys, visible_keys(it, i, group));
+    for (int64_t t = 0; t < keys; t++) {
+        const uint16_t *v = cache_row(a, a->v_cache, it->kv_head, t);
+        for (int64_t d = 0; d < hd; d++) kf[d] = bf16_to_f32(v[d]);
+        for (int64_t i = 0; i < num_q; i++) {
+            const float p = scores[i * stride + t];
+            float *o = acc + i * hd;
+#pragma omp simd
+            for (int64_t d = 0; d < hd; d++) o[d] += p * kf[d];
+        }
+    }
+    for (int64_t i = 0; i < num_q; i++) {
+        uint16_t *dst = a->out + q_offset(a, it, i);
+        const float inv = 1.0f / sums[i];
+        for (int64_t d = 0; d < hd; d++) dst[d] = f32_to_bf16(acc[i * hd + d] * inv);
+    }
+}
+
+static int attend_item(const Args *a, const Item *it) {
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    const int64_t num_q = (it->row1 - it->row0) * group;
+    const int64_t stride = (visible_keys(it, num_q - 1, group) + 15) / 16 * 16;
+#ifdef HAVE_AVX512_BF16
+    if (a->head_dim == 64 && a->block_size % 16 == 0) {
+        float *scores = malloc(sizeof(float) * (size_t)((num_q + 3) / 4 * 4 * stride));
+        if (!scores) return -1;
+        attend_hd64(a, it, scores, stride);
+        free(scores);
+        return 0;
+    }
+#endif
+    float *scratch = malloc(sizeof(float) * (size_t)(num_q * (stride + 2 * a->head_dim)));
+    if (!scratch) return -1;
+    attend_portable(a, it, scratch, stride);
+    free(scratch);
+    return 0;
+}
+
+/* Returns 0, or -1 when a shape is out of what this kernel handles (the caller falls back). */
+int tf_paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                            const int64_t *block_table, const int64_t *context_lens, const int64_t *query_start,
+                            uint16_t *out, int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t max_blocks,
+                            float scale, int num_threads) {
+    if (head_dim > MAX_HEAD_DIM || num_kv_heads <= 0 || num_heads % num_kv_heads) return -1;
+    int64_t num_items = 0;
+    for (int64_t r = 0; r < num_requests; r++) {
+        const int64_t n = query_start[r + 1] - query_start[r];
+        if (n <= 0 || context_lens[r] < n || context_lens[r] > max_blocks * block_size) return -1;
+        num_items += (n + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM * num_kv_heads;
+    }
+    Item *items = malloc(sizeof(Item) * (size_t)num_items);
+    if (!items) return -1;
+    int64_t next = 0;
+    for (int64_t r = 0; r < num_requests; r++) { /* longest-running items first: later rows see more keys */
+        const int64_t n = query_start[r + 1] - query_start[r];
+        for (int64_t row1 = n; row1 > 0; row1 -= ROWS_PER_ITEM)
+            for (int64_t h = 0; h < num_kv_heads; h++)
+                items[next++] = (Item){r, h, query_start[r], n, context_lens[r],
+                                       row1 > ROWS_PER_ITEM ? row1 - ROWS_PER_ITEM : 0, row1};
+    }
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
+    for (int64_t i = 0; i < num_items; i++) {
+        const Args a = {q, k_cache, v_cache, block_table + items[i].request * max_blocks, out, num_heads, num_kv_heads, head_dim,
+                        block_size, num_blocks, scale};
+        failed |= attend_item(&a, &items[i]) != 0;
+    }
+    free(items);
+    return failed ? -1 : 0;
+}
