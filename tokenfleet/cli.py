@@ -99,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="disaggregate: start this many prefill workers; the --workers then decode only")
     up_cmd.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                         help="dtype in the model's registry record")
-    up_cmd.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    up_cmd.add_argument("--threads", type=int, default=0,
+                        help="torch threads per worker (0 = the machine's cores shared out among the workers)")
     up_cmd.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0 = any free port)")
     up_cmd.add_argument("--ask", help="send this chat message through the cluster once it is up and print the reply")
     up_cmd.add_argument("--detach", action="store_true", help="return once up (stop later with `tokenfleet down`)")

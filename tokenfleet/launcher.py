@@ -86,6 +86,7 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
     """``prefill_workers`` > 0 disaggregates: that many prefill workers, and the ``num_workers``
     others decode only (unless ``role`` says otherwise); the router sends long prompts' prefill there.
     ``record``: write the state file `tokenfleet down` reads (off for private clusters, e.g. calibration)."""
+    threads = threads or worker_threads(num_workers + prefill_workers)
     cluster = Cluster(EtcdServer.create().start(), owns_state=record)
     try:
         etcd = cluster.etcd.endpoint
@@ -110,6 +111,18 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
         state_file().parent.mkdir(parents=True, exist_ok=True)
         state_file().write_text(json.dumps(state))
     return cluster
+
+
+def worker_threads(num_workers: int) -> int:
+    """Torch threads per engine worker when none are asked for: the cores, shared out. The gateway,
+    router, registry and etcd get no core of their own: together they take a few % of one while
+    serving (benchmarks/serve_peer.py reports each process's share), and a worker that computes
+    on every core serves faster than one that leaves a core mostly idle for them."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, num_workers))
 
 
 def cluster_state() -> dict[str, str]:
