@@ -143,7 +143,8 @@ def summary_line(row: dict) -> str:
 
 def markdown(result: dict) -> str:
     lines = [f"# Profile of `tokenfleet up` (defaults) under load ({result['started']})", "",
-             f"py-spy ({result['args']['rate']} Hz, idle samples included) on the engine worker while `vllm bench serve` (openai-chat, random "
+             f"py-spy ({result['args']['rate']} Hz, idle samples included) on the engine worker while "
+             "`vllm bench serve` (openai-chat, random "
              f"{result['args']['input_len']}/{result['args']['output_len']}, {result['args']['num_prompts']} prompts, "
              "--ignore-eos) runs through the gateway. Shares of the engine thread's samples (its wall time, including "
              "the client's own start-up of a few seconds, which shows as idle): the innermost frame that names a "
