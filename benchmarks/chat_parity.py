@@ -40,9 +40,9 @@ def hf_reference(model, tokenizer, prompt: list[int]) -> tuple[list[int], torch.
 
     tokens, logits = hf_greedy(model, prompt, MAX_TOKENS)
     eos = tokenizer.eos_token_id
-    if eos in tokens:
+    if eos in tokens:  # the reply ends there; the logits that chose EOS stay (a divergence may be there)
         cut = tokens.index(eos)
-        tokens, logits = tokens[:cut], logits[:cut]
+        tokens, logits = tokens[:cut], logits[: cut + 1]
     return tokens, logits
 
 

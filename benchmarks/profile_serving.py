@@ -8,8 +8,8 @@ The engine thread's samples are split by the innermost frame that names a catego
 (linear layers and the LM head), attention, other layer ops (norms, RoPE, SiLU, embedding), sampler,
 scheduler and block manager, output processing / detokenization, the rest of the engine loop, and
 idle (waiting for work). The worker's other threads (asyncio event loop: gRPC, streaming) are
-reported the same way. OpenMP helper threads are not Python threads: their time shows in the CPU
-table (worker CPU % above 100).
+reported by CPU time per thread (from /proc). OpenMP helper threads are not Python threads: their
+time shows there too.
 
     .venv/bin/python benchmarks/profile_serving.py --vllm-python VLLM_VENV/bin/python [--concurrency 1 8 32]
 """
@@ -154,8 +154,10 @@ def markdown(result: dict) -> str:
         lines += [f"## c={row['concurrency']}: {row['out_tok_s']:.1f} out tok/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
                   f"TPOT p50 {row['tpot_p50_ms']:.1f} ms", "", "| engine thread | share |", "|---|---|"]
         lines += [f"| {k} | {v:.1f} % |" for k, v in shares(row["threads"].get("engine thread", {}))]
-        lines += ["", "| worker's other threads (event loop, gRPC) | share of their samples |", "|---|---|"]
-        lines += [f"| {k} | {v:.1f} % |" for k, v in shares(row["threads"].get("other threads", {}))]
+        worker = next((p for p in row["cpu"]["processes"] if p["label"].endswith("/worker")), None)
+        if worker is not None:  # CPU time per thread: the event loop and gRPC threads' share, the OpenMP helper's
+            lines += ["", "| worker thread (from /proc) | CPU % of a core |", "|---|---|"]
+            lines += [f"| {t['name']} | {t['cpu_pct']:.1f} |" for t in worker["busy_threads"]]
         procs = ", ".join(f"{p['label']} {p['cpu_pct']:.0f} %" for p in row["cpu"]["processes"] if p["cpu_pct"] >= 0.5)
         lines += ["", f"CPU by process (100 % = one core): {procs}; outside the benchmark "
                       f"{row['cpu']['outside_cpu_pct']:.0f} %; cores busy "

@@ -18,9 +18,11 @@ KV cache layout per layer: [kv_heads, num_blocks, block_size, head_dim].
     accumulation (upcasting the gathered copy, never the cache).
   Rounding scores to bf16 before the softmax (what a bf16 matmul does) moved greedy decoding
   off the fp32 path within a few tokens on short chats; both implementations avoid it.
-- prefill chunks: one SDPA per request (q_len = chunk length, where SDPA's blocked kernel
-  is efficient, fp32 accumulation inside); a chunk with no earlier context attends to its own
-  fresh K/V, skipping the gather.
+- prefill chunks: with the native kernel, in the same call from the cache (1.5x faster per layer
+  than SDPA here, 286-token prompt: 1.0 vs 1.6 ms, and no larger error per layer); with the torch
+  reference, one SDPA per request (a chunk with no earlier context attends to its own fresh K/V,
+  skipping the gather). Either way greedy bf16 output can differ from HF's bf16 run at near-ties
+  (fp32 top-2 margins under bf16's logit resolution): benchmarks/chat_parity.py reports them.
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ class ForwardBatch:
     positions: torch.Tensor  # [num_tokens] long
     slot_mapping: torch.Tensor  # [num_tokens] long: block_id * block_size + offset of each token's K/V
     logits_indices: torch.Tensor  # [num_logits] long: batch rows whose logits are sampled
+    queries: PagedQueries  # every row of the batch, request by request
     paged: PagedQueries | None = None  # the one-row (decode) requests, the batch's first rows
-    prefills: list[PrefillSpan] = field(default_factory=list)  # the others (SDPA)
+    prefills: list[PrefillSpan] = field(default_factory=list)  # the others, for implementations that use SDPA
 
     @property
     def num_paged_tokens(self) -> int:
@@ -79,12 +82,18 @@ class ForwardBatch:
 
 
 class PagedAttention(Protocol):
+    #: True: it attends every row (prefill chunks too) from the caches; False: decode rows only
+    #: (``paged_attention`` runs SDPA for prefill chunks).
+    handles_prefill: bool
+
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedQueries) -> torch.Tensor:
         """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim] in q's dtype; reads the caches only."""
 
 
 class TorchPagedAttention:
     """Reference implementation: gather every request's blocks (padded to the longest), fp32 math."""
+
+    handles_prefill = False
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedQueries) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
@@ -114,9 +123,10 @@ class TorchPagedAttention:
 
 
 class NativePagedAttention:
-    """csrc/paged_attention.c: bf16 caches on CPU, blocks read in place, fp32 math. It takes any number of
-    rows per request (causal rows skip the keys they do not see) and is tested on prefill-shaped rows,
-    but the engine gives it decode rows only: see ``paged_attention``."""
+    """csrc/paged_attention.c: bf16 caches on CPU, blocks read in place, fp32 math; every row of a
+    step in one call (prefill chunks read their context from the cache, causal rows skip keys)."""
+
+    handles_prefill = True
 
     def __init__(self, lib: ctypes.CDLL):
         self._fn = lib.tf_paged_attention_bf16
@@ -156,13 +166,10 @@ def paged_attention(
     batch: ForwardBatch,
     attend: PagedAttention,
 ) -> torch.Tensor:
-    """Attend; the step's k/v are already in the caches. Returns [num_tokens, heads * head_dim].
-
-    Prefill chunks go to SDPA, as in HF transformers: the prompt's computation then matches the
-    reference op for op. (The native kernel computed prefill 1.5x faster with errors no larger per
-    layer, but bf16 noise of its own flipped near-tie greedy picks that HF's bf16 run gets right, on
-    first tokens whose fp32 margin is under bf16's logit resolution.) Decode rows go to ``attend``."""
+    """Attend; the step's k/v are already in the caches. Returns [num_tokens, heads * head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
+    if attend.handles_prefill:
+        return attend(q, k_cache, v_cache, batch.queries).view(num_tokens, num_heads * head_dim)
     if batch.paged is not None and not batch.prefills:  # a pure decode step: no copy of the output
         return attend(q, k_cache, v_cache, batch.paged).view(num_tokens, num_heads * head_dim)
     out = torch.empty_like(q)

@@ -147,6 +147,7 @@ class TorchModelRunner:
             positions=self._tensor(positions),
             slot_mapping=self._tensor(slots),
             logits_indices=self._tensor(logits_indices + span_rows),
+            queries=self._paged_queries(scheduled),
             paged=self._paged_queries(decode_entries) if decode_entries else None,
             prefills=prefills,
         )
