@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from serve_peer import start_tokenfleet
 from serving.procs import Children
+from serving.report import write_report
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -85,11 +86,7 @@ def main() -> None:
     identical = sum(r["equals_fp32"] or r["equals_bf16"] for r in rows)
     result = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows, "identical": identical, "total": len(rows),
               "pass": identical >= len(rows) - 1}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    write_report(args.out, result, markdown(result))
 
 
 def markdown(result: dict) -> str:

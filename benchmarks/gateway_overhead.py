@@ -23,6 +23,7 @@ from serve import Tokenfleet
 from serving.cores import CoreMonitor
 from serving.load import fresh_prompts, summarize
 from serving.procs import Children
+from serving.report import write_report
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,11 +71,7 @@ def main() -> None:
         ratios.append(gateway["out_tok_s"] / direct["out_tok_s"])
     result = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "runs": runs, "ratios": ratios,
               "median_ratio": statistics.median(ratios), "pass": statistics.median(ratios) >= 0.9}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    write_report(args.out, result, markdown(result))
 
 
 def markdown(result: dict) -> str:

@@ -17,7 +17,6 @@ time shows there too.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import tempfile
@@ -29,6 +28,7 @@ import psutil
 from serve_peer import bench, start_tokenfleet
 from serving.cores import CoreMonitor
 from serving.procs import Children
+from serving.report import write_report
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -124,11 +124,7 @@ def main() -> None:
             print(summary_line(row), flush=True)
     finally:
         children.stop_all()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    write_report(args.out, result, markdown(result))
 
 
 def shares(counter: dict[str, int]) -> list[tuple[str, float]]:

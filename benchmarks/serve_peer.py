@@ -33,6 +33,7 @@ from pathlib import Path
 
 from serving.cores import CoreMonitor
 from serving.procs import Child, Children, free_port, wait_completion
+from serving.report import write_report
 
 REPO = Path(__file__).resolve().parent.parent
 METRICS = ("ttft", "tpot", "itl")
@@ -218,12 +219,7 @@ def main() -> None:
         children.stop_all()
     result["ratios"] = ratios(result["runs"], args.rounds, args.concurrency)
     result["bar"] = bars(result["ratios"])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
-    print(f"wrote {out} and {out.with_suffix('.md')}")
+    write_report(args.out, result, markdown(result))
 
 
 def _vllm_version(python: str) -> str:

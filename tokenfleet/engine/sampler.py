@@ -93,17 +93,16 @@ class Sampler:
         if unseeded:
             uniforms[unseeded] = torch.rand(len(unseeded), generator=self._shared_generator, dtype=probs.dtype)
         for i, r in enumerate(requests):
-            if params[i].seed is not None:
-                uniforms[i] = torch.rand(1, generator=self._generator(r), dtype=probs.dtype)
+            seed = params[i].seed
+            if seed is not None:
+                uniforms[i] = torch.rand(1, generator=self._generator(r, seed), dtype=probs.dtype)
         return inverse_cdf(probs, uniforms.to(probs.device))
 
-    def _generator(self, request: Request) -> torch.Generator:
+    def _generator(self, request: Request, seed: int) -> torch.Generator:
+        """A seeded request's own stream (created on its first draw)."""
         gen = self._generators.get(request.request_id)
         if gen is None:
-            gen = torch.Generator()
-            seed = request.sampling_params.seed
-            gen.manual_seed(seed if seed is not None else secrets.randbits(63))
-            self._generators[request.request_id] = gen
+            gen = self._generators[request.request_id] = torch.Generator().manual_seed(seed)
         return gen
 
 

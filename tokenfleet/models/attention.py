@@ -73,7 +73,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [num_tokens] long
     slot_mapping: torch.Tensor  # [num_tokens] long: block_id * block_size + offset of each token's K/V
     logits_indices: torch.Tensor  # [num_logits] long: batch rows whose logits are sampled
-    queries: PagedQueries  # every row of the batch, request by request
+    queries: PagedQueries | None = None  # every row, request by request: set when one call attends the whole step
     paged: PagedQueries | None = None  # the one-row (decode) requests, the batch's first rows
     prefills: list[PrefillSpan] = field(default_factory=list)  # the others, for implementations that use SDPA
 
@@ -163,6 +163,12 @@ def select_attention(dtype: torch.dtype, device: torch.device) -> PagedAttention
 NATIVE_PREFILL_MAX_CONTEXT = 1024
 
 
+def attends_whole_step(attend: PagedAttention, prefills: list[PrefillSpan]) -> bool:
+    """True: ``attend`` takes every row of the step (``ForwardBatch.queries``); False: decode rows
+    (``ForwardBatch.paged``) plus SDPA per prefill chunk. The runner builds only what this asks for."""
+    return attend.handles_prefill and all(span.context_len <= NATIVE_PREFILL_MAX_CONTEXT for span in prefills)
+
+
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, heads, head_dim]
     k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
@@ -174,7 +180,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attend; the step's k/v are already in the caches. Returns [num_tokens, heads * head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
-    if attend.handles_prefill and all(span.context_len <= NATIVE_PREFILL_MAX_CONTEXT for span in batch.prefills):
+    if batch.queries is not None:  # the runner chose one call for the whole step (attends_whole_step)
         return attend(q, k_cache, v_cache, batch.queries).view(num_tokens, num_heads * head_dim)
     if batch.paged is not None and not batch.prefills:  # a pure decode step: no copy of the output
         return attend(q, k_cache, v_cache, batch.paged).view(num_tokens, num_heads * head_dim)

@@ -15,7 +15,7 @@ from tokenfleet.engine.output import TokenLogprobs
 from tokenfleet.engine.request import Request
 from tokenfleet.engine.sampler import Sampler
 from tokenfleet.engine.scheduler import ScheduledRequest, SchedulerOutput
-from tokenfleet.models.attention import ForwardBatch, PagedQueries, PrefillSpan
+from tokenfleet.models.attention import ForwardBatch, PagedQueries, PrefillSpan, attends_whole_step
 from tokenfleet.models.llama import KVCache, LlamaModel
 
 
@@ -143,12 +143,13 @@ class TorchModelRunner:
             else:
                 context = self._tensor(list(table[: -(-end // bs)])) if start > 0 else None
                 prefills.append(PrefillSpan(row, entry.num_new_tokens, end, context))
+        whole = attends_whole_step(self.model.attention, prefills)
         batch = ForwardBatch(
             positions=self._tensor(positions),
             slot_mapping=self._tensor(slots),
             logits_indices=self._tensor(logits_indices + span_rows),
-            queries=self._paged_queries(scheduled),
-            paged=self._paged_queries(decode_entries) if decode_entries else None,
+            queries=self._paged_queries(scheduled) if whole else None,
+            paged=self._paged_queries(decode_entries) if decode_entries and not whole else None,
             prefills=prefills,
         )
         return self._tensor(tokens), batch, spans

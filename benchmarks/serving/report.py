@@ -1,0 +1,15 @@
+"""Writing a benchmark's result: the JSON, a markdown report beside it, and the report on stdout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def write_report(out: str | Path, result: dict, markdown: str) -> None:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    path.with_suffix(".md").write_text(markdown)
+    print(markdown)
+    print(f"wrote {path} and {path.with_suffix('.md')}")
