@@ -18,10 +18,9 @@ KV cache layout per layer: [kv_heads, num_blocks, block_size, head_dim].
     accumulation (upcasting the gathered copy, never the cache).
   Rounding scores to bf16 before the softmax (what a bf16 matmul does) moved greedy decoding
   off the fp32 path within a few tokens on short chats; both implementations avoid it.
-- prefill chunks: with the native kernel, in the same call from the cache (1.5x faster per layer
-  than SDPA here, 286-token prompt: 1.0 vs 1.6 ms, and no larger error per layer) up to
-  NATIVE_PREFILL_MAX_CONTEXT tokens of context (SDPA beyond: its blocking wins); with the torch
-  reference, one SDPA per request (a chunk with no earlier context attends to its own fresh K/V,
+- prefill chunks: with the native kernel, in the same call from the cache (2-3x faster per layer
+  than SDPA here from 256 to 8,192 tokens of context, and no larger error per layer:
+  benchmarks/prefill_attention.py); with the torch reference, one SDPA per request (a chunk with no earlier context attends to its own fresh K/V,
   skipping the gather). Either way greedy bf16 output can differ from HF's bf16 run at near-ties
   (fp32 top-2 margins under bf16's logit resolution): benchmarks/chat_parity.py reports them.
 """
@@ -158,17 +157,6 @@ def select_attention(dtype: torch.dtype, device: torch.device) -> PagedAttention
     return TorchPagedAttention()
 
 
-# Above this context a prefill chunk goes to SDPA even with the native kernel: the kernel's per-row
-# scores are O(n^2) without SDPA's blocking (286 tokens: 1.0 vs 1.6 ms per layer; 2,048: 54 vs 42 ms).
-NATIVE_PREFILL_MAX_CONTEXT = 1024
-
-
-def attends_whole_step(attend: PagedAttention, prefills: list[PrefillSpan]) -> bool:
-    """True: ``attend`` takes every row of the step (``ForwardBatch.queries``); False: decode rows
-    (``ForwardBatch.paged``) plus SDPA per prefill chunk. The runner builds only what this asks for."""
-    return attend.handles_prefill and all(span.context_len <= NATIVE_PREFILL_MAX_CONTEXT for span in prefills)
-
-
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, heads, head_dim]
     k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
@@ -180,7 +168,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attend; the step's k/v are already in the caches. Returns [num_tokens, heads * head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
-    if batch.queries is not None:  # the runner chose one call for the whole step (attends_whole_step)
+    if batch.queries is not None:  # one call for the whole step (an implementation with handles_prefill)
         return attend(q, k_cache, v_cache, batch.queries).view(num_tokens, num_heads * head_dim)
     if batch.paged is not None and not batch.prefills:  # a pure decode step: no copy of the output
         return attend(q, k_cache, v_cache, batch.paged).view(num_tokens, num_heads * head_dim)

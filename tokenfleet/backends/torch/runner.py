@@ -15,7 +15,7 @@ from tokenfleet.engine.output import TokenLogprobs
 from tokenfleet.engine.request import Request
 from tokenfleet.engine.sampler import Sampler
 from tokenfleet.engine.scheduler import ScheduledRequest, SchedulerOutput
-from tokenfleet.models.attention import ForwardBatch, PagedQueries, PrefillSpan, attends_whole_step
+from tokenfleet.models.attention import ForwardBatch, PagedQueries, PrefillSpan
 from tokenfleet.models.llama import KVCache, LlamaModel
 
 
@@ -143,7 +143,7 @@ class TorchModelRunner:
             else:
                 context = self._tensor(list(table[: -(-end // bs)])) if start > 0 else None
                 prefills.append(PrefillSpan(row, entry.num_new_tokens, end, context))
-        whole = attends_whole_step(self.model.attention, prefills)
+        whole = self.model.attention.handles_prefill  # one call attends every row, else decode rows + SDPA spans
         batch = ForwardBatch(
             positions=self._tensor(positions),
             slot_mapping=self._tensor(slots),

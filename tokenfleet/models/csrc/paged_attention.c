@@ -133,30 +133,112 @@ static inline __m512 bf16x16_to_f32(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* head_dim 64, block_size a multiple of 16: scores with bf16 dot-product instructions (fp32
- * accumulation), 16 keys at a time; P.V with the accumulators of 4 query vectors in registers.
- * scores: [rows rounded up to 4, stride] scratch, stride >= the item's visible keys rounded up to 16. */
-static void attend_hd64(const Args *a, const Item *it, float *scores, int64_t stride) {
-    enum { HD = 64, QT = 4 };
+/* Scores of an item's query vectors (rows row0.., then the group's heads) over 16-key tiles, for
+ * head_dim 64 with bf16 dot-product instructions (fp32 accumulation); row i of ``scores`` gets its
+ * visible keys rounded up to 16 (the softmax masks the rest). Two strategies:
+ *  - few vectors (decode: one row x the GQA group): 16 keys against one vector, summed across
+ *    lanes by a transpose tree;
+ *  - many (prefill chunks, speculative rows): the 16-key tile is packed once into dimension pairs
+ *    x keys, then each vector's 32 pairs are broadcast against it: 16 scores per register with no
+ *    lane sums, the packed tile shared by every vector that sees it. */
+enum { HD64 = 64, QT_SCORES = 8, PACK_MIN_VECTORS = 12 };
+
+/* softmax_row for len a multiple of 16, in AVX-512 (the plain-C loop stays scalar: its max is a
+ * compare-and-select chain and the exp's clamp and floor defeat the vectorizer). Same polynomial. */
+static float softmax_row16(float *s, int64_t len, int64_t visible) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < visible; t += 16) {
+        const __mmask16 k = visible - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (visible - t)) - 1);
+        m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, s + t));
+    }
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m)), log2e = _mm512_set1_ps(1.4426950408889634f),
+                 lo = _mm512_set1_ps(-126.0f);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 k = t >= visible ? 0
+                            : visible - t >= 16 ? (__mmask16)0xffff
+                                                : (__mmask16)((1u << (visible - t)) - 1);
+        __m512 x = _mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx), log2e), lo);
+        const __m512 fl = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        const __m512 f = _mm512_sub_ps(x, fl);
+        __m512 p = _mm512_set1_ps(1.86718286e-3f);
+        p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(9.01668762e-3f));
+        p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(5.58004471e-2f));
+        p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(2.40164154e-1f));
+        p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(6.93151363e-1f));
+        p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.0f));
+        p = _mm512_maskz_mov_ps(k, _mm512_scalef_ps(p, fl));
+        _mm512_storeu_ps(s + t, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+static void scores_hd64_reduce(const Args *a, const Item *it, const uint16_t *const *qs, int64_t num_q, float *scores,
+                               int64_t stride) {
     const int64_t group = a->num_heads / a->num_kv_heads;
-    const int64_t num_q = (it->row1 - it->row0) * group, num_q_padded = (num_q + QT - 1) / QT * QT;
     const __m512 scale_v = _mm512_set1_ps(a->scale);
-    float sums[num_q];
     for (int64_t i = 0; i < num_q; i++) {
-        const uint16_t *qi = a->q + q_offset(a, it, i);
-        const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qi), q1 = (__m512bh)_mm512_loadu_si512(qi + 32);
+        const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qs[i]), q1 = (__m512bh)_mm512_loadu_si512(qs[i] + 32);
         const int64_t visible = visible_keys(it, i, group);
         float *s = scores + i * stride;
         for (int64_t t0 = 0; t0 < visible; t0 += 16) {
             const uint16_t *k = cache_row(a, a->k_cache, it->kv_head, t0); /* 16 rows in one block */
             __m512 acc[16];
             for (int j = 0; j < 16; j++) {
-                acc[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k + j * HD), q0);
-                acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(k + j * HD + 32), q1);
+                acc[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k + j * HD64), q0);
+                acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(k + j * HD64 + 32), q1);
             }
             _mm512_storeu_ps(s + t0, _mm512_mul_ps(reduce16(acc), scale_v));
         }
-        sums[i] = softmax_row(s, (visible + 15) / 16 * 16, visible);
+    }
+}
+
+static void scores_hd64_packed(const Args *a, const Item *it, const uint16_t *const *qs, int64_t num_q, float *scores,
+                               int64_t stride) {
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    const __m512 scale_v = _mm512_set1_ps(a->scale);
+    const int64_t widest = visible_keys(it, num_q - 1, group);
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(HD64 / 2));
+    __m512i kp[HD64 / 2]; /* kp[p] lane j: dimensions 2p, 2p+1 of key t0 + j */
+    int64_t first = 0;    /* the first vector that sees the tile (visible keys grow with i) */
+    for (int64_t t0 = 0; t0 < widest; t0 += 16) {
+        const uint16_t *k = cache_row(a, a->k_cache, it->kv_head, t0); /* 16 rows in one block */
+        for (int p = 0; p < HD64 / 2; p++) kp[p] = _mm512_i32gather_epi32(idx, (const void *)(k + 2 * p), 4);
+        while (visible_keys(it, first, group) <= t0) first++;
+        for (int64_t i0 = first; i0 < num_q; i0 += QT_SCORES) {
+            const uint32_t *qv[QT_SCORES];
+            for (int ii = 0; ii < QT_SCORES; ii++) /* past the end: repeat the last vector, not stored */
+                qv[ii] = (const uint32_t *)qs[i0 + ii < num_q ? i0 + ii : num_q - 1];
+            __m512 acc[QT_SCORES];
+            for (int ii = 0; ii < QT_SCORES; ii++) acc[ii] = _mm512_setzero_ps();
+            for (int p = 0; p < HD64 / 2; p++)
+                for (int ii = 0; ii < QT_SCORES; ii++)
+                    acc[ii] = _mm512_dpbf16_ps(acc[ii], (__m512bh)kp[p], (__m512bh)_mm512_set1_epi32((int)qv[ii][p]));
+            for (int ii = 0; ii < QT_SCORES && i0 + ii < num_q; ii++)
+                _mm512_storeu_ps(scores + (i0 + ii) * stride + t0, _mm512_mul_ps(acc[ii], scale_v));
+        }
+    }
+}
+
+/* head_dim 64, block_size a multiple of 16: scores as above, softmax, then P.V with the
+ * accumulators of 4 query vectors in registers.
+ * scores: [rows rounded up to 4, stride] scratch, stride >= the item's visible keys rounded up to 16. */
+static void attend_hd64(const Args *a, const Item *it, float *scores, int64_t stride) {
+    enum { QT = 4 };
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    const int64_t num_q = (it->row1 - it->row0) * group, num_q_padded = (num_q + QT - 1) / QT * QT;
+    const uint16_t *qs[num_q];
+    for (int64_t i = 0; i < num_q; i++) qs[i] = a->q + q_offset(a, it, i);
+    if (num_q >= PACK_MIN_VECTORS)
+        scores_hd64_packed(a, it, qs, num_q, scores, stride);
+    else
+        scores_hd64_reduce(a, it, qs, num_q, scores, stride);
+    float sums[num_q];
+    for (int64_t i = 0; i < num_q; i++) {
+        const int64_t visible = visible_keys(it, i, group);
+        sums[i] = softmax_row16(scores + i * stride, (visible + 15) / 16 * 16, visible);
     }
     for (int64_t i0 = 0; i0 < num_q_padded; i0 += QT) {
         const int64_t last = i0 + QT - 1 < num_q ? i0 + QT - 1 : num_q - 1;
@@ -181,22 +263,22 @@ static void attend_hd64(const Args *a, const Item *it, float *scores, int64_t st
             }
         }
         for (int i = 0; i < QT && i0 + i < num_q; i++) {
-            uint16_t *dst = a->out + q_offset(a, it, i0 + i);
+            uint16_t *dst = a->out + (qs[i0 + i] - a->q);
             const __m512 inv = _mm512_set1_ps(1.0f / sums[i0 + i]);
-            float tmp[HD];
+            float tmp[HD64];
             for (int c = 0; c < 4; c++) _mm512_storeu_ps(tmp + 16 * c, _mm512_mul_ps(acc[i][c], inv));
-            for (int d = 0; d < HD; d++) dst[d] = f32_to_bf16(tmp[d]);
+            for (int d = 0; d < HD64; d++) dst[d] = f32_to_bf16(tmp[d]);
         }
     }
 }
 #endif
 
 /* Portable C (any head_dim <= MAX_HEAD_DIM, any block size); the compiler vectorizes the inner loops.
- * scratch: scores [num_q, stride] then qf and acc [num_q, head_dim] each. */
-static void attend_portable(const Args *a, const Item *it, float *scratch, int64_t stride) {
+ * buf: scores [num_q, stride] then qf and acc [num_q, head_dim] each. */
+static void attend_portable(const Args *a, const Item *it, float *buf, int64_t stride) {
     const int64_t group = a->num_heads / a->num_kv_heads, hd = a->head_dim;
     const int64_t num_q = (it->row1 - it->row0) * group;
-    float *scores = scratch, *qf = scratch + num_q * stride, *acc = qf + num_q * hd;
+    float *scores = buf, *qf = buf + num_q * stride, *acc = qf + num_q * hd;
     const int64_t keys = visible_keys(it, num_q - 1, group);
     float kf[MAX_HEAD_DIM];
     for (int64_t i = 0; i < num_q; i++) {
@@ -234,23 +316,35 @@ static void attend_portable(const Args *a, const Item *it, float *scratch, int64
     }
 }
 
+/* Per-thread scratch, kept between calls (OpenMP threads persist): items need up to a few MB for long
+ * contexts, and a malloc that size is a fresh mmap with its page faults every time. */
+static _Thread_local float *scratch_buf;
+static _Thread_local size_t scratch_cap;
+
+static float *scratch(size_t floats) {
+    if (floats > scratch_cap) {
+        free(scratch_buf);
+        scratch_buf = malloc(sizeof(float) * floats);
+        scratch_cap = scratch_buf ? floats : 0;
+    }
+    return scratch_buf;
+}
+
 static int attend_item(const Args *a, const Item *it) {
     const int64_t group = a->num_heads / a->num_kv_heads;
     const int64_t num_q = (it->row1 - it->row0) * group;
     const int64_t stride = (visible_keys(it, num_q - 1, group) + 15) / 16 * 16;
 #ifdef HAVE_AVX512_BF16
     if (a->head_dim == 64 && a->block_size % 16 == 0) {
-        float *scores = malloc(sizeof(float) * (size_t)((num_q + 3) / 4 * 4 * stride));
+        float *scores = scratch((size_t)((num_q + 3) / 4 * 4 * stride));
         if (!scores) return -1;
         attend_hd64(a, it, scores, stride);
-        free(scores);
         return 0;
     }
 #endif
-    float *scratch = malloc(sizeof(float) * (size_t)(num_q * (stride + 2 * a->head_dim)));
-    if (!scratch) return -1;
-    attend_portable(a, it, scratch, stride);
-    free(scratch);
+    float *buf = scratch((size_t)(num_q * (stride + 2 * a->head_dim)));
+    if (!buf) return -1;
+    attend_portable(a, it, buf, stride);
     return 0;
 }
 
