@@ -108,5 +108,10 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
+    def temperature_only(self) -> bool:
+        """A random draw with no top_k, top_p or min_p filter: the whole softmax at the temperature."""
+        return not self.is_greedy and self.top_k <= 0 and self.top_p >= 1.0 and self.min_p <= 0.0
+
+    @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)

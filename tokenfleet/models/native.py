@@ -5,8 +5,9 @@ Optional by design: ``load()`` returns None when no compiler is found, the build
 with ``-fopenmp`` and loaded after torch, so its parallel loops run on torch's own OpenMP
 runtime and threads (one pool, no second set of spinning threads).
 
-Cache: ``<cache_dir>/kernels/<name>-<key>.so``, the key a hash of the source, the compiler's
-version, the flags and the CPU's flags (``-march=native`` code must not move to another CPU).
+Cache: ``<cache_dir>/kernels/<name>-<key>.so``, the key a hash of the source and the shared
+headers (``csrc/*.h``), the compiler's version, the flags and the CPU's flags (``-march=native``
+code must not move to another CPU).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def load(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 def _build(cc: str, source: Path, extra: list[str]) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = FLAGS + extra
-    key = hashlib.sha256("\0".join([source.read_text(), version, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, version, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     out_dir = envs.cache_dir() / "kernels"
     target = out_dir / f"{source.stem}-{key}.so"
     if target.exists():

@@ -4,6 +4,7 @@ token a full cumulative sum would."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.unit.engine.test_sampler import CPU, kept, make_req
@@ -48,3 +49,65 @@ def test_inverse_cdf_picks_the_token_whose_mass_holds_the_uniform():
     u = torch.rand(4, generator=g)
     expected = torch.searchsorted(dense.double().cumsum(-1), (u.double() * dense.double().sum(-1))[:, None], right=True)
     assert inverse_cdf(dense, u).tolist() == expected.squeeze(1).tolist()
+
+
+def _native_sampler():
+    from tokenfleet.engine.sampler import NativeTemperatureSampler
+
+    sampler = NativeTemperatureSampler.load()
+    if sampler is None:
+        pytest.skip("no C compiler: the native sampling kernel cannot be built")
+    return sampler
+
+
+def test_native_draw_is_the_torch_inverse_cdf_draw():
+    from tokenfleet.engine.sampler import filtered_probs_batch, inverse_cdf
+
+    draw = _native_sampler()
+    g = torch.Generator().manual_seed(11)
+    vocab = 3 * 256 + 100  # a partial last chunk
+    logits = torch.randn(400, vocab, generator=g) * 3
+    logits[::7, :: 3] = float("-inf")  # masked tokens in some rows
+    temps = [0.3, 0.7, 1.0, 1.6]
+    params = [SamplingParams(max_tokens=1, temperature=temps[i % 4]) for i in range(400)]
+    uniforms = torch.rand(400, generator=g)
+    ours = draw(logits, params, uniforms)
+    probs = filtered_probs_batch(logits.clone(), params).double()
+    expected = inverse_cdf(probs.float(), uniforms)
+    cdf = probs.cumsum(-1) / probs.sum(-1, keepdim=True)
+    for row in (ours != expected).nonzero().flatten().tolist():  # only where the uniform sits on a boundary
+        t = int(ours[row])
+        assert abs(cdf[row, t - 1] - uniforms[row]) < 1e-5 or abs(cdf[row, t] - uniforms[row]) < 1e-5
+    assert int((ours == expected).sum()) >= 396
+    assert not bool(torch.isinf(logits.gather(1, ours[:, None])).any())  # never a masked token
+
+
+def test_native_draw_follows_the_tempered_distribution():
+    draw = _native_sampler()
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]]))  # the last token masked (-inf)
+    n = 20000
+    uniforms = torch.rand(n, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(max_tokens=1, temperature=0.5)] * n
+    counts = torch.bincount(draw(logits.expand(n, -1), params, uniforms), minlength=4).double() / n
+    expected = torch.tensor([0.25, 0.09, 0.04, 0.0]) / 0.38  # p^(1/T), renormalized
+    assert counts[3] == 0
+    torch.testing.assert_close(counts, expected.double(), atol=0.015, rtol=0)
+
+
+def test_native_draw_refuses_a_row_with_nothing_to_draw_and_the_sampler_falls_back():
+    draw = _native_sampler()
+    logits = torch.full((2, 300), float("-inf"))
+    logits[1, 7] = 0.0
+    params = [SamplingParams(max_tokens=1, temperature=1.0)] * 2
+    assert draw(logits, params, torch.tensor([0.5, 0.5])).tolist() == [-1, 7]
+    nan_row = torch.zeros(1, 300)
+    nan_row[0, 3] = float("nan")
+    assert draw(nan_row, params[:1], torch.tensor([0.5])).tolist() == [-1]
+
+
+def test_filtered_rows_take_the_torch_path_and_keep_their_filters():
+    logits = torch.zeros(3, 1000)
+    logits[:, :5] = 5.0  # top_k=5 keeps only these
+    reqs = [make_req(f"k{i}", temperature=1.0, top_k=5) for i in range(3)]
+    for _ in range(20):
+        assert all(t < 5 for t in Sampler(CPU).sample(logits.clone(), reqs).token_ids)
