@@ -86,6 +86,24 @@ def test_native_prefill_is_closer_to_fp32_than_bf16_sdpa():
 
 
 @needs_compiler
+@pytest.mark.parametrize("kernel_name", ["native", "portable"])
+def test_a_row_attends_to_the_same_bits_alone_or_inside_a_prefill_chunk(kernel_name):
+    """Batch invariance: a prefill chunk's row (many query vectors per work item: the packed-tile scores)
+    equals that row attended alone as a decode row (three vectors: the lane-sum scores), bit for bit, so
+    a request's output does not depend on how its tokens were batched."""
+    q, k_cache, v_cache, meta = paged_case([300, 120], [100, 120], 64, seed=7)
+    kernel = kernels()[kernel_name]
+    whole = kernel(q, k_cache, v_cache, meta)
+    for request, row in ((0, 0), (0, 57), (0, 99), (1, 0), (1, 64), (1, 119)):
+        start = int(meta.query_start[request])
+        rows = int(meta.query_start[request + 1]) - start
+        context = int(meta.context_lens[request]) - rows + row + 1  # keys that row sees
+        alone = PagedQueries(meta.block_table[request: request + 1], torch.tensor([context]), torch.tensor([0, 1]), 1, 1)
+        got = kernel(q[start + row: start + row + 1].contiguous(), k_cache, v_cache, alone)
+        assert torch.equal(got[0], whole[start + row]), f"request {request}, row {row}"
+
+
+@needs_compiler
 def test_inconsistent_metadata_is_refused_not_read_out_of_bounds():
     q, k_cache, v_cache, meta = paged_case([40], [4], 64, seed=1)
     bad = PagedQueries(meta.block_table, torch.tensor([3]), meta.query_start, 4, 4)  # fewer keys than query rows

@@ -139,13 +139,15 @@ static inline __m512 bf16x16_to_f32(const uint16_t *p) {
  *  - few vectors (decode: one row x the GQA group): 16 keys against one vector, summed across
  *    lanes by a transpose tree;
  *  - many (prefill chunks, speculative rows): the 16-key tile is packed once into dimension pairs
- *    x keys, then each vector's 32 pairs are broadcast against it: 16 scores per register with no
- *    lane sums, the packed tile shared by every vector that sees it. */
-enum { HD64 = 64, QT_SCORES = 8, PACK_MIN_VECTORS = 12 };
+ *    x keys, then each vector's 32 pairs are broadcast against it: 16 scores per register with
+ *    plain vector adds instead of lane shuffles, the packed tile shared by every vector that sees
+ *    it. Both sum in the same order (bitwise equal results). */
+enum { HD64 = 64, PACK_MIN_VECTORS = 12 };
 
-/* softmax_row for len a multiple of 16, in AVX-512 (the plain-C loop stays scalar: its max is a
- * compare-and-select chain and the exp's clamp and floor defeat the vectorizer). Same polynomial. */
-static float softmax_row16(float *s, int64_t len, int64_t visible) {
+/* s[0..visible) -> exp(s - max), s[visible..len) -> 0, for len a multiple of 16, in AVX-512 (the
+ * plain-C softmax_row stays scalar: its max is a compare-and-select chain and the exp's clamp and
+ * floor defeat the vectorizer). Same polynomial; the sums are row_sums' job. */
+static void exp_row16(float *s, int64_t len, int64_t visible) {
     __m512 m = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < visible; t += 16) {
         const __mmask16 k = visible - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (visible - t)) - 1);
@@ -153,7 +155,6 @@ static float softmax_row16(float *s, int64_t len, int64_t visible) {
     }
     const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m)), log2e = _mm512_set1_ps(1.4426950408889634f),
                  lo = _mm512_set1_ps(-126.0f);
-    __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t += 16) {
         const __mmask16 k = t >= visible ? 0
                             : visible - t >= 16 ? (__mmask16)0xffff
@@ -167,11 +168,37 @@ static float softmax_row16(float *s, int64_t len, int64_t visible) {
         p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(2.40164154e-1f));
         p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(6.93151363e-1f));
         p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.0f));
-        p = _mm512_maskz_mov_ps(k, _mm512_scalef_ps(p, fl));
-        _mm512_storeu_ps(s + t, p);
-        sum = _mm512_add_ps(sum, p);
+        _mm512_storeu_ps(s + t, _mm512_maskz_mov_ps(k, _mm512_scalef_ps(p, fl)));
     }
-    return _mm512_reduce_add_ps(sum);
+}
+
+/* sums[i] = s_i[0] + s_i[1] + ... + s_i[visible_i - 1], one by one in that order (softmax_row's
+ * bits: a vectorized sum moved the kernel's outputs by an ulp here and there, and greedy near-ties
+ * with them), four rows' chains interleaved so the adds overlap instead of waiting on each other. */
+static void row_sums(const float *scores, int64_t stride, const int64_t *visible, int64_t num_q, float *sums) {
+    int64_t i = 0;
+    for (; i + 4 <= num_q; i += 4) {
+        const float *r0 = scores + i * stride, *r1 = r0 + stride, *r2 = r1 + stride, *r3 = r2 + stride;
+        int64_t common = visible[i];
+        for (int r = 1; r < 4; r++) common = visible[i + r] < common ? visible[i + r] : common;
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+        for (int64_t t = 0; t < common; t++) {
+            s0 += r0[t];
+            s1 += r1[t];
+            s2 += r2[t];
+            s3 += r3[t];
+        }
+        for (int64_t t = common; t < visible[i]; t++) s0 += r0[t];
+        for (int64_t t = common; t < visible[i + 1]; t++) s1 += r1[t];
+        for (int64_t t = common; t < visible[i + 2]; t++) s2 += r2[t];
+        for (int64_t t = common; t < visible[i + 3]; t++) s3 += r3[t];
+        sums[i] = s0, sums[i + 1] = s1, sums[i + 2] = s2, sums[i + 3] = s3;
+    }
+    for (; i < num_q; i++) {
+        float s = 0.0f;
+        for (int64_t t = 0; t < visible[i]; t++) s += scores[i * stride + t];
+        sums[i] = s;
+    }
 }
 
 static void scores_hd64_reduce(const Args *a, const Item *it, const uint16_t *const *qs, int64_t num_q, float *scores,
@@ -207,17 +234,20 @@ static void scores_hd64_packed(const Args *a, const Item *it, const uint16_t *co
         const uint16_t *k = cache_row(a, a->k_cache, it->kv_head, t0); /* 16 rows in one block */
         for (int p = 0; p < HD64 / 2; p++) kp[p] = _mm512_i32gather_epi32(idx, (const void *)(k + 2 * p), 4);
         while (visible_keys(it, first, group) <= t0) first++;
-        for (int64_t i0 = first; i0 < num_q; i0 += QT_SCORES) {
-            const uint32_t *qv[QT_SCORES];
-            for (int ii = 0; ii < QT_SCORES; ii++) /* past the end: repeat the last vector, not stored */
-                qv[ii] = (const uint32_t *)qs[i0 + ii < num_q ? i0 + ii : num_q - 1];
-            __m512 acc[QT_SCORES];
-            for (int ii = 0; ii < QT_SCORES; ii++) acc[ii] = _mm512_setzero_ps();
-            for (int p = 0; p < HD64 / 2; p++)
-                for (int ii = 0; ii < QT_SCORES; ii++)
-                    acc[ii] = _mm512_dpbf16_ps(acc[ii], (__m512bh)kp[p], (__m512bh)_mm512_set1_epi32((int)qv[ii][p]));
-            for (int ii = 0; ii < QT_SCORES && i0 + ii < num_q; ii++)
-                _mm512_storeu_ps(scores + (i0 + ii) * stride + t0, _mm512_mul_ps(acc[ii], scale_v));
+        for (int64_t i = first; i < num_q; i++) {
+            /* The sums in scores_hd64_reduce's order (pairs l and l + 16, then its lane tree), so both
+             * strategies give the same bits: one ulp moved here and there swings greedy near-ties. */
+            const uint32_t *q = (const uint32_t *)qs[i];
+            __m512 acc[16];
+            for (int l = 0; l < 16; l++) {
+                acc[l] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)kp[l], (__m512bh)_mm512_set1_epi32((int)q[l]));
+                acc[l] = _mm512_dpbf16_ps(acc[l], (__m512bh)kp[l + 16], (__m512bh)_mm512_set1_epi32((int)q[l + 16]));
+            }
+            __m512 block[4];
+            for (int c = 0; c < 4; c++)
+                block[c] = _mm512_add_ps(_mm512_add_ps(acc[4 * c], acc[4 * c + 2]), _mm512_add_ps(acc[4 * c + 1], acc[4 * c + 3]));
+            const __m512 sum = _mm512_add_ps(_mm512_add_ps(block[0], block[1]), _mm512_add_ps(block[2], block[3]));
+            _mm512_storeu_ps(scores + i * stride + t0, _mm512_mul_ps(sum, scale_v));
         }
     }
 }
@@ -236,10 +266,12 @@ static void attend_hd64(const Args *a, const Item *it, float *scores, int64_t st
     else
         scores_hd64_reduce(a, it, qs, num_q, scores, stride);
     float sums[num_q];
+    int64_t visible[num_q];
     for (int64_t i = 0; i < num_q; i++) {
-        const int64_t visible = visible_keys(it, i, group);
-        sums[i] = softmax_row16(scores + i * stride, (visible + 15) / 16 * 16, visible);
+        visible[i] = visible_keys(it, i, group);
+        exp_row16(scores + i * stride, (visible[i] + 15) / 16 * 16, visible[i]);
     }
+    row_sums(scores, stride, visible, num_q, sums);
     for (int64_t i0 = 0; i0 < num_q_padded; i0 += QT) {
         const int64_t last = i0 + QT - 1 < num_q ? i0 + QT - 1 : num_q - 1;
         const int64_t keys = visible_keys(it, last, group); /* the tile's widest row */
