@@ -108,6 +108,20 @@ def test_required_tool_call_with_three_functions_is_valid(client):
         _check_call(call)
 
 
+def test_a_schema_without_additional_properties_gets_calls_with_declared_fields_only(client):
+    """As a new user would write it (no "additionalProperties"): JSON Schema's default admitted any field,
+    and the model padded the call with the schema's own keys until max_tokens (finish "length")."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}, "required": ["city"]}}}
+    reply = client.chat.completions.create(model=MODEL, messages=ask("What is the weather in Oslo?"), tools=[weather],
+                                           tool_choice="required", max_tokens=100, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    for call in choice.message.tool_calls:
+        arguments = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and "city" in arguments and set(arguments) <= {"city", "unit"}
+
+
 def test_named_tool_choice_calls_that_function(client):
     reply = client.chat.completions.create(model=MODEL, messages=ask("What is two plus three?"), tools=TOOLS,
                                            tool_choice={"type": "function", "function": {"name": "add"}},

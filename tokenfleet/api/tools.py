@@ -13,6 +13,13 @@ allow calls only. The call JSON is generated under a grammar built from the func
 schemas (name first, then the arguments; compact layout), so ``arguments`` always validates
 against its function's ``parameters`` and the streaming parser can hand out argument
 fragments as exact substrings of the final arguments text.
+
+Arguments are generated as OpenAI's strict function calling does: an object schema that does
+not say whether undeclared properties are allowed admits only its declared ones (``strict_schema``;
+JSON Schema's own default admits any, and small models then padded calls with invented fields,
+copying the schema's own ``type``/``properties`` keys into the arguments). A schema that sets
+``additionalProperties`` (``true`` or a schema), ``patternProperties`` or ``unevaluatedProperties``
+keeps what it says.
 """
 
 from __future__ import annotations
@@ -90,10 +97,43 @@ def prepare_messages(messages: list[dict[str, Any]], tools: Sequence[dict[str, A
     return out
 
 
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "unevaluatedProperties", "not", "if", "then", "else", "contains",
+               "propertyNames", "additionalItems")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def strict_schema(schema: Any, *, close: bool = True) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that does not say what
+    undeclared properties may be (at any depth: properties, items, $defs, anyOf/oneOf branches). The
+    members of an ``allOf`` are left open at their top (each closed alone would reject the others'
+    properties). Returns a new schema; the input is not changed."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict_schema(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(sub) for sub in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [strict_schema(sub, close=False) for sub in out["allOf"]]
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = strict_schema(out[key])
+    types = out.get("type")
+    is_object = types == "object" or (isinstance(types, list) and "object" in types) or "properties" in out
+    if close and is_object and not any(key in out for key in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
+
+
 def _call_rule(rule: str, function: dict[str, Any]) -> str:
-    """One function's call: the literal head with its name, then its parameters schema as the root of
-    a ``%json`` (so ``$defs``/``$ref`` resolve), in the compact layout the parser reads."""
-    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    """One function's call: the literal head with its name, then its parameters schema (made strict)
+    as the root of a ``%json`` (so ``$defs``/``$ref`` resolve), in the compact layout the parser reads."""
+    parameters = strict_schema(function.get("parameters") or {"type": "object", "properties": {}})
     head = f'{_NAME_PREFIX}{json.dumps(function["name"])}{_ARGS_PREFIX}'
     return f"{rule}: {json.dumps(head)} %json {json.dumps({**parameters, 'x-guidance': JSON_LAYOUT})} \"}}\""
 

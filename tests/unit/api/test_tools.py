@@ -113,3 +113,46 @@ def test_parameters_with_defs_and_refs_compile_and_accept_a_valid_call(tokenizer
     content, calls = tools.parse('<tool_call>{"name": "ship", "arguments": {"to": {"city": "Oslo"}}}</tool_call>')
     assert content is None and json.loads(calls[0].arguments) == {"to": {"city": "Oslo"}}
     assert tools.parse("") == ("", [])  # an empty reply is empty content, not null
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+    "required": ["city"]}}}  # no additionalProperties: JSON Schema's default would admit any extra field
+
+
+def call(args: str, name: str = "get_weather") -> str:
+    return f'<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'
+
+
+def test_arguments_admit_only_declared_properties_unless_the_schema_allows_more(tokenizer):
+    """OpenAI strict function calling: undeclared properties are excluded (found: the model padded a
+    weather call with the schema's own "type"/"properties" keys and never stopped)."""
+    guided = tools.grammar([WEATHER], "required", False)
+    assert accepts(tokenizer, guided, call('{"city": "Oslo"}'))
+    assert accepts(tokenizer, guided, call('{"city": "Oslo", "unit": "c"}'))
+    assert not accepts(tokenizer, guided, call('{"city": "Oslo", "type": "object"}'))
+    open_fn = {"type": "function", "function": {"name": "log", "parameters": {
+        "type": "object", "properties": {"msg": {"type": "string"}}, "additionalProperties": True}}}
+    assert accepts(tokenizer, tools.grammar([open_fn], "required", False), call('{"msg": "a", "extra": 1}', "log"))
+
+
+def test_strict_schema_closes_nested_objects_and_leaves_allof_members_open():
+    schema = {"type": "object", "properties": {
+        "to": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+        "meta": {"type": "object", "additionalProperties": {"type": "object", "properties": {"v": {"type": "integer"}}}},
+        "either": {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "string"}]},
+        "both": {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                           {"type": "object", "properties": {"b": {"type": "integer"}}}]},
+    }, "$defs": {"P": {"type": "object", "properties": {"x": {"type": "number"}}}}}
+    before = json.dumps(schema, sort_keys=True)
+    strict = tools.strict_schema(schema)
+    assert json.dumps(schema, sort_keys=True) == before  # the caller's schema is not changed
+    props = strict["properties"]
+    assert strict["additionalProperties"] is False
+    assert props["to"]["additionalProperties"] is False
+    assert props["tags"]["items"]["additionalProperties"] is False
+    assert props["meta"]["additionalProperties"]["additionalProperties"] is False  # the value schema, closed
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False and props["either"]["anyOf"][1] == {"type": "string"}
+    assert all("additionalProperties" not in member for member in props["both"]["allOf"])
+    assert strict["$defs"]["P"]["additionalProperties"] is False
