@@ -21,7 +21,7 @@ from tokenfleet.services.gateway.streams import Started, responses_of
 from tokenfleet.services.gateway.tenancy import CALLER, Caller
 
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
-from tokenfleet.api.tools import ToolCallParser
+from tokenfleet.api.tools import CallStarted, ContentText, ToolCallParser, ToolEvent
 from tokenfleet.models.tokenizer import Tokenizer
 from tokenfleet.telemetry.metrics import RequestTimer
 from tokenfleet.telemetry.request_id import from_metadata, new_request_id
@@ -103,18 +103,18 @@ def _finish(final: Message, called: bool) -> int:
     return final.finish_reason
 
 
-def _tool_call_deltas(events: list[tuple]) -> list[inference_pb2.ChatChoiceDelta]:
+def _tool_call_deltas(events: list[ToolEvent]) -> list[inference_pb2.ChatChoiceDelta]:
     """Parser events -> deltas: content, a call's id and name, then its argument fragments."""
     out = []
     for event in events:
-        if event[0] == "content":
-            out.append(inference_pb2.ChatChoiceDelta(content=event[1]))
-        elif event[0] == "call":
-            call = inference_pb2.ToolCall(index=event[1], id=event[2].id, type="function",
-                                          function=inference_pb2.FunctionCall(name=event[2].name))
+        if isinstance(event, ContentText):
+            out.append(inference_pb2.ChatChoiceDelta(content=event.text))
+        elif isinstance(event, CallStarted):
+            call = inference_pb2.ToolCall(index=event.index, id=event.call.id, type="function",
+                                          function=inference_pb2.FunctionCall(name=event.call.name))
             out.append(inference_pb2.ChatChoiceDelta(tool_calls=[call]))
         else:
-            call = inference_pb2.ToolCall(index=event[1], function=inference_pb2.FunctionCall(arguments=event[2]))
+            call = inference_pb2.ToolCall(index=event.index, function=inference_pb2.FunctionCall(arguments=event.fragment))
             out.append(inference_pb2.ChatChoiceDelta(tool_calls=[call]))
     return out
 

@@ -16,7 +16,7 @@ from tokenfleet.services.gateway import openai_format as fmt
 from tokenfleet.services.gateway.tenancy import Ticket
 
 from tokenfleet.api.openai_schema import APIError
-from tokenfleet.api.tools import ToolCallParser, parse
+from tokenfleet.api.tools import CallStarted, ContentText, ToolCallParser, ToolEvent, parse
 from tokenfleet.telemetry.metrics import RequestTimer
 from tokenfleet.v1 import common_pb2, engine_pb2
 
@@ -156,18 +156,17 @@ def _error_events(events: Callable[[Started, RequestTimer], AsyncIterator[bytes]
     return wrapped
 
 
-def _tool_deltas(events: list[tuple]) -> list[dict[str, Any]]:
+def _tool_deltas(events: list[ToolEvent]) -> list[dict[str, Any]]:
     """Parser events -> chat deltas the way OpenAI streams calls: id and name first, then argument fragments."""
-    deltas = []
+    deltas: list[dict[str, Any]] = []
     for event in events:
-        if event[0] == "content":
-            deltas.append({"content": event[1]})
-        elif event[0] == "call":
-            call = event[2]
-            deltas.append({"tool_calls": [{"index": event[1], "id": call.id, "type": "function",
-                                           "function": {"name": call.name, "arguments": ""}}]})
+        if isinstance(event, ContentText):
+            deltas.append({"content": event.text})
+        elif isinstance(event, CallStarted):
+            deltas.append({"tool_calls": [{"index": event.index, "id": event.call.id, "type": "function",
+                                           "function": {"name": event.call.name, "arguments": ""}}]})
         else:
-            deltas.append({"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]})
+            deltas.append({"tool_calls": [{"index": event.index, "function": {"arguments": event.fragment}}]})
     return deltas
 
 

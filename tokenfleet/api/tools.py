@@ -181,12 +181,38 @@ class ToolCall:
         return body if index is None else {"index": index, **body}
 
 
+@dataclass(frozen=True)
+class ContentText:
+    """Plain reply text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStarted:
+    """Call ``index`` has its id and name (its arguments follow as fragments)."""
+
+    index: int
+    call: ToolCall
+
+
+@dataclass(frozen=True)
+class ArgumentsFragment:
+    """The next piece of call ``index``'s arguments text."""
+
+    index: int
+    fragment: str
+
+
+ToolEvent = ContentText | CallStarted | ArgumentsFragment
+
+
 @dataclass
 class ToolCallParser:
     """Splits generated text into content and calls, incrementally (feed deltas; the same
     parser fed the whole text gives the same calls, which is how non-streamed responses are
-    built). Events from ``feed``: ("content", text), ("call", index, ToolCall) when a call's name
-    is known, ("arguments", index, fragment)."""
+    built). Events from ``feed``: ContentText, CallStarted when a call's name is known, then its
+    ArgumentsFragments."""
 
     mode: str = "undecided"  # undecided | content | calls
     calls: list[ToolCall] = field(default_factory=list)
@@ -196,10 +222,10 @@ class ToolCallParser:
     _in_string: bool = False
     _escaped: bool = False
 
-    def feed(self, text: str) -> list[tuple]:
-        events: list[tuple] = []
+    def feed(self, text: str) -> list[ToolEvent]:
+        events: list[ToolEvent] = []
         if self.mode == "content":
-            return [("content", text)] if text else []
+            return [ContentText(text)] if text else []
         self._buf += text
         if self.mode == "undecided":
             if not self._buf:
@@ -209,12 +235,12 @@ class ToolCallParser:
             self.mode = "calls" if self._buf.startswith(CALL_OPEN) else "content"
             if self.mode == "content":
                 content, self._buf = self._buf, ""
-                return [("content", content)]
+                return [ContentText(content)]
         while self._step(events):
             pass
         return events
 
-    def _step(self, events: list[tuple]) -> bool:
+    def _step(self, events: list[ToolEvent]) -> bool:
         """Consume what the buffer allows; True if progress was made."""
         buf = self._buf
         if self._stage == "open":
@@ -237,7 +263,7 @@ class ToolCallParser:
                 raise ValueError(f"malformed tool call after the name: {buf[end:end + 20]!r}")
             call = ToolCall(new_call_id(), name)
             self.calls.append(call)
-            events.append(("call", len(self.calls) - 1, call))
+            events.append(CallStarted(len(self.calls) - 1, call))
             self._buf, self._stage = buf[end + len(_ARGS_PREFIX):], "args"
             self._depth, self._in_string, self._escaped = 0, False, False
             return True
@@ -249,7 +275,7 @@ class ToolCallParser:
             call = self.calls[-1]
             call.arguments += fragment
             if fragment:
-                events.append(("arguments", len(self.calls) - 1, fragment))
+                events.append(ArgumentsFragment(len(self.calls) - 1, fragment))
             if end is None:
                 self._buf = ""
                 return False
@@ -284,12 +310,12 @@ class ToolCallParser:
                     return i + 1
         return None
 
-    def finish(self) -> list[tuple]:
+    def finish(self) -> list[ToolEvent]:
         """The output ended: text still held (a prefix of the marker that never completed) is content."""
         if self.mode == "undecided" and self._buf:
             self.mode = "content"
             content, self._buf = self._buf, ""
-            return [("content", content)]
+            return [ContentText(content)]
         return []
 
 
@@ -300,6 +326,6 @@ def parse(text: str) -> tuple[str | None, list[ToolCall]]:
         events = parser.feed(text) + parser.finish()
     except ValueError:
         return text, []
-    content = "".join(e[1] for e in events if e[0] == "content")
+    content = "".join(e.text for e in events if isinstance(e, ContentText))
     calls = [c for c in parser.calls if c.complete]
     return (content if parser.mode != "calls" or not calls else None), calls

@@ -71,10 +71,13 @@ def test_parser_is_split_invariant():
             events += parser.feed(text[i:j])
             i = j
         events += parser.finish()
-        names = [e[2].name for e in events if e[0] == "call"]
-        arguments = ["".join(e[2] for e in events if e[0] == "arguments" and e[1] == k) for k in range(len(names))]
+        names = [e.call.name for e in events if isinstance(e, tools.CallStarted)]
+        arguments = [
+            "".join(e.fragment for e in events if isinstance(e, tools.ArgumentsFragment) and e.index == k)
+            for k in range(len(names))
+        ]
         assert names == [c.name for c in whole] and arguments == [c.arguments for c in whole]
-        assert not [e for e in events if e[0] == "content"]
+        assert not [e for e in events if isinstance(e, tools.ContentText)]
 
 
 def test_plain_text_and_a_marker_prefix_are_content():
