@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     from tokenfleet.cli_tenancy import add_commands
 
     add_commands(sub)
-    from tokenfleet.backends.trtllm.build import add_commands as add_engine_commands  # imports no tensorrt_llm
+    from tokenfleet.cli_engines import add_commands as add_engine_commands  # imports no tensorrt_llm
 
     add_engine_commands(sub)
     from tokenfleet.planning.calc import add_command as add_plan_command
@@ -163,24 +163,29 @@ def _cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
-def _registry_stub(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    import grpc
-
+def _registry_address(args: argparse.Namespace) -> str:
     from tokenfleet import launcher
-    from tokenfleet.v1 import registry_pb2_grpc
 
     address = args.registry or launcher.cluster_state().get("registry")
     if not address:
         raise ConnectionError("no --registry given and no `tokenfleet up` cluster is running")
-    return registry_pb2_grpc.RegistryServiceStub(grpc.insecure_channel(address))
+    return address
 
 
-def _registry_call(method, request):  # type: ignore[no-untyped-def]
-    """One registry RPC; gRPC statuses become CLI errors."""
+def _registry_stub(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    import grpc
+
+    from tokenfleet.v1 import registry_pb2_grpc
+
+    return registry_pb2_grpc.RegistryServiceStub(grpc.insecure_channel(_registry_address(args)))
+
+
+def _registry_call(call):  # type: ignore[no-untyped-def]
+    """One registry RPC (``call()`` makes it); gRPC statuses become CLI errors."""
     import grpc
 
     try:
-        return method(request, timeout=30)
+        return call()
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.NOT_FOUND:
             raise LookupError(e.details()) from e
@@ -195,8 +200,7 @@ def _cmd_register(args: argparse.Namespace) -> int:
     from tokenfleet.cluster.registry import ModelRecord
     from tokenfleet.models.config import ModelConfig
     from tokenfleet.models.gguf_import import ensure_default_model
-    from tokenfleet.services.registry.convert import record_to_proto
-    from tokenfleet.v1 import registry_pb2
+    from tokenfleet.services.registry.client import register_model
 
     path = Path(args.path or ensure_default_model()).resolve()
     ModelConfig.from_dir(path)  # fail here, not in every worker, when the folder is not a model
@@ -204,17 +208,15 @@ def _cmd_register(args: argparse.Namespace) -> int:
                          tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
                          tokenizer=args.tokenizer, description=args.description,
                          tool_format=args.tool_format, speculative_config=args.speculative_config)
-    stub = _registry_stub(args)
-    reply = _registry_call(stub.RegisterModel, registry_pb2.RegisterModelRequest(record=record_to_proto(record)))
-    print(f"{'registered' if reply.created else 'already registered'} {reply.record.name}@{reply.record.version}"
-          f" ({reply.record.path})")
+    created, stored = _registry_call(lambda: register_model(_registry_address(args), record))
+    print(f"{'registered' if created else 'already registered'} {stored.name}@{stored.version} ({stored.path})")
     return 0
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
     from tokenfleet.v1 import registry_pb2
 
-    snapshot = _registry_call(_registry_stub(args).ListModels, registry_pb2.ListModelsRequest())
+    snapshot = _registry_call(lambda: _registry_stub(args).ListModels(registry_pb2.ListModelsRequest(), timeout=30))
     rows = [("MODEL", "DTYPE", "BACKEND", "STATUS", "PATH")]
     for m in snapshot.models:
         status = registry_pb2.ModelStatus.Name(m.status).removeprefix("MODEL_STATUS_").lower()
@@ -231,12 +233,12 @@ def _cmd_alias(args: argparse.Namespace) -> int:
 
     stub = _registry_stub(args)
     if args.delete:
-        _registry_call(stub.DeleteAlias, registry_pb2.DeleteAliasRequest(alias=args.alias))
+        _registry_call(lambda: stub.DeleteAlias(registry_pb2.DeleteAliasRequest(alias=args.alias), timeout=30))
         print(f"removed alias {args.alias}")
         return 0
     if not args.target:
         raise ValueError("give the alias's target (NAME or NAME@VERSION), or --delete")
-    _registry_call(stub.SetAlias, registry_pb2.SetAliasRequest(alias=args.alias, target=args.target))
+    _registry_call(lambda: stub.SetAlias(registry_pb2.SetAliasRequest(alias=args.alias, target=args.target), timeout=30))
     print(f"{args.alias} -> {args.target}")
     return 0
 

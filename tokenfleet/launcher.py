@@ -68,17 +68,11 @@ def wait_listening(name: str, proc: subprocess.Popen, timeout: float = 300) -> s
 
 def register_model(registry: str, name: str, model_dir: str, dtype: str = "bfloat16", version: str = "v1") -> None:
     """Register ``name@version`` (a no-op when the identical record exists)."""
-    import grpc
-
     from tokenfleet.cluster.registry import ModelRecord
-    from tokenfleet.services.registry.convert import record_to_proto
-    from tokenfleet.v1 import registry_pb2, registry_pb2_grpc
+    from tokenfleet.services.registry.client import register_model as register
 
-    record = ModelRecord(name=name, version=version, path=str(Path(model_dir).resolve()), dtype=dtype,
-                         tool_format="hermes")  # the default model's ChatML template prints any role
-    with grpc.insecure_channel(registry) as channel:
-        registry_pb2_grpc.RegistryServiceStub(channel).RegisterModel(
-            registry_pb2.RegisterModelRequest(record=record_to_proto(record)), timeout=30)
+    register(registry, ModelRecord(name=name, version=version, path=str(Path(model_dir).resolve()), dtype=dtype,
+                                   tool_format="hermes"))  # the default model's ChatML template prints any role
 
 
 def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_port: int,

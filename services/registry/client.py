@@ -1,4 +1,5 @@
-"""Talking to the registry service from workers, gateways and the CLI."""
+"""Talking to the registry service: the one client workers, gateways, the launcher and the CLI use
+(fetch a record, watch the catalog, register a model)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import structlog
-from tokenfleet.services.registry.convert import record_from_proto, view_from_snapshot
+from tokenfleet.services.registry.convert import record_from_proto, record_to_proto, view_from_snapshot
 
 from tokenfleet.cluster.registry import ModelRecord, RegistryView, UnknownModelError
 from tokenfleet.v1 import registry_pb2, registry_pb2_grpc
@@ -45,3 +46,13 @@ async def watch_registry(address: str) -> AsyncIterator[RegistryView]:
         except grpc.aio.AioRpcError as e:
             log.warning("registry watch interrupted; keeping the last view", address=address, code=str(e.code()))
         await asyncio.sleep(1.0)
+
+
+def register_model(address: str, record: ModelRecord, timeout: float = 30.0) -> tuple[bool, ModelRecord]:
+    """Register ``record`` (idempotent: an identical record already there is not an error). Returns
+    (created, the registry's record). Raises grpc.RpcError (INVALID_ARGUMENT, ALREADY_EXISTS for a
+    different record under the same name@version, UNAVAILABLE)."""
+    with grpc.insecure_channel(address) as channel:
+        reply = registry_pb2_grpc.RegistryServiceStub(channel).RegisterModel(
+            registry_pb2.RegisterModelRequest(record=record_to_proto(record)), timeout=timeout)
+    return reply.created, record_from_proto(reply.record)
