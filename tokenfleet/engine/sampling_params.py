@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenfleet.engine.grammar import Guided
 
@@ -45,7 +45,6 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # like logprobs, for the prompt's tokens (echo); disables prefix-cache hits
     logit_bias: tuple[tuple[int, float], ...] = ()
     guided: Guided | None = None
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         stop = self.stop

@@ -33,7 +33,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "
 
 
 def compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+    for name in (envs.c_compiler(), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None

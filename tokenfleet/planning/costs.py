@@ -77,9 +77,6 @@ class Roofline:
             comms = 2 * m.num_layers * volume / lay.gpu.nvlink_bytes_per_s
         return max(compute, memory, comms) + self.step_overhead_s
 
-    def kv_transfer_bytes(self, tokens: int) -> float:
-        return tokens * self.model.kv_bytes_per_token(self.layout.kv_dtype)
-
 
 FEATURES = ("base", "per_token", "per_sample", "per_pair", "per_kv")
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from tokenfleet import envs
 from tokenfleet.backends.trtllm.engine import TrtllmEngine
 from tokenfleet.backends.trtllm.spec import TrtllmSpec, load_api
 
@@ -52,7 +52,7 @@ def model_limits(path: str) -> tuple[int, int, str]:
 def api_loader_from_env() -> Any:
     """``TOKENFLEET_TRTLLM_API=module:function`` replaces ``load_api`` (the tests point it at the
     in-repo test double of the API; a site can point it at a patched build)."""
-    target = os.environ.get("TOKENFLEET_TRTLLM_API")
+    target = envs.trtllm_api()
     if not target:
         return load_api
     module, _, name = target.partition(":")
