@@ -8,13 +8,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
+from tokenfleet.services.decode.convert import layout_from_proto
 
 from tokenfleet.cluster.etcd import EtcdClient, KeyEvent, mirror_prefix
 from tokenfleet.cluster.membership import ReplicaRecord
 from tokenfleet.cluster.registry import RegistryView, UnknownModelError, follow_registry
+from tokenfleet.engine.kv_transfer import KVLayout
 from tokenfleet.routing.policies import FleetSnapshot, ReplicaLoad
 from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
 
@@ -22,15 +25,23 @@ log = structlog.get_logger()
 LOAD_INTERVAL_MS = 200
 
 
+@dataclass
+class Replica:
+    """What the router knows of one replica (keyed by its etcd membership key)."""
+
+    load: ReplicaLoad
+    model: str
+    version: str
+    hashes: set[bytes] = field(default_factory=set)  # block hashes it reports cached
+    layout: KVLayout | None = None  # from its load reports (hash salt and block size key the prefix hashes)
+    stream: asyncio.Task | None = None  # the Load stream that updates it
+
+
 class FleetView:
     def __init__(self, etcd: EtcdClient):
         self.etcd = etcd
-        self.loads: dict[str, ReplicaLoad] = {}  # etcd key -> latest load
-        self.hashes: dict[str, set[bytes]] = {}  # etcd key -> block hashes the replica reports cached
-        self.layouts: dict[str, tuple[str, int]] = {}  # etcd key -> (hash salt, block size) from its reports
-        self.models: dict[str, tuple[str, str]] = {}  # etcd key -> (model name, version)
+        self.replicas: dict[str, Replica] = {}  # etcd key -> replica
         self.registry = RegistryView()
-        self._streams: dict[str, asyncio.Task] = {}
         self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -39,7 +50,7 @@ class FleetView:
             follow_registry(self.etcd, self.registry)))
 
     async def stop(self) -> None:
-        tasks = [t for t in [self._watch, *self._streams.values()] if t is not None]
+        tasks = [t for t in [self._watch, *(r.stream for r in self.replicas.values())] if t is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -53,37 +64,36 @@ class FleetView:
             record = self.registry.resolve(ref)
             return record.name, record.version
         except UnknownModelError:
-            if any(name == ref for name, _ in self.models.values()):
+            if any(r.model == ref for r in self.replicas.values()):
                 return ref, ""
             raise
 
-    def _serves(self, key: str, name: str, version: str) -> bool:
-        model = self.models.get(key)
-        return model is not None and model[0] == name and (not version or not model[1] or model[1] == version)
+    @staticmethod
+    def _serves(replica: Replica, name: str, version: str) -> bool:
+        return replica.model == name and (not version or not replica.version or replica.version == version)
 
     def snapshot(self, name: str, version: str = "") -> FleetSnapshot:
-        return FleetSnapshot(tuple(load for key, load in self.loads.items() if self._serves(key, name, version)))
+        return FleetSnapshot(tuple(r.load for r in self.replicas.values() if self._serves(r, name, version)))
 
-    def prefix_view(self, snapshot: FleetSnapshot) -> tuple[tuple[str, int] | None, dict[str, set[bytes]]]:
-        """(hash salt, block size) to hash prompts with, and each snapshot replica's reported hashes.
-        Replicas of one model share a layout; one that differs never matches (its hashes differ)."""
+    def prefix_view(self, snapshot: FleetSnapshot) -> tuple[KVLayout | None, dict[str, set[bytes]]]:
+        """The KV layout to hash prompts with (its salt and block size), and each snapshot replica's reported
+        hashes. Replicas of one model share a layout; one that differs never matches (its hashes differ)."""
         ids = {r.replica_id for r in snapshot.replicas}
-        keys = [key for key, load in self.loads.items() if load.replica_id in ids]
-        layout = next((self.layouts[key] for key in keys if key in self.layouts), None)
-        return layout, {self.loads[key].replica_id: self.hashes.get(key, set()) for key in keys}
+        members = [r for r in self.replicas.values() if r.load.replica_id in ids]
+        layout = next((r.layout for r in members if r.layout is not None), None)
+        return layout, {r.load.replica_id: r.hashes for r in members}
 
     def note_assignment(self, replica_id: str, name: str, version: str = "") -> None:
-        for key, load in self.loads.items():
-            if load.replica_id == replica_id and self._serves(key, name, version):
-                self.loads[key] = dataclasses.replace(load, pending_assignments=load.pending_assignments + 1)
+        for replica in self.replicas.values():
+            if replica.load.replica_id == replica_id and self._serves(replica, name, version):
+                replica.load = dataclasses.replace(replica.load, pending_assignments=replica.load.pending_assignments + 1)
 
     def metric_rows(self) -> list[tuple[str, str, str, int]]:
         """(model, replica, state, effective load) per known replica, for /metrics."""
-        return [(self.models[key][0], load.replica_id, load.state, load.effective_load)
-                for key, load in self.loads.items() if key in self.models]
+        return [(r.model, r.load.replica_id, r.load.state, r.load.effective_load) for r in self.replicas.values()]
 
     def _reset(self, listing: dict[str, bytes]) -> None:
-        for key in set(self.loads) - set(listing):
+        for key in set(self.replicas) - set(listing):
             self._remove(key)
         for key, raw in listing.items():
             self._upsert(key, ReplicaRecord.from_json(raw))
@@ -95,30 +105,25 @@ class FleetView:
             self._upsert(event.key, ReplicaRecord.from_json(event.value))
 
     def _upsert(self, key: str, record: ReplicaRecord) -> None:
-        old = self.loads.get(key)
-        base = old if old is not None and old.address == record.address else ReplicaLoad(record.replica_id, record.address)
-        self.loads[key] = dataclasses.replace(base, roles=record.roles, state=record.state)
-        self.models[key] = (record.model, record.model_version)
-        if key not in self._streams or old is None or old.address != record.address:
-            self._restart_stream(key, record.address)
+        old = self.replicas.get(key)
+        moved = old is None or old.load.address != record.address
+        base = ReplicaLoad(record.replica_id, record.address) if moved or old is None else old.load
+        load = dataclasses.replace(base, roles=record.roles, state=record.state)
+        if old is None or moved:
+            if old is not None and old.stream is not None:
+                old.stream.cancel()
+            replica = self.replicas[key] = Replica(load, record.model, record.model_version)
+            replica.stream = asyncio.create_task(self._follow_load(key, record.address))
+        else:
+            old.load, old.model, old.version = load, record.model, record.model_version
 
     def _remove(self, key: str) -> None:
-        self.loads.pop(key, None)
-        self.hashes.pop(key, None)
-        self.layouts.pop(key, None)
-        self.models.pop(key, None)
-        task = self._streams.pop(key, None)
-        if task is not None:
-            task.cancel()
-
-    def _restart_stream(self, key: str, address: str) -> None:
-        old = self._streams.pop(key, None)
-        if old is not None:
-            old.cancel()
-        self._streams[key] = asyncio.create_task(self._follow_load(key, address))
+        replica = self.replicas.pop(key, None)
+        if replica is not None and replica.stream is not None:
+            replica.stream.cancel()
 
     async def _follow_load(self, key: str, address: str) -> None:
-        while key in self.loads:
+        while key in self.replicas:
             try:
                 async with grpc.aio.insecure_channel(address) as channel:
                     stub = engine_pb2_grpc.EngineServiceStub(channel)
@@ -129,24 +134,23 @@ class FleetView:
             await asyncio.sleep(0.5)
 
     def _apply(self, key: str, report: engine_pb2.LoadReport) -> None:
-        load = self.loads.get(key)
-        if load is None:
+        replica = self.replicas.get(key)
+        if replica is None:
             return
         if report.hashes_reset:
-            self.hashes[key] = set(report.added_block_hashes)
+            replica.hashes = set(report.added_block_hashes)
         else:
-            held = self.hashes.setdefault(key, set())
-            held.difference_update(report.removed_block_hashes)
-            held.update(report.added_block_hashes)
+            replica.hashes.difference_update(report.removed_block_hashes)
+            replica.hashes.update(report.added_block_hashes)
         if report.HasField("layout"):
-            self.layouts[key] = (report.layout.hash_salt, report.layout.block_size)
+            replica.layout = layout_from_proto(report.layout)
         draining = report.state == engine_pb2.WORKER_STATE_DRAINING
-        self.loads[key] = dataclasses.replace(
-            load,
+        replica.load = dataclasses.replace(
+            replica.load,
             num_waiting=report.num_waiting,
             num_running=report.num_running,
             num_blocks_used=report.num_blocks_used,
             num_blocks_free=report.num_blocks_free,
             pending_assignments=0,  # the report reflects everything assigned before it
-            state="draining" if draining else load.state,
+            state="draining" if draining else replica.load.state,
         )

@@ -52,8 +52,8 @@ class Router(router_pb2_grpc.RouterServiceServicer):
         snapshot = self.fleet.snapshot(name, version).without(request.exclude_replica_ids)
         layout, cached = self.fleet.prefix_view(snapshot)
         prompt = list(request.prompt_token_ids)
-        chain = hash_blocks(prompt, layout[1], layout[0]) if prompt and layout is not None else []
-        block_size = layout[1] if layout is not None else 1
+        chain = hash_blocks(prompt, layout.block_size, layout.hash_salt) if prompt and layout is not None else []
+        block_size = layout.block_size if layout is not None else 1
         anchor_homes: tuple[str, ...] = ()
         if self.affinity is not None and len(chain) >= self.prefix_config.min_match_blocks:
             anchor_homes = self.affinity.homes_of(name, chain[self.prefix_config.min_match_blocks - 1])
