@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from tokenfleet.engine.guided import apply_masks, mask_width
+from tokenfleet.backends.torch.grammar_masks import apply_masks, mask_width
 
 
 def timed(fn, device: str, repeats: int = 50) -> float:

@@ -17,7 +17,7 @@ import json
 import statistics
 import time
 
-from tokenfleet.engine.builder import build_engine_core
+from tokenfleet.backends.torch.builder import build_engine_core
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.grammar import Guided
 from tokenfleet.engine.guided import GuideCompiler

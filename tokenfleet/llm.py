@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenfleet.api.chat_template import render_chat
-from tokenfleet.engine.builder import build_engine_core
+from tokenfleet.backends.torch.builder import build_engine_core
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.output import RequestOutput, TokenLogprobs
 from tokenfleet.engine.request import FinishReason

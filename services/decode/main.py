@@ -16,11 +16,11 @@ from tokenfleet.services.common.server import GrpcServer, run_service, serve_met
 from tokenfleet.services.decode.worker import EngineWorker
 from tokenfleet.services.registry.client import fetch_record
 
+from tokenfleet.backends.torch.builder import build_engine_core
 from tokenfleet.cluster.etcd import EtcdClient
 from tokenfleet.cluster.membership import DRAINING, ReplicaRecord, ReplicaRegistration
 from tokenfleet.cluster.registry import ModelRecord
 from tokenfleet.engine.async_engine import AsyncEngine
-from tokenfleet.engine.builder import build_engine_core
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.telemetry.metrics import WorkerCollector
 from tokenfleet.v1 import engine_pb2, engine_pb2_grpc

@@ -47,7 +47,8 @@ def _gpt2_byte_chars() -> list[str]:
 def core(request, tmp_path_factory):
     from tokenfleet.backends.torch.runner import TorchModelRunner
     from tokenfleet.engine.block_manager import BlockManager
-    from tokenfleet.engine.core import EngineCore, ModelInfo
+    from tokenfleet.engine.core import EngineCore
+    from tokenfleet.engine.runner import ModelInfo
     from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig
     from tokenfleet.models.loader import load_model
     from tokenfleet.models.tokenizer import Tokenizer

@@ -26,7 +26,8 @@ def test_cuda_fp32_logits_match_transformers(tmp_path, variant):
 def test_cuda_bf16_engine_runs_batches_without_leaks(tmp_path):
     from tokenfleet.backends.torch.runner import TorchModelRunner
     from tokenfleet.engine.block_manager import BlockManager
-    from tokenfleet.engine.core import EngineCore, ModelInfo
+    from tokenfleet.engine.core import EngineCore
+    from tokenfleet.engine.runner import ModelInfo
     from tokenfleet.engine.sampling_params import SamplingParams
     from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig
     from tokenfleet.models.loader import load_model

@@ -15,7 +15,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def make_core(path, device: str):
     from tokenfleet.backends.torch.runner import TorchModelRunner
     from tokenfleet.engine.block_manager import BlockManager
-    from tokenfleet.engine.core import EngineCore, ModelInfo
+    from tokenfleet.engine.core import EngineCore
+    from tokenfleet.engine.runner import ModelInfo
     from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig
     from tokenfleet.models.loader import load_model
 

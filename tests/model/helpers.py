@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
+from tokenfleet.backends.torch.builder import build_engine_core
 from tokenfleet.engine.block_manager import BlockManager
-from tokenfleet.engine.builder import build_engine_core
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.core import EngineCore
 from tokenfleet.engine.sampling_params import SamplingParams

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from tokenfleet.engine.scheduler import SchedulerConfig
 
@@ -48,3 +49,18 @@ class EngineConfig:
             fair_prompt_weight=self.fair_prompt_weight,
             fair_output_weight=self.fair_output_weight,
         )
+
+    def num_kv_blocks(self, kv_bytes_per_token: int) -> int:
+        """KV blocks: ``num_blocks`` when set, else as many as ``kv_cache_bytes`` holds.
+        ``kv_bytes_per_token``: K and V of one token over all layers, in bytes."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        per_block = self.block_size * kv_bytes_per_token
+        blocks = self.kv_cache_bytes // per_block
+        if blocks < 1:
+            raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes} holds no block of {per_block} bytes")
+        return int(blocks)
+
+    def hash_salt(self) -> str:
+        """Prefix hashes differ across models and KV layouts, never across processes."""
+        return f"{Path(self.model).name}|{self.dtype}|{self.block_size}"

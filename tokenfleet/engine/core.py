@@ -10,48 +10,17 @@ import itertools
 import threading
 import time
 from collections import ChainMap
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Sequence
 
 from tokenfleet.engine.detokenizer import Decoder
 from tokenfleet.engine.guided import GuideCompiler
 from tokenfleet.engine.kv_transfer import KVLayout
 from tokenfleet.engine.output import OutputState, RequestOutput, Resume, TokenLogprobs
 from tokenfleet.engine.request import FinishReason, Priority, Request, RequestStatus
+from tokenfleet.engine.runner import ExecuteResult, ModelInfo, ModelRunner
 from tokenfleet.engine.sampling_params import SamplingParams
-from tokenfleet.engine.scheduler import Scheduler, SchedulerOutput
+from tokenfleet.engine.scheduler import Scheduler
 from tokenfleet.engine.stats import EngineStats, StepTimer
-
-
-@dataclass(frozen=True)
-class ExecuteResult:
-    sampled: dict[str, int]  # request id -> token, for scheduled entries that sample
-    logprobs: dict[str, TokenLogprobs]
-    # request id -> logprobs of the prompt tokens this step's chunk predicts (prompt_logprobs set)
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = dataclasses.field(default_factory=dict)
-
-
-class ModelRunner(Protocol):
-    """What the core needs from a backend: run one scheduled batch, forget a request, and
-    move blocks' KV in and out for disaggregated prefill."""
-
-    def execute(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> ExecuteResult: ...
-
-    def release(self, request_id: str) -> None: ...
-
-    def kv_geometry(self) -> tuple[int, int, int, str]: ...
-
-    def export_kv(self, layer: int, block_ids: Sequence[int]) -> tuple[bytes, bytes]: ...
-
-    def import_kv(self, layer: int, block_ids: Sequence[int], k: bytes, v: bytes) -> None: ...
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
 
 
 class EngineCore:

@@ -95,7 +95,6 @@ def calibrate(model: str | None = None, threads: int = 2, repeats: int = 3,
               log: Callable[[str], None] = print) -> Profile:
     from pathlib import Path
 
-    from tokenfleet.engine.builder import num_kv_blocks
     from tokenfleet.engine.config import EngineConfig
     from tokenfleet.launcher import up
     from tokenfleet.models.config import ModelConfig
@@ -112,7 +111,7 @@ def calibrate(model: str | None = None, threads: int = 2, repeats: int = 3,
     config = EngineConfig(model=folder)  # the worker's defaults (services/decode)
     model_config = ModelConfig.from_dir(folder)
     engine = {"block_size": config.block_size, "max_num_batched_tokens": config.max_num_batched_tokens,
-              "max_num_running": config.max_num_running, "num_blocks": num_kv_blocks(config, model_config, 2),
+              "max_num_running": config.max_num_running, "num_blocks": config.num_kv_blocks(model_config.kv_bytes_per_token * 2),
               "kv_bytes_per_token": model_config.kv_bytes_per_token * 2, "threads": threads, "model": folder,
               "dtype": config.dtype}
     return fit_profile(shapes, seconds, engine, extra=[float(t) for t in is_ttft])

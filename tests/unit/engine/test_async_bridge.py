@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from tokenfleet.api.chat_template import render_chat
+from tokenfleet.backends.torch.builder import build_engine_core
 from tokenfleet.engine.async_engine import AsyncEngine
-from tokenfleet.engine.builder import build_engine_core
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.interface import EngineStoppedError
 from tokenfleet.engine.sampling_params import SamplingParams

@@ -13,8 +13,8 @@ from collections.abc import Callable
 import pytest
 
 from tokenfleet.api.chat_template import render_chat
+from tokenfleet.backends.torch.builder import build_engine_core
 from tokenfleet.engine.async_engine import AsyncEngine
-from tokenfleet.engine.builder import build_engine_core
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.interface import Engine, EngineOverloadedError, EngineStoppedError
 from tokenfleet.engine.output import RequestOutput

@@ -80,7 +80,7 @@ def test_preempted_before_forking_still_forks_once():
 
 @pytest.fixture(scope="module")
 def core(default_model_dir):
-    from tokenfleet.engine.builder import build_engine_core
+    from tokenfleet.backends.torch.builder import build_engine_core
     from tokenfleet.engine.config import EngineConfig
 
     return build_engine_core(EngineConfig(model=str(default_model_dir), dtype="float32", num_threads=1,

@@ -21,7 +21,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def core(default_model_dir):
-    from tokenfleet.engine.builder import build_engine_core
+    from tokenfleet.backends.torch.builder import build_engine_core
     from tokenfleet.engine.config import EngineConfig
 
     return build_engine_core(EngineConfig(model=str(default_model_dir), dtype="float32", num_threads=1,
@@ -83,7 +83,7 @@ def test_grammar_state_survives_a_resume(core):
 
 
 def test_prompt_logprobs_are_the_same_chunked_or_not_and_reported_once(default_model_dir, core):
-    from tokenfleet.engine.builder import build_engine_core
+    from tokenfleet.backends.torch.builder import build_engine_core
     from tokenfleet.engine.config import EngineConfig
 
     chunked = build_engine_core(EngineConfig(model=str(default_model_dir), dtype="float32", num_threads=1,

@@ -12,8 +12,8 @@ from collections import Counter
 import pytest
 import torch
 
+from tokenfleet.backends.torch.sampler import Sampler, apply_penalties, filtered_probs
 from tokenfleet.engine.request import Request
-from tokenfleet.engine.sampler import Sampler, apply_penalties, filtered_probs
 from tokenfleet.engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

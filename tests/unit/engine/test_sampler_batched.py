@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from tests.unit.engine.test_sampler import CPU, kept, make_req
-from tokenfleet.engine.sampler import Sampler, filtered_probs
+from tokenfleet.backends.torch.sampler import Sampler, filtered_probs
 from tokenfleet.engine.sampling_params import SamplingParams
 
 
 def test_batched_filters_equal_each_row_filtered_alone():
-    from tokenfleet.engine.sampler import filtered_probs_batch
+    from tokenfleet.backends.torch.sampler import filtered_probs_batch
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 50, generator=g, dtype=torch.float32) * 2
@@ -35,7 +35,7 @@ def test_unseeded_rows_of_one_batch_draw_independently():
 
 
 def test_inverse_cdf_picks_the_token_whose_mass_holds_the_uniform():
-    from tokenfleet.engine.sampler import CDF_CHUNK, inverse_cdf
+    from tokenfleet.backends.torch.sampler import CDF_CHUNK, inverse_cdf
 
     vocab = 3 * CDF_CHUNK + 17  # not a multiple of the chunk
     probs = torch.zeros(5, vocab)
@@ -52,7 +52,7 @@ def test_inverse_cdf_picks_the_token_whose_mass_holds_the_uniform():
 
 
 def _native_sampler():
-    from tokenfleet.engine.sampler import NativeTemperatureSampler
+    from tokenfleet.backends.torch.sampler import NativeTemperatureSampler
 
     sampler = NativeTemperatureSampler.load()
     if sampler is None:
@@ -61,7 +61,7 @@ def _native_sampler():
 
 
 def test_native_draw_is_the_torch_inverse_cdf_draw():
-    from tokenfleet.engine.sampler import filtered_probs_batch, inverse_cdf
+    from tokenfleet.backends.torch.sampler import filtered_probs_batch, inverse_cdf
 
     draw = _native_sampler()
     g = torch.Generator().manual_seed(11)

@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from tokenfleet.engine.core import ExecuteResult
+from tokenfleet.backends.torch.sampler import Sampler
 from tokenfleet.engine.output import TokenLogprobs
 from tokenfleet.engine.request import Request
-from tokenfleet.engine.sampler import Sampler
+from tokenfleet.engine.runner import ExecuteResult
 from tokenfleet.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenfleet.models.attention import ForwardBatch, PagedQueries, PrefillSpan
 from tokenfleet.models.llama import KVCache, LlamaModel

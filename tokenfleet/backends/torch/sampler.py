@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenfleet.engine.guided import apply_masks, fill_masks, mask_width
+from tokenfleet.backends.torch.grammar_masks import apply_masks, fill_masks, mask_width
 from tokenfleet.engine.output import TokenLogprobs
 from tokenfleet.engine.request import Request
 from tokenfleet.engine.sampling_params import SamplingParams

@@ -1,0 +1,133 @@
+"""Package layering, checked on the source: which tokenfleet packages may import which.
+
+Every ``import`` / ``from ... import`` in a module counts, function-level and TYPE_CHECKING ones too
+(a lazy import is still a dependency). The rules (docs/architecture.md explains them):
+
+- engine: the pure core (scheduler, block manager, request lifecycle, the runner and KV-connector
+  interfaces). Never backends, services, cluster, nor the gRPC / HTTP libraries: a backend
+  plugs into the engine, not the other way round, and the simulator reuses the engine off-line.
+- routing: placement policies over plain records. Never cluster (etcd) nor services.
+- backends: model runners for one framework each. Never services (a backend runs inside a worker
+  service, it does not call the fleet's services).
+- models: model code and kernels. Of the engine, only the runner interface.
+
+A test of the test plants each kind of violation in a scratch tree and expects it reported.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HTTP_AND_GRPC = ("grpc", "aiohttp", "fastapi", "starlette", "uvicorn", "httpx", "requests", "urllib.request")
+RULES: dict[str, tuple[str, ...]] = {  # package -> module prefixes it must not import
+    "tokenfleet.engine": ("tokenfleet.backends", "tokenfleet.services", "tokenfleet.cluster", *HTTP_AND_GRPC),
+    "tokenfleet.routing": ("tokenfleet.cluster", "tokenfleet.services"),
+    "tokenfleet.backends": ("tokenfleet.services",),
+    "tokenfleet.models": ("tokenfleet.engine",),
+}
+ALLOWED: dict[str, tuple[str, ...]] = {  # exceptions to a forbidden prefix
+    "tokenfleet.models": ("tokenfleet.engine.runner",),
+}
+# Where each package's source lives (services are installed as tokenfleet.services from ./services).
+SOURCES = {"tokenfleet": "tokenfleet", "tokenfleet.services": "services"}
+
+
+def module_files(root: Path) -> dict[str, Path]:
+    out = {}
+    for package, folder in SOURCES.items():
+        base = root / folder
+        for path in base.rglob("*.py"):
+            parts = path.relative_to(base).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join((package, *parts))] = path
+    return out
+
+
+def imports(path: Path, module: str) -> list[tuple[str, tuple[str, ...]]]:
+    """Each import statement as (the module it names, the most specific names it reaches).
+
+    ``from pkg import x`` reaches ``pkg.x`` (x may be a submodule, and an allowed submodule of a
+    forbidden package is fine); ``import a, b`` is two statements.
+    """
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, (alias.name,)) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the importing module's package
+                package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+                parts = package.split(".")
+                base = parts[: len(parts) - (node.level - 1)]
+                name = ".".join([*base, node.module] if node.module else base)
+            else:
+                name = node.module or ""
+            found.append((name, tuple(f"{name}.{alias.name}" for alias in node.names)))
+    return found
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def violations(root: Path) -> list[str]:
+    out = []
+    for module, path in sorted(module_files(root).items()):
+        for package, forbidden in RULES.items():
+            if not _under(module, package):
+                continue
+            allowed = ALLOWED.get(package, ())
+            for name, reached in imports(path, module):
+                if any(any(_under(r, f) for f in forbidden) and not any(_under(r, a) for a in allowed) for r in reached):
+                    out.append(f"{module} imports {name}")
+    return sorted(set(out))
+
+
+def test_the_packages_keep_their_layers():
+    assert violations(ROOT) == []
+
+
+@pytest.mark.parametrize(("where", "line"), [
+    ("tokenfleet/engine/planted.py", "from tokenfleet.backends.torch.runner import TorchModelRunner"),
+    ("tokenfleet/engine/planted.py", "import grpc"),
+    ("tokenfleet/engine/planted.py", "def f():\n    from tokenfleet.cluster.etcd import EtcdClient"),
+    ("tokenfleet/engine/planted.py", "from tokenfleet.services.registry import client"),
+    ("tokenfleet/routing/planted.py", "from tokenfleet.cluster import affinity"),
+    ("tokenfleet/routing/planted.py", "import tokenfleet.services.router.fleet"),
+    ("tokenfleet/backends/planted.py", "from tokenfleet.services.registry.convert import record_to_proto"),
+    ("tokenfleet/models/planted.py", "from tokenfleet.engine.scheduler import Scheduler"),
+    ("tokenfleet/engine/sub/planted.py", "from ...services import common"),  # relative, resolved
+])
+def test_a_planted_violation_is_reported(tmp_path, where, line):
+    for folder in SOURCES.values():
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+    target = tmp_path / where
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(line + "\n")
+    found = violations(tmp_path)
+    assert len(found) == 1 and found[0].startswith(where.removesuffix(".py").replace("/", ".")), found
+
+
+def test_the_runner_interface_is_what_models_may_import(tmp_path):
+    (tmp_path / "services").mkdir()
+    target = tmp_path / "tokenfleet" / "models" / "ok.py"
+    target.parent.mkdir(parents=True)
+    target.write_text("from tokenfleet.engine.runner import ModelRunner\nfrom tokenfleet.engine import runner\n")
+    assert violations(tmp_path) == []
+
+
+def test_scheduler_imports_no_torch_and_no_grpc():
+    """The scheduler and block manager stay importable without torch or gRPC (the fleet simulator reuses them)."""
+    code = (
+        "import sys; import tokenfleet.engine.scheduler, tokenfleet.engine.block_manager, tokenfleet.engine.output;"
+        "bad = [m for m in ('torch', 'grpc') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

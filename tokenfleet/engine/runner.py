@@ -1,0 +1,44 @@
+"""The runner interface: what the engine core needs from a backend (tokenfleet.backends.*) to run a
+scheduled batch, and what it is told about the model. The one engine module models and backends
+implement against."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tokenfleet.engine.output import TokenLogprobs
+from tokenfleet.engine.request import Request
+from tokenfleet.engine.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class ExecuteResult:
+    sampled: dict[str, int]  # request id -> token, for scheduled entries that sample
+    logprobs: dict[str, TokenLogprobs]
+    # request id -> logprobs of the prompt tokens this step's chunk predicts (prompt_logprobs set)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = dataclasses.field(default_factory=dict)
+
+
+class ModelRunner(Protocol):
+    """What the core needs from a backend: run one scheduled batch, forget a request, and
+    move blocks' KV in and out for disaggregated prefill."""
+
+    def execute(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> ExecuteResult: ...
+
+    def release(self, request_id: str) -> None: ...
+
+    def kv_geometry(self) -> tuple[int, int, int, str]: ...
+
+    def export_kv(self, layer: int, block_ids: Sequence[int]) -> tuple[bytes, bytes]: ...
+
+    def import_kv(self, layer: int, block_ids: Sequence[int], k: bytes, v: bytes) -> None: ...
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
