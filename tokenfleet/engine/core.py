@@ -105,8 +105,7 @@ class EngineCore:
     def _new_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, request_id: str | None,
                      priority: int, arrival_time: float | None, resume: Resume | None = None) -> Request:
         prompt = self._validate_prompt(prompt_token_ids)
-        limit = self.model.max_model_len - len(prompt)
-        max_tokens = limit if sampling_params.max_tokens is None else min(sampling_params.max_tokens, limit)
+        max_tokens = sampling_params.output_limit(self.model.max_model_len, len(prompt))
         outputs = list(resume.output_token_ids) if resume is not None else []
         if len(outputs) >= max_tokens:
             raise ValueError(f"resumed with {len(outputs)} output tokens; the request allows {max_tokens}")

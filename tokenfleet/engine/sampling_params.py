@@ -66,6 +66,13 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         self._validate()
 
+    def output_limit(self, max_model_len: int, num_prompt_tokens: int) -> int:
+        """How many tokens the request may generate (per sample): ``max_tokens``, capped by what the
+        model's context leaves after the prompt. The one place this is computed (engine, TensorRT-LLM
+        adapter, gateway budgets and resumes); <= 0 means the prompt alone fills the context."""
+        room = max_model_len - num_prompt_tokens
+        return room if self.max_tokens is None else min(self.max_tokens, room)
+
     def _validate(self) -> None:
         if self.max_tokens is not None and (
             isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0

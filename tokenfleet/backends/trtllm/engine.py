@@ -195,10 +195,9 @@ class TrtllmEngine:
                              "engines gather logits only when asked)")
 
     def _max_tokens(self, prompt: Sequence[int], params: SamplingParams) -> int:
-        limit = self.max_model_len - len(prompt)
-        if limit <= 0:
+        if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt)} tokens; the model's context is {self.max_model_len}")
-        return limit if params.max_tokens is None else min(params.max_tokens, limit)
+        return params.output_limit(self.max_model_len, len(prompt))
 
     def _submit(self, prompt: list[int], sp: Any, streaming: bool, disaggregated: Any = None) -> Any:
         try:
