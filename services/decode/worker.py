@@ -15,8 +15,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 
 import grpc
 import structlog
+from tokenfleet.services.common import convert
 from tokenfleet.services.common.errors import map_errors
-from tokenfleet.services.decode import convert
 
 from tokenfleet.engine.interface import Engine, EngineOverloadedError, EngineStoppedError
 from tokenfleet.engine.kv_transfer import KVLayout, KVTransferError, PrefillEvent

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import structlog
-from tokenfleet.services.decode.convert import layout_from_proto
+from tokenfleet.services.common.convert import layout_from_proto
 
 from tokenfleet.cluster.etcd import EtcdClient, KeyEvent, mirror_prefix
 from tokenfleet.cluster.membership import ReplicaRecord

@@ -1,4 +1,6 @@
-"""Proto <-> domain conversion for the engine worker; nothing else touches *_pb2 here."""
+"""The engine worker's proto boundary (engine.proto, common.proto) <-> engine types, both directions:
+the worker decodes requests and encodes outputs here, the gateway encodes sampling parameters, the
+router decodes KV layouts. Nothing else converts these messages."""
 
 from __future__ import annotations
 
@@ -55,6 +57,32 @@ def sampling_params(msg: common_pb2.SamplingParams) -> SamplingParams:
         logit_bias=dict(msg.logit_bias),
         guided=guided(msg.guided) if msg.HasField("guided") else None,
     )
+
+
+def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    """The inverse of ``sampling_params`` (the gateway's request to a worker)."""
+    msg = common_pb2.SamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=max(p.top_k, 0), min_p=p.min_p,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, stop=list(p.stop), ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
+    )
+    if p.max_tokens is not None:
+        msg.max_tokens = p.max_tokens
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    if p.n != 1:
+        msg.n = p.n
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
+    msg.logit_bias.update(dict(p.logit_bias))
+    if p.guided is not None:
+        if p.guided.kind == "json_object":
+            msg.guided.json_object = True
+        else:
+            setattr(msg.guided, p.guided.kind, p.guided.spec)
+    return msg
 
 
 def guided(msg: common_pb2.GuidedDecoding) -> Guided:
