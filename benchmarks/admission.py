@@ -17,7 +17,7 @@ from pathlib import Path
 from serving.load import httpx
 from serving.procs import Children
 
-from tokenfleet.cluster.tenants import save_file
+from tokenfleet.tenancy.store import save_file
 from tokenfleet.tenancy.tenants import Directory, Tenant, new_key
 
 

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tokenfleet.ledger import Ledger, UsageRecord
+from tokenfleet.tenancy.ledger import Ledger, UsageRecord
 
 
 async def run(ledger: Ledger, n: int, concurrency: int) -> tuple[float, list[float]]:

@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     down_cmd = sub.add_parser("down", help="stop the cluster started by `tokenfleet up`")
     down_cmd.set_defaults(func=_cmd_down)
 
-    from tokenfleet.cli_tenancy import add_commands
+    from tokenfleet.tenancy.cli import add_commands
 
     add_commands(sub)
     from tokenfleet.cli_engines import add_commands as add_engine_commands  # imports no tensorrt_llm

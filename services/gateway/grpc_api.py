@@ -1,14 +1,14 @@
 """InferenceService (inference.proto): the public gRPC API, served by the gateway next to HTTP.
 
 Requests are turned into the same pydantic requests the HTTP API validates, so defaults, limits
-and errors are identical; worker responses become chunk messages. Cancelling the call closes
-the worker stream, which aborts the request.
+and errors are identical; they run through the gateway's one pipeline (pipeline.py), whose events
+``grpc_encoder`` renders as chunk messages. Cancelling the call closes the worker stream, which
+aborts the request.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -16,16 +16,14 @@ import grpc
 import structlog
 from google.protobuf.message import Message
 from tokenfleet.services.common.errors import map_errors
-from tokenfleet.services.gateway.app import Gateway, validate_body
-from tokenfleet.services.gateway.streams import Started, responses_of
-from tokenfleet.services.gateway.tenancy import CALLER, Caller
+from tokenfleet.services.gateway.grpc_encoder import GrpcEncoder
+from tokenfleet.services.gateway.pipeline import Call, Gateway, Prepared, validate_body
 
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
-from tokenfleet.api.tools import CallStarted, ContentText, ToolCallParser, ToolEvent
-from tokenfleet.models.tokenizer import Tokenizer
 from tokenfleet.telemetry.metrics import RequestTimer
 from tokenfleet.telemetry.request_id import from_metadata, new_request_id
-from tokenfleet.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tokenfleet.tenancy.admission import Caller
+from tokenfleet.v1 import inference_pb2, inference_pb2_grpc
 
 log = structlog.get_logger()
 CHAT, COMPLETION = "grpc:ChatCompletion", "grpc:Completion"  # the requests metric's endpoint label
@@ -97,104 +95,6 @@ def completion_request(req: inference_pb2.CompletionRequest) -> CompletionReques
     return validate_body(CompletionRequest, body | _fields(req.sampling))
 
 
-def _finish(final: Message, called: bool) -> int:
-    if called and final.finish_reason == common_pb2.FINISH_REASON_STOP:
-        return common_pb2.FINISH_REASON_TOOL_CALLS
-    return final.finish_reason
-
-
-def _tool_call_deltas(events: list[ToolEvent]) -> list[inference_pb2.ChatChoiceDelta]:
-    """Parser events -> deltas: content, a call's id and name, then its argument fragments."""
-    out = []
-    for event in events:
-        if isinstance(event, ContentText):
-            out.append(inference_pb2.ChatChoiceDelta(content=event.text))
-        elif isinstance(event, CallStarted):
-            call = inference_pb2.ToolCall(index=event.index, id=event.call.id, type="function",
-                                          function=inference_pb2.FunctionCall(name=event.call.name))
-            out.append(inference_pb2.ChatChoiceDelta(tool_calls=[call]))
-        else:
-            call = inference_pb2.ToolCall(index=event.index, function=inference_pb2.FunctionCall(arguments=event.fragment))
-            out.append(inference_pb2.ChatChoiceDelta(tool_calls=[call]))
-    return out
-
-
-async def _chat_chunks(run: Started, timer: RequestTimer) -> AsyncIterator[Message]:
-    def chunk(**kw: Any) -> inference_pb2.ChatCompletionChunk:
-        return inference_pb2.ChatCompletionChunk(id=run.request_id, model=run.model.name, created=int(time.time()), **kw)
-
-    def delta(index: int, d: inference_pb2.ChatChoiceDelta) -> inference_pb2.ChatCompletionChunk:
-        d.index = index
-        return chunk(choices=[d])
-
-    parsers = [ToolCallParser() for _ in range(run.n)]
-    for index in range(run.n):
-        yield chunk(choices=[inference_pb2.ChatChoiceDelta(index=index, role="assistant")])
-    async with responses_of(run, timer) as responses:
-        async for r in responses:
-            if r.HasField("chunk"):
-                index = r.chunk.index
-                lp = _logprobs(run.model.tokenizer, list(r.chunk.logprobs))
-                if run.tools:
-                    deltas = _tool_call_deltas(parsers[index].feed(r.chunk.text))
-                else:
-                    deltas = [inference_pb2.ChatChoiceDelta(content=r.chunk.text)] if r.chunk.text else []
-                if not deltas and lp:
-                    deltas = [inference_pb2.ChatChoiceDelta()]
-                for i, d in enumerate(deltas):
-                    if i == 0:
-                        d.logprobs.extend(lp)
-                    yield delta(index, d)
-            else:
-                index = r.final.index
-                for d in _tool_call_deltas(parsers[index].finish()) if run.tools else []:
-                    yield delta(index, d)
-                finish = _finish(r.final, any(call.complete for call in parsers[index].calls))
-                yield chunk(choices=[inference_pb2.ChatChoiceDelta(index=index, finish_reason=finish)])
-    if run.include_usage:
-        yield chunk(usage=run.usage)
-
-
-async def _completion_chunks(run: Started, timer: RequestTimer) -> AsyncIterator[Message]:
-    def chunk(**kw: Any) -> inference_pb2.CompletionChunk:
-        return inference_pb2.CompletionChunk(id=run.request_id, model=run.model.name, created=int(time.time()), **kw)
-
-    offsets = [len(run.echo)] * run.n
-    echoed = [not run.echo] * run.n
-    async with responses_of(run, timer) as responses:
-        async for r in responses:
-            index = r.chunk.index if r.HasField("chunk") else r.final.index
-            if not echoed[index]:  # the prompt first; its tokens after the first carry logprobs when asked
-                echoed[index] = True
-                first = run.model.tokenizer.decode(run.prompt[:1], skip_special_tokens=False)
-                lp = _logprobs(run.model.tokenizer, list(r.chunk.prompt_logprobs), len(first))
-                yield chunk(choices=[inference_pb2.CompletionChoiceDelta(index=index, text=run.echo, logprobs=lp)])
-            if r.HasField("chunk"):
-                lp = _logprobs(run.model.tokenizer, list(r.chunk.logprobs), offsets[index])
-                offsets[index] += len(r.chunk.text)
-                yield chunk(choices=[inference_pb2.CompletionChoiceDelta(index=index, text=r.chunk.text, logprobs=lp)])
-            else:
-                yield chunk(choices=[inference_pb2.CompletionChoiceDelta(index=r.final.index,
-                                                                         finish_reason=r.final.finish_reason)])
-    if run.include_usage:
-        yield chunk(usage=run.usage)
-
-
-def _logprobs(tokenizer: Tokenizer, logprobs: list[common_pb2.TokenLogprob], offset: int = 0
-              ) -> list[inference_pb2.TokenLogprobs]:
-    def token(token_id: int, logprob: float) -> inference_pb2.LogprobToken:
-        text = tokenizer.decode([token_id], skip_special_tokens=False)
-        return inference_pb2.LogprobToken(token=text, logprob=logprob, bytes=text.encode())
-
-    out = []
-    for lp in logprobs:
-        entry = token(lp.token_id, lp.logprob)
-        out.append(inference_pb2.TokenLogprobs(token=entry, top_logprobs=[token(t.token_id, t.logprob) for t in lp.top],
-                                               text_offset=offset))
-        offset += len(entry.token)
-    return out
-
-
 class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(self, gateway: Gateway):
         self.gateway = gateway
@@ -204,35 +104,39 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
         return self.gateway.admission.authenticate(metadata.get("authorization"))
 
-    async def _serve(self, context: grpc.aio.ServicerContext, endpoint: str, start: Callable[[], Awaitable[Started]],
-                     chunks: Callable[[Started, RequestTimer], AsyncIterator[Message]]) -> AsyncIterator[Message]:
-        """What both streaming calls share: the request id, metrics, placement, then ``chunks``."""
+    async def _serve(self, context: grpc.aio.ServicerContext, endpoint: str,
+                     prepare: Callable[[], Awaitable[Prepared]], chat: bool) -> AsyncIterator[Message]:
+        """What both streaming calls share: the request id, the caller, metrics, the pipeline, the encoder."""
         request_id = new_request_id(from_metadata(context.invocation_metadata()))
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             timer = RequestTimer(self.gateway.metrics)
+            call = Call(request_id, endpoint)
             try:
-                CALLER.set(self.authenticate(context))
-                run = await start()
+                call.caller = self.authenticate(context)
+                prepared = await prepare()
+                run = await self.gateway.open(call, prepared)
             except APIError as e:  # becomes a status in map_errors
                 self.gateway.metrics.requests.labels(endpoint, str(e.status)).inc()
                 raise
-            async for chunk in chunks(run, timer):
+            encoder = GrpcEncoder(prepared.request_id, prepared.model.name, prepared.include_usage)
+            encode = encoder.chat if chat else encoder.completion
+            async for chunk in encode(self.gateway.events(run, timer)):
                 yield chunk
             self.gateway.metrics.requests.labels(endpoint, "200").inc()
 
     @map_errors
     async def ChatCompletion(self, request: inference_pb2.ChatCompletionRequest, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[Message]:
-        async for chunk in self._serve(context, CHAT, lambda: self.gateway.start_chat(chat_request(request)),
-                                       _chat_chunks):
+        async for chunk in self._serve(context, CHAT, lambda: self.gateway.prepare_chat(chat_request(request)),
+                                       chat=True):
             yield chunk
 
     @map_errors
     async def Completion(self, request: inference_pb2.CompletionRequest, context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[Message]:
         async for chunk in self._serve(context, COMPLETION,
-                                       lambda: self.gateway.start_completion(completion_request(request)),
-                                       _completion_chunks):
+                                       lambda: self.gateway.prepare_completion(completion_request(request)),
+                                       chat=False):
             yield chunk
 
     @map_errors

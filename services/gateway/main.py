@@ -13,23 +13,19 @@ from collections.abc import Iterator, Sequence
 import structlog
 import uvicorn
 from tokenfleet.services.common.server import GrpcServer, run_service
-from tokenfleet.services.gateway.app import (
-    DEFAULT_TTFT_OBJECTIVES,
-    Gateway,
-    ModelCatalog,
-    ServedModel,
-    create_app,
-    load_served,
-)
+from tokenfleet.services.gateway.app import create_app
+from tokenfleet.services.gateway.catalog import ModelCatalog, ServedModel, load_served
+from tokenfleet.services.gateway.dispatch import DEFAULT_TTFT_OBJECTIVES
 from tokenfleet.services.gateway.grpc_api import InferenceAPI
-from tokenfleet.services.gateway.tenancy import Admission
+from tokenfleet.services.gateway.pipeline import Gateway
 from tokenfleet.services.registry.client import watch_registry
 
 from tokenfleet.cluster.etcd import EtcdClient
 from tokenfleet.cluster.gateways import GatewayPeers, GatewayRecord
 from tokenfleet.cluster.registry import RegistryView
-from tokenfleet.cluster.tenants import follow_directory, load_file
-from tokenfleet.ledger import Ledger
+from tokenfleet.tenancy.admission import Admission
+from tokenfleet.tenancy.ledger import Ledger
+from tokenfleet.tenancy.store import follow_directory, load_file
 from tokenfleet.tenancy.tenants import TIERS, Directory
 from tokenfleet.v1 import inference_pb2, inference_pb2_grpc
 

@@ -17,7 +17,7 @@ import pytest
 from tests.integration.conftest import start_service, wait_for
 from tests.integration.test_membership import replicas, start_worker
 from tokenfleet.cluster.etcd_server import EtcdServer
-from tokenfleet.ledger import records
+from tokenfleet.tenancy.ledger import records
 
 MODEL = "smol"
 

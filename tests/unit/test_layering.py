@@ -10,6 +10,7 @@ Every ``import`` / ``from ... import`` in a module counts, function-level and TY
 - backends: model runners for one framework each. Never services (a backend runs inside a worker
   service, it does not call the fleet's services).
 - models: model code and kernels. Of the engine, only the runner interface.
+- tenancy: tenants, budgets, admission, the ledger. Never services (the gateway uses it).
 
 A test of the test plants each kind of violation in a scratch tree and expects it reported.
 """
@@ -30,6 +31,7 @@ RULES: dict[str, tuple[str, ...]] = {  # package -> module prefixes it must not 
     "tokenfleet.routing": ("tokenfleet.cluster", "tokenfleet.services"),
     "tokenfleet.backends": ("tokenfleet.services",),
     "tokenfleet.models": ("tokenfleet.engine",),
+    "tokenfleet.tenancy": ("tokenfleet.services",),
 }
 ALLOWED: dict[str, tuple[str, ...]] = {  # exceptions to a forbidden prefix
     "tokenfleet.models": ("tokenfleet.engine.runner",),
@@ -103,6 +105,7 @@ def test_the_packages_keep_their_layers():
     ("tokenfleet/routing/planted.py", "import tokenfleet.services.router.fleet"),
     ("tokenfleet/backends/planted.py", "from tokenfleet.services.registry.convert import record_to_proto"),
     ("tokenfleet/models/planted.py", "from tokenfleet.engine.scheduler import Scheduler"),
+    ("tokenfleet/tenancy/planted.py", "from tokenfleet.services.gateway.pipeline import Call"),
     ("tokenfleet/engine/sub/planted.py", "from ...services import common"),  # relative, resolved
 ])
 def test_a_planted_violation_is_reported(tmp_path, where, line):

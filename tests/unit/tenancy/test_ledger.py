@@ -7,7 +7,7 @@ import sqlite3
 
 import pytest
 
-from tokenfleet.ledger import Ledger, UsageRecord, format_report, records, report
+from tokenfleet.tenancy.ledger import Ledger, UsageRecord, format_report, records, report
 
 DAY = 1_795_000_000.0  # a fixed timestamp
 

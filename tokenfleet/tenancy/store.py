@@ -1,6 +1,7 @@
-"""Tenants and API keys in etcd (``tenants/<name>``, ``apikeys/<key hash>``) or in a YAML file,
-and a directory that gateways keep current with a watch (a revoked key stops working on every
-gateway as soon as the watch delivers the change: well under a second on a healthy etcd)."""
+"""Tenants and API keys in etcd (``tenants/<name>``, ``apikeys/<key hash>``) or in a YAML file: the
+admin operations over either (``TenantStore``), and a directory that gateways keep current with a
+watch (a revoked key stops working on every gateway as soon as the watch delivers the change: well
+under a second on a healthy etcd)."""
 
 from __future__ import annotations
 
@@ -17,41 +18,44 @@ TENANTS, KEYS = "tenants/", "apikeys/"
 
 
 class TenantStore:
-    """Admin operations (the `tokenfleet tenants` CLI) over etcd."""
+    """The admin operations of `tokenfleet tenants`, written once; subclasses store the records
+    (etcd for a fleet, a YAML file for small setups)."""
 
-    def __init__(self, etcd: EtcdClient):
-        self.etcd = etcd
+    async def directory(self) -> Directory:
+        raise NotImplementedError
+
+    async def _create_tenant(self, tenant: Tenant) -> bool:
+        """Store a new tenant; False if one of that name exists."""
+        raise NotImplementedError
+
+    async def _put_tenant(self, tenant: Tenant) -> None:
+        raise NotImplementedError
+
+    async def _put_key(self, record: ApiKey) -> None:
+        raise NotImplementedError
 
     async def add(self, tenant: Tenant, update: bool = False) -> str | None:
         """Create the tenant and its first key (returned, shown once). ``update``: replace an existing
         tenant's settings and issue no key. ValueError if it exists (and not ``update``)."""
-        key = TENANTS + tenant.name
         if update:
-            if await self.etcd.get(key) is None:
+            if tenant.name not in (await self.directory()).tenants:
                 raise LookupError(f"no tenant {tenant.name!r}")
-            await self.etcd.put(key, tenant.to_json())
+            await self._put_tenant(tenant)
             return None
-        if not await self.etcd.put_if_absent(key, tenant.to_json()):
+        if not await self._create_tenant(tenant):
             raise ValueError(f"tenant {tenant.name!r} exists (use --update to change it)")
         return await self.issue_key(tenant.name)
 
     async def issue_key(self, tenant: str) -> str:
-        if await self.etcd.get(TENANTS + tenant) is None:
+        if tenant not in (await self.directory()).tenants:
             raise LookupError(f"no tenant {tenant!r}")
         key, record = new_key(tenant)
-        await self.etcd.put(KEYS + record.key_hash, record.to_json())
+        await self._put_key(record)
         return key
 
-    async def directory(self) -> Directory:
-        tenants = await self.etcd.get_prefix(TENANTS)
-        keys = await self.etcd.get_prefix(KEYS)
-        return Directory({k.removeprefix(TENANTS): Tenant.from_json(v) for k, v in tenants.items()},
-                         {k.removeprefix(KEYS): ApiKey.from_json(v) for k, v in keys.items()})
-
     async def revoke(self, key_id: str) -> ApiKey:
-        record = await self._find(key_id)
-        revoked = dataclasses.replace(record, revoked=True)
-        await self.etcd.put(KEYS + record.key_hash, revoked.to_json())
+        revoked = dataclasses.replace(await self._find(key_id), revoked=True)
+        await self._put_key(revoked)
         return revoked
 
     async def rotate(self, key_id: str) -> str:
@@ -66,6 +70,51 @@ class TenantStore:
         if not matches:
             raise LookupError(f"no API key with id {key_id!r}")
         return matches[0]
+
+
+class EtcdTenantStore(TenantStore):
+    def __init__(self, etcd: EtcdClient):
+        self.etcd = etcd
+
+    async def directory(self) -> Directory:
+        tenants = await self.etcd.get_prefix(TENANTS)
+        keys = await self.etcd.get_prefix(KEYS)
+        return Directory({k.removeprefix(TENANTS): Tenant.from_json(v) for k, v in tenants.items()},
+                         {k.removeprefix(KEYS): ApiKey.from_json(v) for k, v in keys.items()})
+
+    async def _create_tenant(self, tenant: Tenant) -> bool:
+        return await self.etcd.put_if_absent(TENANTS + tenant.name, tenant.to_json())
+
+    async def _put_tenant(self, tenant: Tenant) -> None:
+        await self.etcd.put(TENANTS + tenant.name, tenant.to_json())
+
+    async def _put_key(self, record: ApiKey) -> None:
+        await self.etcd.put(KEYS + record.key_hash, record.to_json())
+
+
+class FileTenantStore(TenantStore):
+    """A YAML file, loaded once and saved after every change."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._directory = load_file(self.path) if self.path.exists() else Directory()
+
+    async def directory(self) -> Directory:
+        return self._directory
+
+    async def _create_tenant(self, tenant: Tenant) -> bool:
+        if tenant.name in self._directory.tenants:
+            return False
+        await self._put_tenant(tenant)
+        return True
+
+    async def _put_tenant(self, tenant: Tenant) -> None:
+        self._directory.tenants[tenant.name] = tenant
+        save_file(self.path, self._directory)
+
+    async def _put_key(self, record: ApiKey) -> None:
+        self._directory.keys[record.key_hash] = record
+        save_file(self.path, self._directory)
 
 
 async def follow_directory(etcd: EtcdClient, directory: Directory, synced: asyncio.Event | None = None) -> None:

@@ -49,12 +49,13 @@ def _tenant(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def _run(args: argparse.Namespace, operation):  # type: ignore[no-untyped-def]
-    """``operation(store)`` on etcd, or on the YAML file (loaded, changed, saved)."""
+    """``await operation(store)`` on the YAML file (``--file``) or on etcd."""
+    from tokenfleet.tenancy.store import EtcdTenantStore, FileTenantStore
+
     if args.file:
-        return operation(_FileStore(args.file))
+        return asyncio.run(operation(FileTenantStore(args.file)))
     from tokenfleet import launcher
     from tokenfleet.cluster.etcd import EtcdClient
-    from tokenfleet.cluster.tenants import TenantStore
 
     endpoint = args.etcd or launcher.cluster_state().get("etcd")
     if not endpoint:
@@ -63,72 +64,11 @@ def _run(args: argparse.Namespace, operation):  # type: ignore[no-untyped-def]
     async def run():  # type: ignore[no-untyped-def]
         client = EtcdClient(endpoint, args.etcd_root)
         try:
-            return await operation(TenantStore(client))  # TenantStore's methods are coroutines
+            return await operation(EtcdTenantStore(client))
         finally:
             await client.close()
 
     return asyncio.run(run())
-
-
-class _FileStore:
-    """TenantStore's operations on a YAML file (synchronous results wrapped for one code path)."""
-
-    def __init__(self, path: str):
-        from pathlib import Path
-
-        from tokenfleet.cluster.tenants import load_file
-        from tokenfleet.tenancy.tenants import Directory
-
-        self.path = path
-        self.dir = load_file(path) if Path(path).exists() else Directory()
-
-    def _save(self) -> None:
-        from tokenfleet.cluster.tenants import save_file
-
-        save_file(self.path, self.dir)
-
-    def add(self, tenant, update=False):  # type: ignore[no-untyped-def]
-        if update:
-            if tenant.name not in self.dir.tenants:
-                raise LookupError(f"no tenant {tenant.name!r}")
-            self.dir.tenants[tenant.name] = tenant
-            self._save()
-            return None
-        if tenant.name in self.dir.tenants:
-            raise ValueError(f"tenant {tenant.name!r} exists (use --update to change it)")
-        self.dir.tenants[tenant.name] = tenant
-        return self.issue_key(tenant.name)
-
-    def issue_key(self, tenant):  # type: ignore[no-untyped-def]
-        from tokenfleet.tenancy.tenants import new_key
-
-        key, record = new_key(tenant)
-        self.dir.keys[record.key_hash] = record
-        self._save()
-        return key
-
-    def directory(self):  # type: ignore[no-untyped-def]
-        return self.dir
-
-    def revoke(self, key_id):  # type: ignore[no-untyped-def]
-        import dataclasses
-
-        record = self._find(key_id)
-        self.dir.keys[record.key_hash] = dataclasses.replace(record, revoked=True)
-        self._save()
-        return self.dir.keys[record.key_hash]
-
-    def rotate(self, key_id):  # type: ignore[no-untyped-def]
-        record = self._find(key_id)
-        key = self.issue_key(record.tenant)
-        self.revoke(key_id)
-        return key
-
-    def _find(self, key_id):  # type: ignore[no-untyped-def]
-        for record in self.dir.keys.values():
-            if record.key_id == key_id:
-                return record
-        raise LookupError(f"no API key with id {key_id!r}")
 
 
 def _cmd_add(args: argparse.Namespace) -> int:
@@ -174,7 +114,7 @@ def _cmd_usage(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tokenfleet import envs
-    from tokenfleet.ledger import format_report, report
+    from tokenfleet.tenancy.ledger import format_report, report
 
     path = Path(args.ledger or envs.cache_dir() / "ledger.sqlite3")
     if not path.exists():

@@ -7,7 +7,6 @@ gateway's share of each tenant's per-minute budget (``share()``: 1 / live gatewa
 
 from __future__ import annotations
 
-import contextvars
 import math
 import time
 from collections.abc import Callable
@@ -16,7 +15,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from tokenfleet.api.openai_schema import APIError
-from tokenfleet.ledger import Ledger, UsageRecord
+from tokenfleet.tenancy.ledger import Ledger, UsageRecord
 from tokenfleet.tenancy.ratelimit import Limits, TenantBudget
 from tokenfleet.tenancy.tenants import AuthError, Directory, Tenant
 
@@ -31,10 +30,6 @@ class Caller:
 
 
 ANONYMOUS_CALLER = Caller(ANONYMOUS)
-# The caller of the request being handled (set by the HTTP middleware or the gRPC handler).
-CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("caller", default=ANONYMOUS_CALLER)
-# Response headers to add (rate-limit state), filled during the request.
-HEADERS: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("headers", default=None)
 
 
 @dataclass
@@ -100,8 +95,9 @@ class Admission:
         return budget
 
     def admit(self, caller: Caller, model: str, endpoint: str, request_id: str, prompt_tokens: int,
-              reserve: int) -> Ticket:
-        """Reserve the request's tokens; APIError 403 (model not allowed) or 429 (over budget)."""
+              reserve: int, headers: dict[str, str] | None = None) -> Ticket:
+        """Reserve the request's tokens; APIError 403 (model not allowed) or 429 (over budget).
+        ``headers`` receives the tenant's rate-limit state for the response."""
         tenant = caller.tenant
         if not tenant.allows(model):
             self.refused(caller, request_id, endpoint, 403, model)
@@ -110,20 +106,19 @@ class Admission:
         budget = self.budget(tenant)
         now = self.clock()
         denied = budget.admit(reserve, now)
-        headers = budget.headers(now)
-        sink = HEADERS.get()
-        if sink is not None:
-            sink.update(headers)
+        state = budget.headers(now)
+        if headers is not None:
+            headers.update(state)
         if denied is not None:
             if denied.retry_after is not None:
-                headers["retry-after"] = str(max(1, math.ceil(denied.retry_after)))
+                state["retry-after"] = str(max(1, math.ceil(denied.retry_after)))
             if self.ledger is not None:
                 wall = time.time()
                 self.ledger.submit(UsageRecord(request_id, tenant.name, model, endpoint, "rejected", caller.key_id,
                                                prompt_tokens, started_at=wall, finished_at=wall, detail=denied.reason))
             log.info("rate limited", tenant=tenant.name, key_id=caller.key_id, reason=denied.reason)
             raise APIError(429, f"Rate limit reached for tenant {tenant.name!r}: {denied.reason}.", "requests",
-                           code="rate_limit_exceeded", headers=headers)
+                           code="rate_limit_exceeded", headers=state)
         return Ticket(self, caller, model, endpoint, request_id, prompt_tokens, reserve)
 
     def refused(self, caller: Caller, request_id: str, endpoint: str, status: int, model: str = "") -> None:

@@ -1,0 +1,69 @@
+"""The models a gateway serves: registered ones (a registry view kept current by a watch) and
+static ones, each with its tokenizer, context length and tool-call format."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenfleet.api.openai_schema import APIError
+from tokenfleet.cluster.registry import RegistryView, UnknownModelError
+from tokenfleet.models.config import ModelConfig
+from tokenfleet.models.tokenizer import Tokenizer
+
+
+@dataclass
+class ServedModel:
+    name: str  # what the client asked for; echoed in responses
+    ref: str  # what the router is asked for (name@version when registered)
+    tokenizer: Tokenizer
+    max_model_len: int
+    tool_format: str = ""  # tokenfleet.api.tools.FORMATS key; "" = generic
+
+
+def load_served(name: str, ref: str, tokenizer_dir: str, max_model_len: int = 0, tool_format: str = "") -> ServedModel:
+    if not max_model_len:
+        max_model_len = ModelConfig.from_dir(tokenizer_dir).max_position_embeddings
+    return ServedModel(name, ref, Tokenizer(Path(tokenizer_dir)), max_model_len, tool_format)
+
+
+@dataclass
+class ModelCatalog:
+    """The models this gateway serves: a registry view (kept current by a watch) and/or static ones."""
+
+    static: dict[str, ServedModel] = field(default_factory=dict)
+    view: RegistryView | None = None  # None: no registry; only static models
+    _loaded: dict[str, ServedModel] = field(default_factory=dict)  # by record ref (name@version)
+
+    synced: bool = False  # a registry snapshot has arrived
+
+    @property
+    def ready(self) -> bool:
+        return self.view is None or self.synced or bool(self.static)
+
+    def names(self) -> list[tuple[str, int]]:
+        names = {name: 0 for name in self.static}
+        if self.view is not None:
+            for name in self.view.names():
+                try:
+                    names.setdefault(name, int(self.view.resolve(name).created_at))
+                except UnknownModelError:
+                    continue  # a name whose versions are all disabled
+        return sorted(names.items())
+
+    async def get(self, name: str) -> ServedModel:
+        if name in self.static:
+            return self.static[name]
+        try:
+            if self.view is None:
+                raise UnknownModelError(name)
+            record = self.view.resolve(name)
+        except UnknownModelError as e:
+            raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model",
+                           "model_not_found") from e
+        if record.ref not in self._loaded:  # tokenizer loads once per version, off the event loop
+            self._loaded[record.ref] = await asyncio.to_thread(
+                load_served, name, record.ref, record.tokenizer_path, record.max_model_len, record.tool_format)
+        return dataclasses.replace(self._loaded[record.ref], name=name)

@@ -1,0 +1,214 @@
+"""Placing a request on a worker and keeping its stream whole: Pick from the router, Generate on
+the replica, place again when a replica refuses or fails before responding, and resume on another
+replica when one is lost mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+from tokenfleet.services.common.convert import sampling_to_proto
+
+from tokenfleet.api.openai_schema import APIError
+from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.telemetry.metrics import GatewayMetrics
+from tokenfleet.telemetry.request_id import metadata as request_id_metadata
+from tokenfleet.tenancy.tenants import Tenant
+from tokenfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+
+log = structlog.get_logger()
+PICK_TIMEOUT_S = 10.0
+MAX_PLACEMENTS = 3  # a request tries at most this many replicas before its first token
+RESUME_PICK_WAIT_S = 3.0  # a stream being resumed waits this long for the fleet to show a replica
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# How a stream looks when its replica died mid-way (connection reset, RST_STREAM, server gone).
+LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED)
+# Generous for a CPU development cluster (the serving benchmark's load must pass); set per fleet.
+DEFAULT_TTFT_OBJECTIVES = {"interactive": 30.0, "batch": 300.0}
+TIER_PRIORITY = {"interactive": common_pb2.PRIORITY_INTERACTIVE, "batch": common_pb2.PRIORITY_BATCH}
+
+
+@dataclass
+class Placement:
+    """Where a request ran: the replica of its latest placement (the response's replica header)."""
+
+    replica: str | None = None
+
+
+@dataclass
+class Job:
+    """One request as the dispatcher sees it."""
+
+    model_ref: str  # what the router is asked for (name@version)
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    limit: int  # output tokens the request may produce (SamplingParams.output_limit)
+    tenant: Tenant
+    placement: Placement = field(default_factory=Placement)
+
+
+@dataclass
+class _Progress:
+    """What a stream has done across placements."""
+
+    failed: list[str] = field(default_factory=list)  # replicas left: refused, failed before responding, or lost
+    lost: list[str] = field(default_factory=list)  # of those, lost mid-stream: a resume avoids only these
+    delivered: list[int] = field(default_factory=list)  # output tokens passed on
+    text: str = ""  # and their text
+    resumes: int = 0
+    last_error: grpc.aio.AioRpcError | None = None
+
+
+@dataclass
+class Dispatcher:
+    router_address: str
+    metrics: GatewayMetrics
+    max_resumes: int = 2  # a stream whose replica dies is continued elsewhere at most this many times
+    # Early rejection: a worker refuses a request it predicts would wait longer than its tier's objective.
+    ttft_objectives: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TTFT_OBJECTIVES))
+    _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address)
+        return self._channels[address]
+
+    async def pick(self, job: Job, exclude: Sequence[str] = (), colocated: bool = False) -> router_pb2.PickResponse:
+        """A placement from the router; it hashes the prompt to find replicas holding its prefix."""
+        stub = router_pb2_grpc.RouterServiceStub(self.channel(self.router_address))
+        try:
+            picked = await stub.Pick(router_pb2.PickRequest(
+                model=job.model_ref, request_id=job.request_id, num_prompt_tokens=len(job.prompt),
+                prompt_token_ids=job.prompt, exclude_replica_ids=list(exclude), colocated=colocated),
+                metadata=trace_metadata(), timeout=PICK_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise APIError(404, f"The model `{job.model_ref}` has no replica.", code="model_not_found",
+                               param="model") from e
+            raise APIError(503, f"no replica available: {e.details()}", "server_error", code="no_replica") from e
+        job.placement.replica = picked.replica_id
+        return picked
+
+    async def _place(self, job: Job, progress: _Progress) -> router_pb2.PickResponse:
+        """A placement avoiding the replicas this request left; when resuming a stream whose replica
+        was lost, a fleet with no replica right now (a lease renewing, a worker restarting) is given
+        up to RESUME_PICK_WAIT_S to show one. Every replica refused: the refusal is the error."""
+        resuming = bool(progress.delivered)
+        deadline = time.monotonic() + (RESUME_PICK_WAIT_S if resuming else 0)
+        while True:
+            try:
+                return await self.pick(job, progress.lost if resuming else progress.failed, colocated=resuming)
+            except APIError as e:
+                if e.code == "no_replica" and time.monotonic() < deadline:
+                    await asyncio.sleep(0.25)
+                    continue
+                last = progress.last_error
+                if e.code == "no_replica" and last is not None and last.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise status_error(last) from e
+                raise
+
+    def _request(self, job: Job, picked: router_pb2.PickResponse, progress: _Progress) -> engine_pb2.GenerateRequest:
+        request = engine_pb2.GenerateRequest(request_id=job.request_id, prompt_token_ids=job.prompt,
+                                             sampling=sampling_to_proto(job.params), tenant=job.tenant.name,
+                                             priority=TIER_PRIORITY[job.tenant.tier])
+        if progress.delivered:
+            request.resume.output_token_ids.extend(progress.delivered)
+            request.resume.text = progress.text
+            log.warning("resuming the stream on another replica", replica=picked.replica_id, lost=progress.failed,
+                        tokens_delivered=len(progress.delivered), resume=progress.resumes)
+        else:
+            request.ttft_objective_ms = int(1000 * self.ttft_objectives.get(job.tenant.tier, 0))
+            if picked.prefill_address:
+                request.prefill.replica_id = picked.prefill_replica_id
+                request.prefill.address = picked.prefill_address
+        return request
+
+    async def generate(self, job: Job) -> AsyncGenerator[engine_pb2.GenerateResponse, None]:
+        """The worker's response stream, kept whole across replica failures.
+
+        A replica that fails before its first response (gone, draining, full) is excluded and
+        the request placed again, up to MAX_PLACEMENTS times. A replica lost mid-stream is
+        excluded too and the request continues on another one, which re-prefills the prompt
+        plus the tokens already streamed (``resume``) and streams only what follows, at most
+        ``max_resumes`` times; after that the stream ends with an error."""
+        progress = _Progress()
+        while True:
+            picked = await self._place(job, progress)
+            stub = engine_pb2_grpc.EngineServiceStub(self.channel(picked.address))
+            call = stub.Generate(self._request(job, picked, progress), metadata=trace_metadata())
+            responded = finished = False
+            finals = 0
+            try:
+                async for response in call:
+                    if response.HasField("error"):
+                        raise APIError(500, response.error.message, "server_error")
+                    responded = True
+                    if response.HasField("chunk"):
+                        progress.delivered.extend(response.chunk.token_ids)
+                        progress.text += response.chunk.text
+                    finals += response.HasField("final")
+                    finished = finals >= job.params.n  # n > 1: every sample's final
+                    yield response
+                if not finished:  # e.g. a worker that predates n > 1 and sent one final
+                    raise APIError(503, f"the worker's stream ended with {finals} of {job.params.n} results",
+                                   "server_error", code="incomplete")
+                return
+            except grpc.aio.AioRpcError as e:
+                # Our own cancel (client gone) surfaces as CancelledError/GeneratorExit, never here.
+                if finished:  # the result arrived; only the call's end was lost
+                    return
+                self._after_failure(job, picked.replica_id, progress, e, responded)
+            finally:
+                call.cancel()  # no-op when finished; aborts the request when the client went away
+
+    def _after_failure(self, job: Job, replica: str, progress: _Progress, e: grpc.aio.AioRpcError,
+                       responded: bool) -> None:
+        """A replica's call failed: record it and return to place the request again, or raise."""
+        lost = responded and e.code() in LOST
+        context = {"replica": replica, "code": e.code().name, "details": e.details()}
+        if not responded and e.code() in RETRYABLE and len(progress.failed) + 1 < MAX_PLACEMENTS:
+            log.warning("replica failed before responding; placing again", **context)
+        elif lost and job.params.n == 1 and progress.resumes < self.max_resumes and len(progress.delivered) < job.limit:
+            progress.resumes += 1
+            self.metrics.resumes.labels("ok").inc()
+            log.warning("replica lost mid-stream; continuing on another", **context,
+                        tokens_delivered=len(progress.delivered), resume=progress.resumes,
+                        excluded=[*progress.failed, replica])
+        elif lost:
+            log.warning("replica lost mid-stream; not resuming", **context, tokens_delivered=len(progress.delivered),
+                        resumes=progress.resumes, max_resumes=self.max_resumes)
+            if len(progress.delivered) >= job.limit:  # every token delivered, only the final lost
+                raise APIError(503, f"the request's replica was lost after its last token: {e.details()}",
+                               "server_error", code="replica_lost") from e
+            self.metrics.resumes.labels("exhausted").inc()
+            raise APIError(503, f"the request's replica was lost mid-stream {progress.resumes + 1} time(s); "
+                           f"gave up after {progress.resumes} resume(s): {e.details()}", "server_error",
+                           code="replica_lost") from e
+        else:
+            raise status_error(e) from e
+        progress.failed.append(replica)
+        if lost:
+            progress.lost.append(replica)
+        progress.last_error = e
+
+
+def trace_metadata() -> tuple[tuple[str, str], ...]:
+    """The client request's id (bound to the log context by the transport) for the next hop."""
+    request_id = structlog.contextvars.get_contextvars().get("request_id")
+    return request_id_metadata(request_id) if request_id else ()
+
+
+def status_error(e: grpc.aio.AioRpcError) -> APIError:
+    code = e.code()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return APIError(400, e.details() or "invalid request")
+    if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+        return APIError(503, f"overloaded: {e.details()}", "server_error", code="overloaded",
+                        headers={"retry-after": "2"})
+    return APIError(500, f"worker error: {e.details()}", "server_error")

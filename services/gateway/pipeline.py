@@ -1,0 +1,343 @@
+"""The gateway's one request pipeline, shared by the OpenAI HTTP API and the public gRPC API:
+validate (the transports parse into the pydantic requests) -> prepare (render, tokenize, check
+the context) -> admit (the tenant's budget) -> place (dispatch.py: Pick, Generate, resume) ->
+events (events.py: typed choice events the transports' encoders render).
+
+Who is calling, where the request was placed and the response headers it earned travel in an
+explicit ``Call``, not in context variables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from pydantic import ValidationError
+from tokenfleet.services.gateway import events as ev
+from tokenfleet.services.gateway.catalog import ModelCatalog, ServedModel
+from tokenfleet.services.gateway.dispatch import Dispatcher, Job, Placement
+
+from tokenfleet.api.chat_template import render_chat
+from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
+from tokenfleet.api.tools import CallStarted, ContentText, ToolCallParser, ToolEvent, parse, prepare_messages, tool_format
+from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.models.tokenizer import Tokenizer
+from tokenfleet.telemetry.metrics import GatewayMetrics, RequestTimer
+from tokenfleet.tenancy.admission import ANONYMOUS_CALLER, Admission, Caller, Ticket
+from tokenfleet.v1 import common_pb2, engine_pb2
+
+log = structlog.get_logger()
+FINISH = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass
+class Call:
+    """One client request as the transports and the pipeline share it."""
+
+    request_id: str
+    endpoint: str  # the ledger's and metrics' name for the API (an HTTP path, or grpc:<method>)
+    caller: Caller = ANONYMOUS_CALLER
+    placement: Placement = field(default_factory=Placement)
+    headers: dict[str, str] = field(default_factory=dict)  # response headers earned (rate-limit state)
+    admitted: bool = False  # past admission: from here the ticket (or admission's 429) writes the ledger record
+
+
+@dataclass
+class Prepared:
+    """A validated request, rendered and tokenized, not yet admitted."""
+
+    model: ServedModel
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    include_usage: bool
+    tools: bool = False  # parse tool calls out of the output (chat with tools, tool_choice not "none")
+    echo: str = ""  # completions with echo: the prompt's text, sent before each choice's text
+    chat: bool = True
+
+
+@dataclass
+class Run:
+    """A request placed on a worker whose first response has arrived."""
+
+    prepared: Prepared
+    first: engine_pb2.GenerateResponse
+    stream: AsyncGenerator[engine_pb2.GenerateResponse, None]
+    ticket: Ticket | None = None  # the admitted request's budget reservation, settled when it ends
+    usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)  # totals over the samples so far
+
+    @property
+    def model(self) -> ServedModel:
+        return self.prepared.model
+
+    @property
+    def request_id(self) -> str:
+        return self.prepared.request_id
+
+    @property
+    def n(self) -> int:
+        return self.prepared.params.n
+
+    @property
+    def include_usage(self) -> bool:
+        return self.prepared.include_usage
+
+
+@dataclass
+class Gateway:
+    router_address: str
+    models: ModelCatalog
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    draining: bool = False  # set on SIGTERM: /health says so, open streams finish
+    max_resumes: int = 2  # a stream whose replica dies is continued elsewhere at most this many times
+    admission: Admission = field(default_factory=Admission)  # API keys, budgets, the ledger
+    ttft_objectives: dict[str, float] | None = None  # per tier; None: dispatch.DEFAULT_TTFT_OBJECTIVES
+    dispatcher: Dispatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.dispatcher = Dispatcher(self.router_address, self.metrics, self.max_resumes)
+        if self.ttft_objectives is not None:
+            self.dispatcher.ttft_objectives = dict(self.ttft_objectives)
+
+    async def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
+        model = await self.models.get(body.model)
+        params = body.sampling_params()
+        tools = body.tool_choice_name != "none"
+        try:
+            messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
+            functions = [t.model_dump(exclude_none=True) for t in body.tools or []] if tools else None
+            messages = prepare_messages(messages, functions, tool_format(model.tool_format))
+            prompt = model.tokenizer.encode(render_chat(model.tokenizer, messages))
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+        check_context(model, len(prompt), params.max_tokens)
+        return Prepared(model, f"chatcmpl-{uuid.uuid4().hex}", prompt, params, _include_usage(body), tools=tools)
+
+    async def prepare_completion(self, body: CompletionRequest) -> Prepared:
+        model = await self.models.get(body.model)
+        params = body.sampling_params()
+        prompt = model.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        check_context(model, len(prompt), params.max_tokens)
+        echo = ""
+        if body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else model.tokenizer.decode(prompt)
+        return Prepared(model, f"cmpl-{uuid.uuid4().hex}", prompt, params, _include_usage(body), echo=echo,
+                        chat=False)
+
+    async def open(self, call: Call, prepared: Prepared) -> Run:
+        """Admit (403, 429), place and wait for the first response: errors before it become proper
+        statuses, not a broken stream."""
+        model, params, prompt = prepared.model, prepared.params, prepared.prompt
+        limit = params.output_limit(model.max_model_len, len(prompt))
+        call.admitted = True
+        ticket = self.admission.admit(call.caller, model.name, call.endpoint, prepared.request_id, len(prompt),
+                                      len(prompt) + params.n * limit, call.headers)
+        job = Job(model.ref, prepared.request_id, prompt, params, limit, call.caller.tenant, call.placement)
+        stream = self.dispatcher.generate(job)
+        try:
+            first = await _first(stream)
+        except BaseException as e:
+            status = ("cancelled" if isinstance(e, asyncio.CancelledError) else
+                      "rejected" if isinstance(e, APIError) and e.code == "overloaded" else "failed")
+            await ticket.finish(status, len(prompt), 0, 0, None, durable=False, detail=str(e))
+            raise
+        return Run(prepared, first, stream, ticket)
+
+    async def events(self, run: Run, timer: RequestTimer) -> AsyncIterator[ev.ChoiceEvent]:
+        """The run's typed choice events (events.py), ending with ``Ended``; leaving early (client
+        gone, error) closes the worker stream, which cancels the request."""
+        translator = Translator(run.prepared)
+        for event in translator.start():
+            yield event
+        async with responses_of(run, timer) as responses:
+            async for r in responses:
+                for event in translator.feed(r):
+                    yield event
+        u = run.usage
+        yield ev.Ended(ev.Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens))
+
+
+def validate_body(schema: type, body: Any) -> Any:
+    """A decoded request body as ``schema`` (HTTP and the gRPC API); the first problem is a 400 naming the field."""
+    try:
+        return schema.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ()))
+        raise APIError(400, f"{param}: {first.get('msg')}", param=param or None) from e
+
+
+def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def check_context(model: ServedModel, num_prompt: int, max_tokens: int | None) -> None:
+    wanted = num_prompt + (max_tokens or 1)
+    if wanted > model.max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {model.max_model_len} tokens. However, you requested "
+            f"{wanted} tokens ({num_prompt} in the prompt, {max_tokens or 1} for the completion).",
+            param="messages", code="context_length_exceeded",
+        )
+
+
+async def _first(stream: AsyncGenerator[engine_pb2.GenerateResponse, None]) -> engine_pb2.GenerateResponse:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration as e:
+        raise APIError(500, "worker closed the stream without a result", "server_error") from e
+
+
+def logprobs_of(tokenizer: Tokenizer, logprobs: list[common_pb2.TokenLogprob]) -> tuple[ev.Logprob, ...]:
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    return tuple(ev.Logprob(text(lp.token_id), lp.logprob, tuple((text(t.token_id), t.logprob) for t in lp.top))
+                 for lp in logprobs)
+
+
+class Translator:
+    """A request's worker responses -> its choice events (one ``_Choice`` per sample)."""
+
+    def __init__(self, prepared: Prepared):
+        self.choices = [_Choice(prepared, index) for index in range(prepared.params.n)]
+
+    def start(self) -> list[ev.ChoiceEvent]:
+        return [event for choice in self.choices for event in choice.opened()]
+
+    def feed(self, response: engine_pb2.GenerateResponse) -> list[ev.ChoiceEvent]:
+        if response.HasField("chunk"):
+            return self.choices[response.chunk.index].chunk(response.chunk)
+        return self.choices[response.final.index].final(response.final)
+
+
+class _Choice:
+    """One choice's worker chunks -> events: tool-call parsing, echo, text offsets, logprob tokens."""
+
+    def __init__(self, prepared: Prepared, index: int):
+        self.prepared, self.index = prepared, index
+        self.tokenizer = prepared.model.tokenizer
+        self.parser = ToolCallParser() if prepared.tools else None
+        self.text = ""
+        self.offset = len(prepared.echo)
+        self.echoed = not prepared.echo
+
+    def opened(self) -> list[ev.ChoiceEvent]:
+        return [ev.Opened(self.index)] if self.prepared.chat else []
+
+    def _echo(self, chunk: engine_pb2.TokenChunk | None) -> list[ev.ChoiceEvent]:
+        """The prompt first, with its logprobs (they come on the first chunk) when logprobs were asked for."""
+        if self.echoed:
+            return []
+        self.echoed = True
+        logprobs: tuple[ev.Logprob, ...] = ()
+        if self.prepared.params.logprobs is not None:
+            prompt = self.prepared.prompt
+            values = list(chunk.prompt_logprobs) if chunk is not None else []
+            first = ev.Logprob(self.tokenizer.decode(prompt[:1], skip_special_tokens=False), None)
+            logprobs = (first, *logprobs_of(self.tokenizer, values))
+        return [ev.Echo(self.index, self.prepared.echo, logprobs)]
+
+    def chunk(self, chunk: engine_pb2.TokenChunk) -> list[ev.ChoiceEvent]:
+        out = self._echo(chunk)
+        logprobs = logprobs_of(self.tokenizer, list(chunk.logprobs))
+        self.text += chunk.text
+        parts: list[ToolEvent] = [ContentText(chunk.text)] if chunk.text else []
+        if self.parser is not None:
+            try:
+                parts = self.parser.feed(chunk.text)
+            except ValueError as e:  # not a well-formed call (the grammar prevents it): the rest is text
+                log.warning("tool call output does not parse; passing it on as text", error=str(e))
+                self.parser = None
+        if not parts and (logprobs or not self.prepared.chat):
+            parts = [ContentText("")]  # held by the call parser, the logprobs go now (completions: every chunk)
+        for i, part in enumerate(parts):
+            out.append(self._event(part, logprobs if i == 0 else ()))
+        self.offset += len(chunk.text)
+        return out
+
+    def _event(self, part: ToolEvent, logprobs: tuple[ev.Logprob, ...]) -> ev.ChoiceEvent:
+        if isinstance(part, ContentText):
+            return ev.Text(self.index, part.text, self.offset, logprobs)
+        if isinstance(part, CallStarted):
+            return ev.ToolCallStarted(self.index, part.index, part.call, logprobs)
+        return ev.ToolArguments(self.index, part.index, part.fragment, logprobs)
+
+    def final(self, final: engine_pb2.GenerateFinal) -> list[ev.ChoiceEvent]:
+        out = self._echo(None)
+        reason = FINISH.get(final.finish_reason, "stop")
+        content: str | None = self.text
+        calls: tuple = ()
+        if self.parser is not None:
+            out += [self._event(part, ()) for part in self.parser.finish()]
+        if self.prepared.tools:
+            content, parsed = parse(self.text)  # the whole text: the same calls the stream parser found
+            calls = tuple(parsed)
+            if calls and reason == "stop":
+                reason = "tool_calls"
+        out.append(ev.Finished(self.index, reason, self.text, content, calls))
+        return out
+
+
+@contextlib.asynccontextmanager
+async def responses_of(run: Run, timer: RequestTimer):
+    """The whole worker stream, timed and counted; the ticket is settled (billed durably before the
+    client can see the end) when the last final arrives, or on the way out when the stream was cut."""
+    usage = run.usage
+    produced = finals = 0
+
+    def ttft_ms() -> float | None:
+        return 1000 * (timer.first - timer.start) if timer.first is not None else None
+
+    async def timed() -> AsyncIterator[engine_pb2.GenerateResponse]:
+        nonlocal produced, finals
+        pending: list[engine_pb2.GenerateResponse] = [run.first]
+        async for response in _chain(pending, run.stream):
+            if response.HasField("chunk"):
+                timer.on_chunk(len(response.chunk.token_ids))
+                produced += len(response.chunk.token_ids)
+            elif response.HasField("final"):
+                finals += 1  # the prompt is counted once: the samples share it
+                usage.prompt_tokens = response.final.usage.prompt_tokens
+                usage.cached_prompt_tokens = response.final.usage.cached_prompt_tokens
+                usage.completion_tokens += response.final.usage.completion_tokens
+                if finals == run.n and run.ticket is not None:
+                    await run.ticket.finish("ok", usage.prompt_tokens, usage.cached_prompt_tokens,
+                                            usage.completion_tokens, ttft_ms())
+            yield response
+
+    status, detail = "failed", "the stream ended without a result"
+    try:
+        yield timed()
+    except (asyncio.CancelledError, GeneratorExit):
+        status, detail = "cancelled", "the client went away"
+        raise
+    except Exception as e:
+        detail = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        await run.stream.aclose()
+        timer.finish(usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens)
+        if run.ticket is not None and not run.ticket.settled:  # cancelled or failed: bill what was produced
+            await run.ticket.finish(status, run.ticket.prompt_tokens, 0, produced, ttft_ms(), durable=False,
+                                    detail=detail)
+
+
+async def _chain(first: list[engine_pb2.GenerateResponse], rest: AsyncGenerator[engine_pb2.GenerateResponse, None]
+                 ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+    for response in first:
+        yield response
+    async for response in rest:
+        yield response
