@@ -1,18 +1,24 @@
 """Before/after: one benchmark script run alternately on an earlier revision and on the working tree.
 
 The earlier revision is checked out into a temporary git worktree and imported in place of the
-installed (editable) tokenfleet; both sides use this virtualenv. Runs alternate (old, new, old,
+installed (editable) tokenfleet; both sides use this virtualenv. Processes the script starts (the
+services of a serving benchmark) get the same tree: PYTHONPATH names it, and a link
+``tokenfleet/services -> ../services`` in the worktree keeps the editable install's mapping of
+``tokenfleet.services`` from reaching into the working tree. Runs alternate (old, new, old,
 new, ...) --runs times each; every run's JSON (the script's --json output) is kept, and for each
 numeric leaf the median of new / the median of old is reported.
 
     .venv/bin/python benchmarks/compare_revisions.py --rev b5d9e93 --runs 3 \\
         -- benchmarks/engine_throughput.py --batches 1,8,32 --skip-hf
+    .venv/bin/python benchmarks/compare_revisions.py --rev 45c2d83 --runs 3 --out-flag --out \
+        -- benchmarks/serve.py --skip-vllm --skip-direct --concurrency 32
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -55,6 +61,7 @@ def main() -> None:
     parser.add_argument("--rev", required=True, help="the earlier revision (commit, tag, branch)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "reports" / "compare-revisions.json"))
+    parser.add_argument("--out-flag", default="--json", help="the script's option naming its JSON result file")
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS]: must accept --json FILE")
     args = parser.parse_args()
     script = [a for a in args.script if a != "--"]
@@ -63,15 +70,20 @@ def main() -> None:
     old_tree = Path(tempfile.mkdtemp(prefix="tokenfleet-rev-")) / "tree"
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old_tree), args.rev], check=True,
                    capture_output=True)
+    (old_tree / "tokenfleet" / "services").symlink_to("../services")
     runs: dict[str, list[dict]] = {"old": [], "new": []}
     try:
         for i in range(args.runs):
             for side in ("old", "new"):
                 out = Path(tempfile.mkdtemp()) / "result.json"
                 tree = old_tree if side == "old" else REPO
-                cmd = [sys.executable, "-c", SHIM, str(tree), str(tree / script[0]), *script[1:], "--json", str(out)]
+                cmd = [sys.executable, "-c", SHIM, str(tree), str(tree / script[0]), *script[1:], args.out_flag,
+                       str(out)]
+                env = dict(os.environ)
+                if side == "old":
+                    env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [env.get("PYTHONPATH")])])
                 started = time.monotonic()
-                subprocess.run(cmd, check=True, cwd=tree)
+                subprocess.run(cmd, check=True, cwd=tree, env=env)
                 runs[side].append(json.loads(out.read_text()))
                 print(f"run {i} {side}: {time.monotonic() - started:.0f} s", flush=True)
     finally:
