@@ -73,6 +73,9 @@ class ForwardBatch:
     positions: torch.Tensor  # [num_tokens] long
     slot_mapping: torch.Tensor  # [num_tokens] long: block_id * block_size + offset of each token's K/V
     logits_indices: torch.Tensor  # [num_logits] long: batch rows whose logits are sampled
+    # Positions in logits_indices whose top logits are recomputed exactly (llama.refine_top_logits): the
+    # rows a greedy pick or reported logprobs depend on. None: none.
+    exact_logits: torch.Tensor | None = None
     queries: PagedQueries | None = None  # every row, request by request: set when one call attends the whole step
     paged: PagedQueries | None = None  # the one-row (decode) requests, the batch's first rows
     prefills: list[PrefillSpan] = field(default_factory=list)  # the others, for implementations that use SDPA

@@ -33,7 +33,28 @@ class LlamaWeights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied (may be packed for the CPU GEMM)
+    lm_head_rows: torch.Tensor | None = None  # lm_head as plain rows (the embedding when tied): refine_top_logits
+
+
+REFINED_LOGITS = 8
+
+
+def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor,
+                      k: int = REFINED_LOGITS) -> torch.Tensor:
+    """``logits`` with each row's ``k`` largest recomputed in fp32 from the low-precision hidden state.
+
+    A bf16 GEMM rounds its output to bf16: at this model's logits (~16-32) that is a step of 0.125,
+    coarser than the margin between the top two tokens at many greedy decisions, which then fall to
+    rounding rather than to the model (measured: a haiku and a gravity chat left HF fp32's greedy path
+    at margins of 0.07 because of it). The candidates that decide a greedy pick and carry most of the
+    sampling mass get their exact dot products; the rest keep the GEMM's values. The top-k search costs
+    ~0.05 ms a row here, so the runner asks for it only on rows whose greedy pick or reported logprobs
+    depend on it (``ForwardBatch.exact_logits``); temperature-sampled rows keep the GEMM's values.
+    """
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices  # [rows, k]
+    exact = torch.einsum("rh,rkh->rk", hidden.float(), rows[top].float())
+    return logits.scatter(1, top, exact)
 
 
 class KVCache:
@@ -111,4 +132,8 @@ class LlamaModel:
             delta = linear(ops.silu_mul(linear(x, layer.gate_up)), layer.down)
         rows = batch.logits_indices
         _, last = ops.add_rms_norm(residual[rows], None if delta is None else delta[rows], w.norm, cfg.rms_norm_eps)
-        return linear(last, w.lm_head).float()
+        logits = linear(last, w.lm_head).float()
+        which = batch.exact_logits
+        if which is not None and last.dtype != torch.float32 and w.lm_head_rows is not None:
+            logits[which] = refine_top_logits(logits[which], last[which], w.lm_head_rows)
+        return logits

@@ -71,4 +71,5 @@ def _build_weights(
         lm_head = embed
     else:
         lm_head = take("lm_head.weight")
-    return LlamaWeights(embed=embed, layers=layers, norm=take("norm.weight"), lm_head=linear.prepare(lm_head))
+    return LlamaWeights(embed=embed, layers=layers, norm=take("norm.weight"), lm_head=linear.prepare(lm_head),
+                        lm_head_rows=lm_head)

@@ -118,6 +118,7 @@ class TorchModelRunner:
         prefills: list[PrefillSpan] = []
         spans: list[tuple[str, int, int]] = []
         span_rows: list[int] = []
+        exact: list[int] = []  # positions in logits_indices whose top logits are refined (greedy or logprobs)
         for entry in scheduled:
             start, end = entry.start, entry.start + entry.num_new_tokens
             row = len(tokens)
@@ -125,10 +126,13 @@ class TorchModelRunner:
             positions += range(start, end)
             table = entry.block_ids
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            if entry.samples:
-                logits_indices.append(len(tokens) - 1)
             request = requests[entry.request_id]
-            if request.sampling_params.prompt_logprobs is not None:
+            params = request.sampling_params
+            if entry.samples:
+                if params.temperature == 0 or params.logprobs is not None:
+                    exact.append(len(logits_indices))
+                logits_indices.append(len(tokens) - 1)
+            if params.prompt_logprobs is not None:
                 # Positions whose next token is a prompt token and whose logprob is not known yet
                 # (a preempted request recomputes its prompt but reports each logprob once).
                 first = max(start, len(request.prompt_logprobs))
@@ -148,6 +152,8 @@ class TorchModelRunner:
             positions=self._tensor(positions),
             slot_mapping=self._tensor(slots),
             logits_indices=self._tensor(logits_indices + span_rows),
+            exact_logits=self._tensor(exact + [len(logits_indices) + i for i in range(len(span_rows))])
+            if exact or span_rows else None,
             queries=self._paged_queries(scheduled) if whole else None,
             paged=self._paged_queries(decode_entries) if decode_entries and not whole else None,
             prefills=prefills,
