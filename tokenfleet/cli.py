@@ -24,7 +24,7 @@ def _run_service(name: str, argv: list[str]) -> int:
         from tokenfleet.services.gateway.main import main as gateway_main
 
         return gateway_main(argv)
-    from tokenfleet.services.decode.main import main as worker_main
+    from tokenfleet.services.worker.main import main as worker_main
 
     return worker_main(argv, default_role=name)
 

@@ -92,7 +92,7 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
         for name, worker_role in roles:
             cluster.spawn(name, "tokenfleet.services.decode", "--registry", registry, "--model-name",
                           model_name, "--etcd", etcd, "--replica-id", name, "--role", worker_role, threads=threads)
-        router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", etcd)
+        router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", etcd, "--registry", registry)
         gateway = cluster.spawn("gateway", "tokenfleet.services.gateway", "--router", router, "--registry", registry,
                                 "--port", str(gateway_port))
         cluster.gateway_url = f"http://{gateway}"

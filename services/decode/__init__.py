@@ -1,1 +1,1 @@
-"""The decode service (arrives with the service-suite issue)."""
+"""The decode role of the engine worker (services/worker): `python -m tokenfleet.services.decode`."""

@@ -1,1 +1,1 @@
-"""The prefill service (arrives with the service-suite issue)."""
+"""The prefill role of the engine worker (services/worker): `python -m tokenfleet.services.prefill`."""

@@ -1,6 +1,7 @@
-"""The router's view of the fleet: membership and the model registry from etcd (list + watch),
-load from each worker's ``Load`` stream. Serves snapshots for the pure policies in tokenfleet.routing; keeps serving
-its last view while etcd is away.
+"""The router's view of the fleet: membership from etcd (list + watch), the model registry from the
+registry service (its Watch, through the registry client), load from each worker's ``Load`` stream.
+Serves snapshots for the pure policies in tokenfleet.routing; keeps serving its last view while etcd
+or the registry is away.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 from tokenfleet.services.common.convert import layout_from_proto
+from tokenfleet.services.registry.client import watch_registry
 
 from tokenfleet.cluster.etcd import EtcdClient, KeyEvent, mirror_prefix
 from tokenfleet.cluster.membership import ReplicaRecord
-from tokenfleet.cluster.registry import RegistryView, UnknownModelError, follow_registry
+from tokenfleet.cluster.registry import RegistryView, UnknownModelError
 from tokenfleet.engine.kv_transfer import KVLayout
 from tokenfleet.routing.policies import FleetSnapshot, ReplicaLoad
 from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
@@ -38,16 +40,23 @@ class Replica:
 
 
 class FleetView:
-    def __init__(self, etcd: EtcdClient):
+    def __init__(self, etcd: EtcdClient, registry_address: str | None = None):
         self.etcd = etcd
+        self.registry_address = registry_address  # None: no registry; models are served by their plain names
         self.replicas: dict[str, Replica] = {}  # etcd key -> replica
         self.registry = RegistryView()
         self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self._watch = asyncio.ensure_future(asyncio.gather(
-            mirror_prefix(self.etcd, "replicas/", self._reset, self._on_event),
-            follow_registry(self.etcd, self.registry)))
+        watches = [mirror_prefix(self.etcd, "replicas/", self._reset, self._on_event)]
+        if self.registry_address is not None:
+            watches.append(self._follow_registry(self.registry_address))
+        self._watch = asyncio.ensure_future(asyncio.gather(*watches))
+
+    async def _follow_registry(self, address: str) -> None:
+        """The registry's catalog as it changes; the last one is kept while the registry is away."""
+        async for view in watch_registry(address):
+            self.registry = view
 
     async def stop(self) -> None:
         tasks = [t for t in [self._watch, *(r.stream for r in self.replicas.values())] if t is not None]
@@ -59,11 +68,16 @@ class FleetView:
 
     def resolve(self, ref: str) -> tuple[str, str]:
         """A request's model (name, alias or name@version) -> (name, version) through the registry.
-        Replicas of unregistered models (standalone workers) are served by their plain name, any version."""
+        Without the registry's word: ``name@version`` (what gateways send, resolved already) is taken
+        as it is when a replica serves it; replicas of unregistered models (standalone workers) are
+        served by their plain name, any version."""
         try:
             record = self.registry.resolve(ref)
             return record.name, record.version
         except UnknownModelError:
+            name, _, version = ref.partition("@")
+            if version and any(r.model == name and r.version == version for r in self.replicas.values()):
+                return name, version
             if any(r.model == ref for r in self.replicas.values()):
                 return ref, ""
             raise

@@ -28,6 +28,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="tokenfleet router", description="tokenfleet router")
     p.add_argument("--etcd", required=True, help="etcd endpoint host:port")
     p.add_argument("--etcd-root", default="/tokenfleet/v1/")
+    p.add_argument("--registry", help="registry address host:port: resolve model names, aliases and name@version "
+                   "through the registry service. Without it, only unregistered models, served by name")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--policy", choices=sorted(POLICIES), default="prefix-aware")
@@ -48,7 +50,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     etcd = EtcdClient(args.etcd, args.etcd_root)
-    fleet = FleetView(etcd)
+    fleet = FleetView(etcd, args.registry)
     await fleet.start()
     affinity = AffinityMap(etcd, args.affinity_ttl)
     await affinity.start()

@@ -116,7 +116,7 @@ def test_two_models_are_served_by_their_own_workers(registry, default_model_dir)
     common = ["--registry", service.address, "--etcd", etcd.endpoint, "--threads", "1", "--num-blocks", "64"]
     bf16 = start_service("tokenfleet.services.decode", *common, "--model-name", "smol-bf16", "--replica-id", "w-bf16")
     fp32 = start_service("tokenfleet.services.decode", *common, "--model-name", "prod", "--replica-id", "w-fp32")
-    router = start_service("tokenfleet.services.router", "--etcd", etcd.endpoint)
+    router = start_service("tokenfleet.services.router", "--etcd", etcd.endpoint, "--registry", service.address)
     gateway = start_service("tokenfleet.services.gateway", "--router", router.address, "--registry", service.address)
     try:
         records = wait_for(lambda: (r := replicas(etcd.endpoint)) and len(r) >= 2 and r, "both workers registered")

@@ -45,7 +45,7 @@ def tokens_by_index(outputs) -> dict[int, list[int]]:
 
 def test_importing_tokenfleet_never_imports_tensorrt_llm():
     code = ("import sys, tokenfleet, tokenfleet.backends.trtllm, tokenfleet.backends.trtllm.engine, "
-            "tokenfleet.services.decode.main, tokenfleet.services.gateway.app, tokenfleet.cli; "
+            "tokenfleet.services.worker.main, tokenfleet.services.gateway.app, tokenfleet.cli; "
             "assert 'tensorrt_llm' not in sys.modules, 'imported'; print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

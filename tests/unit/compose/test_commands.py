@@ -50,7 +50,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         with contextlib.redirect_stderr(stderr):
             cli._parser().parse_args([command])  # the top-level parser lists the command
             if command in ("decode", "prefill"):
-                from tokenfleet.services.decode.main import parse_args as worker_args
+                from tokenfleet.services.worker.main import parse_args as worker_args
 
                 return worker_args(rest, default_role=command)
             if command in cli.SERVICE_COMMANDS:

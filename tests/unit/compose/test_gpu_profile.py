@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenfleet.services.decode.main import parse_args as worker_args
+from tokenfleet.services.worker.main import parse_args as worker_args
 
 from tests.unit.compose.files import flag, services
 

@@ -13,8 +13,8 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry
 from tokenfleet.services.common.server import GrpcServer, run_service, serve_metrics
-from tokenfleet.services.decode.worker import EngineWorker
 from tokenfleet.services.registry.client import fetch_record
+from tokenfleet.services.worker.servicer import EngineWorker
 
 from tokenfleet.backends.torch.builder import build_engine_core
 from tokenfleet.cluster.etcd import EtcdClient
