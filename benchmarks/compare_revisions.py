@@ -10,7 +10,7 @@ numeric leaf the median of new / the median of old is reported.
 
     .venv/bin/python benchmarks/compare_revisions.py --rev b5d9e93 --runs 3 \\
         -- benchmarks/engine_throughput.py --batches 1,8,32 --skip-hf
-    .venv/bin/python benchmarks/compare_revisions.py --rev 45c2d83 --runs 3 --out-flag --out \
+    .venv/bin/python benchmarks/compare_revisions.py --rev 45c2d83 --runs 3 --out-flag=--out \
         -- benchmarks/serve.py --skip-vllm --skip-direct --concurrency 32
 """
 
