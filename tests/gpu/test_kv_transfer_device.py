@@ -42,17 +42,17 @@ def test_exported_blocks_continue_decoding_on_another_engine(tmp_path, device):
 
     prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id="p", hold_kv=True)
     first = [t for o in _drain(prefill) for t in o.new_token_ids]
-    table = prefill.held_block_ids("p")
+    table = prefill.kv.held_block_ids("p")
     assert first == expected[:1] and table is not None and len(table) == 6
 
-    assert decode.add_remote(prompt, greedy, "d") == 0
-    decode.remote_first_token("d", first[0], None)
+    assert decode.kv.add_remote(prompt, greedy, "d") == 0
+    decode.kv.remote_first_token("d", first[0], None)
     layers = prefill.runner.kv_geometry()[0]
     for layer in range(layers):
         k, v = prefill.runner.export_kv(layer, table)
-        decode.import_kv("d", layer, 0, k, v, len(table))
-    prefill.release_held("p")
-    decode.activate_remote("d")
+        decode.kv.import_kv("d", layer, 0, k, v, len(table))
+    prefill.kv.release_held("p")
+    decode.kv.activate_remote("d")
     got = first + [t for o in _drain(decode) for t in o.new_token_ids]
     assert got == expected
     assert decode.stats.num_prompt_tokens_computed == 0  # the decode engine computed no prompt token

@@ -222,7 +222,7 @@ class AsyncEngine:
     # ---- disaggregation ------------------------------------------------------------------------
     def _add_remote(self, core: EngineCore, prompt: list[int], params: SamplingParams, request_id: str,
                     priority: int, sink: Callable[[RequestOutput], None], tenant: str = "") -> int | None:
-        held = core.add_remote(prompt, params, request_id, priority, tenant)  # ValueError for bad input
+        held = core.kv.add_remote(prompt, params, request_id, priority, tenant)  # ValueError for bad input
         if held is not None:
             self._sinks[request_id] = sink
         return held
@@ -264,16 +264,16 @@ class AsyncEngine:
                         raise KVTransferError(f"this engine cannot install {type(event).__name__}")
             if not receiver.complete:
                 raise KVTransferError("truncated KV stream: ended before its trailer")
-            await self._call(lambda core: _if_remote(core, request_id, lambda: core.activate_remote(request_id)))
+            await self._call(lambda core: _if_remote(core, request_id, lambda: core.kv.activate_remote(request_id)))
         except (KVTransferError, TimeoutError) as e:
             reason = str(e) or f"no complete transfer within {self.transfer_timeout:.0f} s"
             log.warning("KV transfer failed; prefilling locally", engine_request_id=request_id, error=reason)
-            await self._call(lambda core: _if_remote(core, request_id, lambda: core.fallback_to_local(request_id)))
+            await self._call(lambda core: _if_remote(core, request_id, lambda: core.kv.fallback_to_local(request_id)))
 
     def _first_token(self, core: EngineCore, request_id: str, event: PrefillStarted) -> bool:
         if not _is_remote(core, request_id):
             return False
-        self._deliver(core.remote_first_token(request_id, event.token_id, event.logprobs))
+        self._deliver(core.kv.remote_first_token(request_id, event.token_id, event.logprobs))
         return True
 
     async def prefill(
@@ -306,7 +306,7 @@ class AsyncEngine:
                 first = first or (out if out.new_token_ids else None)
             if first is None:
                 raise KVTransferError("the prefill produced no token (aborted)")
-            table = await self._call(lambda core: core.held_block_ids(request_id))
+            table = await self._call(lambda core: core.kv.held_block_ids(request_id))
             if table is None:
                 raise KVTransferError("the prefill's blocks were released before the transfer")
             held, num_prompt_blocks = len(held_block_hashes), -(-len(prompt) // mine.block_size)
@@ -317,14 +317,14 @@ class AsyncEngine:
             for spec in plan:
                 block_ids = table[spec.first_block : spec.first_block + spec.num_blocks]
                 k, v = await asyncio.to_thread(self.core.runner.export_kv, spec.layer, block_ids)
-                if self.core.held_block_ids(request_id) is None:  # released while reading: the bytes may be stale
+                if self.core.kv.held_block_ids(request_id) is None:  # released while reading: the bytes may be stale
                     raise KVTransferError("the prefill's blocks were released during the transfer (timeout)")
                 num_bytes += len(k) + len(v)
                 yield KVChunkData(spec.seq, spec.layer, spec.first_block, spec.num_blocks, k, v)
             self._kv_blocks_sent += num_prompt_blocks - held
             yield PrefillDone(num_bytes)
         finally:
-            self._commands.put(_Call(lambda core: core.release_held(request_id), Future()))
+            self._commands.put(_Call(lambda core: core.kv.release_held(request_id), Future()))
 
     async def _call(self, fn: Callable[[EngineCore], Any],
                     abandoned: Callable[[EngineCore, Any], None] | None = None) -> Any:
@@ -340,13 +340,13 @@ class AsyncEngine:
             ready.set_exception(e)
             return
         core = self._core
-        core.hold_seconds = self.transfer_timeout
+        core.kv.hold_seconds = self.transfer_timeout
         ready.set_result(None)
         while True:
             block = not core.has_unfinished()
             if not self._drain_commands(core, block):
                 break
-            core.expire_held()
+            core.kv.expire_held()
             if core.has_unfinished():
                 try:
                     outputs = core.step()
@@ -374,7 +374,7 @@ class AsyncEngine:
                 command = self._commands.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:
                 if block:
-                    core.expire_held()
+                    core.kv.expire_held()
                     self._snapshot(core)
                     continue
                 return True
@@ -443,7 +443,7 @@ def _if_remote(core: EngineCore, request_id: str, fn: Callable[[], None]) -> boo
 
 
 def _install(core: EngineCore, request_id: str, spec: ChunkSpec, k: bytes, v: bytes) -> bool:
-    return _if_remote(core, request_id, lambda: core.import_kv(request_id, spec.layer, spec.first_block, k, v,
+    return _if_remote(core, request_id, lambda: core.kv.import_kv(request_id, spec.layer, spec.first_block, k, v,
                                                                 spec.num_blocks))
 
 

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 
 from tokenfleet.engine.detokenizer import Decoder
 from tokenfleet.engine.guided import GuideCompiler
+from tokenfleet.engine.kv_connector import KVConnector
 from tokenfleet.engine.kv_transfer import KVLayout
-from tokenfleet.engine.output import OutputState, RequestOutput, Resume, TokenLogprobs
+from tokenfleet.engine.output import OutputState, RequestOutput, Resume
 from tokenfleet.engine.request import FinishReason, Priority, Request, RequestStatus
 from tokenfleet.engine.runner import ExecuteResult, ModelInfo, ModelRunner
 from tokenfleet.engine.sampling_params import SamplingParams
@@ -33,8 +34,7 @@ class EngineCore:
         self._ids = itertools.count()
         self.stats = EngineStats()
         self._timer = StepTimer()
-        self._held_until: dict[str, float] = {}  # prefill role: request id -> when its held blocks go
-        self.hold_seconds = 30.0  # how long a finished prefill keeps its blocks for the transfer
+        self.kv = KVConnector(self)  # disaggregation: the decode side's remote prefills, the prefill side's holds
         self._groups: dict[str, set[str]] = {}  # n > 1: first sample's id -> ids of the group still running
         self._group_of: dict[str, str] = {}
         self._guides: GuideCompiler | None = None
@@ -159,7 +159,7 @@ class EngineCore:
 
     def _abort_one(self, request_id: str) -> RequestOutput | None:
         self._leave_group(request_id)
-        self.release_held(request_id)
+        self.kv.release_held(request_id)
         request = self.scheduler.finish_request(request_id, FinishReason.ABORT)
         state = self._states.pop(request_id, None)
         self.runner.release(request_id)
@@ -175,69 +175,6 @@ class EngineCore:
         num_layers, num_kv_heads, head_dim, dtype = self.runner.kv_geometry()
         return KVLayout(self.scheduler.hash_salt, dtype, self.scheduler.block_manager.block_size,
                         num_layers, num_kv_heads, head_dim)
-
-    # ---- disaggregation: decode side ----------------------------------------------------------
-    def add_remote(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, request_id: str,
-                   priority: int = Priority.INTERACTIVE, tenant: str = "") -> int | None:
-        """Reserve blocks for a prompt prefilled elsewhere. Returns the leading prompt blocks
-        already cached here (not to be sent), or None when the blocks are not free now."""
-        request = self._new_request(prompt_token_ids, sampling_params, request_id, priority, None)
-        request.tenant = tenant
-        held = self.scheduler.add_remote(request)
-        if held is not None:
-            self._states[request_id] = OutputState(request, self.tokenizer)
-            self.stats.num_remote_prefills += 1
-        return held
-
-    def remote_block_ids(self, request_id: str) -> list[int]:
-        return self.scheduler.block_manager.block_table(request_id)
-
-    def remote_first_token(self, request_id: str, token_id: int, logprobs: TokenLogprobs | None) -> RequestOutput:
-        """The first token sampled by the prefill replica, as this request's first output."""
-        if not 0 <= token_id < self.model.vocab_size:
-            raise ValueError(f"first token {token_id} out of range [0, {self.model.vocab_size})")
-        guide = self.scheduler.remote_request(request_id).guide
-        if guide is not None and not guide.consume_token(token_id):
-            raise ValueError(f"first token {token_id} does not match the request's grammar")
-        finished = self.scheduler.append_remote_token(request_id, token_id)
-        result = ExecuteResult({request_id: token_id}, {request_id: logprobs} if logprobs is not None else {})
-        return self._process(request_id, result, {request_id: finished} if finished is not None else {})
-
-    def import_kv(self, request_id: str, layer: int, first_block: int, k: bytes, v: bytes, num_blocks: int) -> None:
-        """Write one received chunk into the request's reserved blocks (engine thread only)."""
-        self.scheduler.remote_request(request_id)  # KeyError unless awaiting a remote prefill
-        table = self.remote_block_ids(request_id)
-        block_ids = table[first_block : first_block + num_blocks]
-        if len(block_ids) != num_blocks:
-            raise ValueError(f"chunk blocks {first_block}+{num_blocks} outside the {len(table)} reserved")
-        self.runner.import_kv(layer, block_ids, k, v)
-        self.stats.num_kv_bytes_received += len(k) + len(v)
-        if layer == 0:
-            self.stats.num_kv_blocks_received += num_blocks
-
-    def activate_remote(self, request_id: str) -> None:
-        self.scheduler.activate_remote(request_id)
-
-    def fallback_to_local(self, request_id: str) -> None:
-        self.scheduler.fallback_to_local(request_id)
-        self.stats.num_remote_fallbacks += 1
-
-    # ---- disaggregation: prefill side ---------------------------------------------------------
-    def held_block_ids(self, request_id: str) -> list[int] | None:
-        return self.scheduler.block_manager.block_table(request_id) if request_id in self.scheduler.held else None
-
-    def release_held(self, request_id: str) -> bool:
-        self._held_until.pop(request_id, None)
-        return self.scheduler.release_held(request_id)
-
-    def expire_held(self, now: float | None = None) -> list[str]:
-        """Release held blocks whose transfer ran out of time (the decode side vanished)."""
-        now = time.monotonic() if now is None else now
-        expired = [rid for rid, until in self._held_until.items() if until <= now]
-        for request_id in expired:
-            self.release_held(request_id)
-        self.stats.num_transfer_timeouts += len(expired)
-        return expired
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -275,7 +212,7 @@ class EngineCore:
             request = self.scheduler.finish_request(request_id, FinishReason.STOP)
         if request is not None and request.finish_reason is not None:
             if request_id in self.scheduler.held:
-                self._held_until[request_id] = time.monotonic() + self.hold_seconds
+                self.kv.hold(request_id)
             self._states.pop(request_id)
             self._leave_group(request_id)
             self.runner.release(request_id)

@@ -210,7 +210,7 @@ def test_prefill_side_releases_held_blocks_after_the_timeout(engines, tokenizer)
     prefill, _ = engines
     prompt = chat_ids(tokenizer, SYSTEM + "Abandoned transfer.")
     old = prefill.transfer_timeout
-    prefill.core.hold_seconds = 0.2
+    prefill.core.kv.hold_seconds = 0.2
     try:
         stream = prefill.prefill(prompt, GREEDY, "abandoned", 0, (), prefill.kv_layout())
         first = asyncio.run(stream.__anext__())
@@ -225,7 +225,7 @@ def test_prefill_side_releases_held_blocks_after_the_timeout(engines, tokenizer)
         with pytest.raises(KVTransferError, match="released"):
             asyncio.run(stream.__anext__())  # the stale blocks are never sent
     finally:
-        prefill.core.hold_seconds = old
+        prefill.core.kv.hold_seconds = old
     check_idle(prefill)
 
 

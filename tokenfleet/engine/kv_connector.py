@@ -1,0 +1,105 @@
+"""Disaggregated prefill/decode on one engine: the KV connector of an ``EngineCore``.
+
+Decode side: reserve blocks for a prompt prefilled on another replica (``add_remote``), write the KV
+chunks it receives into them (``import_kv``), take the prefill replica's first token, then run the
+request like any other (``activate_remote``), or compute the prompt here after all
+(``fallback_to_local``). Prefill side: a finished prefill keeps its blocks (``hold``) until the
+decode side pulled them (``release_held``) or the transfer ran out of time (``expire_held``).
+
+Everything here runs on the engine thread, like the core's own methods; the streaming of chunks
+between replicas is the async side's (``async_engine``) and the worker service's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from tokenfleet.engine.output import OutputState, RequestOutput, TokenLogprobs
+from tokenfleet.engine.request import Priority
+from tokenfleet.engine.runner import ExecuteResult
+from tokenfleet.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenfleet.engine.core import EngineCore
+
+
+class KVConnector:
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self._held_until: dict[str, float] = {}  # prefill side: request id -> when its held blocks go
+        self.hold_seconds = 30.0  # how long a finished prefill keeps its blocks for the transfer
+
+    # ---- decode side: a prompt prefilled elsewhere ------------------------------------------
+    def add_remote(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, request_id: str,
+                   priority: int = Priority.INTERACTIVE, tenant: str = "") -> int | None:
+        """Reserve blocks for a prompt prefilled elsewhere. Returns the leading prompt blocks
+        already cached here (not to be sent), or None when the blocks are not free now."""
+        core = self.core
+        request = core._new_request(prompt_token_ids, sampling_params, request_id, priority, None)
+        request.tenant = tenant
+        held = core.scheduler.add_remote(request)
+        if held is not None:
+            core._states[request_id] = OutputState(request, core.tokenizer)
+            core.stats.num_remote_prefills += 1
+        return held
+
+    def remote_block_ids(self, request_id: str) -> list[int]:
+        return self.core.scheduler.block_manager.block_table(request_id)
+
+    def remote_first_token(self, request_id: str, token_id: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        """The first token sampled by the prefill replica, as this request's first output."""
+        core = self.core
+        if not 0 <= token_id < core.model.vocab_size:
+            raise ValueError(f"first token {token_id} out of range [0, {core.model.vocab_size})")
+        guide = core.scheduler.remote_request(request_id).guide
+        if guide is not None and not guide.consume_token(token_id):
+            raise ValueError(f"first token {token_id} does not match the request's grammar")
+        finished = core.scheduler.append_remote_token(request_id, token_id)
+        result = ExecuteResult({request_id: token_id}, {request_id: logprobs} if logprobs is not None else {})
+        return core._process(request_id, result, {request_id: finished} if finished is not None else {})
+
+    def import_kv(self, request_id: str, layer: int, first_block: int, k: bytes, v: bytes, num_blocks: int) -> None:
+        """Write one received chunk into the request's reserved blocks (engine thread only)."""
+        core = self.core
+        core.scheduler.remote_request(request_id)  # KeyError unless awaiting a remote prefill
+        table = self.remote_block_ids(request_id)
+        block_ids = table[first_block : first_block + num_blocks]
+        if len(block_ids) != num_blocks:
+            raise ValueError(f"chunk blocks {first_block}+{num_blocks} outside the {len(table)} reserved")
+        core.runner.import_kv(layer, block_ids, k, v)
+        core.stats.num_kv_bytes_received += len(k) + len(v)
+        if layer == 0:
+            core.stats.num_kv_blocks_received += num_blocks
+
+    def activate_remote(self, request_id: str) -> None:
+        self.core.scheduler.activate_remote(request_id)
+
+    def fallback_to_local(self, request_id: str) -> None:
+        core = self.core
+        core.scheduler.fallback_to_local(request_id)
+        core.stats.num_remote_fallbacks += 1
+
+    # ---- prefill side: a finished prefill's blocks, held for the transfer ---------------------
+    def hold(self, request_id: str) -> None:
+        """A prefill finished with its blocks held: they wait ``hold_seconds`` for the decode side."""
+        self._held_until[request_id] = time.monotonic() + self.hold_seconds
+
+    def held_block_ids(self, request_id: str) -> list[int] | None:
+        scheduler = self.core.scheduler
+        return scheduler.block_manager.block_table(request_id) if request_id in scheduler.held else None
+
+    def release_held(self, request_id: str) -> bool:
+        self._held_until.pop(request_id, None)
+        return self.core.scheduler.release_held(request_id)
+
+    def expire_held(self, now: float | None = None) -> list[str]:
+        """Release held blocks whose transfer ran out of time (the decode side vanished)."""
+        core = self.core
+        now = time.monotonic() if now is None else now
+        expired = [rid for rid, until in self._held_until.items() if until <= now]
+        for request_id in expired:
+            self.release_held(request_id)
+        core.stats.num_transfer_timeouts += len(expired)
+        return expired
