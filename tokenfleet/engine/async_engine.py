@@ -2,7 +2,8 @@
 its caller through one ``asyncio.Queue`` filled with ``loop.call_soon_threadsafe``. No torch
 call ever runs on the event loop.
 
-Disaggregation (see tokenfleet.engine.kv_transfer): ``prefill`` runs a prompt to its first
+Disaggregation (the KV connector: ``kv_connector.py`` on the engine thread, ``kv_streams.py`` on
+the event loop; the wire format in ``kv_transfer.py``): ``prefill`` runs a prompt to its first
 token, keeps the blocks and streams them out; ``generate(kv_source=...)`` reserves blocks,
 pulls the first token and KV from a prefill replica, installs them and decodes. Any transfer
 failure falls back to computing the prompt here; cancellation at any point frees everything.
@@ -11,12 +12,10 @@ failure falls back to computing the prompt here; cancellation at any point frees
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import functools
 import queue
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
@@ -24,24 +23,16 @@ from typing import Any
 import structlog
 
 from tokenfleet import envs
-from tokenfleet.engine.block_hash import hash_blocks
+from tokenfleet.engine import kv_streams
 from tokenfleet.engine.core import EngineCore
 from tokenfleet.engine.interface import EngineOverloadedError, EngineStoppedError
 from tokenfleet.engine.kv_transfer import (
-    ChunkSpec,
-    KVChunkData,
     KVLayout,
-    KVLayoutError,
-    KVReceiver,
     KVSource,
-    KVTransferError,
-    PrefillDone,
     PrefillEvent,
-    PrefillStarted,
-    plan_chunks,
 )
 from tokenfleet.engine.output import RequestOutput, Resume
-from tokenfleet.engine.request import Priority, RequestStatus
+from tokenfleet.engine.request import Priority
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import QueueFullError
 from tokenfleet.engine.stats import EngineStats
@@ -196,7 +187,7 @@ class AsyncEngine:
         running = sampling_params.n  # samples not finished yet
         try:
             if held is not None and kv_source is not None:
-                async for out in self._pull(request_id, prompt, held, kv_source, outputs):
+                async for out in kv_streams.pull(self, request_id, prompt, held, kv_source, outputs):
                     finished = out.finished
                     yield out
             while not finished:
@@ -227,56 +218,7 @@ class AsyncEngine:
             self._sinks[request_id] = sink
         return held
 
-    async def _pull(self, request_id: str, prompt: list[int], held: int, kv_source: KVSource,
-                    outputs: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """Decode side of a transfer: yields the first token's output as soon as it arrives, installs
-        the KV, and joins the request to the batch; on any transfer failure computes it here."""
-        layout = self.kv_layout()
-        hashes = hash_blocks(prompt, layout.block_size, layout.hash_salt)[:held]
-        receiver = KVReceiver(layout, -(-len(prompt) // layout.block_size), held)
-        deadline = asyncio.get_running_loop().time() + self.transfer_timeout
-        try:
-            async with contextlib.aclosing(kv_source(hashes, layout)) as events:
-                while True:  # a deadline per read, never across a yield (it would cancel our consumer)
-                    left = deadline - asyncio.get_running_loop().time()
-                    try:
-                        event = await asyncio.wait_for(anext(events), timeout=max(left, 0.001))
-                    except StopAsyncIteration:
-                        break
-                    if isinstance(event, PrefillStarted):
-                        receiver.start(event.first_block, event.num_blocks, event.num_chunks)
-                        if not await self._call(functools.partial(self._first_token, request_id=request_id,
-                                                                  event=event)):
-                            return  # the request ended meanwhile (aborted): its final output is queued
-                        out = await outputs.get()
-                        yield out
-                        if out.finished:
-                            return
-                    elif isinstance(event, KVChunkData):
-                        spec = receiver.accept(event.seq, event.layer, event.first_block, event.num_blocks,
-                                               event.k, event.v)
-                        await self._call(functools.partial(_install, request_id=request_id, spec=spec,
-                                                           k=event.k, v=event.v))
-                    elif isinstance(event, PrefillDone):
-                        receiver.finish(event.num_bytes)
-                        break
-                    else:
-                        raise KVTransferError(f"this engine cannot install {type(event).__name__}")
-            if not receiver.complete:
-                raise KVTransferError("truncated KV stream: ended before its trailer")
-            await self._call(lambda core: _if_remote(core, request_id, lambda: core.kv.activate_remote(request_id)))
-        except (KVTransferError, TimeoutError) as e:
-            reason = str(e) or f"no complete transfer within {self.transfer_timeout:.0f} s"
-            log.warning("KV transfer failed; prefilling locally", engine_request_id=request_id, error=reason)
-            await self._call(lambda core: _if_remote(core, request_id, lambda: core.kv.fallback_to_local(request_id)))
-
-    def _first_token(self, core: EngineCore, request_id: str, event: PrefillStarted) -> bool:
-        if not _is_remote(core, request_id):
-            return False
-        self._deliver(core.kv.remote_first_token(request_id, event.token_id, event.logprobs))
-        return True
-
-    async def prefill(
+    def prefill(
         self,
         prompt_token_ids: Sequence[int],
         sampling_params: SamplingParams,
@@ -289,42 +231,12 @@ class AsyncEngine:
         does not hold, layer by layer. The blocks stay pinned until this iterator closes (or the
         engine's hold timeout). KVLayoutError when ``layout`` differs from ours, ValueError for
         bad input or held hashes that are not this prompt's."""
-        mine = self.kv_layout()
-        problem = mine.mismatch(layout) if layout is not None else None
-        if problem is not None:
-            raise KVLayoutError(problem)
-        prompt = list(prompt_token_ids)
-        hashes = hash_blocks(prompt, mine.block_size, mine.hash_salt)
-        if list(held_block_hashes) != hashes[: len(held_block_hashes)]:
-            raise ValueError("held block hashes are not this prompt's leading blocks")
-        params = dataclasses.replace(sampling_params, max_tokens=1, min_tokens=min(sampling_params.min_tokens, 1), n=1,
-                                     prompt_logprobs=None,
-                                     stop=())
-        first = None
-        try:
-            async for out in self.generate(prompt, params, request_id, priority, hold_kv=True):
-                first = first or (out if out.new_token_ids else None)
-            if first is None:
-                raise KVTransferError("the prefill produced no token (aborted)")
-            table = await self._call(lambda core: core.kv.held_block_ids(request_id))
-            if table is None:
-                raise KVTransferError("the prefill's blocks were released before the transfer")
-            held, num_prompt_blocks = len(held_block_hashes), -(-len(prompt) // mine.block_size)
-            plan = plan_chunks(mine, held, num_prompt_blocks - held)
-            yield PrefillStarted(first.new_token_ids[0], first.logprobs[0] if first.logprobs else None,
-                                 first.num_cached_tokens, held, num_prompt_blocks - held, len(plan))
-            num_bytes = 0
-            for spec in plan:
-                block_ids = table[spec.first_block : spec.first_block + spec.num_blocks]
-                k, v = await asyncio.to_thread(self.core.runner.export_kv, spec.layer, block_ids)
-                if self.core.kv.held_block_ids(request_id) is None:  # released while reading: the bytes may be stale
-                    raise KVTransferError("the prefill's blocks were released during the transfer (timeout)")
-                num_bytes += len(k) + len(v)
-                yield KVChunkData(spec.seq, spec.layer, spec.first_block, spec.num_blocks, k, v)
-            self._kv_blocks_sent += num_prompt_blocks - held
-            yield PrefillDone(num_bytes)
-        finally:
-            self._commands.put(_Call(lambda core: core.kv.release_held(request_id), Future()))
+        return kv_streams.serve_prefill(self, prompt_token_ids, sampling_params, request_id, priority,
+                                        held_block_hashes, layout)
+
+    def _post(self, fn: Callable[[EngineCore], Any]) -> None:
+        """Run ``fn`` on the engine thread; nobody waits for it."""
+        self._commands.put(_Call(fn, Future()))
 
     async def _call(self, fn: Callable[[EngineCore], Any],
                     abandoned: Callable[[EngineCore, Any], None] | None = None) -> Any:
@@ -427,24 +339,6 @@ class AsyncEngine:
                 log.warning("request's consumer is gone; aborting it", engine_request_id=out.request_id, error=str(e))
                 self._sinks.pop(out.request_id, None)
                 self._commands.put(_Abort(out.request_id))
-
-
-def _is_remote(core: EngineCore, request_id: str) -> bool:
-    request = core.scheduler.requests.get(request_id)
-    return request is not None and request.status is RequestStatus.REMOTE_PREFILL
-
-
-def _if_remote(core: EngineCore, request_id: str, fn: Callable[[], None]) -> bool:
-    """Run ``fn`` if the request still awaits its KV (an abort may have ended it meanwhile)."""
-    if not _is_remote(core, request_id):
-        return False
-    fn()
-    return True
-
-
-def _install(core: EngineCore, request_id: str, spec: ChunkSpec, k: bytes, v: bytes) -> bool:
-    return _if_remote(core, request_id, lambda: core.kv.import_kv(request_id, spec.layer, spec.first_block, k, v,
-                                                                spec.num_blocks))
 
 
 def _forget(_: object) -> None:
