@@ -17,12 +17,23 @@ from tokenfleet.tenancy.tenants import ApiKey, Directory, Tenant, new_key
 TENANTS, KEYS = "tenants/", "apikeys/"
 
 
+def _tenants(listing: dict[str, bytes]) -> dict[str, Tenant]:
+    return {k.removeprefix(TENANTS): Tenant.from_json(v) for k, v in listing.items()}
+
+
+def _keys(listing: dict[str, bytes]) -> dict[str, ApiKey]:
+    return {k.removeprefix(KEYS): ApiKey.from_json(v) for k, v in listing.items()}
+
+
 class TenantStore:
     """The admin operations of `tokenfleet tenants`, written once; subclasses store the records
     (etcd for a fleet, a YAML file for small setups)."""
 
     async def directory(self) -> Directory:
         raise NotImplementedError
+
+    async def _has_tenant(self, name: str) -> bool:
+        return name in (await self.directory()).tenants
 
     async def _create_tenant(self, tenant: Tenant) -> bool:
         """Store a new tenant; False if one of that name exists."""
@@ -38,7 +49,7 @@ class TenantStore:
         """Create the tenant and its first key (returned, shown once). ``update``: replace an existing
         tenant's settings and issue no key. ValueError if it exists (and not ``update``)."""
         if update:
-            if tenant.name not in (await self.directory()).tenants:
+            if not await self._has_tenant(tenant.name):
                 raise LookupError(f"no tenant {tenant.name!r}")
             await self._put_tenant(tenant)
             return None
@@ -47,7 +58,7 @@ class TenantStore:
         return await self.issue_key(tenant.name)
 
     async def issue_key(self, tenant: str) -> str:
-        if tenant not in (await self.directory()).tenants:
+        if not await self._has_tenant(tenant):
             raise LookupError(f"no tenant {tenant!r}")
         key, record = new_key(tenant)
         await self._put_key(record)
@@ -77,10 +88,10 @@ class EtcdTenantStore(TenantStore):
         self.etcd = etcd
 
     async def directory(self) -> Directory:
-        tenants = await self.etcd.get_prefix(TENANTS)
-        keys = await self.etcd.get_prefix(KEYS)
-        return Directory({k.removeprefix(TENANTS): Tenant.from_json(v) for k, v in tenants.items()},
-                         {k.removeprefix(KEYS): ApiKey.from_json(v) for k, v in keys.items()})
+        return Directory(_tenants(await self.etcd.get_prefix(TENANTS)), _keys(await self.etcd.get_prefix(KEYS)))
+
+    async def _has_tenant(self, name: str) -> bool:
+        return await self.etcd.get(TENANTS + name) is not None
 
     async def _create_tenant(self, tenant: Tenant) -> bool:
         return await self.etcd.put_if_absent(TENANTS + tenant.name, tenant.to_json())
@@ -121,7 +132,7 @@ async def follow_directory(etcd: EtcdClient, directory: Directory, synced: async
     """Keep ``directory`` equal to etcd's tenants and keys (runs until cancelled)."""
 
     def reset_tenants(listing: dict[str, bytes]) -> None:
-        directory.tenants = {k.removeprefix(TENANTS): Tenant.from_json(v) for k, v in listing.items()}
+        directory.tenants = _tenants(listing)
 
     def on_tenant(event: KeyEvent) -> None:
         name = event.key.removeprefix(TENANTS)
@@ -131,7 +142,7 @@ async def follow_directory(etcd: EtcdClient, directory: Directory, synced: async
             directory.tenants[name] = Tenant.from_json(event.value)
 
     def reset_keys(listing: dict[str, bytes]) -> None:
-        directory.keys = {k.removeprefix(KEYS): ApiKey.from_json(v) for k, v in listing.items()}
+        directory.keys = _keys(listing)
         if synced is not None:
             synced.set()
 
