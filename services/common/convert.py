@@ -6,10 +6,8 @@ from __future__ import annotations
 
 from tokenfleet.engine.grammar import Guided
 from tokenfleet.engine.kv_transfer import (
-    DTYPE_SIZES,
     Handoff,
     KVChunkData,
-    KVLayout,
     KVLayoutError,
     KVTransferError,
     PrefillDone,
@@ -19,6 +17,7 @@ from tokenfleet.engine.kv_transfer import (
 from tokenfleet.engine.output import RequestOutput, Resume, TokenLogprobs
 from tokenfleet.engine.request import FinishReason, Priority
 from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.kvcache.layout import DTYPE_SIZES, KVLayout
 from tokenfleet.v1 import common_pb2, engine_pb2
 
 _FINISH = {

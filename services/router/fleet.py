@@ -19,7 +19,7 @@ from tokenfleet.services.registry.client import watch_registry
 from tokenfleet.cluster.etcd import EtcdClient, KeyEvent, mirror_prefix
 from tokenfleet.cluster.membership import ReplicaRecord
 from tokenfleet.cluster.registry import RegistryView, UnknownModelError
-from tokenfleet.engine.kv_transfer import KVLayout
+from tokenfleet.kvcache.layout import KVLayout
 from tokenfleet.routing.policies import FleetSnapshot, ReplicaLoad
 from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
 

@@ -9,7 +9,7 @@ from tokenfleet.services.common.errors import map_errors
 from tokenfleet.services.router.fleet import FleetView
 
 from tokenfleet.cluster.affinity import AffinityMap
-from tokenfleet.engine.block_hash import hash_blocks
+from tokenfleet.kvcache.block_hash import hash_blocks
 from tokenfleet.routing.placement import (
     DEFAULT_DISAGG_CONFIG,
     LEAST_LOADED,

@@ -19,7 +19,8 @@ from tokenfleet.services.common import convert
 from tokenfleet.services.common.errors import map_errors
 
 from tokenfleet.engine.interface import Engine, EngineOverloadedError, EngineStoppedError
-from tokenfleet.engine.kv_transfer import KVLayout, KVTransferError, PrefillEvent
+from tokenfleet.engine.kv_transfer import KVTransferError, PrefillEvent
+from tokenfleet.kvcache.layout import KVLayout
 from tokenfleet.telemetry.latency import RecentLatencies
 from tokenfleet.telemetry.request_id import metadata as request_id_metadata
 from tokenfleet.v1 import engine_pb2, engine_pb2_grpc

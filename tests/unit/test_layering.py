@@ -6,7 +6,9 @@ Every ``import`` / ``from ... import`` in a module counts, function-level and TY
 - engine: the pure core (scheduler, block manager, request lifecycle, the runner and KV-connector
   interfaces). Never backends, services, cluster, nor the gRPC / HTTP libraries: a backend
   plugs into the engine, not the other way round, and the simulator reuses the engine off-line.
-- routing: placement policies over plain records. Never cluster (etcd) nor services.
+- routing: placement policies over plain records. Never cluster (etcd), services nor the engine (the
+  block hash it shares with the engine lives in kvcache).
+- kvcache: the block hash and KV layout every component agrees on. No other tokenfleet package.
 - backends: model runners for one framework each. Never services (a backend runs inside a worker
   service, it does not call the fleet's services).
 - models: model code and kernels. Of the engine, only the runner interface.
@@ -28,13 +30,15 @@ ROOT = Path(__file__).resolve().parents[2]
 HTTP_AND_GRPC = ("grpc", "aiohttp", "fastapi", "starlette", "uvicorn", "httpx", "requests", "urllib.request")
 RULES: dict[str, tuple[str, ...]] = {  # package -> module prefixes it must not import
     "tokenfleet.engine": ("tokenfleet.backends", "tokenfleet.services", "tokenfleet.cluster", *HTTP_AND_GRPC),
-    "tokenfleet.routing": ("tokenfleet.cluster", "tokenfleet.services"),
+    "tokenfleet.routing": ("tokenfleet.cluster", "tokenfleet.services", "tokenfleet.engine"),
+    "tokenfleet.kvcache": ("tokenfleet",),
     "tokenfleet.backends": ("tokenfleet.services",),
     "tokenfleet.models": ("tokenfleet.engine",),
     "tokenfleet.tenancy": ("tokenfleet.services",),
 }
 ALLOWED: dict[str, tuple[str, ...]] = {  # exceptions to a forbidden prefix
     "tokenfleet.models": ("tokenfleet.engine.runner",),
+    "tokenfleet.kvcache": ("tokenfleet.kvcache",),
 }
 # Where each package's source lives (services are installed as tokenfleet.services from ./services).
 SOURCES = {"tokenfleet": "tokenfleet", "tokenfleet.services": "services"}
@@ -103,6 +107,9 @@ def test_the_packages_keep_their_layers():
     ("tokenfleet/engine/planted.py", "from tokenfleet.services.registry import client"),
     ("tokenfleet/routing/planted.py", "from tokenfleet.cluster import affinity"),
     ("tokenfleet/routing/planted.py", "import tokenfleet.services.router.fleet"),
+    ("tokenfleet/routing/planted.py", "from tokenfleet.engine.scheduler import Scheduler"),
+    ("tokenfleet/kvcache/planted.py", "from tokenfleet.engine.kv_transfer import KVReceiver"),
+    ("tokenfleet/kvcache/planted.py", "from tokenfleet import envs"),
     ("tokenfleet/backends/planted.py", "from tokenfleet.services.registry.convert import record_to_proto"),
     ("tokenfleet/models/planted.py", "from tokenfleet.engine.scheduler import Scheduler"),
     ("tokenfleet/tenancy/planted.py", "from tokenfleet.services.gateway.pipeline import Call"),

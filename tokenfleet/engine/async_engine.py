@@ -12,13 +12,12 @@ failure falls back to computing the prompt here; cancellation at any point frees
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import queue
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -26,16 +25,13 @@ from tokenfleet import envs
 from tokenfleet.engine import kv_streams
 from tokenfleet.engine.core import EngineCore
 from tokenfleet.engine.interface import EngineOverloadedError, EngineStoppedError
-from tokenfleet.engine.kv_transfer import (
-    KVLayout,
-    KVSource,
-    PrefillEvent,
-)
+from tokenfleet.engine.kv_transfer import KVSource, PrefillEvent
 from tokenfleet.engine.output import RequestOutput, Resume
 from tokenfleet.engine.request import Priority
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import QueueFullError
 from tokenfleet.engine.stats import EngineStats
+from tokenfleet.kvcache.layout import KVLayout
 
 
 @dataclass
@@ -65,6 +61,7 @@ class _Call:
     abandoned: Callable[[EngineCore, Any], None] | None = None
 
 
+T = TypeVar("T")
 _STOP = object()
 log = structlog.get_logger()
 DEFAULT_TRANSFER_TIMEOUT = 30.0
@@ -88,7 +85,6 @@ class AsyncEngine:
     def __init__(self, core_factory: Callable[[], EngineCore], transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT):
         self._core_factory = core_factory
         self.transfer_timeout = transfer_timeout  # both sides: a KV transfer that takes longer is abandoned
-        self._kv_blocks_sent = 0
         self._hashes: frozenset[bytes] = frozenset()  # the prefix cache's block hashes, as of the last step
         self._hash_version = -1
         self._check_invariants = envs.check_invariants()
@@ -124,7 +120,7 @@ class AsyncEngine:
         self._thread = None
 
     def stats(self) -> EngineStats:
-        return dataclasses.replace(self._stats, num_kv_blocks_sent=self._kv_blocks_sent)
+        return self._stats
 
     def kv_layout(self) -> KVLayout:
         return self.core.kv_layout()
@@ -171,7 +167,7 @@ class AsyncEngine:
         await self._prepare_grammar(sampling_params)
         held = None
         if kv_source is not None and resume is None and sampling_params.n == 1 and sampling_params.prompt_logprobs is None:
-            held = await self._call(lambda core: self._add_remote(core, prompt, sampling_params, request_id,
+            held = await self.call(lambda core: self._add_remote(core, prompt, sampling_params, request_id,
                                                                   int(priority), sink, tenant),
                                     abandoned=lambda core, held: _forget(core.abort(request_id)))
         if held is None:
@@ -234,15 +230,21 @@ class AsyncEngine:
         return kv_streams.serve_prefill(self, prompt_token_ids, sampling_params, request_id, priority,
                                         held_block_hashes, layout)
 
-    def _post(self, fn: Callable[[EngineCore], Any]) -> None:
-        """Run ``fn`` on the engine thread; nobody waits for it."""
+    # ---- the engine thread, for the KV streams (kv_streams.EngineLoop) ------------------------
+    def post(self, fn: Callable[[EngineCore], object]) -> None:
+        """Run ``fn(core)`` on the engine thread; nobody waits for it."""
         self._commands.put(_Call(fn, Future()))
 
-    async def _call(self, fn: Callable[[EngineCore], Any],
-                    abandoned: Callable[[EngineCore, Any], None] | None = None) -> Any:
+    async def call(self, fn: Callable[[EngineCore], T],
+                   abandoned: Callable[[EngineCore, Any], None] | None = None) -> T:
+        """Run ``fn(core)`` on the engine thread and return its result here (ValueError, KeyError and
+        overload are raised here); ``abandoned(core, result)`` runs there if the caller gave up."""
         done: Future = Future()
         self._commands.put(_Call(fn, done, abandoned))
         return await asyncio.wrap_future(done)
+
+    def read_held(self, request_id: str, layer: int, block_ids: Sequence[int]) -> tuple[bytes, bytes]:
+        return self.core.kv.export_held(request_id, layer, block_ids)
 
     # ---- engine thread -----------------------------------------------------------------------
     def _run(self, ready: Future) -> None:
@@ -268,7 +270,7 @@ class AsyncEngine:
                     self._fail_all(core, e)
                     return
                 for out in outputs:
-                    self._deliver(out)
+                    self.deliver(out)
             self._snapshot(core)
 
     def _fail_all(self, core: EngineCore, error: Exception) -> None:
@@ -277,7 +279,7 @@ class AsyncEngine:
         for request_id in list(self._sinks):
             for out in core.abort_group(request_id):
                 out.error = f"engine failure: {type(error).__name__}: {error}"
-                self._deliver(out)
+                self.deliver(out)
 
     def _drain_commands(self, core: EngineCore, block: bool) -> bool:
         """Apply queued commands; wait for one if ``block``. False when asked to stop."""
@@ -299,7 +301,7 @@ class AsyncEngine:
                 self._run_call(core, command)
             elif isinstance(command, _Abort):
                 for out in core.abort_group(command.request_id):
-                    self._deliver(out)
+                    self.deliver(out)
 
     def _run_call(self, core: EngineCore, command: _Call) -> None:
         try:
@@ -328,7 +330,8 @@ class AsyncEngine:
             else:  # the caller was cancelled while waiting for admission
                 core.abort(command.request_id)
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def deliver(self, out: RequestOutput) -> None:
+        """Engine thread: hand ``out`` to its request's consumer (its event loop's queue)."""
         sink = self._sinks.get(out.request_id)
         if out.finished:
             self._sinks.pop(out.request_id, None)

@@ -15,13 +15,13 @@ from collections.abc import Sequence
 from tokenfleet.engine.detokenizer import Decoder
 from tokenfleet.engine.guided import GuideCompiler
 from tokenfleet.engine.kv_connector import KVConnector
-from tokenfleet.engine.kv_transfer import KVLayout
 from tokenfleet.engine.output import OutputState, RequestOutput, Resume
 from tokenfleet.engine.request import FinishReason, Priority, Request, RequestStatus
 from tokenfleet.engine.runner import ExecuteResult, ModelInfo, ModelRunner
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import Scheduler
 from tokenfleet.engine.stats import EngineStats, StepTimer
+from tokenfleet.kvcache.layout import KVLayout
 
 
 class EngineCore:

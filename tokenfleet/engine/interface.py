@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol, runtime_checkable
 
-from tokenfleet.engine.kv_transfer import KVLayout, KVSource, PrefillEvent
+from tokenfleet.engine.kv_transfer import KVSource, PrefillEvent
 from tokenfleet.engine.output import RequestOutput, Resume
 from tokenfleet.engine.request import Priority
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.stats import EngineStats
+from tokenfleet.kvcache.layout import KVLayout
 
 
 class EngineOverloadedError(RuntimeError):

@@ -6,8 +6,8 @@ request like any other (``activate_remote``), or compute the prompt here after a
 (``fallback_to_local``). Prefill side: a finished prefill keeps its blocks (``hold``) until the
 decode side pulled them (``release_held``) or the transfer ran out of time (``expire_held``).
 
-Everything here runs on the engine thread, like the core's own methods; the streaming of chunks
-between replicas is the async side's (``async_engine``) and the worker service's.
+Everything here runs on the engine thread, like the core's own methods (``export_held`` excepted);
+the streaming of chunks between replicas is ``kv_streams``' (event loop) and the worker service's.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from tokenfleet.engine.kv_transfer import KVTransferError
 from tokenfleet.engine.output import OutputState, RequestOutput, TokenLogprobs
 from tokenfleet.engine.request import Priority
 from tokenfleet.engine.runner import ExecuteResult
@@ -89,6 +90,18 @@ class KVConnector:
     def held_block_ids(self, request_id: str) -> list[int] | None:
         scheduler = self.core.scheduler
         return scheduler.block_manager.block_table(request_id) if request_id in scheduler.held else None
+
+    def export_held(self, request_id: str, layer: int, block_ids: Sequence[int]) -> tuple[bytes, bytes]:
+        """K and V of some held blocks of one layer. The one call allowed off the engine thread: held
+        blocks are pinned, so no step writes them while they are read; KVTransferError if they were
+        released meanwhile (hold timeout), since the bytes read may then be another request's."""
+        k, v = self.core.runner.export_kv(layer, list(block_ids))
+        if self.held_block_ids(request_id) is None:
+            raise KVTransferError("the prefill's blocks were released during the transfer (timeout)")
+        return k, v
+
+    def count_sent(self, num_blocks: int) -> None:
+        self.core.stats.num_kv_blocks_sent += num_blocks
 
     def release_held(self, request_id: str) -> bool:
         self._held_until.pop(request_id, None)

@@ -1,8 +1,9 @@
 """The async half of the KV connector (``kv_connector.py`` is the engine-thread half): the decode
 side's pull of a prompt's first token and KV from a prefill replica (``pull``), and the prefill
 side's stream of a prompt's blocks to a decode replica (``serve_prefill``). Both drive the engine
-thread through the ``AsyncEngine`` they are given (``AsyncEngine.generate`` and ``AsyncEngine.prefill``
-call them); any transfer failure on the decode side falls back to computing the prompt there.
+thread through an ``EngineLoop`` (``AsyncEngine`` is one; ``AsyncEngine.generate`` and
+``AsyncEngine.prefill`` call them); any transfer failure on the decode side falls back to computing
+the prompt there.
 """
 
 from __future__ import annotations
@@ -12,16 +13,14 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from tokenfleet.engine.block_hash import hash_blocks
 from tokenfleet.engine.core import EngineCore
 from tokenfleet.engine.kv_transfer import (
     ChunkSpec,
     KVChunkData,
-    KVLayout,
     KVLayoutError,
     KVReceiver,
     KVSource,
@@ -34,14 +33,42 @@ from tokenfleet.engine.kv_transfer import (
 from tokenfleet.engine.output import RequestOutput
 from tokenfleet.engine.request import Priority, RequestStatus
 from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.kvcache.block_hash import hash_blocks
+from tokenfleet.kvcache.layout import KVLayout
 
-if TYPE_CHECKING:
-    from tokenfleet.engine.async_engine import AsyncEngine
+T = TypeVar("T")
+
+
+class EngineLoop(Protocol):
+    """All the KV streams use of an engine running on its own thread, seen from the event loop."""
+
+    transfer_timeout: float  # seconds a whole transfer may take, on either side
+
+    def kv_layout(self) -> KVLayout: ...
+
+    def generate(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, request_id: str,
+                 priority: int = ..., *, hold_kv: bool = ...) -> AsyncIterator[RequestOutput]: ...
+
+    async def call(self, fn: Callable[[EngineCore], T],
+                   abandoned: Callable[[EngineCore, Any], None] | None = None) -> T:
+        """``fn(core)`` on the engine thread; its result (or ValueError/KeyError) comes back here."""
+        ...
+
+    def post(self, fn: Callable[[EngineCore], object]) -> None:
+        """``fn(core)`` on the engine thread; nobody waits for it."""
+
+    def deliver(self, out: RequestOutput) -> None:
+        """Engine thread only: hand ``out`` to its request's consumer, as a step's outputs are."""
+
+    def read_held(self, request_id: str, layer: int, block_ids: Sequence[int]) -> tuple[bytes, bytes]:
+        """Any thread: K and V of a finished prefill's held blocks (``KVConnector.export_held``)."""
+        ...
+
 
 log = structlog.get_logger()
 
 
-async def pull(engine: AsyncEngine, request_id: str, prompt: list[int], held: int, kv_source: KVSource,
+async def pull(engine: EngineLoop, request_id: str, prompt: list[int], held: int, kv_source: KVSource,
                 outputs: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
     """Decode side of a transfer: yields the first token's output as soon as it arrives, installs
     the KV, and joins the request to the batch; on any transfer failure computes it here."""
@@ -59,7 +86,7 @@ async def pull(engine: AsyncEngine, request_id: str, prompt: list[int], held: in
                     break
                 if isinstance(event, PrefillStarted):
                     receiver.start(event.first_block, event.num_blocks, event.num_chunks)
-                    if not await engine._call(functools.partial(_first_token, engine, request_id=request_id,
+                    if not await engine.call(functools.partial(_first_token, engine, request_id=request_id,
                                                               event=event)):
                         return  # the request ended meanwhile (aborted): its final output is queued
                     out = await outputs.get()
@@ -69,7 +96,7 @@ async def pull(engine: AsyncEngine, request_id: str, prompt: list[int], held: in
                 elif isinstance(event, KVChunkData):
                     spec = receiver.accept(event.seq, event.layer, event.first_block, event.num_blocks,
                                            event.k, event.v)
-                    await engine._call(functools.partial(_install, request_id=request_id, spec=spec,
+                    await engine.call(functools.partial(_install, request_id=request_id, spec=spec,
                                                        k=event.k, v=event.v))
                 elif isinstance(event, PrefillDone):
                     receiver.finish(event.num_bytes)
@@ -78,21 +105,21 @@ async def pull(engine: AsyncEngine, request_id: str, prompt: list[int], held: in
                     raise KVTransferError(f"this engine cannot install {type(event).__name__}")
         if not receiver.complete:
             raise KVTransferError("truncated KV stream: ended before its trailer")
-        await engine._call(lambda core: _if_remote(core, request_id, lambda: core.kv.activate_remote(request_id)))
+        await engine.call(lambda core: _if_remote(core, request_id, lambda: core.kv.activate_remote(request_id)))
     except (KVTransferError, TimeoutError) as e:
         reason = str(e) or f"no complete transfer within {engine.transfer_timeout:.0f} s"
         log.warning("KV transfer failed; prefilling locally", engine_request_id=request_id, error=reason)
-        await engine._call(lambda core: _if_remote(core, request_id, lambda: core.kv.fallback_to_local(request_id)))
+        await engine.call(lambda core: _if_remote(core, request_id, lambda: core.kv.fallback_to_local(request_id)))
 
-def _first_token(engine: AsyncEngine, core: EngineCore, request_id: str, event: PrefillStarted) -> bool:
+def _first_token(engine: EngineLoop, core: EngineCore, request_id: str, event: PrefillStarted) -> bool:
     if not _is_remote(core, request_id):
         return False
-    engine._deliver(core.kv.remote_first_token(request_id, event.token_id, event.logprobs))
+    engine.deliver(core.kv.remote_first_token(request_id, event.token_id, event.logprobs))
     return True
 
 
 async def serve_prefill(
-    engine: AsyncEngine,
+    engine: EngineLoop,
     prompt_token_ids: Sequence[int],
     sampling_params: SamplingParams,
     request_id: str,
@@ -121,7 +148,7 @@ async def serve_prefill(
             first = first or (out if out.new_token_ids else None)
         if first is None:
             raise KVTransferError("the prefill produced no token (aborted)")
-        table = await engine._call(lambda core: core.kv.held_block_ids(request_id))
+        table = await engine.call(lambda core: core.kv.held_block_ids(request_id))
         if table is None:
             raise KVTransferError("the prefill's blocks were released before the transfer")
         held, num_prompt_blocks = len(held_block_hashes), -(-len(prompt) // mine.block_size)
@@ -131,15 +158,13 @@ async def serve_prefill(
         num_bytes = 0
         for spec in plan:
             block_ids = table[spec.first_block : spec.first_block + spec.num_blocks]
-            k, v = await asyncio.to_thread(engine.core.runner.export_kv, spec.layer, block_ids)
-            if engine.core.kv.held_block_ids(request_id) is None:  # released while reading: the bytes may be stale
-                raise KVTransferError("the prefill's blocks were released during the transfer (timeout)")
+            k, v = await asyncio.to_thread(engine.read_held, request_id, spec.layer, block_ids)
             num_bytes += len(k) + len(v)
             yield KVChunkData(spec.seq, spec.layer, spec.first_block, spec.num_blocks, k, v)
-        engine._kv_blocks_sent += num_prompt_blocks - held
+        engine.post(lambda core: core.kv.count_sent(num_prompt_blocks - held))
         yield PrefillDone(num_bytes)
     finally:
-        engine._post(lambda core: core.kv.release_held(request_id))
+        engine.post(lambda core: core.kv.release_held(request_id))
 
 
 def _is_remote(core: EngineCore, request_id: str) -> bool:

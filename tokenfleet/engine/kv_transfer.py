@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenfleet.engine.output import TokenLogprobs
+from tokenfleet.kvcache.layout import KVLayout
 
-DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
 MAX_CHUNK_BYTES = 1 << 20  # K + V per message; gRPC's default limit is 4 MiB
 
 
@@ -31,29 +31,6 @@ class KVTransferError(ValueError):
 
 class KVLayoutError(KVTransferError):
     """The two sides' KV layouts differ (another model, dtype or block size): FAILED_PRECONDITION."""
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    hash_salt: str  # model + dtype + block size (tokenfleet.engine.block_hash)
-    dtype: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of K (or of V) for one block of one layer."""
-        return self.num_kv_heads * self.block_size * self.head_dim * DTYPE_SIZES[self.dtype]
-
-    def mismatch(self, other: KVLayout) -> str | None:
-        """Why blocks of ``other`` cannot be installed here, or None."""
-        for name in ("hash_salt", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            if mine != theirs:
-                return f"KV layout mismatch: {name} is {theirs!r} there, {mine!r} here"
-        return None
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tokenfleet.engine.block_hash import hash_blocks
 from tokenfleet.engine.block_manager import BlockManager
 from tokenfleet.engine.request import Request
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig, SchedulerOutput
+from tokenfleet.kvcache.block_hash import hash_blocks
 from tokenfleet.planning.costs import CostModel, StepShape
 from tokenfleet.planning.workload import Arrival, Source
 from tokenfleet.routing.placement import (

@@ -1,6 +1,6 @@
 """Prefix-aware placement with bounded load: a pure function over a fleet snapshot.
 
-A request's prompt is a chain of block hashes (tokenfleet.engine.block_hash, the engine's own
+A request's prompt is a chain of block hashes (tokenfleet.kvcache.block_hash, the engine's own
 hashing). Each replica is known to hold some of those blocks: the hashes it reports and the
 affinity map's homes of this prefix (``affinity/<model>/<prefix_hash>``, kept in etcd by the
 routers). The policy prefers the replica that would reuse the longest cached prefix, but only

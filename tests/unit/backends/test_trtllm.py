@@ -16,12 +16,13 @@ from tests import trtllm_double as double
 from tokenfleet.backends.trtllm import translate
 from tokenfleet.backends.trtllm.engine import TrtllmEngine
 from tokenfleet.backends.trtllm.spec import PYTORCH, TRT_ENGINE, TrtllmSpec, llm_class, llm_kwargs
-from tokenfleet.engine.block_hash import hash_blocks
 from tokenfleet.engine.grammar import Guided
 from tokenfleet.engine.interface import Engine, EngineStoppedError
-from tokenfleet.engine.kv_transfer import Handoff, KVLayout, KVLayoutError, PrefillStarted
+from tokenfleet.engine.kv_transfer import Handoff, KVLayoutError, PrefillStarted
 from tokenfleet.engine.request import FinishReason
 from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.kvcache.block_hash import hash_blocks
+from tokenfleet.kvcache.layout import KVLayout
 
 PROMPT = list(range(100, 170))  # 70 tokens: 2 full blocks of 32
 

@@ -5,8 +5,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tokenfleet.engine.block_hash import hash_blocks, root_hash
 from tokenfleet.engine.block_manager import BlockManager, InvariantError
+from tokenfleet.kvcache.block_hash import hash_blocks, root_hash
 
 
 def test_allocate_takes_blocks_in_free_list_order():

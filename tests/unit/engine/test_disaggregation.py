@@ -14,17 +14,10 @@ import pytest
 
 from tests.unit.engine.test_async_engine import chat_ids, collect, make_engine
 from tokenfleet.engine.async_engine import AsyncEngine
-from tokenfleet.engine.kv_transfer import (
-    KVChunkData,
-    KVLayout,
-    KVLayoutError,
-    KVTransferError,
-    PrefillDone,
-    PrefillEvent,
-    PrefillStarted,
-)
+from tokenfleet.engine.kv_transfer import KVChunkData, KVLayoutError, KVTransferError, PrefillDone, PrefillEvent, PrefillStarted
 from tokenfleet.engine.output import Resume
 from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.kvcache.layout import KVLayout
 from tokenfleet.models.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

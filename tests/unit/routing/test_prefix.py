@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from tokenfleet.engine.block_hash import hash_blocks
+from tokenfleet.kvcache.block_hash import hash_blocks
 from tokenfleet.routing.policies import FleetSnapshot, NoReplicaError, ReplicaLoad
 from tokenfleet.routing.prefix import PrefixPolicyConfig, matched_prefix, prefix_aware
 

@@ -10,10 +10,10 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from tokenfleet.engine.block_hash import hash_block, root_hash
 from tokenfleet.engine.output import TokenLogprobs
 from tokenfleet.engine.request import FinishReason
 from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.kvcache.block_hash import hash_block, root_hash
 
 FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "cancelled": FinishReason.ABORT,
           "timeout": FinishReason.ABORT}
