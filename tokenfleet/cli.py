@@ -46,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """Every subcommand's arguments, declarations only (long because the command line is)."""
     parser = argparse.ArgumentParser(prog="tokenfleet", description="tokenfleet LLM serving platform")
     sub = parser.add_subparsers(title="commands")
 

@@ -100,6 +100,9 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
 
 
 async def serve(args: argparse.Namespace) -> None:
+    """Start one worker: model (from the registry or a folder), engine, gRPC server, membership and
+    metrics, then wait for the stop signal and drain. One sequence of setup steps, each a few lines,
+    kept in start order rather than split (that is why it runs past the ~60-line guideline)."""
     record = None
     if args.registry:
         if not args.model_name:

@@ -13,6 +13,10 @@ whether the first token already ended the request) and PrefillDone through our P
 The decode role submits ``generation_only`` with the original params; that stream includes the
 first token, so the prefill's first token is not emitted a second time. The KV moves through
 TensorRT-LLM's cache transceiver (UCX/NIXL), never through us.
+
+The module is above the ~400-line guideline because every method shares one ``LLM`` instance and
+the request-handle map its aborts and failures go through; ``translate.py`` and ``spec.py`` already
+hold what is pure (parameter and output translation, the library's API surface).
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ from tokenfleet.backends.trtllm.spec import TrtllmSpec, llm_class, llm_kwargs, l
 from tokenfleet.engine.interface import EngineStoppedError
 from tokenfleet.engine.kv_transfer import (
     Handoff,
-    KVLayout,
     KVLayoutError,
     KVSource,
     KVTransferError,
@@ -42,6 +45,7 @@ from tokenfleet.engine.output import RequestOutput, Resume
 from tokenfleet.engine.request import FinishReason, Priority
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.stats import EngineStats
+from tokenfleet.kvcache.layout import KVLayout
 
 log = structlog.get_logger()
 HEALTH_TIMEOUT_S = 120.0
@@ -222,7 +226,11 @@ class TrtllmEngine:
         tenant: str = "",
     ) -> AsyncGenerator[RequestOutput, None]:
         """``resume`` continues after delivered tokens by appending them to the prompt (the library
-        cannot start a request with output): penalties then see them as prompt tokens."""
+        cannot start a request with output): penalties then see them as prompt tokens.
+
+        Longer than the ~60-line guideline: submit, the per-step diff reading and the three ways a
+        stream ends (finish, request error, engine failure) share the library's one result object
+        and the abort handle, and read in order here better than spread over helpers."""
         self._check_params(sampling_params)
         self._check_accepting()
         prompt = list(prompt_token_ids)
