@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,20 @@ def default_model_dir() -> Path:
     from tokenfleet.models.gguf_import import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def internal_certs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every service a test starts runs on the default, secure internal plane: a CA and role
+    certificates for the session, found through TOKENFLEET_CERTS (never the user's own folder)."""
+    from tokenfleet.security import certs
+
+    folder = tmp_path_factory.mktemp("certs")
+    certs.ensure(folder)
+    previous = os.environ.get("TOKENFLEET_CERTS")
+    os.environ["TOKENFLEET_CERTS"] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop("TOKENFLEET_CERTS", None)
+    else:
+        os.environ["TOKENFLEET_CERTS"] = previous

@@ -79,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     ali.set_defaults(func=_cmd_alias)
     for p in (reg, lst, ali):
         p.add_argument("--registry", help="registry address host:port (default: the `tokenfleet up` cluster's)")
+        add_operator_arguments(p)
 
     gen = sub.add_parser("generate", help="complete raw text prompts (offline, in-process engine)")
     gen.add_argument("prompts", nargs="+", help="one or more prompts, batched together")
@@ -105,7 +106,19 @@ def _parser() -> argparse.ArgumentParser:
     up_cmd.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0 = any free port)")
     up_cmd.add_argument("--ask", help="send this chat message through the cluster once it is up and print the reply")
     up_cmd.add_argument("--detach", action="store_true", help="return once up (stop later with `tokenfleet down`)")
+    up_cmd.add_argument("--certs", help="the internal plane's certificates (default $TOKENFLEET_CERTS, else "
+                        "~/.cache/tokenfleet/certs); missing ones are created")
+    up_cmd.add_argument("--insecure", action="store_true",
+                        help="plaintext, unauthenticated internal gRPC and etcd (development only; warned about)")
     up_cmd.set_defaults(func=_cmd_up)
+    certs_cmd = sub.add_parser("certs", help="create a local CA and one certificate per role (mTLS between services)")
+    certs_cmd.add_argument("--out", help="folder (default $TOKENFLEET_CERTS, else ~/.cache/tokenfleet/certs)")
+    certs_cmd.add_argument("--host", action="append", default=[], help="an extra DNS name or IP address every "
+                           "certificate carries (repeatable; loopback and the compose service names are always in)")
+    certs_cmd.add_argument("--days", type=float, default=365, help="validity of the role certificates")
+    certs_cmd.add_argument("--renew", action="append", default=[], metavar="ROLE",
+                           help="issue ROLE's certificate again (rotation: running services pick it up); repeatable")
+    certs_cmd.set_defaults(func=_cmd_certs)
     down_cmd = sub.add_parser("down", help="stop the cluster started by `tokenfleet up`")
     down_cmd.set_defaults(func=_cmd_down)
 
@@ -173,12 +186,24 @@ def _registry_address(args: argparse.Namespace) -> str:
     return address
 
 
-def _registry_stub(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    import grpc
+def add_operator_arguments(p: argparse.ArgumentParser) -> None:
+    """How a command reaches the internal plane (registry, etcd) as an operator."""
+    p.add_argument("--certs", help="certificates folder with operator.pem (default: the `tokenfleet up` cluster's, "
+                   "else $TOKENFLEET_CERTS or ~/.cache/tokenfleet/certs)")
+    p.add_argument("--insecure", action="store_true", help="plaintext (a cluster started with --insecure)")
 
+
+def _operator_plane(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from tokenfleet import launcher
+
+    return launcher.operator_plane(args.certs, args.insecure)
+
+
+def _registry_stub(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from tokenfleet.v1 import registry_pb2_grpc
 
-    return registry_pb2_grpc.RegistryServiceStub(grpc.insecure_channel(_registry_address(args)))
+    channel = _operator_plane(args).sync_channel(_registry_address(args), "registry")
+    return registry_pb2_grpc.RegistryServiceStub(channel)
 
 
 def _registry_call(call):  # type: ignore[no-untyped-def]
@@ -190,7 +215,8 @@ def _registry_call(call):  # type: ignore[no-untyped-def]
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.NOT_FOUND:
             raise LookupError(e.details()) from e
-        if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS):
+        if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS,
+                        grpc.StatusCode.PERMISSION_DENIED):
             raise ValueError(e.details()) from e
         raise ConnectionError(f"registry: {e.code().name}: {e.details()}") from e
 
@@ -209,7 +235,7 @@ def _cmd_register(args: argparse.Namespace) -> int:
                          tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
                          tokenizer=args.tokenizer, description=args.description,
                          tool_format=args.tool_format, speculative_config=args.speculative_config)
-    created, stored = _registry_call(lambda: register_model(_registry_address(args), record))
+    created, stored = _registry_call(lambda: register_model(_registry_address(args), record, _operator_plane(args)))
     print(f"{'registered' if created else 'already registered'} {stored.name}@{stored.version} ({stored.path})")
     return 0
 
@@ -250,6 +276,8 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
             str(args.threads), "--port", str(args.port), "--role", args.role, "--dtype", args.dtype]
     argv += ["--model", args.model] if args.model else []
     argv += ["--model-name", args.model_name] if args.model_name else []
+    argv += ["--certs", args.certs] if args.certs else []
+    argv += ["--insecure"] if args.insecure else []
     return argv
 
 
@@ -282,8 +310,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return 0
     model_dir = args.model or str(ensure_default_model())
     name = args.model_name or DEFAULT_MODEL_NAME
+    from pathlib import Path
+
     cluster = launcher.up(args.workers, model_dir, name, args.threads, args.port, args.role, args.dtype,
-                          args.prefill_workers)
+                          args.prefill_workers, insecure=args.insecure, certs=Path(args.certs) if args.certs else None)
     try:
         prefill = f" + {args.prefill_workers} prefill worker(s)" if args.prefill_workers else ""
         print(f"gateway: {cluster.gateway_url}/v1  (model {name}, {args.workers} worker(s){prefill}, "
@@ -293,6 +323,25 @@ def _cmd_up(args: argparse.Namespace) -> int:
         launcher.wait_for_signal(cluster)
     finally:
         cluster.stop()
+    return 0
+
+
+def _cmd_certs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tokenfleet import envs
+    from tokenfleet.security import certs
+
+    out = Path(args.out) if args.out else envs.certs_dir()
+    hosts = [*certs.DEFAULT_HOSTS, *args.host]
+    created = certs.ensure(out, hosts=hosts, days=args.days)
+    for role in args.renew:
+        certs.issue(out, role, hosts, args.days)
+        created.append(f"{role} (renewed)")
+    for role in certs.ROLES:
+        cn, serial, not_after = certs.describe(out / f"{role}.pem")
+        print(f"{role:<10} CN={cn:<10} serial {serial:x}  expires {not_after:%Y-%m-%d}")
+    print(f"{out}: {'created ' + ', '.join(created) if created else 'nothing new'} (keys are mode 0600)")
     return 0
 
 

@@ -45,6 +45,8 @@ def _gate_and_register_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registry", help="register the engine here (host:port); omitted: print the record")
     p.add_argument("--name", help="model name to register (default: the output folder's name)")
     p.add_argument("--version", default="fp8")
+    p.add_argument("--certs", help="certificates folder with operator.pem (registering is an operator's call)")
+    p.add_argument("--insecure", action="store_true", help="register over plaintext (a --insecure cluster)")
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
@@ -80,9 +82,10 @@ def _gate(engine: str, checkpoint: str, tp: int, args: argparse.Namespace) -> Ga
 def _register(plan: BuildPlan, args: argparse.Namespace, result: GateResult | None) -> int:
     record = record_for(plan, args.name or Path(plan.output).name, args.version, result)
     if args.registry and not getattr(args, "dry_run", False):
+        from tokenfleet.launcher import operator_plane
         from tokenfleet.services.registry.client import register_model
 
-        register_model(args.registry, record)
+        register_model(args.registry, record, operator_plane(args.certs, args.insecure))
         print(f"registered {record.ref} ({record.status})")
     else:
         print(json.dumps(json.loads(record.to_json()), indent=2))

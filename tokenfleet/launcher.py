@@ -3,6 +3,11 @@
 etcd -> registry (the model is registered there) -> N engine workers (load the model as its
 registry record says, register in etcd) -> router -> gateway. Ctrl-C, SIGTERM or
 `tokenfleet down` stops everything in reverse order; workers drain their streams first.
+
+The internal plane is mutual TLS by default: the certificates in ``envs.certs_dir()`` (created on
+first use, ``tokenfleet certs``), etcd with client-certificate auth, every administrative call
+appended to ``audit.log`` beside the state file. ``insecure=True`` runs it all in plaintext (every
+service warns at start).
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from pathlib import Path
 
 from tokenfleet import envs
 from tokenfleet.cluster.etcd_server import EtcdServer
+from tokenfleet.security import certs as certs_lib
+from tokenfleet.security.identity import Identity
+from tokenfleet.security.plane import INSECURE_WARNING, Plane
 
 
 def state_file() -> Path:
@@ -66,42 +74,69 @@ def wait_listening(name: str, proc: subprocess.Popen, timeout: float = 300) -> s
     raise RuntimeError(f"{name} failed to start (exit {proc.poll()})")
 
 
-def register_model(registry: str, name: str, model_dir: str, dtype: str = "bfloat16", version: str = "v1") -> None:
-    """Register ``name@version`` (a no-op when the identical record exists)."""
+def register_model(registry: str, name: str, model_dir: str, plane: Plane, dtype: str = "bfloat16",
+                   version: str = "v1") -> None:
+    """Register ``name@version`` (a no-op when the identical record exists), as an operator."""
     from tokenfleet.cluster.registry import ModelRecord
     from tokenfleet.services.registry.client import register_model as register
 
     register(registry, ModelRecord(name=name, version=version, path=str(Path(model_dir).resolve()), dtype=dtype,
-                                   tool_format="hermes"))  # the default model's ChatML template prints any role
+                                   tool_format="hermes"), plane)  # the default model's ChatML template prints any role
+
+
+def audit_file() -> Path:
+    return envs.cache_dir() / "audit.log"
+
+
+def operator_plane(certs: str | None = None, insecure: bool = False) -> Plane:
+    """The CLI's plane, as an operator: plaintext with ``insecure`` or when the running `tokenfleet up`
+    cluster is plaintext; else the certificates in ``certs``, the running cluster's, or the default folder."""
+    state = cluster_state()
+    if insecure or (certs is None and state.get("insecure")):
+        return Plane.plaintext()
+    return Plane(Identity(Path(certs or state.get("certs") or envs.certs_dir()), "operator"))
 
 
 def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_port: int,
-       role: str = "both", dtype: str = "bfloat16", prefill_workers: int = 0, record: bool = True) -> Cluster:
+       role: str = "both", dtype: str = "bfloat16", prefill_workers: int = 0, record: bool = True,
+       insecure: bool = False, certs: Path | None = None) -> Cluster:
     """``prefill_workers`` > 0 disaggregates: that many prefill workers, and the ``num_workers``
     others decode only (unless ``role`` says otherwise); the router sends long prompts' prefill there.
-    ``record``: write the state file `tokenfleet down` reads (off for private clusters, e.g. calibration)."""
+    ``record``: write the state file `tokenfleet down` reads (off for private clusters, e.g. calibration).
+    ``certs``: the internal plane's certificates (default ``envs.certs_dir()``; missing ones are created);
+    ``insecure``: plaintext instead."""
     threads = threads or worker_threads(num_workers + prefill_workers)
-    cluster = Cluster(EtcdServer.create().start(), owns_state=record)
+    folder = None if insecure else Path(certs or envs.certs_dir())
+    if folder is None:
+        print(f"WARNING: {INSECURE_WARNING}", file=sys.stderr, flush=True)
+    elif created := certs_lib.ensure(folder):
+        print(f"certificates created in {folder}: {', '.join(created)}", file=sys.stderr, flush=True)
+    plane = Plane.plaintext() if folder is None else Plane(Identity(folder, "operator"))
+    tls = ["--insecure"] if folder is None else ["--certs", str(folder)]
+    audit = [*tls, "--audit-log", str(audit_file())]
+    cluster = Cluster(EtcdServer.create(certs=folder).start(), owns_state=record)
     try:
         etcd = cluster.etcd.endpoint
-        registry = cluster.spawn("registry", "tokenfleet.services.registry", "--etcd", etcd)
-        register_model(registry, model_name, model_dir, dtype)
+        registry = cluster.spawn("registry", "tokenfleet.services.registry", "--etcd", etcd, *audit)
+        register_model(registry, model_name, model_dir, plane, dtype)
         decode_role = "decode" if prefill_workers and role == "both" else role
         roles = [(f"worker-{i}", decode_role) for i in range(num_workers)]
         roles += [(f"prefill-{i}", "prefill") for i in range(prefill_workers)]
         for name, worker_role in roles:
             cluster.spawn(name, "tokenfleet.services.decode", "--registry", registry, "--model-name",
-                          model_name, "--etcd", etcd, "--replica-id", name, "--role", worker_role, threads=threads)
-        router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", etcd, "--registry", registry)
+                          model_name, "--etcd", etcd, "--replica-id", name, "--role", worker_role, *audit,
+                          threads=threads)
+        router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", etcd, "--registry", registry, *audit)
         gateway = cluster.spawn("gateway", "tokenfleet.services.gateway", "--router", router, "--registry", registry,
-                                "--port", str(gateway_port))
+                                "--port", str(gateway_port), *tls)
         cluster.gateway_url = f"http://{gateway}"
         _wait_serving(cluster.gateway_url, model_name)
     except BaseException:
         cluster.stop()
         raise
     if record:
-        state = {"pid": os.getpid(), "gateway": cluster.gateway_url, "etcd": etcd, "registry": registry}
+        state = {"pid": os.getpid(), "gateway": cluster.gateway_url, "etcd": etcd, "registry": registry,
+                 "certs": str(folder or ""), "insecure": folder is None}
         state_file().parent.mkdir(parents=True, exist_ok=True)
         state_file().write_text(json.dumps(state))
     return cluster

@@ -25,6 +25,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (KVLayoutError, grpc.StatusCode.FAILED_PRECONDITION),
     (KVTransferError, grpc.StatusCode.ABORTED),
     (LookupError, grpc.StatusCode.NOT_FOUND),
+    (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 ]
 

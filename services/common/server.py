@@ -1,10 +1,16 @@
-"""gRPC server bootstrap: health, reflection, graceful stop on SIGTERM/SIGINT with a grace period."""
+"""gRPC server bootstrap: health, reflection, graceful stop on SIGTERM/SIGINT with a grace period.
+
+An internal server listens on its ``Plane``: mutual TLS (callers authorized by role and
+administrative calls audited, ``tokenfleet.security.authz``) unless the process runs ``--insecure``.
+The gateway's public gRPC API is not on the internal plane: ``public=True`` (callers present API keys).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
@@ -13,29 +19,47 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
+from tokenfleet.security.authz import AuditLog, Authorizer
+from tokenfleet.security.identity import IdentityError
+from tokenfleet.security.plane import Plane
 from tokenfleet.telemetry.logging import configure_logging
 
 log = structlog.get_logger()
 
 
-class GrpcServer:
-    """One grpc.aio server with the standard services; ``add`` registers the service's servicers."""
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own default; each service passes what its messages need
 
-    def __init__(self, service_names: Sequence[str], host: str = "127.0.0.1", port: int = 0):
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+
+class GrpcServer:
+    """One grpc.aio server with the standard services. ``plane`` None: a public server (plaintext, no
+    role checks: the gateway's API, whose callers authenticate with API keys)."""
+
+    def __init__(self, service_names: Sequence[str], host: str = "127.0.0.1", port: int = 0,
+                 plane: Plane | None = None, audit: AuditLog | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        secure = plane is not None and plane.secure
+        self.server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", max_message_bytes)],
+            interceptors=[Authorizer(audit or AuditLog())] if secure else None,
+        )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
         names = [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
         self.stop_requested = asyncio.Event()  # set by SIGTERM/SIGINT or by the service itself (e.g. Drain)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        bind = f"{host}:{port}"
+        self.port = plane.add_port(self.server, bind) if plane is not None else self.server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}")
         self.address = f"{host}:{self.port}"
+        self.plane = plane
+        self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.server.start()
+        if self.plane is not None:  # rotation and expiry, even when idle
+            self._watch = self.plane.watch()
         await self._set_status(health_pb2.HealthCheckResponse.SERVING)
 
     async def _set_status(self, status: int) -> None:
@@ -59,6 +83,8 @@ class GrpcServer:
         """Refuse new calls, let running ones finish for up to ``grace_seconds``, then cancel them."""
         await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace_seconds)
+        if self._watch is not None:
+            self._watch.cancel()
         log.info("stopped", address=self.address)
 
 
@@ -79,5 +105,10 @@ def run_service(name: str, serve: Callable[[argparse.Namespace], Awaitable[None]
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(args))
+    try:
+        asyncio.run(serve(args))
+    except IdentityError as e:  # no usable certificate: say so and exit, no traceback
+        log.error("cannot start: no usable certificate", error=str(e))
+        print(f"{name}: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -15,6 +15,7 @@ from tokenfleet.services.common.convert import sampling_to_proto
 
 from tokenfleet.api.openai_schema import APIError
 from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.security.plane import Channels
 from tokenfleet.telemetry.metrics import GatewayMetrics
 from tokenfleet.telemetry.request_id import metadata as request_id_metadata
 from tokenfleet.tenancy.tenants import Tenant
@@ -69,19 +70,14 @@ class _Progress:
 class Dispatcher:
     router_address: str
     metrics: GatewayMetrics
+    channels: Channels  # to the router and the workers, over the internal plane
     max_resumes: int = 2  # a stream whose replica dies is continued elsewhere at most this many times
     # Early rejection: a worker refuses a request it predicts would wait longer than its tier's objective.
     ttft_objectives: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TTFT_OBJECTIVES))
-    _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
-
-    def channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
-        return self._channels[address]
 
     async def pick(self, job: Job, exclude: Sequence[str] = (), colocated: bool = False) -> router_pb2.PickResponse:
         """A placement from the router; it hashes the prompt to find replicas holding its prefix."""
-        stub = router_pb2_grpc.RouterServiceStub(self.channel(self.router_address))
+        stub = router_pb2_grpc.RouterServiceStub(self.channels.get(self.router_address, "router"))
         try:
             picked = await stub.Pick(router_pb2.PickRequest(
                 model=job.model_ref, request_id=job.request_id, num_prompt_tokens=len(job.prompt),
@@ -140,7 +136,7 @@ class Dispatcher:
         progress = _Progress()
         while True:
             picked = await self._place(job, progress)
-            stub = engine_pb2_grpc.EngineServiceStub(self.channel(picked.address))
+            stub = engine_pb2_grpc.EngineServiceStub(self.channels.get(picked.address, "worker"))
             call = stub.Generate(self._request(job, picked, progress), metadata=trace_metadata())
             responded = finished = False
             finals = 0

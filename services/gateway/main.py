@@ -23,6 +23,9 @@ from tokenfleet.services.registry.client import watch_registry
 from tokenfleet.cluster.etcd import EtcdClient
 from tokenfleet.cluster.gateways import GatewayPeers, GatewayRecord
 from tokenfleet.cluster.registry import RegistryView
+from tokenfleet.security import plane as plane_args
+from tokenfleet.security.plane import Plane
+from tokenfleet.telemetry.metrics import GatewayMetrics
 from tokenfleet.tenancy.admission import Admission
 from tokenfleet.tenancy.ledger import Ledger
 from tokenfleet.tenancy.store import follow_directory, load_file
@@ -61,6 +64,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "objective gets 503 at once (defaults: interactive=30, batch=300, for CPU clusters)")
     p.add_argument("--grace-seconds", type=float, default=30.0,
                    help="on SIGTERM: stop accepting, let open streams finish for this long")
+    plane_args.add_arguments(p, audit=False)
     return p.parse_args(argv)
 
 
@@ -78,8 +82,8 @@ def static_models(specs: list[str], use_default: bool) -> dict[str, ServedModel]
     return models
 
 
-async def follow(catalog: ModelCatalog, registry: str) -> None:
-    async for view in watch_registry(registry):
+async def follow(catalog: ModelCatalog, registry: str, plane: Plane) -> None:
+    async for view in watch_registry(registry, plane):
         catalog.view, catalog.synced = view, True
 
 
@@ -92,14 +96,17 @@ class _Server(uvicorn.Server):
 
 
 async def serve(args: argparse.Namespace) -> None:
+    metrics = GatewayMetrics()
+    plane = Plane.from_args(args, "gateway", metrics.registry)
+    plane_watch = plane.watch()
     catalog = ModelCatalog(static_models(args.model, use_default=not args.registry),
                            RegistryView() if args.registry else None)
-    watcher = asyncio.create_task(follow(catalog, args.registry)) if args.registry else None
+    watcher = asyncio.create_task(follow(catalog, args.registry, plane)) if args.registry else None
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     host, port = sock.getsockname()[:2]
-    etcd = EtcdClient(args.etcd, args.etcd_root) if args.etcd else None
+    etcd = EtcdClient(args.etcd, args.etcd_root, identity=plane.identity) if args.etcd else None
     directory, background = await tenant_directory(args, etcd)
     peers = None
     if etcd is not None:
@@ -107,7 +114,8 @@ async def serve(args: argparse.Namespace) -> None:
         await peers.start()
     ledger = Ledger(args.ledger) if args.ledger != "none" else None
     admission = Admission(directory, ledger, share=peers.share if peers is not None else lambda: 1.0)
-    gateway = Gateway(args.router, catalog, max_resumes=args.max_resumes, admission=admission,
+    gateway = Gateway(args.router, catalog, metrics=metrics, plane=plane, max_resumes=args.max_resumes,
+                      admission=admission,
                       ttft_objectives=ttft_objectives(args.ttft_objective))
     log.info("gateway admission", auth=args.auth, ledger=args.ledger)
     http = _Server(uvicorn.Config(create_app(gateway), log_level="warning",
@@ -140,6 +148,8 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         if watcher is not None:
             watcher.cancel()
+        if plane_watch is not None:
+            plane_watch.cancel()
         for task in background:
             task.cancel()
         if peers is not None:

@@ -27,6 +27,7 @@ from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, Comple
 from tokenfleet.api.tools import CallStarted, ContentText, ToolCallParser, ToolEvent, parse, prepare_messages, tool_format
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.models.tokenizer import Tokenizer
+from tokenfleet.security.plane import Channels, Plane
 from tokenfleet.telemetry.metrics import GatewayMetrics, RequestTimer
 from tokenfleet.tenancy.admission import ANONYMOUS_CALLER, Admission, Caller, Ticket
 from tokenfleet.v1 import common_pb2, engine_pb2
@@ -101,10 +102,11 @@ class Gateway:
     max_resumes: int = 2  # a stream whose replica dies is continued elsewhere at most this many times
     admission: Admission = field(default_factory=Admission)  # API keys, budgets, the ledger
     ttft_objectives: dict[str, float] | None = None  # per tier; None: dispatch.DEFAULT_TTFT_OBJECTIVES
+    plane: Plane = field(default_factory=Plane.plaintext)  # the internal plane: router and workers
     dispatcher: Dispatcher = field(init=False)
 
     def __post_init__(self) -> None:
-        self.dispatcher = Dispatcher(self.router_address, self.metrics, self.max_resumes)
+        self.dispatcher = Dispatcher(self.router_address, self.metrics, Channels(self.plane), self.max_resumes)
         if self.ttft_objectives is not None:
             self.dispatcher.ttft_objectives = dict(self.ttft_objectives)
 

@@ -12,16 +12,17 @@ import structlog
 from tokenfleet.services.registry.convert import record_from_proto, record_to_proto, view_from_snapshot
 
 from tokenfleet.cluster.registry import ModelRecord, RegistryView, UnknownModelError
+from tokenfleet.security.plane import Plane
 from tokenfleet.v1 import registry_pb2, registry_pb2_grpc
 
 log = structlog.get_logger()
 
 
-async def fetch_record(address: str, ref: str, wait_s: float = 120.0) -> ModelRecord:
+async def fetch_record(address: str, ref: str, plane: Plane, wait_s: float = 120.0) -> ModelRecord:
     """Resolve ``ref`` at the registry; waits (retrying) while the registry is not up yet,
     raises UnknownModelError at once for an unregistered model."""
     deadline = time.monotonic() + wait_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with plane.channel(address, "registry") as channel:
         stub = registry_pb2_grpc.RegistryServiceStub(channel)
         while True:
             try:
@@ -35,11 +36,11 @@ async def fetch_record(address: str, ref: str, wait_s: float = 120.0) -> ModelRe
                 await asyncio.sleep(1.0)
 
 
-async def watch_registry(address: str) -> AsyncIterator[RegistryView]:
+async def watch_registry(address: str, plane: Plane) -> AsyncIterator[RegistryView]:
     """Every registry snapshot, forever; reconnects after errors (the caller keeps its last view)."""
     while True:
         try:
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with plane.channel(address, "registry") as channel:  # a new one each time: current certificate
                 stub = registry_pb2_grpc.RegistryServiceStub(channel)
                 async for snapshot in stub.Watch(registry_pb2.WatchRequest()):
                     yield view_from_snapshot(snapshot)
@@ -48,11 +49,11 @@ async def watch_registry(address: str) -> AsyncIterator[RegistryView]:
         await asyncio.sleep(1.0)
 
 
-def register_model(address: str, record: ModelRecord, timeout: float = 30.0) -> tuple[bool, ModelRecord]:
+def register_model(address: str, record: ModelRecord, plane: Plane, timeout: float = 30.0) -> tuple[bool, ModelRecord]:
     """Register ``record`` (idempotent: an identical record already there is not an error). Returns
     (created, the registry's record). Raises grpc.RpcError (INVALID_ARGUMENT, ALREADY_EXISTS for a
-    different record under the same name@version, UNAVAILABLE)."""
-    with grpc.insecure_channel(address) as channel:
+    different record under the same name@version, UNAVAILABLE, PERMISSION_DENIED unless ``plane`` is an operator's)."""
+    with plane.sync_channel(address, "registry") as channel:
         reply = registry_pb2_grpc.RegistryServiceStub(channel).RegisterModel(
             registry_pb2.RegisterModelRequest(record=record_to_proto(record)), timeout=timeout)
     return reply.created, record_from_proto(reply.record)

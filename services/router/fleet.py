@@ -21,6 +21,7 @@ from tokenfleet.cluster.membership import ReplicaRecord
 from tokenfleet.cluster.registry import RegistryView, UnknownModelError
 from tokenfleet.kvcache.layout import KVLayout
 from tokenfleet.routing.policies import FleetSnapshot, ReplicaLoad
+from tokenfleet.security.plane import Plane
 from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger()
@@ -40,8 +41,9 @@ class Replica:
 
 
 class FleetView:
-    def __init__(self, etcd: EtcdClient, registry_address: str | None = None):
+    def __init__(self, etcd: EtcdClient, plane: Plane, registry_address: str | None = None):
         self.etcd = etcd
+        self.plane = plane  # Load streams to workers, the registry's Watch
         self.registry_address = registry_address  # None: no registry; models are served by their plain names
         self.replicas: dict[str, Replica] = {}  # etcd key -> replica
         self.registry = RegistryView()
@@ -55,7 +57,7 @@ class FleetView:
 
     async def _follow_registry(self, address: str) -> None:
         """The registry's catalog as it changes; the last one is kept while the registry is away."""
-        async for view in watch_registry(address):
+        async for view in watch_registry(address, self.plane):
             self.registry = view
 
     async def stop(self) -> None:
@@ -139,7 +141,7 @@ class FleetView:
     async def _follow_load(self, key: str, address: str) -> None:
         while key in self.replicas:
             try:
-                async with grpc.aio.insecure_channel(address) as channel:
+                async with self.plane.channel(address, "worker") as channel:
                     stub = engine_pb2_grpc.EngineServiceStub(channel)
                     async for report in stub.Load(engine_pb2.LoadRequest(interval_ms=LOAD_INTERVAL_MS)):
                         self._apply(key, report)

@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import Sequence
 
 import structlog
+from prometheus_client import CollectorRegistry
 from tokenfleet.services.common.server import GrpcServer, run_service, serve_metrics
 from tokenfleet.services.router.fleet import FleetView
 from tokenfleet.services.router.servicer import Router
@@ -16,6 +17,9 @@ from tokenfleet.cluster.affinity import DEFAULT_TTL, AffinityMap
 from tokenfleet.cluster.etcd import EtcdClient
 from tokenfleet.routing.placement import DisaggConfig
 from tokenfleet.routing.prefix import PrefixPolicyConfig
+from tokenfleet.security import plane as plane_args
+from tokenfleet.security.authz import AuditLog
+from tokenfleet.security.plane import Plane
 from tokenfleet.telemetry.metrics import RouterMetrics
 from tokenfleet.v1 import router_pb2, router_pb2_grpc
 
@@ -45,20 +49,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="seconds an affinity entry lives in etcd after its last write")
     p.add_argument("--grace-seconds", type=float, default=5.0)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = any free port)")
+    plane_args.add_arguments(p)
     return p.parse_args(argv)
 
 
+MAX_MESSAGE_BYTES = 4 << 20  # a Pick carries the prompt's token ids (5 bytes each at most: 800k tokens)
+
+
 async def serve(args: argparse.Namespace) -> None:
-    etcd = EtcdClient(args.etcd, args.etcd_root)
-    fleet = FleetView(etcd, args.registry)
+    registry = CollectorRegistry()
+    plane = Plane.from_args(args, "router", registry)
+    etcd = EtcdClient(args.etcd, args.etcd_root, identity=plane.identity)
+    fleet = FleetView(etcd, plane, args.registry)
     await fleet.start()
     affinity = AffinityMap(etcd, args.affinity_ttl)
     await affinity.start()
     with contextlib.suppress(TimeoutError):  # route by the recorded affinity from the first Pick on
         await asyncio.wait_for(affinity.synced.wait(), timeout=5)
     prefix = PrefixPolicyConfig(min_match_blocks=args.min_match_blocks, load_slack=args.load_slack)
-    server = GrpcServer([router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name], args.host, args.port)
-    metrics = RouterMetrics(fleet.metric_rows)
+    server = GrpcServer([router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name], args.host, args.port,
+                        plane=plane, audit=AuditLog(args.audit_log, "router"), max_message_bytes=MAX_MESSAGE_BYTES)
+    metrics = RouterMetrics(fleet.metric_rows, registry)
     router = Router(fleet, POLICIES[args.policy], metrics, affinity, prefix, DisaggConfig(args.disagg_min_tokens))
     router_pb2_grpc.add_RouterServiceServicer_to_server(router, server.server)
     await server.start()

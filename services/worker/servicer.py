@@ -2,7 +2,8 @@
 
 Shared by the decode and prefill services (role decides what placement sends it). A Generate
 that names a prefill replica pulls the prompt's first token and KV from that replica's
-Prefill stream (``RemotePrefill``); any failure there falls back to prefilling here.
+Prefill stream (``RemotePrefill``), if that replica is one the fleet registered (``sources``;
+PERMISSION_DENIED otherwise); any failure during the transfer falls back to prefilling here.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import grpc
 import structlog
 from tokenfleet.services.common import convert
 from tokenfleet.services.common.errors import map_errors
+from tokenfleet.services.worker.sources import PrefillSources
 
 from tokenfleet.engine.interface import Engine, EngineOverloadedError, EngineStoppedError
-from tokenfleet.engine.kv_transfer import KVTransferError, PrefillEvent
+from tokenfleet.engine.kv_transfer import MAX_CHUNK_BYTES, KVTransferError, PrefillEvent
 from tokenfleet.kvcache.layout import KVLayout
+from tokenfleet.security.plane import Channels, Plane
 from tokenfleet.telemetry.latency import RecentLatencies
 from tokenfleet.telemetry.request_id import metadata as request_id_metadata
 from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
@@ -40,8 +43,10 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
     """``on_draining`` runs when a drain begins (mark the replica draining in etcd);
     ``on_drained`` when a Drain RPC has finished every stream (the process then exits)."""
 
-    def __init__(self, engine: Engine, role: str, on_draining: Hook = _nothing, on_drained: Hook = _nothing):
+    def __init__(self, engine: Engine, role: str, plane: Plane, sources: PrefillSources,
+                 on_draining: Hook = _nothing, on_drained: Hook = _nothing):
         self.engine = engine
+        self.sources = sources
         self.role = role
         self.on_draining = on_draining
         self.on_drained = on_drained
@@ -49,16 +54,10 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         self.in_flight: set[str] = set()
         self.latencies = RecentLatencies()
         self.num_early_rejections = 0
-        self.channels: dict[str, grpc.aio.Channel] = {}  # prefill replicas this worker pulls KV from
-
-    def channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self.channels:
-            self.channels[address] = grpc.aio.insecure_channel(address, options=KV_CHANNEL_OPTIONS)
-        return self.channels[address]
+        self.channels = Channels(plane, KV_CHANNEL_OPTIONS)  # prefill replicas this worker pulls KV from
 
     async def close(self) -> None:
-        for channel in self.channels.values():
-            await channel.close()
+        await self.channels.close()
 
     def _check_objective(self, request: engine_pb2.GenerateRequest) -> None:
         """Early rejection: say no now when the request would wait past its TTFT objective."""
@@ -86,11 +85,12 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
     ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         params = convert.sampling_params(request.sampling)
         self._check_objective(request)
-        request_id = self._admit(request.request_id)
-        start, first, last, count = time.monotonic(), None, None, 0
         kv_source = None
         if request.HasField("prefill") and request.prefill.address:
-            kv_source = RemotePrefill(self.channel(request.prefill.address), request, context)
+            await self.sources.check(request.prefill.replica_id, request.prefill.address)
+            kv_source = RemotePrefill(self.channels.get(request.prefill.address, "worker"), request, context)
+        request_id = self._admit(request.request_id)
+        start, first, last, count = time.monotonic(), None, None, 0
         stream = self.engine.generate(
             list(request.prompt_token_ids), params, request_id, convert.priority(request.priority),
             resume=convert.resume(request.resume), kv_source=kv_source, tenant=request.tenant,
@@ -203,7 +203,11 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         )
 
 
-KV_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 16 << 20)]
+# The KV stream's own limit: a chunk is at most MAX_CHUNK_BYTES of K and V plus a few header bytes.
+KV_MAX_MESSAGE_BYTES = 2 * MAX_CHUNK_BYTES
+KV_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", KV_MAX_MESSAGE_BYTES)]
+# Generate / Prefill requests: prompt token ids (at most 5 bytes each), sampling parameters and a grammar.
+MAX_MESSAGE_BYTES = 8 << 20
 
 
 class RemotePrefill:

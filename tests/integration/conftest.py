@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from tokenfleet import envs
+from tokenfleet.security.identity import Identity
+from tokenfleet.security.plane import Plane
 from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
 
 
@@ -76,10 +79,20 @@ def wait_for(predicate, what: str, deadline_s: float = 60.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def plane(role: str) -> Plane:
+    """The internal plane as a process of ``role`` sees it (the session's certificates)."""
+    return Plane(Identity(envs.certs_dir(), role))
+
+
+def channel(address: str, peer: str, role: str) -> grpc.Channel:
+    """A channel to a ``peer`` server (worker, router, registry) with ``role``'s certificate."""
+    return plane(role).sync_channel(address, peer)
+
+
 def load_report(address: str) -> engine_pb2.LoadReport:
-    """One load report from a worker's Load stream."""
-    with grpc.insecure_channel(address) as channel:
-        stream = engine_pb2_grpc.EngineServiceStub(channel).Load(engine_pb2.LoadRequest(interval_ms=50))
+    """One load report from a worker's Load stream (as the router asks for it)."""
+    with channel(address, "worker", "router") as channel_:
+        stream = engine_pb2_grpc.EngineServiceStub(channel_).Load(engine_pb2.LoadRequest(interval_ms=50))
         report = next(iter(stream))
         stream.cancel()
         return report

@@ -1,9 +1,12 @@
-"""Disaggregated prefill/decode between real worker processes over gRPC: identical greedy
-output, the decode worker computes no prompt, only missing blocks travel, cancellation at
-every phase frees every block on both sides, a refused layout and a dead prefill replica."""
+"""Disaggregated prefill/decode between real worker processes over gRPC (mutual TLS, membership in
+etcd): identical greedy output, the decode worker computes no prompt, only missing blocks travel,
+cancellation at every phase frees every block on both sides, a refused layout, a dead prefill
+replica, and a prefill source that is not a registered replica refused."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 import random
 import threading
@@ -12,31 +15,45 @@ import time
 import grpc
 import pytest
 
-from tests.integration.conftest import load_report, start_service, wait_for
+from tests.integration.conftest import channel, load_report, start_service, wait_for
+from tests.integration.test_membership import replicas
+from tokenfleet.cluster.etcd import EtcdClient
+from tokenfleet.cluster.etcd_server import EtcdServer
 from tokenfleet.models.tokenizer import Tokenizer
 from tokenfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 SYSTEM = "You are the support assistant of a hardware store. Answer briefly and politely. " * 4
 
 
-def start(model_dir, role: str):
+def start(model_dir, role: str, etcd: EtcdServer, replica_id: str):
     os.environ["TOKENFLEET_CHECK_INVARIANTS"] = "1"  # both engines check their block pools after every step
     try:
         return start_service("tokenfleet.services.decode", "--role", role, "--model", str(model_dir),
                              "--dtype", "float32", "--threads", "1", "--num-blocks", "256",
-                             "--transfer-timeout", "5")
+                             "--transfer-timeout", "5", "--etcd", etcd.endpoint, "--replica-id", replica_id,
+                             "--model-name", "smol")
     finally:
         del os.environ["TOKENFLEET_CHECK_INVARIANTS"]
 
 
 @pytest.fixture(scope="module")
-def pair(default_model_dir):
-    prefill = start(default_model_dir, "prefill")
+def etcd():
+    server = EtcdServer.create().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def pair(default_model_dir, etcd):
+    """A prefill replica registered as "p" and a decode replica, both in etcd (a decode worker takes
+    KV only from registered prefill replicas)."""
+    prefill = start(default_model_dir, "prefill", etcd, "p")
     try:
-        decode = start(default_model_dir, "decode")
+        decode = start(default_model_dir, "decode", etcd, "d")
     except BaseException:
         prefill.stop()
         raise
+    wait_for(lambda: len(replicas(etcd.endpoint)) == 2, "both workers registered")
     yield prefill, decode
     decode.stop()
     prefill.stop()
@@ -61,9 +78,9 @@ def request(prompt: list[int], request_id: str, prefill_address: str = "", max_t
 
 
 def generate(address: str, msg) -> tuple[list[int], str, engine_pb2.GenerateFinal]:
-    with grpc.insecure_channel(address) as channel:
+    with channel(address, "worker", "gateway") as gateway:
         tokens, text, final = [], "", None
-        for response in engine_pb2_grpc.EngineServiceStub(channel).Generate(msg):
+        for response in engine_pb2_grpc.EngineServiceStub(gateway).Generate(msg):
             if response.HasField("chunk"):
                 tokens += response.chunk.token_ids
                 text += response.chunk.text
@@ -112,8 +129,8 @@ def test_shared_prefix_transfers_only_the_missing_blocks(pair, tokenizer):
 def test_cancelling_at_random_phases_frees_every_block_on_both_sides(pair, tokenizer):
     prefill, decode = pair
     rng = random.Random(7)
-    channel = grpc.insecure_channel(decode.address)
-    stub = engine_pb2_grpc.EngineServiceStub(channel)
+    gateway = channel(decode.address, "worker", "gateway")
+    stub = engine_pb2_grpc.EngineServiceStub(gateway)
     prompts = [ids(tokenizer, SYSTEM * rng.randint(1, 4) + f"Customer question number {i}?") for i in range(16)]
 
     errors: list[BaseException] = []
@@ -144,7 +161,7 @@ def test_cancelling_at_random_phases_frees_every_block_on_both_sides(pair, token
         t.start()
     for t in threads:
         t.join(timeout=300)
-    channel.close()
+    gateway.close()
     assert not errors, errors
     # Both pools back to the idle baseline (prefill: held blocks released; decode: reservations freed),
     # and the engines, which checked their invariants after every step, are still serving.
@@ -159,8 +176,8 @@ def test_a_mismatched_layout_is_refused(pair, tokenizer):
     layout = engine_pb2.KVLayout()
     layout.CopyFrom(report.layout)
     layout.block_size = 32
-    with grpc.insecure_channel(prefill.address) as channel:
-        stream = engine_pb2_grpc.EngineServiceStub(channel).Prefill(engine_pb2.PrefillRequest(
+    with channel(prefill.address, "worker", "worker") as peer:  # Prefill is a worker's call
+        stream = engine_pb2_grpc.EngineServiceStub(peer).Prefill(engine_pb2.PrefillRequest(
             request_id="bad-layout", prompt_token_ids=ids(tokenizer, "Hello there"), layout=layout,
             sampling=common_pb2.SamplingParams(temperature=0.0)))
         with pytest.raises(grpc.RpcError) as info:
@@ -169,21 +186,62 @@ def test_a_mismatched_layout_is_refused(pair, tokenizer):
     assert "block_size" in info.value.details()
 
 
-def test_an_unreachable_prefill_replica_falls_back_to_local_prefill(pair, tokenizer):
+def put_replica(etcd: EtcdServer, record) -> None:
+    async def write() -> None:
+        client = EtcdClient(etcd.endpoint)
+        try:
+            await client.put(record.key, record.to_json())
+        finally:
+            await client.close()
+
+    asyncio.run(write())
+
+
+def test_an_unreachable_prefill_replica_falls_back_to_local_prefill(pair, etcd, tokenizer):
+    """A registered prefill replica that cannot be reached: the decode worker computes the prompt itself."""
     prefill, decode = pair
+    ghost = dataclasses.replace(replicas(etcd.endpoint)["replicas/smol/p"], replica_id="ghost", address="127.0.0.1:1")
+    put_replica(etcd, ghost)
     prompt = ids(tokenizer, "The three primary colours are")
     expected = generate(prefill.address, request(prompt, "fallback-colo"))
-    got = generate(decode.address, request(prompt, "fallback", "127.0.0.1:1"))
+    msg = request(prompt, "fallback", "127.0.0.1:1")
+    msg.prefill.replica_id = "ghost"
+    got = wait_for(lambda: _generate_unless_refused(decode.address, msg), "the decode worker sees the ghost replica")
     assert got[0] == expected[0]
     idle(decode.address)
+
+
+def _generate_unless_refused(address: str, msg):
+    try:
+        return generate(address, msg)
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.PERMISSION_DENIED:
+            raise
+        return None
+
+
+@pytest.mark.parametrize("replica_id, address", [("p", "127.0.0.1:1"), ("stranger", ""), ("d", "")])
+def test_a_prefill_source_that_is_not_a_registered_prefill_replica_is_refused(pair, tokenizer, replica_id, address):
+    """Registered "p" at another address, an unregistered replica, a decode-only replica: PERMISSION_DENIED,
+    no connection is made, and nothing from it reaches the decode worker's cache."""
+    prefill, decode = pair
+    before = idle(decode.address)
+    msg = request(ids(tokenizer, SYSTEM + "Customer: any paint?"), f"refused-{replica_id}", prefill.address)
+    msg.prefill.replica_id = replica_id
+    msg.prefill.address = address or (decode.address if replica_id == "d" else prefill.address)
+    with pytest.raises(grpc.RpcError) as info:
+        generate(decode.address, msg)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "refused as a KV source" in info.value.details()
+    after = idle(decode.address)
+    assert after.num_kv_blocks_received == before.num_kv_blocks_received
+    assert after.num_remote_prefills == before.num_remote_prefills
+    assert after.num_prefix_hit_tokens == before.num_prefix_hit_tokens
 
 
 def test_through_the_gateway_the_router_disaggregates_long_prompts(default_model_dir):
     """etcd + prefill worker + decode-only worker + router + gateway, the official openai client."""
     import openai
-
-    from tests.integration.test_membership import replicas
-    from tokenfleet.cluster.etcd_server import EtcdServer
 
     etcd = EtcdServer.create().start()
     services = []

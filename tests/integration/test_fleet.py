@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.integration.conftest import ServiceProcess, start_service, wait_for
+from tests.integration.conftest import ServiceProcess, plane, start_service, wait_for
 from tests.integration.test_membership import replicas
 from tokenfleet.cluster.etcd_server import EtcdServer
 from tokenfleet.launcher import register_model
@@ -53,7 +53,7 @@ def fleet(default_model_dir):
 
     try:
         registry = start("tokenfleet.services.registry", "--etcd", etcd.endpoint)
-        register_model(registry.address, MODEL, str(default_model_dir), dtype="float32")
+        register_model(registry.address, MODEL, str(default_model_dir), plane("operator"), dtype="float32")
         def start_worker(rid: str) -> ServiceProcess:
             return start("tokenfleet.services.decode", "--registry", registry.address, "--model-name", MODEL,
                          "--etcd", etcd.endpoint, "--replica-id", rid, "--lease-ttl", "2", "--threads", "1",

@@ -6,10 +6,9 @@ import asyncio
 import signal
 import time
 
-import grpc
 import pytest
 
-from tests.integration.conftest import start_service, wait_for
+from tests.integration.conftest import channel, start_service, wait_for
 from tokenfleet.cluster.etcd import EtcdClient
 from tokenfleet.cluster.etcd_server import EtcdServer
 from tokenfleet.cluster.membership import DRAINING, SERVING, ReplicaRecord
@@ -47,7 +46,7 @@ def test_register_drain_deregister(default_model_dir, etcd):
     try:
         record = wait_for(lambda: replicas(etcd.endpoint).get("replicas/smol/w1"), "registration")
         assert record.address == worker.address and record.state == SERVING and record.roles == ("decode",)
-        stub = engine_pb2_grpc.EngineServiceStub(grpc.insecure_channel(worker.address))
+        stub = engine_pb2_grpc.EngineServiceStub(channel(worker.address, "worker", "operator"))
         assert stub.Drain(engine_pb2.DrainRequest()).num_drained == 0
         assert worker.proc.wait(timeout=60) == 0
         assert "replicas/smol/w1" not in replicas(etcd.endpoint)  # deregistered at exit, not by the TTL
@@ -59,7 +58,7 @@ def test_sigterm_marks_draining_before_exit(default_model_dir, etcd):
     worker = start_worker(default_model_dir, etcd, "w2", ttl=30)
     try:
         wait_for(lambda: replicas(etcd.endpoint).get("replicas/smol/w2"), "registration")
-        stub = engine_pb2_grpc.EngineServiceStub(grpc.insecure_channel(worker.address))
+        stub = engine_pb2_grpc.EngineServiceStub(channel(worker.address, "worker", "gateway"))
         call = stub.Generate(engine_pb2.GenerateRequest(
             prompt_token_ids=list(range(100, 140)),
             sampling=common_pb2.SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),
@@ -93,7 +92,7 @@ def test_worker_survives_an_etcd_outage_and_is_registered_after(default_model_di
         wait_for(lambda: replicas(etcd.endpoint).get("replicas/smol/w4"), "registration")
         etcd.stop()
         time.sleep(5)  # longer than the lease TTL
-        stub = engine_pb2_grpc.EngineServiceStub(grpc.insecure_channel(worker.address))
+        stub = engine_pb2_grpc.EngineServiceStub(channel(worker.address, "worker", "gateway"))
         responses = list(stub.Generate(engine_pb2.GenerateRequest(
             prompt_token_ids=[5, 6, 7], sampling=common_pb2.SamplingParams(max_tokens=4)
         )))

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from tests.integration.conftest import start_service, wait_for
+from tests.integration.conftest import channel, start_service, wait_for
 from tests.integration.test_membership import replicas, start_worker
 from tokenfleet.cluster.etcd import EtcdClient
 from tokenfleet.cluster.etcd_server import EtcdServer
@@ -57,7 +57,7 @@ def test_same_prefix_lands_on_one_replica_and_survives_a_router_restart(fleet, d
     wait_for(lambda: len(replicas(etcd.endpoint)) == 3, "three workers registered")
     router = start_service("tokenfleet.services.router", "--etcd", etcd.endpoint)
     try:
-        stub = router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(router.address))
+        stub = router_pb2_grpc.RouterServiceStub(channel(router.address, "router", "gateway"))
         wait_for(lambda: _picks(stub), "router sees the fleet")
         homes: dict[str, str] = {}
         for turn in range(3):
@@ -75,7 +75,7 @@ def test_same_prefix_lands_on_one_replica_and_survives_a_router_restart(fleet, d
 
     restarted = start_service("tokenfleet.services.router", "--etcd", etcd.endpoint)
     try:
-        stub = router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(restarted.address))
+        stub = router_pb2_grpc.RouterServiceStub(channel(restarted.address, "router", "gateway"))
         wait_for(lambda: _picks(stub), "restarted router sees the fleet")
         for tenant in TENANTS:
             prompt = tokenizer.encode(system_prompt(tenant) + "A brand new question after the restart?")

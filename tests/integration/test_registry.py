@@ -11,6 +11,7 @@ import openai
 import pytest
 from tokenfleet.services.registry.convert import record_to_proto
 
+from tests.integration.conftest import channel as grpc_channel
 from tests.integration.conftest import load_report, start_service, wait_for
 from tests.integration.test_membership import replicas
 from tests.integration.test_router import scrape
@@ -23,7 +24,7 @@ from tokenfleet.v1 import registry_pb2, registry_pb2_grpc
 def registry():
     etcd = EtcdServer.create().start()
     service = start_service("tokenfleet.services.registry", "--etcd", etcd.endpoint, "--metrics-port", "0")
-    channel = grpc.insecure_channel(service.address)
+    channel = grpc_channel(service.address, "registry", "operator")
     yield etcd, service, registry_pb2_grpc.RegistryServiceStub(channel)
     channel.close()
     service.stop()

@@ -9,7 +9,7 @@ from collections import Counter
 import grpc
 import pytest
 
-from tests.integration.conftest import start_service, wait_for
+from tests.integration.conftest import channel, start_service, wait_for
 from tests.integration.test_membership import replicas, start_worker
 from tokenfleet.cluster.etcd_server import EtcdServer
 from tokenfleet.v1 import router_pb2, router_pb2_grpc
@@ -34,7 +34,7 @@ def pick(stub, model: str = "smol", policy=router_pb2.POLICY_UNSPECIFIED) -> rou
 def test_pick_spreads_follows_membership_and_rejects_unknown_models(cluster):
     etcd, workers, router = cluster
     wait_for(lambda: len(replicas(etcd.endpoint)) == 2, "both workers registered")
-    stub = router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(router.address))
+    stub = router_pb2_grpc.RouterServiceStub(channel(router.address, "router", "gateway"))
     wait_for(lambda: _try_pick(stub), "router sees the fleet")
     addresses = {w.address for w in workers}
 

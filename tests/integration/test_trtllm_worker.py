@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from tests.integration.conftest import load_report, start_service, wait_for
+from tests.integration.conftest import channel, load_report, start_service, wait_for
 from tests.integration.test_membership import replicas
 from tokenfleet.cluster.etcd_server import EtcdServer
 
@@ -109,7 +109,7 @@ def test_a_failed_engine_deregisters_and_exits(fake_engine_dir, tmp_path):
         del os.environ["TRTLLM_DOUBLE_FAIL_AFTER"]
     try:
         wait_for(lambda: "replicas/smol/doomed" in replicas(etcd.endpoint), "registration")
-        stub = engine_pb2_grpc.EngineServiceStub(grpc.insecure_channel(worker.address))
+        stub = engine_pb2_grpc.EngineServiceStub(channel(worker.address, "worker", "gateway"))
 
         def generate(request_id: str) -> list:
             return list(stub.Generate(engine_pb2.GenerateRequest(

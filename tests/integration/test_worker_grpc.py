@@ -9,7 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from tests.integration.conftest import load_report, start_service, wait_for
+from tests.integration.conftest import channel, load_report, start_service, wait_for
 from tokenfleet.api.chat_template import render_chat
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.llm import LLM
@@ -17,8 +17,9 @@ from tokenfleet.models.tokenizer import Tokenizer
 from tokenfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 
-def stub_for(address: str) -> engine_pb2_grpc.EngineServiceStub:
-    return engine_pb2_grpc.EngineServiceStub(grpc.insecure_channel(address))
+def stub_for(address: str, role: str = "gateway") -> engine_pb2_grpc.EngineServiceStub:
+    """A worker's stub with ``role``'s certificate: gateways generate, operators abort and drain."""
+    return engine_pb2_grpc.EngineServiceStub(channel(address, "worker", role))
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +29,11 @@ def prompt(default_model_dir) -> list[int]:
 
 
 def test_health_and_reflection(worker):
-    channel = grpc.insecure_channel(worker.address)
-    health = health_pb2_grpc.HealthStub(channel)
+    operator = channel(worker.address, "worker", "operator")  # reflection is an operator's tool
+    health = health_pb2_grpc.HealthStub(operator)
     status = health.Check(health_pb2.HealthCheckRequest(service="tokenfleet.v1.EngineService")).status
     assert status == health_pb2.HealthCheckResponse.SERVING
-    services = ProtoReflectionDescriptorDatabase(channel).get_services()
+    services = ProtoReflectionDescriptorDatabase(operator).get_services()
     assert "tokenfleet.v1.EngineService" in services and "grpc.health.v1.Health" in services
 
 
@@ -95,7 +96,7 @@ def test_abort_rpc_ends_the_stream_with_abort(worker, prompt):
         sampling=common_pb2.SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True),
     ))
     next(call)
-    stub.Abort(engine_pb2.AbortRequest(request_id="abort-rpc"))
+    stub_for(worker.address, "operator").Abort(engine_pb2.AbortRequest(request_id="abort-rpc"))
     rest = list(call)
     assert rest[-1].final.finish_reason == common_pb2.FINISH_REASON_ABORT
 
@@ -132,7 +133,8 @@ def test_drain_rpc_finishes_in_flight_then_exits(default_model_dir, prompt):
         ))
         next(call)
         drained: list[engine_pb2.DrainResponse] = []
-        drainer = threading.Thread(target=lambda: drained.append(stub.Drain(engine_pb2.DrainRequest())))
+        operator = stub_for(service.address, "operator")
+        drainer = threading.Thread(target=lambda: drained.append(operator.Drain(engine_pb2.DrainRequest())))
         drainer.start()
         rest = list(call)
         drainer.join(timeout=60)

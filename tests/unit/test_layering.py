@@ -13,6 +13,8 @@ Every ``import`` / ``from ... import`` in a module counts, function-level and TY
   service, it does not call the fleet's services).
 - models: model code and kernels. Of the engine, only the runner interface.
 - tenancy: tenants, budgets, admission, the ledger. Never services (the gateway uses it).
+- security: certificates, the internal plane, authorization. Never services, engine nor cluster (the
+  services and the etcd client use it, not the other way round).
 
 A test of the test plants each kind of violation in a scratch tree and expects it reported.
 """
@@ -35,6 +37,7 @@ RULES: dict[str, tuple[str, ...]] = {  # package -> module prefixes it must not 
     "tokenfleet.backends": ("tokenfleet.services",),
     "tokenfleet.models": ("tokenfleet.engine",),
     "tokenfleet.tenancy": ("tokenfleet.services",),
+    "tokenfleet.security": ("tokenfleet.services", "tokenfleet.engine", "tokenfleet.cluster"),
 }
 ALLOWED: dict[str, tuple[str, ...]] = {  # exceptions to a forbidden prefix
     "tokenfleet.models": ("tokenfleet.engine.runner",),
@@ -113,6 +116,7 @@ def test_the_packages_keep_their_layers():
     ("tokenfleet/backends/planted.py", "from tokenfleet.services.registry.convert import record_to_proto"),
     ("tokenfleet/models/planted.py", "from tokenfleet.engine.scheduler import Scheduler"),
     ("tokenfleet/tenancy/planted.py", "from tokenfleet.services.gateway.pipeline import Call"),
+    ("tokenfleet/security/planted.py", "from tokenfleet.cluster.etcd import EtcdClient"),
     ("tokenfleet/engine/sub/planted.py", "from ...services import common"),  # relative, resolved
 ])
 def test_a_planted_violation_is_reported(tmp_path, where, line):

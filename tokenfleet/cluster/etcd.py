@@ -3,7 +3,12 @@
 The card named `etcd3`, which cannot import with protobuf >= 4 (shared/reference/etcd.md).
 aetcd gives async KV, leases and watches; what it lacks we add here: a lease keep-alive loop
 that survives etcd restarts, gRPC keepalive/ping timeouts so a frozen etcd is noticed, and
-keys namespaced under one root (default /tokenfleet/v1/).
+keys namespaced under one root (default /tokenfleet/v1/), and TLS: aetcd opens only plaintext
+channels, so ``_TlsClient`` opens a mutual-TLS one with the process's certificate instead.
+
+Endpoints: ``https://host:port`` is TLS (a certificate is needed), ``http://host:port`` plaintext
+(what ``--insecure`` and the test servers use), a bare ``host:port`` TLS when the process has a
+certificate and plaintext otherwise. The server's certificate must name ``etcd.tokenfleet``.
 """
 
 from __future__ import annotations
@@ -14,7 +19,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aetcd
+import aetcd.rpc
+import aetcd.watcher
+import grpc
 import structlog
+
+from tokenfleet.security.certs import peer_name
+from tokenfleet.security.identity import Identity
 
 log = structlog.get_logger()
 DEFAULT_ROOT = "/tokenfleet/v1/"
@@ -36,13 +47,74 @@ class KeyEvent:
     value: bytes | None  # None for a delete
 
 
+def parse_endpoint(endpoint: str, identity: Identity | None) -> tuple[str, int, bool]:
+    """(host, port, tls) of an etcd endpoint (see the module docstring)."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        scheme, rest = ("https" if identity is not None else "http"), endpoint
+    if scheme not in ("http", "https"):
+        raise ValueError(f"etcd endpoint {endpoint!r}: the scheme must be http or https")
+    if scheme == "https" and identity is None:
+        raise ValueError(f"etcd endpoint {endpoint!r} is TLS, but this process has no certificate (--certs)")
+    host, _, port = rest.rstrip("/").rpartition(":")
+    return host or "127.0.0.1", int(port), scheme == "https"
+
+
+class _TlsClient(aetcd.Client):
+    """aetcd's client over a mutual-TLS channel (its own ``connect`` opens plaintext only)."""
+
+    def __init__(self, *args: object, identity: Identity, **kwargs: object):
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._identity = identity
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        options = [*self._options.items(), ("grpc.ssl_target_name_override", peer_name("etcd"))]
+        self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", self._identity.channel_credentials(),
+                                               options=options)
+        self.kvstub = aetcd.rpc.KVStub(self.channel)
+        self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+        self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+        self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+        self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout,
+                                              metadata=self.metadata)
+        self._connected.set()
+
+
 class EtcdClient:
-    def __init__(self, endpoint: str, root: str = DEFAULT_ROOT, timeout: float = 5.0):
-        host, _, port = endpoint.rpartition(":")
+    def __init__(self, endpoint: str, root: str = DEFAULT_ROOT, timeout: float = 5.0, identity: Identity | None = None):
+        host, port, tls = parse_endpoint(endpoint, identity)
+        if identity is not None and not tls:
+            log.warning("INSECURE: etcd over plaintext (http:// endpoint) although this process has a certificate",
+                        endpoint=endpoint)
         self.endpoint = endpoint
+        self.tls = tls
         self.root = root if root.endswith("/") else root + "/"
         self.timeout = timeout
-        self._client = aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=int(timeout), options=CHANNEL_OPTIONS)
+        self._identity = identity if tls else None
+        self._address = (host, port)
+        self._generation = -1
+        self._replaced: set[asyncio.Task] = set()
+        self._aetcd: aetcd.Client = self._new_client()
+
+    def _new_client(self) -> aetcd.Client:
+        host, port = self._address
+        if self._identity is None:
+            return aetcd.Client(host=host, port=port, timeout=int(self.timeout), options=CHANNEL_OPTIONS)
+        self._generation = self._identity.current().generation
+        return _TlsClient(host=host, port=port, timeout=int(self.timeout), options=CHANNEL_OPTIONS,
+                          identity=self._identity)
+
+    @property
+    def _client(self) -> aetcd.Client:
+        """The aetcd client; after this process's certificate changed, a new one (new connection)."""
+        if self._identity is not None and self._identity.current().generation != self._generation:
+            old, self._aetcd = self._aetcd, self._new_client()
+            task = asyncio.get_running_loop().create_task(old.close())
+            self._replaced.add(task)
+            task.add_done_callback(self._replaced.discard)
+        return self._aetcd
 
     def _key(self, key: str) -> bytes:
         return (self.root + key).encode()

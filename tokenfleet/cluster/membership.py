@@ -26,6 +26,7 @@ class ReplicaRecord:
     num_blocks: int = 0
     max_running: int = 0
     state: str = SERVING
+    kv_layout: str = ""  # KVLayout.key(): decode workers accept KV only from prefill replicas with theirs
 
     @property
     def key(self) -> str:
@@ -38,7 +39,8 @@ class ReplicaRecord:
     def from_json(cls, raw: bytes) -> ReplicaRecord:
         data = json.loads(raw)
         data["roles"] = tuple(data.get("roles", ()))
-        return cls(**data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})  # a newer writer's fields are skipped
 
 
 def replica_key(model: str, replica_id: str) -> str:

@@ -26,6 +26,11 @@ class KVLayout:
         """Bytes of K (or of V) for one block of one layer."""
         return self.num_kv_heads * self.block_size * self.head_dim * DTYPE_SIZES[self.dtype]
 
+    def key(self) -> str:
+        """Every field in one string: replicas advertise it in etcd (equal keys, equal layouts)."""
+        return "/".join(str(v) for v in (self.hash_salt, self.dtype, self.block_size, self.num_layers,
+                                         self.num_kv_heads, self.head_dim))
+
     def mismatch(self, other: KVLayout) -> str | None:
         """Why blocks of ``other`` cannot be installed here, or None."""
         for name in ("hash_salt", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim"):

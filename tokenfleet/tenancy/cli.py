@@ -29,9 +29,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     rot.set_defaults(func=_cmd_rotate)
     for p in (add, lst, rev, rot):
         where = p.add_mutually_exclusive_group()
-        where.add_argument("--etcd", help="etcd host:port (default: the `tokenfleet up` cluster's)")
+        where.add_argument("--etcd", help="etcd endpoint, https://host:port or http://host:port (default: the "
+                           "`tokenfleet up` cluster's)")
         where.add_argument("--file", help="a YAML tenants file (gateway --tenants-file) instead of etcd")
         p.add_argument("--etcd-root", default="/tokenfleet/v1/")
+        p.add_argument("--certs", help="certificates folder with operator.pem, for etcd over TLS (default: the "
+                       "`tokenfleet up` cluster's, else $TOKENFLEET_CERTS or ~/.cache/tokenfleet/certs)")
+        p.add_argument("--insecure", action="store_true", help="plaintext etcd without a certificate")
 
     usage = sub.add_parser("usage", help="usage per tenant, model and day from the gateway's ledger")
     usage.add_argument("--ledger", help="SQLite ledger (default: the gateway's default)")
@@ -61,8 +65,10 @@ def _run(args: argparse.Namespace, operation):  # type: ignore[no-untyped-def]
     if not endpoint:
         raise ConnectionError("no --etcd or --file given and no `tokenfleet up` cluster is running")
 
+    plane = launcher.operator_plane(args.certs, args.insecure) if not endpoint.startswith("http://") else None
+
     async def run():  # type: ignore[no-untyped-def]
-        client = EtcdClient(endpoint, args.etcd_root)
+        client = EtcdClient(endpoint, args.etcd_root, identity=plane.identity if plane is not None else None)
         try:
             return await operation(EtcdTenantStore(client))
         finally:
