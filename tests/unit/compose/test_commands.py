@@ -161,6 +161,29 @@ def test_healthcheck_grpc(healthcheck: Any) -> None:
         server.stop(None)
     assert healthcheck.main(["grpc", f"127.0.0.1:{port}"]) == 1  # nobody listens
     assert healthcheck.main(["tcp", "127.0.0.1:1"]) == 2
+    assert healthcheck.main(["grpcs", f"127.0.0.1:{port}"]) == 2  # grpcs names the server's role
+
+
+def test_healthcheck_grpc_over_mutual_tls(healthcheck: Any, internal_certs: Any) -> None:
+    """The compose cluster's default: the operator certificate from $TOKENFLEET_CERTS, the server's role checked."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    folder = internal_certs
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    credentials = grpc.ssl_server_credentials([((folder / "router.key").read_bytes(), (folder / "router.pem").read_bytes())],
+                                              (folder / "ca.pem").read_bytes(), require_client_auth=True)
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert healthcheck.main(["grpcs", "router", f"127.0.0.1:{port}"]) == 0
+        assert healthcheck.main(["grpcs", "worker", f"127.0.0.1:{port}"]) == 1  # not the role expected there
+        assert healthcheck.main(["grpc", f"127.0.0.1:{port}"]) == 1  # plaintext to a TLS port
+    finally:
+        server.stop(None)
 
 
 @contextlib.contextmanager

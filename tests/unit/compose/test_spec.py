@@ -22,6 +22,7 @@ from tests.unit.compose.files import (
     COMPOSE_SPEC_MEMBER,
     COMPOSE_WHEEL,
     ROOT,
+    _words,
     command_lines,
     compose,
     dockerfile,
@@ -169,3 +170,25 @@ def test_depends_on_conditions_make_sense() -> None:
                 assert services()[target].get("restart") == "no", f"{target} is awaited as one-shot but restarts"
 
 
+
+
+def test_the_internal_plane_is_mutual_tls() -> None:
+    """Certificates from the one-shot `certs` service reach every tokenfleet service, nothing runs
+    --insecure, etcd requires client certificates, and the gRPC healthchecks speak mutual TLS."""
+    all_services = services()
+    assert command_lines(all_services["certs"])[0][:3] == ["tokenfleet", "certs", "--out"]
+    assert "certs" in compose()["volumes"]
+    for name in tokenfleet_services():
+        svc = all_services[name]
+        assert svc.get("environment", {}).get("TOKENFLEET_CERTS") == "/certs", f"{name}: no TOKENFLEET_CERTS"
+        assert ("certs", "/certs") in mounts(svc), f"{name}: the certs volume is not mounted"
+        for argv in command_lines(svc):
+            assert "--insecure" not in argv, f"{name} runs plaintext"
+        test = svc.get("healthcheck", {}).get("test", [])
+        assert "grpc" not in test, f"{name}: plaintext gRPC healthcheck"
+    etcd = all_services["etcd"]
+    words = _words(etcd["command"])
+    assert "--client-cert-auth" in words and "--peer-client-cert-auth" in words
+    assert all(w.split("=", 1)[1].startswith("https://") for w in words if w.startswith(("--listen-", "--advertise-")))
+    assert etcd["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+    assert ("certs", "/certs") in mounts(etcd)
