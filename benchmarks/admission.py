@@ -55,9 +55,8 @@ def main() -> None:
         {open_record.key_hash: open_record, tight_record.key_hash: tight_record}))
     children = Children()
     try:
-        from tokenfleet.cluster.etcd_server import EtcdServer
 
-        children.etcd = EtcdServer.create().start()
+        children.start_etcd()
         etcd = children.etcd.endpoint
         children.spawn_service("worker", "tokenfleet.services.decode", "--model", model_dir, "--model-name",
                                DEFAULT_MODEL_NAME, "--etcd", etcd, "--threads", "1", threads=1)

@@ -20,7 +20,6 @@ import statistics
 import time
 from pathlib import Path
 
-import grpc
 from serving.procs import Children
 
 from tokenfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -41,13 +40,13 @@ async def ttft(stub, prompt: list[int], tenant: str, request_id: str, output_len
     return first - start
 
 
-async def run(address: str, args: argparse.Namespace, vocab: int) -> dict:
+async def run(address: str, args: argparse.Namespace, vocab: int, plane) -> dict:  # type: ignore[no-untyped-def]
     rng = random.Random(args.seed)
 
     def prompt() -> list[int]:
         return [rng.randrange(200, vocab) for _ in range(args.prompt_len)]
 
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with plane.channel(address, "worker") as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         flood = [asyncio.create_task(ttft(stub, prompt(), "A", f"a{i}", args.output_len)) for i in range(args.flood)]
         await asyncio.sleep(args.period)
@@ -81,7 +80,7 @@ def main() -> None:
         for label, extra in (("fair", []), ("fifo", ["--no-fair-queuing"])):
             worker = children.spawn_service(label, "tokenfleet.services.decode", "--model", model_dir, "--threads", "1",
                                             "--max-num-running", "4", *extra, threads=1)
-            result["runs"][label] = asyncio.run(run(worker.address, args, vocab))
+            result["runs"][label] = asyncio.run(run(worker.address, args, vocab, children.plane("gateway")))
             print(label, json.dumps(result["runs"][label]), flush=True)
             children.stop(worker)
     finally:

@@ -33,9 +33,8 @@ def main() -> None:
     model_dir = str(Path(ensure_default_model()).resolve())
     children = Children()
     try:
-        from tokenfleet.cluster.etcd_server import EtcdServer
 
-        children.etcd = EtcdServer.create().start()
+        children.start_etcd()
         etcd = children.etcd.endpoint
         children.spawn_service("worker", "tokenfleet.services.decode", "--model", model_dir, "--model-name",
                                DEFAULT_MODEL_NAME, "--etcd", etcd, "--threads", "1", "--max-model-len", "96", threads=1)

@@ -37,9 +37,8 @@ CONFIGS = ("colocated-unchunked", "colocated-chunked", "disaggregated")
 
 
 def start_fleet(children: Children, config: str, args: argparse.Namespace, model_dir: str, model: str) -> str:
-    from tokenfleet.cluster.etcd_server import EtcdServer
 
-    children.etcd = EtcdServer.create().start()
+    children.start_etcd()
     etcd = children.etcd.endpoint
     common = ["tokenfleet.services.decode", "--model", model_dir, "--model-name", model, "--etcd", etcd,
               "--dtype", args.dtype, "--num-blocks", "1024"]

@@ -23,16 +23,16 @@ import statistics
 import time
 from pathlib import Path
 
-import grpc
 from serving.procs import Children
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def start(children: Children, name: str, role: str, core: int, model_dir: str, dtype: str):
+    """A worker registered in etcd as ``name`` (a decode worker takes KV only from registered prefill replicas)."""
     return children.spawn_service(
         name, "tokenfleet.services.decode", "--role", role, "--model", model_dir, "--threads", "1", "--dtype", dtype,
-        "--num-blocks", "1024", threads=1, cores=str(core))
+        "--num-blocks", "1024", "--etcd", children.etcd.endpoint, "--replica-id", name, threads=1, cores=str(core))
 
 
 def generate(stub, prompt: list[int], request_id: str, prefill: str = "") -> tuple[float, float]:
@@ -43,6 +43,7 @@ def generate(stub, prompt: list[int], request_id: str, prefill: str = "") -> tup
         temperature=0.0, max_tokens=2, ignore_eos=True))
     if prefill:
         msg.prefill.address = prefill
+        msg.prefill.replica_id = "prefill"
     start = time.perf_counter()
     times = []
     for response in stub.Generate(msg):
@@ -85,12 +86,17 @@ def main() -> None:
     children = Children()
     rows = []
     try:
+        children.start_etcd()
         prefill = start(children, "prefill", "prefill", 0, model_dir, args.dtype)
         decode = start(children, "decode", "decode", min(1, (os.cpu_count() or 1) - 1), model_dir, args.dtype)
         options = [("grpc.max_receive_message_length", 16 << 20)]
-        p_stub = engine_pb2_grpc.EngineServiceStub(grpc.insecure_channel(prefill.address, options=options))
-        d_stub = engine_pb2_grpc.EngineServiceStub(grpc.insecure_channel(decode.address, options=options))
-        report = next(iter(p_stub.Load(engine_pb2.LoadRequest(interval_ms=50))))
+        # The prefill replica is read as another worker pulling KV (Prefill), and as the router (Load).
+        p_stub = engine_pb2_grpc.EngineServiceStub(children.plane("worker").sync_channel(prefill.address, "worker",
+                                                                                           options))
+        d_stub = engine_pb2_grpc.EngineServiceStub(children.plane("gateway").sync_channel(decode.address, "worker",
+                                                                                            options))
+        router = engine_pb2_grpc.EngineServiceStub(children.plane("router").sync_channel(prefill.address, "worker"))
+        report = next(iter(router.Load(engine_pb2.LoadRequest(interval_ms=50))))
         layout = report.layout
         n = 0
 

@@ -133,9 +133,8 @@ def summarize(policy: str, results: list[Result], wall: float) -> dict:
 
 
 def start_fleet(children: Children, args: argparse.Namespace, model_dir: str, model: str, policy: str) -> str:
-    from tokenfleet.cluster.etcd_server import EtcdServer
 
-    children.etcd = EtcdServer.create().start()
+    children.start_etcd()
     etcd = children.etcd.endpoint
     for i in range(args.workers):
         children.spawn_service(f"worker-{i}", "tokenfleet.services.decode", "--model", model_dir, "--model-name", model,

@@ -77,10 +77,9 @@ class Tokenfleet(System):
     label = "tokenfleet"
 
     def __init__(self, children: Children, model_dir: str, model_name: str, threads: int, direct: bool):
-        from tokenfleet.cluster.etcd_server import EtcdServer
 
         self.children, self.model_name, self.direct = children, model_name, direct
-        children.etcd = EtcdServer.create().start()
+        children.start_etcd()
         etcd = children.etcd.endpoint
         self.worker = children.spawn_service(
             "worker", "tokenfleet.services.decode", "--model", model_dir, "--model-name", model_name, "--etcd", etcd,
@@ -91,6 +90,7 @@ class Tokenfleet(System):
         self.url = f"http://{gateway.address}"
         wait_completion(self.url, model_name, 120, lambda: all(c.proc.poll() is None for c in children.children))
         self.config = {"worker_threads": threads, "worker": self.worker.address, "gateway": self.url,
+                       "internal_plane": "plaintext" if children.insecure else "mutual TLS",
                        "processes": f"etcd, one worker (--role both --threads {threads}), router, gateway "
                                     "(TOKENFLEET_NUM_THREADS=1)"}
 
@@ -103,15 +103,15 @@ class Tokenfleet(System):
     def targets(self) -> dict[str, Callable]:
         targets = {"gateway": lambda p, c, n: http_load(self.url, self.model_name, p, c, n)}
         if self.direct:
-            targets["worker-grpc"] = lambda p, c, n: grpc_load(self.worker.address, p, c, n)
+            targets["worker-grpc"] = lambda p, c, n: grpc_load(self.worker.address, p, c, n,
+                                                               self.children.plane("gateway"))
         return targets
 
     def prefix_hit_tokens(self) -> int | None:
-        import grpc
 
         from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
 
-        with grpc.insecure_channel(self.worker.address) as channel:
+        with self.children.plane("router").sync_channel(self.worker.address, "worker") as channel:
             stream = engine_pb2_grpc.EngineServiceStub(channel).Load(engine_pb2.LoadRequest(interval_ms=50))
             report = next(iter(stream))
             stream.cancel()
@@ -325,6 +325,8 @@ def main() -> None:
     parser.add_argument("--model", help="HF folder (default: the imported SmolLM2-135M-Instruct)")
     parser.add_argument("--model-name", help="served model name (default: tokenfleet's default model name)")
     parser.add_argument("--skip-tokenfleet", action="store_true")
+    parser.add_argument("--insecure", action="store_true",
+                        help="tokenfleet's internal plane in plaintext (default: mutual TLS, as deployed)")
     parser.add_argument("--skip-direct", action="store_true", help="no direct worker gRPC runs (gateway overhead)")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"),
@@ -348,7 +350,7 @@ def main() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    children = Children()
+    children = Children(insecure=args.insecure)
     result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "model": model_dir,
                     "machine": {"cpus": os.cpu_count(), "cpu_model": platform.processor() or _cpu_model(),
                                 "loadavg_start": os.getloadavg()[0]},

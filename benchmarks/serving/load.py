@@ -9,6 +9,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -118,15 +119,16 @@ async def http_load(base_url: str, model: str, prompts: list[list[int]], concurr
         return list(results), time.perf_counter() - start
 
 
-async def grpc_load(address: str, prompts: list[list[int]], concurrency: int, output_len: int
+async def grpc_load(address: str, prompts: list[list[int]], concurrency: int, output_len: int, plane: Any
                     ) -> tuple[list[RequestResult], float]:
+    """Straight to a worker's Generate, as a gateway would (``plane``: tokenfleet.security.plane.Plane)."""
     import grpc
 
     from tokenfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
     gate = asyncio.Semaphore(concurrency)
     sampling = common_pb2.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with plane.channel(address, "worker") as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
 
         async def one(prompt: list[int]) -> RequestResult:

@@ -40,10 +40,32 @@ class Child:
 
 
 class Children:
-    def __init__(self) -> None:
+    """``insecure``: the services run plaintext (--insecure); otherwise on the default mutual-TLS
+    plane, with certificates made for this run (``plane(role)`` for the benchmark's own clients)."""
+
+    def __init__(self, insecure: bool = False) -> None:
+        from tokenfleet.security import certs
+
         self.log_dir = Path(tempfile.mkdtemp(prefix="tokenfleet-serve-bench-"))
         self.children: list[Child] = []
         self.etcd = None
+        self.insecure = insecure
+        self.certs = None if insecure else self.log_dir / "certs"
+        if self.certs is not None:
+            certs.ensure(self.certs)
+
+    def plane(self, role: str):  # type: ignore[no-untyped-def]
+        from tokenfleet.security.identity import Identity
+        from tokenfleet.security.plane import Plane
+
+        return Plane.plaintext() if self.certs is None else Plane(Identity(self.certs, role))
+
+    def start_etcd(self):  # type: ignore[no-untyped-def]
+        """etcd for the run: TLS with client certificates unless ``insecure``."""
+        from tokenfleet.cluster.etcd_server import EtcdServer
+
+        self.etcd = EtcdServer.create(certs=self.certs).start()
+        return self.etcd
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, stdout_pipe: bool = False) -> Child:
         log_path = self.log_dir / f"{name}.log"
@@ -60,7 +82,8 @@ class Children:
                       cores: str | None = None) -> Child:
         """``python -m module args``, ready when it prints ``LISTENING host:port``; ``cores`` pins it (taskset -c)."""
         pin = ["taskset", "-c", cores] if cores is not None else []
-        child = self.spawn(name, [*pin, sys.executable, "-m", module, *args],
+        plane = ["--insecure"] if self.certs is None else ["--certs", str(self.certs)]
+        child = self.spawn(name, [*pin, sys.executable, "-m", module, *args, *plane],
                            env={"TOKENFLEET_NUM_THREADS": str(threads)}, stdout_pipe=True)
         assert child.proc.stdout is not None
         deadline = time.monotonic() + timeout
