@@ -189,6 +189,8 @@ def test_the_internal_plane_is_mutual_tls() -> None:
     etcd = all_services["etcd"]
     words = _words(etcd["command"])
     assert "--client-cert-auth" in words and "--peer-client-cert-auth" in words
-    assert all(w.split("=", 1)[1].startswith("https://") for w in words if w.startswith(("--listen-", "--advertise-")))
+    urls = [w for w in words if w.startswith(("--listen-", "--advertise-", "--initial-advertise-"))
+            and not w.startswith("--listen-metrics-urls")]  # metrics and health only, for Prometheus
+    assert urls and all(w.split("=", 1)[1].startswith("https://") for w in urls), urls
     assert etcd["depends_on"]["certs"]["condition"] == "service_completed_successfully"
     assert ("certs", "/certs") in mounts(etcd)
