@@ -40,7 +40,8 @@ def main() -> None:
                                DEFAULT_MODEL_NAME, "--etcd", etcd, "--threads", "1", "--max-model-len", "96", threads=1)
         router = children.spawn_service("router", "tokenfleet.services.router", "--etcd", etcd)
         gateway = children.spawn_service("gateway", "tokenfleet.services.gateway", "--router", router.address,
-                                         "--model", f"{DEFAULT_MODEL_NAME}={model_dir}", "--ledger", "none")
+                                         "--model", f"{DEFAULT_MODEL_NAME}={model_dir}", "--ledger", "none",
+                                         "--api-docs")  # the fuzzer reads /openapi.json
         url = f"http://{gateway.address}"
         wait_completion(url, DEFAULT_MODEL_NAME, 120, lambda: all(c.proc.poll() is None for c in children.children))
         # The served model's name only: random names would all be 404s and never reach the core logic.

@@ -104,6 +104,12 @@ def _parser() -> argparse.ArgumentParser:
     up_cmd.add_argument("--threads", type=int, default=0,
                         help="torch threads per worker (0 = the machine's cores shared out among the workers)")
     up_cmd.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0 = any free port)")
+    up_cmd.add_argument("--host", default="127.0.0.1", help="where the gateway listens (another than loopback needs "
+                        "--auth on or --insecure-no-auth)")
+    up_cmd.add_argument("--auth", choices=["off", "on"], default="off",
+                        help="require API keys (tenants in the cluster's etcd: `tokenfleet tenants add NAME`)")
+    up_cmd.add_argument("--insecure-no-auth", action="store_true",
+                        help="serve a non-loopback --host without API keys (anyone who reaches it may use it)")
     up_cmd.add_argument("--ask", help="send this chat message through the cluster once it is up and print the reply")
     up_cmd.add_argument("--detach", action="store_true", help="return once up (stop later with `tokenfleet down`)")
     up_cmd.add_argument("--certs", help="the internal plane's certificates (default $TOKENFLEET_CERTS, else "
@@ -278,6 +284,7 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--model-name", args.model_name] if args.model_name else []
     argv += ["--certs", args.certs] if args.certs else []
     argv += ["--insecure"] if args.insecure else []
+    argv += ["--host", args.host, "--auth", args.auth] + (["--insecure-no-auth"] if args.insecure_no_auth else [])
     return argv
 
 
@@ -285,6 +292,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from tokenfleet import launcher
     from tokenfleet.models.gguf_import import DEFAULT_MODEL_NAME, ensure_default_model
 
+    launcher.check_auth(args.host, args.auth == "on", args.insecure_no_auth)  # before anything starts
     if args.detach:  # run the cluster in a child process that outlives this command
         child = [sys.executable, "-m", "tokenfleet.cli", *detached_up_argv(args)]
         import subprocess
@@ -312,13 +320,22 @@ def _cmd_up(args: argparse.Namespace) -> int:
     name = args.model_name or DEFAULT_MODEL_NAME
     from pathlib import Path
 
+    auth = args.auth == "on"
     cluster = launcher.up(args.workers, model_dir, name, args.threads, args.port, args.role, args.dtype,
-                          args.prefill_workers, insecure=args.insecure, certs=Path(args.certs) if args.certs else None)
+                          args.prefill_workers, insecure=args.insecure, certs=Path(args.certs) if args.certs else None,
+                          host=args.host, auth=auth, no_auth=args.insecure_no_auth)
     try:
         prefill = f" + {args.prefill_workers} prefill worker(s)" if args.prefill_workers else ""
         print(f"gateway: {cluster.gateway_url}/v1  (model {name}, {args.workers} worker(s){prefill}, "
               f"etcd {cluster.etcd.endpoint})", flush=True)
-        if args.ask:
+        if auth:
+            print("API keys required: `tokenfleet tenants add NAME` creates a tenant and prints its key "
+                  "(Authorization: Bearer tfk_...)", flush=True)
+        else:
+            where = "loopback only" if launcher.is_loopback(args.host) else f"{args.host}, by --insecure-no-auth"
+            print(f"NO API KEYS: anyone who reaches the gateway may use it ({where}); `--auth on` requires keys",
+                  flush=True)
+        if args.ask and not auth:
             print(launcher.ask(cluster.gateway_url, name, args.ask), flush=True)
         launcher.wait_for_signal(cluster)
     finally:

@@ -97,14 +97,36 @@ def operator_plane(certs: str | None = None, insecure: bool = False) -> Plane:
     return Plane(Identity(Path(certs or state.get("certs") or envs.certs_dir()), "operator"))
 
 
+def check_auth(host: str, auth: bool, no_auth: bool) -> None:
+    """The gateway may serve without API keys only on loopback, or when told so explicitly."""
+    if auth or no_auth or is_loopback(host):
+        return
+    raise ValueError(f"the gateway would listen on {host} without API keys: add --auth on (then `tokenfleet tenants "
+                     "add NAME` prints a key), or --insecure-no-auth to serve that network without keys")
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_port: int,
        role: str = "both", dtype: str = "bfloat16", prefill_workers: int = 0, record: bool = True,
-       insecure: bool = False, certs: Path | None = None) -> Cluster:
+       insecure: bool = False, certs: Path | None = None, host: str = "127.0.0.1", auth: bool = False,
+       no_auth: bool = False) -> Cluster:
     """``prefill_workers`` > 0 disaggregates: that many prefill workers, and the ``num_workers``
     others decode only (unless ``role`` says otherwise); the router sends long prompts' prefill there.
     ``record``: write the state file `tokenfleet down` reads (off for private clusters, e.g. calibration).
     ``certs``: the internal plane's certificates (default ``envs.certs_dir()``; missing ones are created);
-    ``insecure``: plaintext instead."""
+    ``insecure``: plaintext instead. ``host``: where the gateway listens; ``auth``: API keys required
+    (tenants in this cluster's etcd); without keys only on loopback unless ``no_auth`` (check_auth)."""
+    check_auth(host, auth, no_auth)
     threads = threads or worker_threads(num_workers + prefill_workers)
     folder = None if insecure else Path(certs or envs.certs_dir())
     if folder is None:
@@ -127,16 +149,23 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
                           model_name, "--etcd", etcd, "--replica-id", name, "--role", worker_role, *audit,
                           threads=threads)
         router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", etcd, "--registry", registry, *audit)
+        keys = ["--auth", "on", "--etcd", etcd] if auth else []
         gateway = cluster.spawn("gateway", "tokenfleet.services.gateway", "--router", router, "--registry", registry,
-                                "--port", str(gateway_port), *tls)
+                                "--host", host, "--port", str(gateway_port), *keys, *tls)
         cluster.gateway_url = f"http://{gateway}"
-        _wait_serving(cluster.gateway_url, model_name)
+        if not auth:
+            _wait_serving(cluster.gateway_url, model_name)
+        else:  # no tenant yet to ask with: the router places the model and the gateway's /health is 200
+            gateway_plane = Plane.plaintext() if folder is None else Plane(Identity(folder, "gateway"))
+            _wait_routable(router, model_name, gateway_plane)
+            _wait_healthy(cluster.gateway_url)
     except BaseException:
         cluster.stop()
         raise
     if record:
         state = {"pid": os.getpid(), "gateway": cluster.gateway_url, "etcd": etcd, "registry": registry,
-                 "certs": str(folder or ""), "insecure": folder is None}
+                 "certs": str(folder or ""), "insecure": folder is None, "auth": auth,
+                 "started": _process_start(os.getpid())}
         state_file().parent.mkdir(parents=True, exist_ok=True)
         state_file().write_text(json.dumps(state))
     return cluster
@@ -174,10 +203,41 @@ def _wait_serving(url: str, model: str, timeout: float = 120) -> None:
     raise TimeoutError(f"gateway {url} not serving after {timeout}s")
 
 
-def ask(url: str, model: str, message: str) -> str:
+def _wait_routable(router: str, model: str, plane: Plane, timeout: float = 120) -> None:
+    """Until the router places ``model`` (it has seen a worker), asked as a gateway would."""
+    import grpc
+
+    from tokenfleet.v1 import router_pb2, router_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with plane.sync_channel(router, "router") as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                stub.Pick(router_pb2.PickRequest(model=model, num_prompt_tokens=1), timeout=10)
+                return
+            except grpc.RpcError:
+                time.sleep(0.2)
+    raise TimeoutError(f"router {router} places no {model} replica after {timeout}s")
+
+
+def _wait_healthy(url: str, timeout: float = 120) -> None:
+    """Until the gateway's /health answers 200 (its models are loaded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=10):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"gateway {url} not healthy after {timeout}s")
+
+
+def ask(url: str, model: str, message: str, api_key: str | None = None) -> str:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": message}], "max_tokens": 128,
                        "temperature": 0}).encode()
-    request = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers={"content-type": "application/json"})
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {api_key}"} if api_key else {})}
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers=headers)
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())["choices"][0]["message"]["content"]
 
@@ -193,12 +253,37 @@ def wait_for_signal(cluster: Cluster) -> None:
         stop.wait(0.5)
 
 
+def _process_start(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks since boot, from /proc; None where there is no /proc): with
+    the pid it names one process, never a later one that got the same pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _is_ours(state: dict) -> bool:
+    """The state file's process is still the `tokenfleet up` that wrote it."""
+    pid, started = state["pid"], state.get("started")
+    if started is not None and _process_start(pid) != started:
+        return False
+    try:
+        return b"tokenfleet" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return started is None  # no /proc: trust the pid as before
+
+
 def down() -> bool:
-    """Stop the cluster started by `tokenfleet up` (it stops its services on SIGTERM)."""
+    """Stop the cluster started by `tokenfleet up` (it stops its services on SIGTERM). A state file
+    whose process is gone or is another program now (pid reuse) is removed, and nothing is signalled."""
     path = state_file()
     if not path.exists():
         return False
-    pid = json.loads(path.read_text())["pid"]
+    state = json.loads(path.read_text())
+    pid = state["pid"]
+    if not _is_ours(state):
+        path.unlink(missing_ok=True)
+        return False
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:

@@ -18,6 +18,7 @@ from tokenfleet.engine.output import RequestOutput, Resume, TokenLogprobs
 from tokenfleet.engine.request import FinishReason, Priority
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.kvcache.layout import DTYPE_SIZES, KVLayout
+from tokenfleet.kvcache.salt import SCOPE_CHARS
 from tokenfleet.v1 import common_pb2, engine_pb2
 
 _FINISH = {
@@ -184,3 +185,10 @@ def prefill_event(msg: engine_pb2.PrefillResponse) -> PrefillEvent:
     if kind == "done":
         return PrefillDone(msg.done.num_bytes)
     raise KVTransferError("empty PrefillResponse")
+
+
+def cache_scope(value: str) -> str:
+    """A request's cache scope as sent (a digest, tokenfleet.kvcache.salt); ValueError when it cannot be one."""
+    if len(value) > 2 * SCOPE_CHARS or not value.isascii():
+        raise ValueError(f"cache_scope must be at most {2 * SCOPE_CHARS} ASCII characters")
+    return value

@@ -36,7 +36,7 @@ class GrpcServer:
 
     def __init__(self, service_names: Sequence[str], host: str = "127.0.0.1", port: int = 0,
                  plane: Plane | None = None, audit: AuditLog | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, public_tls: tuple[bytes, bytes] | None = None):
         secure = plane is not None and plane.secure
         self.server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", max_message_bytes)],
@@ -49,7 +49,12 @@ class GrpcServer:
         reflection.enable_server_reflection(names, self.server)
         self.stop_requested = asyncio.Event()  # set by SIGTERM/SIGINT or by the service itself (e.g. Drain)
         bind = f"{host}:{port}"
-        self.port = plane.add_port(self.server, bind) if plane is not None else self.server.add_insecure_port(bind)
+        if plane is not None:
+            self.port = plane.add_port(self.server, bind)
+        elif public_tls is not None:  # (key, certificate chain): TLS without client certificates
+            self.port = self.server.add_secure_port(bind, grpc.ssl_server_credentials([public_tls]))
+        else:
+            self.port = self.server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}")
         self.address = f"{host}:{self.port}"

@@ -10,7 +10,7 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
 from tokenfleet.services.gateway.openai_encoder import OpenAIEncoder
 from tokenfleet.services.gateway.pipeline import Call, Gateway, validate_body
 
@@ -21,6 +21,8 @@ from tokenfleet.telemetry.request_id import new_request_id
 
 log = structlog.get_logger()
 MAX_BODY_BYTES = 4 << 20
+# Per route: what a body may hold, counted as it arrives (a chunked body has no Content-Length).
+BODY_LIMITS = {"/v1/chat/completions": MAX_BODY_BYTES, "/v1/completions": MAX_BODY_BYTES}
 REPLICA_HEADER = "x-tokenfleet-replica"
 
 
@@ -42,8 +44,13 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def create_app(gateway: Gateway) -> FastAPI:
-    app = FastAPI(title="tokenfleet gateway")
+def create_app(gateway: Gateway, api_docs: bool = False) -> FastAPI:
+    """The API app. ``api_docs``: also serve /openapi.json, /docs and /redoc (off by default: the API
+    port is public). /metrics is not here: the gateway serves it on its own port (--metrics-port)."""
+    if api_docs:
+        app = FastAPI(title="tokenfleet gateway")
+    else:
+        app = FastAPI(title="tokenfleet gateway", openapi_url=None, docs_url=None, redoc_url=None)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
@@ -60,15 +67,11 @@ def create_app(gateway: Gateway) -> FastAPI:
             response = await call_next(request)
             if request.url.path.startswith("/v1/"):
                 call = getattr(request.state, "call", None)
-                gateway.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+                gateway.metrics.requests.labels(route_label(request), str(response.status_code)).inc()
                 log.info("http request", path=request.url.path, status=response.status_code,
                          replica=call.placement.replica if call is not None else None)
         response.headers[REQUEST_ID_HEADER] = request_id
         return response
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -77,7 +80,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        gateway.admission.authenticate(request.headers.get("authorization"))
+        gateway.admission.authenticate(request.headers.get("authorization"), _peer(request))
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "tokenfleet"}
             for name, created in gateway.models.names()]}
@@ -101,9 +104,10 @@ async def _serve(gateway: Gateway, request: Request, chat: bool) -> Response:
     timer = RequestTimer(gateway.metrics)
     authenticated = False
     try:
-        call.caller = gateway.admission.authenticate(request.headers.get("authorization"))
+        call.caller = gateway.admission.authenticate(request.headers.get("authorization"), _peer(request))
         authenticated = True
         structlog.contextvars.bind_contextvars(tenant=call.caller.tenant.name, key_id=call.caller.key_id)
+        gateway.admission.precheck(call.caller, call.request_id, call.endpoint, call.headers)  # cheap checks first
         body = await _parse(request, ChatCompletionRequest if chat else CompletionRequest)
         prepared = await (gateway.prepare_chat(body) if chat else gateway.prepare_completion(body))
         run = await gateway.open(call, prepared)
@@ -112,7 +116,8 @@ async def _serve(gateway: Gateway, request: Request, chat: bool) -> Response:
         events = gateway.events(run, timer)
         if body.stream:
             stream = encoder.chat_stream(events) if chat else encoder.completion_stream(events)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=_headers(call))
+            return StreamingResponse(stream, media_type="text/event-stream", headers=_headers(call),
+                                     background=BackgroundTask(run.abandon))  # runs also when the client left
         whole = await (encoder.chat_body(events) if chat else encoder.completion_body(events))
         return JSONResponse(whole, headers=_headers(call))
     except APIError as e:
@@ -121,19 +126,46 @@ async def _serve(gateway: Gateway, request: Request, chat: bool) -> Response:
         return JSONResponse(e.body(), status_code=e.status, headers=_headers(call, e.headers))
 
 
+def _peer(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else ""
+
+
+def route_label(request: Request) -> str:
+    """The metric label of a request: its route's template, never the raw path (which callers,
+    authenticated or not, could vary without bound)."""
+    route = request.scope.get("route")
+    return getattr(route, "path", None) or "unmatched"
+
+
 def _headers(call: Call, own: dict[str, str] | None = None) -> dict[str, str]:
-    """The response's headers: its own, the tenant's rate-limit state, the replica that served it."""
+    """The response's headers: its own, the tenant's rate-limit state, and for internal callers
+    the replica that served it."""
     headers = {**call.headers, **(own or {})}
-    if call.placement.replica is not None:
+    if call.placement.replica is not None and call.caller.sees_placement:
         headers[REPLICA_HEADER] = call.placement.replica
     return headers
 
 
-async def _parse(request: Request, schema: type) -> Any:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes ``limit`` bytes: a declared Content-Length
+    over it is refused before reading, and a chunked body is counted as it streams in."""
     length = request.headers.get("content-length")
-    if length is not None and int(length) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
-    raw = await request.body()
+    if length is not None:
+        if not length.isdigit():
+            raise APIError(400, "Content-Length is not a number")
+        if int(length) > limit:
+            raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse(request: Request, schema: type) -> Any:
+    raw = await read_body(request, BODY_LIMITS.get(request.url.path, MAX_BODY_BYTES))
     try:
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:

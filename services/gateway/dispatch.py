@@ -5,8 +5,9 @@ replica when one is lost mid-stream."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -25,7 +26,18 @@ log = structlog.get_logger()
 PICK_TIMEOUT_S = 10.0
 MAX_PLACEMENTS = 3  # a request tries at most this many replicas before its first token
 RESUME_PICK_WAIT_S = 3.0  # a stream being resumed waits this long for the fleet to show a replica
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Toward routers and workers: HTTP/2 pings find a silently partitioned peer (no RST, no FIN) within
+# ~15 s, and its streams fail (UNAVAILABLE) instead of hanging.
+WORKER_CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+# A worker that has not produced a request's first response after this many times its tier's TTFT
+# objective is given up on for that request (placed again), whatever the reason it is silent.
+FIRST_RESPONSE_DEADLINE_FACTOR = 2.0
 # How a stream looks when its replica died mid-way (connection reset, RST_STREAM, server gone).
 LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
         grpc.StatusCode.CANCELLED)
@@ -52,6 +64,7 @@ class Job:
     limit: int  # output tokens the request may produce (SamplingParams.output_limit)
     tenant: Tenant
     placement: Placement = field(default_factory=Placement)
+    cache_scope: str = ""  # who may share its cached prefix (tokenfleet.kvcache.salt), for Pick and Generate
 
 
 @dataclass
@@ -68,28 +81,41 @@ class _Progress:
 
 @dataclass
 class Dispatcher:
-    router_address: str
+    routers: Sequence[str]  # tried in turn: a Pick a router cannot answer goes to the next
     metrics: GatewayMetrics
     channels: Channels  # to the router and the workers, over the internal plane
     max_resumes: int = 2  # a stream whose replica dies is continued elsewhere at most this many times
     # Early rejection: a worker refuses a request it predicts would wait longer than its tier's objective.
     ttft_objectives: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TTFT_OBJECTIVES))
+    _turn: Iterator[int] = field(default_factory=itertools.count)
 
     async def pick(self, job: Job, exclude: Sequence[str] = (), colocated: bool = False) -> router_pb2.PickResponse:
-        """A placement from the router; it hashes the prompt to find replicas holding its prefix."""
-        stub = router_pb2_grpc.RouterServiceStub(self.channels.get(self.router_address, "router"))
-        try:
-            picked = await stub.Pick(router_pb2.PickRequest(
-                model=job.model_ref, request_id=job.request_id, num_prompt_tokens=len(job.prompt),
-                prompt_token_ids=job.prompt, exclude_replica_ids=list(exclude), colocated=colocated),
-                metadata=trace_metadata(), timeout=PICK_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
-                raise APIError(404, f"The model `{job.model_ref}` has no replica.", code="model_not_found",
-                               param="model") from e
-            raise APIError(503, f"no replica available: {e.details()}", "server_error", code="no_replica") from e
-        job.placement.replica = picked.replica_id
-        return picked
+        """A placement from a router; it hashes the prompt to find replicas holding its prefix. A router
+        that is unreachable or too slow (UNAVAILABLE, DEADLINE_EXCEEDED) is followed by the next one;
+        the routers take turns as the first asked."""
+        request = router_pb2.PickRequest(
+            model=job.model_ref, request_id=job.request_id, num_prompt_tokens=len(job.prompt),
+            prompt_token_ids=job.prompt, exclude_replica_ids=list(exclude), colocated=colocated,
+            cache_scope=job.cache_scope)
+        start = next(self._turn) % len(self.routers)
+        error: grpc.aio.AioRpcError | None = None
+        for address in [*self.routers[start:], *self.routers[:start]]:
+            stub = router_pb2_grpc.RouterServiceStub(self.channels.get(address, "router"))
+            try:
+                picked = await stub.Pick(request, metadata=trace_metadata(), timeout=PICK_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    raise APIError(404, f"The model `{job.model_ref}` has no replica.", code="model_not_found",
+                                   param="model") from e
+                error = e
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    continue
+                break
+            job.placement.replica = picked.replica_id
+            return picked
+        assert error is not None
+        log.warning("no router placed the request", code=error.code().name, details=error.details())
+        raise APIError(503, "no replica available", "server_error", code="no_replica")
 
     async def _place(self, job: Job, progress: _Progress) -> router_pb2.PickResponse:
         """A placement avoiding the replicas this request left; when resuming a stream whose replica
@@ -112,7 +138,7 @@ class Dispatcher:
     def _request(self, job: Job, picked: router_pb2.PickResponse, progress: _Progress) -> engine_pb2.GenerateRequest:
         request = engine_pb2.GenerateRequest(request_id=job.request_id, prompt_token_ids=job.prompt,
                                              sampling=sampling_to_proto(job.params), tenant=job.tenant.name,
-                                             priority=TIER_PRIORITY[job.tenant.tier])
+                                             priority=TIER_PRIORITY[job.tenant.tier], cache_scope=job.cache_scope)
         if progress.delivered:
             request.resume.output_token_ids.extend(progress.delivered)
             request.resume.text = progress.text
@@ -141,9 +167,10 @@ class Dispatcher:
             responded = finished = False
             finals = 0
             try:
-                async for response in call:
+                async for response in self._with_first_deadline(call, job):
                     if response.HasField("error"):
-                        raise APIError(500, response.error.message, "server_error")
+                        log.error("worker reported an error", replica=picked.replica_id, error=response.error.message)
+                        raise APIError(500, "The server had an error while processing your request.", "server_error")
                     responded = True
                     if response.HasField("chunk"):
                         progress.delivered.extend(response.chunk.token_ids)
@@ -162,6 +189,24 @@ class Dispatcher:
                 self._after_failure(job, picked.replica_id, progress, e, responded)
             finally:
                 call.cancel()  # no-op when finished; aborts the request when the client went away
+
+    async def _with_first_deadline(self, call: grpc.aio.UnaryStreamCall, job: Job
+                                   ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        """The call's responses; DEADLINE_EXCEEDED (the call cancelled) when the first takes longer than
+        FIRST_RESPONSE_DEADLINE_FACTOR x the tier's TTFT objective."""
+        responses = call.__aiter__()
+        deadline = FIRST_RESPONSE_DEADLINE_FACTOR * self.ttft_objectives.get(job.tenant.tier, 0) or None
+        try:
+            first = await asyncio.wait_for(anext(responses), deadline)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            call.cancel()
+            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       f"no first response within {deadline:.0f} s") from None
+        yield first
+        async for response in responses:
+            yield response
 
     def _after_failure(self, job: Job, replica: str, progress: _Progress, e: grpc.aio.AioRpcError,
                        responded: bool) -> None:
@@ -201,10 +246,17 @@ def trace_metadata() -> tuple[tuple[str, str], ...]:
 
 
 def status_error(e: grpc.aio.AioRpcError) -> APIError:
+    """A worker's status as the client's error. A refusal of the request (INVALID_ARGUMENT) or for load
+    (RESOURCE_EXHAUSTED) carries the worker's words; everything else is generic, its details in the
+    gateway's log only (they name replicas, addresses, internal errors)."""
     code = e.code()
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return APIError(400, e.details() or "invalid request")
-    if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+    log.warning("worker call failed", code=code.name, details=e.details())
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the worker's reason (queue, predicted wait) helps the client
         return APIError(503, f"overloaded: {e.details()}", "server_error", code="overloaded",
                         headers={"retry-after": "2"})
-    return APIError(500, f"worker error: {e.details()}", "server_error")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return APIError(503, "no replica could serve the request", "server_error", code="overloaded",
+                        headers={"retry-after": "2"})
+    return APIError(500, "The server had an error while processing your request.", "server_error")

@@ -60,6 +60,8 @@ def chat_request(req: inference_pb2.ChatCompletionRequest) -> ChatCompletionRequ
         body["top_logprobs"] = req.top_logprobs
     if req.user:
         body["user"] = req.user
+    if req.cache_salt:
+        body["cache_salt"] = req.cache_salt
     return validate_body(ChatCompletionRequest, body | sampling)
 
 
@@ -92,6 +94,8 @@ def completion_request(req: inference_pb2.CompletionRequest) -> CompletionReques
         body["logprobs"] = req.logprobs
     if req.user:
         body["user"] = req.user
+    if req.cache_salt:
+        body["cache_salt"] = req.cache_salt
     return validate_body(CompletionRequest, body | _fields(req.sampling))
 
 
@@ -102,7 +106,7 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
     def authenticate(self, context: grpc.aio.ServicerContext) -> Caller:
         """The caller from the ``authorization`` metadata (``Bearer tfk_...``); APIError 401 -> UNAUTHENTICATED."""
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-        return self.gateway.admission.authenticate(metadata.get("authorization"))
+        return self.gateway.admission.authenticate(metadata.get("authorization"), context.peer())
 
     async def _serve(self, context: grpc.aio.ServicerContext, endpoint: str,
                      prepare: Callable[[], Awaitable[Prepared]], chat: bool) -> AsyncIterator[Message]:
@@ -113,6 +117,7 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
             call = Call(request_id, endpoint)
             try:
                 call.caller = self.authenticate(context)
+                self.gateway.admission.precheck(call.caller, call.request_id, call.endpoint, call.headers)
                 prepared = await prepare()
                 run = await self.gateway.open(call, prepared)
             except APIError as e:  # becomes a status in map_errors
@@ -120,8 +125,11 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
                 raise
             encoder = GrpcEncoder(prepared.request_id, prepared.model.name, prepared.include_usage)
             encode = encoder.chat if chat else encoder.completion
-            async for chunk in encode(self.gateway.events(run, timer)):
-                yield chunk
+            try:
+                async for chunk in encode(self.gateway.events(run, timer)):
+                    yield chunk
+            finally:  # a client that cancels leaves the generators unclosed: settle here, whatever happened
+                await run.abandon()
             self.gateway.metrics.requests.labels(endpoint, "200").inc()
 
     @map_errors

@@ -8,12 +8,13 @@ import contextlib
 import os
 import signal
 import socket
+from pathlib import Path
 from collections.abc import Iterator, Sequence
 
 import structlog
 import uvicorn
-from tokenfleet.services.common.server import GrpcServer, run_service
-from tokenfleet.services.gateway.app import create_app
+from tokenfleet.services.common.server import GrpcServer, run_service, serve_metrics
+from tokenfleet.services.gateway.app import MAX_BODY_BYTES, create_app
 from tokenfleet.services.gateway.catalog import ModelCatalog, ServedModel, load_served
 from tokenfleet.services.gateway.dispatch import DEFAULT_TTFT_OBJECTIVES
 from tokenfleet.services.gateway.grpc_api import InferenceAPI
@@ -37,7 +38,9 @@ log = structlog.get_logger()
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="tokenfleet gateway", description="tokenfleet OpenAI-compatible gateway")
-    p.add_argument("--router", required=True, help="router address host:port")
+    p.add_argument("--router", required=True, action="append",
+                   help="router address host:port; repeat (or separate with commas) for several: a Pick that one "
+                   "cannot answer goes to the next")
     p.add_argument("--registry", help="registry address host:port: serve every registered model and alias")
     p.add_argument("--model", action="append", default=[], metavar="NAME=DIR",
                    help="a model served without the registry: name and HF folder (tokenizer, chat template, "
@@ -64,8 +67,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "objective gets 503 at once (defaults: interactive=30, batch=300, for CPU clusters)")
     p.add_argument("--grace-seconds", type=float, default=30.0,
                    help="on SIGTERM: stop accepting, let open streams finish for this long")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = any free port; "
+                   "not on the API port, which is public)")
+    p.add_argument("--api-docs", action="store_true", help="serve /openapi.json, /docs and /redoc on the API port")
+    p.add_argument("--tls-cert", help="serve HTTPS and the public gRPC API over TLS with this certificate chain (PEM)")
+    p.add_argument("--tls-key", help="the private key (PEM) of --tls-cert")
     plane_args.add_arguments(p, audit=False)
     return p.parse_args(argv)
+
+
+def public_tls(args: argparse.Namespace) -> tuple[bytes, bytes] | None:
+    """(key, certificate chain) for the public APIs, or None (plaintext)."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("--tls-cert and --tls-key go together")
+    if not args.tls_cert:
+        return None
+    return Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()
 
 
 def static_models(specs: list[str], use_default: bool) -> dict[str, ServedModel]:
@@ -114,16 +131,20 @@ async def serve(args: argparse.Namespace) -> None:
         await peers.start()
     ledger = Ledger(args.ledger) if args.ledger != "none" else None
     admission = Admission(directory, ledger, share=peers.share if peers is not None else lambda: 1.0)
-    gateway = Gateway(args.router, catalog, metrics=metrics, plane=plane, max_resumes=args.max_resumes,
+    routers = [a.strip() for given in args.router for a in given.split(",") if a.strip()]
+    gateway = Gateway(routers, catalog, metrics=metrics, plane=plane, max_resumes=args.max_resumes,
                       admission=admission,
                       ttft_objectives=ttft_objectives(args.ttft_objective))
     log.info("gateway admission", auth=args.auth, ledger=args.ledger)
-    http = _Server(uvicorn.Config(create_app(gateway), log_level="warning",
+    serve_metrics(metrics.registry, args.host, args.metrics_port)
+    http = _Server(uvicorn.Config(create_app(gateway, api_docs=args.api_docs), log_level="warning",
+                                  ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key,
                                   timeout_graceful_shutdown=int(args.grace_seconds)))
     grpc_server = None
     if args.grpc_port is not None:
         grpc_server = GrpcServer([inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name],
-                                 args.host, args.grpc_port)
+                                 args.host, args.grpc_port, max_message_bytes=MAX_BODY_BYTES,  # as HTTP's
+                                 public_tls=public_tls(args))
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceAPI(gateway), grpc_server.server)
         await grpc_server.start()
         log.info("gateway gRPC API serving", address=grpc_server.address)
@@ -136,7 +157,7 @@ async def serve(args: argparse.Namespace) -> None:
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     while not http.started and not http_task.done():
         await asyncio.sleep(0.02)
-    log.info("gateway serving", url=f"http://{host}:{port}")
+    log.info("gateway serving", url=f"{'https' if args.tls_cert else 'http'}://{host}:{port}")
     print(f"LISTENING {host}:{port}", flush=True)
     try:
         await asyncio.wait([http_task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)

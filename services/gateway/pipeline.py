@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,12 +20,14 @@ import structlog
 from pydantic import ValidationError
 from tokenfleet.services.gateway import events as ev
 from tokenfleet.services.gateway.catalog import ModelCatalog, ServedModel
-from tokenfleet.services.gateway.dispatch import Dispatcher, Job, Placement
+from tokenfleet.services.gateway.dispatch import WORKER_CHANNEL_OPTIONS, Dispatcher, Job, Placement
+from tokenfleet.services.gateway.preparer import Preparer
 
 from tokenfleet.api.chat_template import render_chat
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
 from tokenfleet.api.tools import CallStarted, ContentText, ToolCallParser, ToolEvent, parse, prepare_messages, tool_format
 from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.kvcache.salt import request_scope
 from tokenfleet.models.tokenizer import Tokenizer
 from tokenfleet.security.plane import Channels, Plane
 from tokenfleet.telemetry.metrics import GatewayMetrics, RequestTimer
@@ -64,6 +66,7 @@ class Prepared:
     tools: bool = False  # parse tool calls out of the output (chat with tools, tool_choice not "none")
     echo: str = ""  # completions with echo: the prompt's text, sent before each choice's text
     chat: bool = True
+    cache_salt: str = ""  # the request's own prefix-cache isolation (tokenfleet.kvcache.salt)
 
 
 @dataclass
@@ -92,10 +95,19 @@ class Run:
     def include_usage(self) -> bool:
         return self.prepared.include_usage
 
+    async def abandon(self) -> None:
+        """The response ended without its events being read to the end (or at all: a client gone before
+        the first byte): cancel the worker's request and settle the reservation. A no-op after a
+        complete run."""
+        await self.stream.aclose()
+        if self.ticket is not None and not self.ticket.settled:
+            await self.ticket.finish("cancelled", self.ticket.prompt_tokens, 0, 0, None, durable=False,
+                                     detail="the client went away before the stream was read")
+
 
 @dataclass
 class Gateway:
-    router_address: str
+    routers: Sequence[str]  # router addresses, tried in turn
     models: ModelCatalog
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     draining: bool = False  # set on SIGTERM: /health says so, open streams finish
@@ -103,15 +115,25 @@ class Gateway:
     admission: Admission = field(default_factory=Admission)  # API keys, budgets, the ledger
     ttft_objectives: dict[str, float] | None = None  # per tier; None: dispatch.DEFAULT_TTFT_OBJECTIVES
     plane: Plane = field(default_factory=Plane.plaintext)  # the internal plane: router and workers
+    preparer: Preparer = field(default_factory=Preparer)  # templating, tokenizing, grammars: off the event loop
     dispatcher: Dispatcher = field(init=False)
 
     def __post_init__(self) -> None:
-        self.dispatcher = Dispatcher(self.router_address, self.metrics, Channels(self.plane), self.max_resumes)
+        self.dispatcher = Dispatcher(list(self.routers), self.metrics, Channels(self.plane, WORKER_CHANNEL_OPTIONS),
+                                     self.max_resumes)
         if self.ttft_objectives is not None:
             self.dispatcher.ttft_objectives = dict(self.ttft_objectives)
 
     async def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
         model = await self.models.get(body.model)
+        return await self.preparer.run(self._prepare_chat, model, body)
+
+    async def prepare_completion(self, body: CompletionRequest) -> Prepared:
+        model = await self.models.get(body.model)
+        return await self.preparer.run(self._prepare_completion, model, body)
+
+    def _prepare_chat(self, model: ServedModel, body: ChatCompletionRequest) -> Prepared:
+        """In a preparer thread: parameters and grammar, the chat template, the tokens."""
         params = body.sampling_params()
         tools = body.tool_choice_name != "none"
         try:
@@ -122,10 +144,11 @@ class Gateway:
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         check_context(model, len(prompt), params.max_tokens)
-        return Prepared(model, f"chatcmpl-{uuid.uuid4().hex}", prompt, params, _include_usage(body), tools=tools)
+        return Prepared(model, f"chatcmpl-{uuid.uuid4().hex}", prompt, params, _include_usage(body), tools=tools,
+                        cache_salt=body.cache_salt or "")
 
-    async def prepare_completion(self, body: CompletionRequest) -> Prepared:
-        model = await self.models.get(body.model)
+    def _prepare_completion(self, model: ServedModel, body: CompletionRequest) -> Prepared:
+        """In a preparer thread."""
         params = body.sampling_params()
         prompt = model.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         if not prompt:
@@ -135,7 +158,7 @@ class Gateway:
         if body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else model.tokenizer.decode(prompt)
         return Prepared(model, f"cmpl-{uuid.uuid4().hex}", prompt, params, _include_usage(body), echo=echo,
-                        chat=False)
+                        chat=False, cache_salt=body.cache_salt or "")
 
     async def open(self, call: Call, prepared: Prepared) -> Run:
         """Admit (403, 429), place and wait for the first response: errors before it become proper
@@ -145,7 +168,9 @@ class Gateway:
         call.admitted = True
         ticket = self.admission.admit(call.caller, model.name, call.endpoint, prepared.request_id, len(prompt),
                                       len(prompt) + params.n * limit, call.headers)
-        job = Job(model.ref, prepared.request_id, prompt, params, limit, call.caller.tenant, call.placement)
+        tenant = call.caller.tenant
+        scope = request_scope(tenant.cache_group or tenant.name, prepared.cache_salt)
+        job = Job(model.ref, prepared.request_id, prompt, params, limit, tenant, call.placement, scope)
         stream = self.dispatcher.generate(job)
         try:
             first = await _first(stream)
@@ -160,9 +185,9 @@ class Gateway:
         """The run's typed choice events (events.py), ending with ``Ended``; leaving early (client
         gone, error) closes the worker stream, which cancels the request."""
         translator = Translator(run.prepared)
-        for event in translator.start():
-            yield event
-        async with responses_of(run, timer) as responses:
+        async with responses_of(run, timer) as responses:  # from the first event on: leaving early settles
+            for event in translator.start():
+                yield event
             async for r in responses:
                 for event in translator.feed(r):
                     yield event

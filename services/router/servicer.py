@@ -10,6 +10,7 @@ from tokenfleet.services.router.fleet import FleetView
 
 from tokenfleet.cluster.affinity import AffinityMap
 from tokenfleet.kvcache.block_hash import hash_blocks
+from tokenfleet.kvcache.salt import chain_salt
 from tokenfleet.routing.placement import (
     DEFAULT_DISAGG_CONFIG,
     LEAST_LOADED,
@@ -52,7 +53,8 @@ class Router(router_pb2_grpc.RouterServiceServicer):
         snapshot = self.fleet.snapshot(name, version).without(request.exclude_replica_ids)
         layout, cached = self.fleet.prefix_view(snapshot)
         prompt = list(request.prompt_token_ids)
-        chain = hash_blocks(prompt, layout.block_size, layout.hash_salt) if prompt and layout is not None else []
+        salt = chain_salt(layout.hash_salt, request.cache_scope) if layout is not None else ""
+        chain = hash_blocks(prompt, layout.block_size, salt) if prompt and layout is not None else []
         block_size = layout.block_size if layout is not None else 1
         anchor_homes: tuple[str, ...] = ()
         if self.affinity is not None and len(chain) >= self.prefix_config.min_match_blocks:

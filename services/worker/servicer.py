@@ -94,6 +94,7 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         stream = self.engine.generate(
             list(request.prompt_token_ids), params, request_id, convert.priority(request.priority),
             resume=convert.resume(request.resume), kv_source=kv_source, tenant=request.tenant,
+            cache_scope=convert.cache_scope(request.cache_scope),
         )
         try:
             # aclosing: a cancelled call closes the engine stream now, which aborts the request.
@@ -120,7 +121,8 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         layout = convert.layout_from_proto(request.layout) if request.HasField("layout") else None
         request_id = self._admit(request.request_id)
         stream = self.engine.prefill(list(request.prompt_token_ids), params, request_id,
-                                     convert.priority(request.priority), list(request.held_block_hashes), layout)
+                                     convert.priority(request.priority), list(request.held_block_hashes), layout,
+                                     cache_scope=convert.cache_scope(request.cache_scope))
         try:
             # A cancelled call (the decode side went away) closes the stream: the held blocks are freed.
             async with contextlib.aclosing(stream) as events:
@@ -224,7 +226,8 @@ class RemotePrefill:
         r = self.request
         call = self.stub.Prefill(engine_pb2.PrefillRequest(
             request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, sampling=r.sampling, priority=r.priority,
-            held_block_hashes=list(held_block_hashes), layout=convert.layout_to_proto(layout)), metadata=self.metadata)
+            held_block_hashes=list(held_block_hashes), layout=convert.layout_to_proto(layout),
+            cache_scope=r.cache_scope), metadata=self.metadata)
         try:
             async for message in call:
                 yield convert.prefill_event(message)

@@ -48,8 +48,9 @@ def usage_and_finish(chunks: list) -> tuple[int, list[str]]:  # type: ignore[typ
                                         c.choices[0].finish_reason]
 
 
-def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+def metric(gateway, name: str) -> float:  # type: ignore[no-untyped-def]
+    """A sample from the gateway's metrics port."""
+    with urllib.request.urlopen(f"http://{gateway.announced('METRICS')}/metrics", timeout=30) as response:
         for line in response.read().decode().splitlines():
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
@@ -81,15 +82,15 @@ def test_kill_9_of_the_decode_worker_mid_stream_continues_elsewhere_with_identic
     # One uninterrupted stream: same text (nothing duplicated or missing), usage counts every token, one finish.
     assert text == undisturbed
     assert usage_and_finish(chunks) == (MAX_TOKENS, ["length"])
-    assert metric(fleet.url, 'tokenfleet_gateway_resumes_total{result="ok"}') == 1
-    assert metric(fleet.url, 'tokenfleet_gateway_resumes_total{result="exhausted"}') == 0
+    assert metric(fleet.gateway, 'tokenfleet_gateway_resumes_total{result="ok"}') == 1
+    assert metric(fleet.gateway, 'tokenfleet_gateway_resumes_total{result="exhausted"}') == 0
     wait_for(lambda: any("replica lost mid-stream" in line and killed[0] in line for line in fleet.gateway.stderr_lines),
              "the gateway's warning naming the lost replica", 30)
 
 
 def test_with_no_resumes_left_the_stream_ends_with_an_error_event(fleet):  # noqa: F811
     gateway = start_service("tokenfleet.services.gateway", "--router", fleet.router.address, "--registry",
-                            fleet.others[0].address, "--max-resumes", "0")
+                            fleet.others[0].address, "--max-resumes", "0", "--metrics-port", "0")
     try:
         url = f"http://{gateway.address}"
         wait_for(lambda: healthy(url), "gateway with --max-resumes 0 ready", 120)
@@ -98,7 +99,7 @@ def test_with_no_resumes_left_the_stream_ends_with_an_error_event(fleet):  # noq
         error = raised.value.body
         assert isinstance(error, dict) and error["code"] == "replica_lost", error
         assert "mid-stream" in error["message"] and error["type"] == "server_error"
-        assert metric(url, 'tokenfleet_gateway_resumes_total{result="exhausted"}') == 1
-        assert metric(url, 'tokenfleet_gateway_resumes_total{result="ok"}') == 0
+        assert metric(gateway, 'tokenfleet_gateway_resumes_total{result="exhausted"}') == 1
+        assert metric(gateway, 'tokenfleet_gateway_resumes_total{result="ok"}') == 0
     finally:
         gateway.stop()

@@ -62,7 +62,7 @@ def fleet(default_model_dir):
         workers = {rid: start_worker(rid) for rid in ("w0", "w1")}
         router = start("tokenfleet.services.router", "--etcd", etcd.endpoint)
         gateway = start("tokenfleet.services.gateway", "--router", router.address, "--registry", registry.address,
-                        "--grace-seconds", "60")
+                        "--grace-seconds", "60", "--metrics-port", "0")
         fleet = Fleet(etcd, workers, router, gateway, [registry], start_worker)
         wait_for(lambda: len(replicas(etcd.endpoint)) == 2, "both workers registered")
         wait_for(lambda: complete(fleet.url)[0] == 200, "gateway serving", 120)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 import openai
+import pytest
 
 from tests.integration.conftest import wait_for
 
@@ -22,6 +24,8 @@ def test_up_serves_openai_requests_and_down_stops_everything(default_model_dir, 
         assert up.stdout is not None
         banner = up.stdout.readline()
         assert banner.startswith("gateway: http://127.0.0.1:"), banner
+        notice = up.stdout.readline()  # said on the console, not only in a log line
+        assert notice.startswith("NO API KEYS") and "loopback only" in notice, notice
         # --ask went through gateway -> router -> worker. (No fact as the oracle: the 135M model's greedy
         # answer to this one sits on a near-tie in bf16, "The capital..." vs "L'Etoile...".)
         answer = up.stdout.readline()
@@ -54,3 +58,59 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_up_with_auth_on_requires_keys_from_tenants_it_prints_how_to_add(default_model_dir, tmp_path):
+    env = {**os.environ, "TOKENFLEET_CACHE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "tokenfleet.cli", "up", "--port", "0", "--model", str(default_model_dir),
+         "--model-name", "smol", "--auth", "on"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        assert up.stdout is not None
+        banner = up.stdout.readline()
+        assert banner.startswith("gateway: http://127.0.0.1:"), banner
+        assert "tokenfleet tenants add" in up.stdout.readline()
+        base_url = banner.split()[1]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base_url, api_key="none", max_retries=0).models.list()
+        added = subprocess.run([sys.executable, "-m", "tokenfleet.cli", "tenants", "add", "acme"], env=env,
+                               capture_output=True, text=True, timeout=120)  # the cluster's etcd, over TLS
+        assert added.returncode == 0, added.stderr
+        key = added.stdout.strip().splitlines()[-1]
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=120)
+        reply = wait_for(lambda: _chat(client), "the gateway sees the new key")
+        assert reply.choices[0].message.content
+    finally:
+        subprocess.run([sys.executable, "-m", "tokenfleet.cli", "down"], env=env, capture_output=True, timeout=120)
+        if up.poll() is None:
+            up.kill()
+
+
+def test_up_refuses_to_serve_another_network_without_keys(tmp_path):
+    env = {**os.environ, "TOKENFLEET_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "tokenfleet.cli", "up", "--host", "0.0.0.0", "--port", "0"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--auth on" in done.stderr and "--insecure-no-auth" in done.stderr
+    assert not (tmp_path / "cluster.json").exists()
+
+
+def test_down_signals_only_the_process_that_wrote_the_state(tmp_path):
+    """A stale state file whose pid now belongs to another program: removed, nothing signalled."""
+    env = {**os.environ, "TOKENFLEET_CACHE_DIR": str(tmp_path)}
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "cluster.json").write_text(json.dumps({"pid": stranger.pid, "started": "1"}))
+        done = subprocess.run([sys.executable, "-m", "tokenfleet.cli", "down"], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 1 and "no running cluster" in done.stdout
+        assert stranger.poll() is None  # still running: never signalled
+        assert not (tmp_path / "cluster.json").exists()
+    finally:
+        stranger.kill()
+
+
+def _chat(client):  # type: ignore[no-untyped-def]
+    try:
+        return client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    except openai.APIError:
+        return None

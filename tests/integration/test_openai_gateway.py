@@ -25,11 +25,11 @@ def stack(default_model_dir):
     worker = start_worker(default_model_dir, etcd, "gw-worker", ttl=5)
     router = start_service("tokenfleet.services.router", "--etcd", etcd.endpoint)
     gw = start_service("tokenfleet.services.gateway", "--router", router.address, "--model", f"{MODEL}={default_model_dir}",
-                       "--grpc-port", "0")
+                       "--grpc-port", "0", "--metrics-port", "0")
     url = f"http://{gw.address}"
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     wait_for(lambda: _ready(client), "gateway ready")
-    yield url, client, worker, gw
+    yield url, client, worker, gw, router
     for service in (gw, router, worker):
         service.stop()
     etcd.cleanup()
@@ -37,7 +37,7 @@ def stack(default_model_dir):
 
 @pytest.fixture(scope="module")
 def gateway(stack):
-    url, client, worker, _ = stack
+    url, client, worker, _, _ = stack
     return url, client, worker
 
 
@@ -159,12 +159,19 @@ def test_closing_an_http_stream_aborts_the_request_on_the_worker(gateway):
     assert after.num_steps - idle.num_steps < 200  # stopped long before 400 tokens
 
 
-def test_metrics_endpoint_reports_latency_tokens_and_statuses(gateway):
-    url, client, _ = gateway
+def test_metrics_endpoint_reports_latency_tokens_and_statuses(stack):
+    """On the metrics port, labelled by route template; the public API port has no /metrics."""
+    url, client, _, gw, _ = stack
     client.completions.create(model=MODEL, prompt="Metrics please", max_tokens=5, temperature=0)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x", max_tokens=1)
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+    for i in range(20):  # unknown paths: one series between them, whatever they are
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(f"{url}/v1/probe-{i}", timeout=30)
+    with pytest.raises(urllib.error.HTTPError) as public:
+        urllib.request.urlopen(f"{url}/metrics", timeout=30)
+    assert public.value.code == 404
+    with urllib.request.urlopen(f"http://{gw.announced('METRICS')}/metrics", timeout=30) as response:
         text = response.read().decode()
     samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"}
     assert samples["tokenfleet_gateway_ttft_seconds_count"] >= 1
@@ -172,6 +179,8 @@ def test_metrics_endpoint_reports_latency_tokens_and_statuses(gateway):
     assert samples["tokenfleet_gateway_completion_tokens_total"] >= 5
     assert samples['tokenfleet_gateway_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
     assert samples['tokenfleet_gateway_requests_total{endpoint="/v1/completions",status="404"}'] >= 1
+    assert samples['tokenfleet_gateway_requests_total{endpoint="unmatched",status="404"}'] >= 20
+    assert not [name for name in samples if "probe-" in name]
 
 
 def test_request_id_is_carried_to_the_worker_logs(gateway):
@@ -193,7 +202,7 @@ def test_request_id_is_carried_to_the_worker_logs(gateway):
 
 
 def test_public_grpc_api_streams_a_chat_like_the_http_api(stack):
-    _, client, _, gw = stack
+    _, client, _, gw, _ = stack
     channel = grpc.insecure_channel(gw.announced("GRPC"))
     stub = inference_pb2_grpc.InferenceServiceStub(channel)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -241,7 +250,7 @@ def test_public_grpc_api_streams_a_chat_like_the_http_api(stack):
 
 
 def test_cancelling_a_grpc_stream_aborts_on_the_worker(stack):
-    _, _, worker, gw = stack
+    _, _, worker, gw, _ = stack
     idle = wait_for(lambda: (r := load_report(worker.address)).num_running == 0 and r, "idle worker")
     stub = inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(gw.announced("GRPC")))
     call = stub.Completion(inference_pb2.CompletionRequest(
@@ -318,3 +327,79 @@ def test_out_of_range_prompt_token_ids_are_a_400_not_a_500(gateway):
     for prompt in ([-1, 5], [2**40], [10**9]):
         status, body = post(f"{url}/v1/completions", json.dumps({"model": MODEL, "prompt": prompt}).encode())
         assert status == 400 and "prompt" in (body["error"]["param"] or "") + body["error"]["message"], body
+
+
+def test_the_edge_counts_body_bytes_and_bounds_public_messages(stack):
+    """A chunked body (no Content-Length) over the limit is refused with 413 while it streams in; the
+    public gRPC API takes no bigger message than HTTP; API docs are off on the public port; the gateway
+    keeps serving."""
+    url, client, _, gw, _ = stack
+    host, port = gw.address.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("content-type", "application/json")
+    conn.putheader("transfer-encoding", "chunked")
+    conn.endheaders()
+    piece = b'"' + b"x" * (1 << 20) + b'",'
+    status = None
+    try:
+        conn.send(b'{"model": "' + MODEL.encode() + b'", "prompt": [')
+        for _ in range(8):  # 8 MiB in chunks; the gateway answers (and may close) past 4 MiB
+            conn.send(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+        conn.send(b"0\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    response = conn.getresponse()
+    status, body = response.status, json.loads(response.read())
+    conn.close()
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+
+    stub = inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(gw.announced("GRPC")))
+    huge = inference_pb2.CompletionRequest(model=MODEL, prompt="y" * (5 << 20))
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Completion(huge))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        with pytest.raises(urllib.error.HTTPError) as hidden:
+            urllib.request.urlopen(f"{url}{path}", timeout=30)
+        assert hidden.value.code == 404
+    assert client.completions.create(model=MODEL, prompt="Still serving?", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_the_public_apis_serve_tls_when_given_a_certificate(stack, default_model_dir):
+    """--tls-cert/--tls-key: HTTPS for the OpenAI API and TLS for the public gRPC API (no client certificates:
+    callers present API keys); plaintext to those ports fails."""
+    import httpx
+
+    from tokenfleet import envs
+
+    certs = envs.certs_dir()  # the session's CA; its gateway certificate names 127.0.0.1
+    router = stack[4]
+    gw = start_service("tokenfleet.services.gateway", "--router", router.address, "--model",
+                       f"{MODEL}={default_model_dir}", "--grpc-port", "0", "--tls-cert", str(certs / "gateway.pem"),
+                       "--tls-key", str(certs / "gateway.key"), "--ledger", "none")
+    try:
+        client = openai.OpenAI(base_url=f"https://{gw.address}/v1", api_key="unused", max_retries=0, timeout=120,
+                               http_client=httpx.Client(verify=str(certs / "ca.pem")))
+        reply = wait_for(lambda: _try_complete(client), "the HTTPS gateway serving")
+        assert reply.usage.completion_tokens == 2
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(f"http://{gw.address}/health", timeout=30)
+        channel = grpc.secure_channel(gw.announced("GRPC"), grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes()))
+        models = inference_pb2_grpc.InferenceServiceStub(channel).ListModels(inference_pb2.ListServedModelsRequest(),
+                                                                             timeout=30)
+        assert MODEL in [m.id for m in models.models]
+        channel.close()
+        with pytest.raises(grpc.RpcError) as plain:
+            inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(gw.announced("GRPC"))).ListModels(
+                inference_pb2.ListServedModelsRequest(), timeout=30)
+        assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        gw.stop()
+
+
+def _try_complete(client):  # type: ignore[no-untyped-def]
+    try:
+        return client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    except openai.APIError:
+        return None

@@ -97,6 +97,8 @@ def test_keys_tenants_models_and_revocation(stack):
     with pytest.raises(openai.PermissionDeniedError):  # the new key works (same tenant, same model list)
         ask(client(gateway, new_key))
     assert not any(key in line for line in gateway.stderr_lines)  # keys never reach the logs
+    failed = [json.loads(line) for line in gateway.stderr_lines if "authentication failed" in line]
+    assert failed and all(entry["peer"].startswith("127.0.0.1:") for entry in failed)  # who tried, from where
 
 
 def test_token_budget_reserves_settles_and_rejects_with_retry_after(stack):
@@ -296,3 +298,42 @@ def test_a_tenants_file_works_and_its_revocations_apply_without_a_restart(stack,
         wait_for(lambda: _status(lambda: ask(client(gateway, key))) == 401, "the file's revocation applied", 10)
     finally:
         gateway.stop()
+
+
+LONG_PROMPT = ("Our store opens at nine and closes at six. We sell hammers, nails, screws, paint and garden tools. "
+               "Returns are accepted within thirty days with a receipt. ") * 3
+
+
+def cached(c: openai.OpenAI, prompt: str = LONG_PROMPT, cache_salt: str | None = None) -> tuple[int, str | None]:
+    """(cached prompt tokens, the replica header) of one completion."""
+    extra = {"extra_body": {"cache_salt": cache_salt}} if cache_salt is not None else {}
+    raw = c.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, **extra)
+    details = raw.parse().usage.prompt_tokens_details
+    return (details.cached_tokens if details else 0) or 0, raw.headers.get("x-tokenfleet-replica")
+
+
+def test_tenants_never_share_cached_prefixes_unless_they_share_a_group(stack):
+    """A hit is always one's own: another tenant's identical prompt is computed afresh (cached 0), a tenant
+    of the same cache group shares, and cache_salt separates one tenant's requests. Only an internal
+    tenant learns which replica served it."""
+    etcd, _, gateway, _ = stack
+    keys = {name: add_tenant(etcd.endpoint, name, *options) for name, options in [
+        ("alpha", ()), ("beta", ()), ("gamma", ("--cache-group", "acme-corp")), ("delta", ("--cache-group", "acme-corp")),
+        ("ops", ("--internal",))]}
+    clients = {name: client(gateway, key) for name, key in keys.items()}
+    wait_for(lambda: _try(lambda: ask(clients["ops"])), "the gateway sees the new keys")
+    first, header = cached(clients["alpha"])
+    assert first == 0 and header is None
+    again, _ = cached(clients["alpha"])
+    assert again >= 16  # its own prefix: a hit
+    assert cached(clients["beta"])[0] == 0  # the same prompt from another tenant: no hit
+    assert cached(clients["beta"])[0] >= 16  # ... until it sent it itself
+    assert cached(clients["alpha"], cache_salt="user-1")[0] == 0  # its own salt: apart from its other requests
+    assert cached(clients["alpha"], cache_salt="user-1")[0] >= 16
+    prompt = LONG_PROMPT.replace("nine", "eight")
+    assert cached(clients["gamma"], prompt)[0] == 0
+    assert cached(clients["delta"], prompt)[0] >= 16  # one cache group: shared
+    hits, replica = cached(clients["ops"], prompt)
+    assert hits == 0 and replica == "t0"  # the internal tenant sees the replica, not others' prefixes
+    with pytest.raises(openai.BadRequestError):
+        cached(clients["alpha"], cache_salt="x" * 300)

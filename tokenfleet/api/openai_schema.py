@@ -31,6 +31,12 @@ class APIError(Exception):
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+# Bounds on what one request may carry (each a 400 naming the limit): work the gateway and the
+# workers do per request, and per engine step for logit_bias, grows with them.
+MAX_MESSAGES = 2048
+MAX_TOOLS = 128  # as OpenAI's API
+MAX_LOGIT_BIAS = 300
+MAX_CACHE_SALT = 256
 # Accepted, with no effect on generation (bookkeeping fields clients send by default).
 INFORMATIONAL = {"metadata", "service_tier"}
 
@@ -56,6 +62,9 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     store: bool | None = None
+    # Prefix-cache isolation within a tenant (as vLLM's field): requests share cached blocks only with
+    # requests of the same tenant share group and the same cache_salt (tokenfleet.kvcache.salt).
+    cache_salt: str | None = Field(default=None, max_length=MAX_CACHE_SALT)
     # extras that benchmark clients send (vLLM-compatible)
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -81,6 +90,9 @@ class _Common(BaseModel):
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
         if any(len(s) > MAX_STOP_LENGTH for s in stops):
             raise APIError(400, f"stop strings must be at most {MAX_STOP_LENGTH} characters", param="stop")
+        if len(self.logit_bias or {}) > MAX_LOGIT_BIAS:
+            raise APIError(400, f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias or {})}",
+                           param="logit_bias")
         try:
             bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         except ValueError as e:
@@ -201,6 +213,10 @@ class ChatCompletionRequest(_Common):
         return self.tool_choice or "auto"
 
     def sampling_params(self) -> SamplingParams:
+        if len(self.messages) > MAX_MESSAGES:
+            raise APIError(400, f"at most {MAX_MESSAGES} messages, got {len(self.messages)}", param="messages")
+        if len(self.tools or []) > MAX_TOOLS:
+            raise APIError(400, f"at most {MAX_TOOLS} tools, got {len(self.tools or [])}", param="tools")
         for i, m in enumerate(self.messages):
             if m.role in ("user", "system", "developer") and not (m.text() or "").strip():
                 raise APIError(400, f"messages[{i}].content must not be empty", param=f"messages.{i}.content")

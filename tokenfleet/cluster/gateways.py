@@ -38,6 +38,7 @@ class GatewayPeers:
         self.registration = ReplicaRegistration(etcd, record, ttl)  # type: ignore[arg-type]
         self.etcd = etcd
         self.live: set[str] = {record.key}
+        self.synced = False  # a listing of gateways/ has been read at least once
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -49,11 +50,14 @@ class GatewayPeers:
             self._task.cancel()
         await self.registration.stop()
 
-    def share(self) -> float:
-        return 1.0 / max(1, len(self.live))
+    def share(self) -> float | None:
+        """This gateway's share of every tenant's budget; None until the membership is known (etcd
+        unreachable since start): budgets then fail closed rather than grant each gateway all of it."""
+        return 1.0 / max(1, len(self.live)) if self.synced else None
 
     def _reset(self, listing: dict[str, bytes]) -> None:
         self.live = set(listing) | {self.registration.record.key}
+        self.synced = True
 
     def _on_event(self, event: KeyEvent) -> None:
         if event.value is None:

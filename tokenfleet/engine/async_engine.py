@@ -45,6 +45,7 @@ class _Add:
     resume: Resume | None = None
     hold_kv: bool = False
     tenant: str = ""
+    cache_scope: str = ""
 
 
 @dataclass
@@ -151,10 +152,12 @@ class AsyncEngine:
         kv_source: KVSource | None = None,
         hold_kv: bool = False,
         tenant: str = "",
+        cache_scope: str = "",
     ) -> AsyncGenerator[RequestOutput, None]:
         """``resume``: continue after output another replica delivered. ``kv_source``: pull the
         prompt's first token and KV from a prefill replica (falls back to local prefill when the
-        blocks are not free or the transfer fails). ``hold_kv``: keep the blocks when done (prefill)."""
+        blocks are not free or the transfer fails). ``hold_kv``: keep the blocks when done (prefill).
+        ``cache_scope``: who may share its cached blocks (tokenfleet.kvcache.salt)."""
         if not self._accepting:
             raise EngineStoppedError("engine is not accepting requests (starting, draining or stopped)")
         loop = asyncio.get_running_loop()
@@ -168,12 +171,12 @@ class AsyncEngine:
         held = None
         if kv_source is not None and resume is None and sampling_params.n == 1 and sampling_params.prompt_logprobs is None:
             held = await self.call(lambda core: self._add_remote(core, prompt, sampling_params, request_id,
-                                                                  int(priority), sink, tenant),
+                                                                  int(priority), sink, tenant, cache_scope),
                                     abandoned=lambda core, held: _forget(core.abort(request_id)))
         if held is None:
             done: Future = Future()
             self._commands.put(_Add(prompt, sampling_params, request_id, int(priority), sink, done, resume, hold_kv,
-                                    tenant))
+                                    tenant, cache_scope))
             try:
                 await asyncio.wrap_future(done)  # re-raises ValueError / EngineOverloadedError
             except asyncio.CancelledError:
@@ -183,7 +186,7 @@ class AsyncEngine:
         running = sampling_params.n  # samples not finished yet
         try:
             if held is not None and kv_source is not None:
-                async for out in kv_streams.pull(self, request_id, prompt, held, kv_source, outputs):
+                async for out in kv_streams.pull(self, request_id, prompt, held, kv_source, outputs, cache_scope):
                     finished = out.finished
                     yield out
             while not finished:
@@ -208,8 +211,9 @@ class AsyncEngine:
 
     # ---- disaggregation ------------------------------------------------------------------------
     def _add_remote(self, core: EngineCore, prompt: list[int], params: SamplingParams, request_id: str,
-                    priority: int, sink: Callable[[RequestOutput], None], tenant: str = "") -> int | None:
-        held = core.kv.add_remote(prompt, params, request_id, priority, tenant)  # ValueError for bad input
+                    priority: int, sink: Callable[[RequestOutput], None], tenant: str = "",
+                    cache_scope: str = "") -> int | None:
+        held = core.kv.add_remote(prompt, params, request_id, priority, tenant, cache_scope)  # ValueError: bad input
         if held is not None:
             self._sinks[request_id] = sink
         return held
@@ -222,13 +226,14 @@ class AsyncEngine:
         priority: int = Priority.INTERACTIVE,
         held_block_hashes: Sequence[bytes] = (),
         layout: KVLayout | None = None,
+        cache_scope: str = "",
     ) -> AsyncGenerator[PrefillEvent, None]:
         """Prefill side: compute the prompt to its first token, then stream the blocks the caller
         does not hold, layer by layer. The blocks stay pinned until this iterator closes (or the
         engine's hold timeout). KVLayoutError when ``layout`` differs from ours, ValueError for
-        bad input or held hashes that are not this prompt's."""
+        bad input or held hashes that are not this prompt's (in ``cache_scope``)."""
         return kv_streams.serve_prefill(self, prompt_token_ids, sampling_params, request_id, priority,
-                                        held_block_hashes, layout)
+                                        held_block_hashes, layout, cache_scope)
 
     # ---- the engine thread, for the KV streams (kv_streams.EngineLoop) ------------------------
     def post(self, fn: Callable[[EngineCore], object]) -> None:
@@ -318,7 +323,8 @@ class AsyncEngine:
     def _add(self, core: EngineCore, command: _Add) -> None:
         try:
             core.add_request(command.prompt_token_ids, command.sampling_params, command.request_id, command.priority,
-                             resume=command.resume, hold_kv=command.hold_kv, tenant=command.tenant)
+                             resume=command.resume, hold_kv=command.hold_kv, tenant=command.tenant,
+                             cache_scope=command.cache_scope)
         except QueueFullError as e:
             _resolve(command.done, error=EngineOverloadedError(str(e)))
         except ValueError as e:

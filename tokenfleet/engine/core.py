@@ -62,17 +62,20 @@ class EngineCore:
         resume: Resume | None = None,
         hold_kv: bool = False,
         tenant: str = "",
+        cache_scope: str = "",
     ) -> str:
         """Validate and queue a request; returns its id. ValueError for bad input, QueueFullError when full.
 
         ``resume``: output tokens (and their text) another replica already delivered; generation
         continues after them. ``hold_kv``: keep the blocks when finished, for a KV transfer
-        (``release_held``), at most ``hold_seconds``."""
+        (``release_held``), at most ``hold_seconds``. ``cache_scope``: who may share its cached
+        blocks (``tokenfleet.kvcache.salt``)."""
         if request_id is not None and "#" in request_id:
             raise ValueError(f"request id {request_id!r} must not contain '#' (it names a request's samples)")
         request = self._new_request(prompt_token_ids, sampling_params, request_id, priority, arrival_time, resume)
         request.hold_blocks = hold_kv
         request.tenant = tenant
+        request.cache_scope = cache_scope
         forks = [self._fork_of(request, i) for i in range(1, sampling_params.n)]
         if forks and (hold_kv or resume is not None):
             raise ValueError("n > 1 cannot be combined with a KV hold or a resume")

@@ -31,6 +31,9 @@ KINDS = ("json_schema", "json_object", "lark", "regex")
 JSON_LAYOUT: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+MAX_SPEC_CHARS = 64 << 10
+
+
 @dataclass(frozen=True)
 class Guided:
     """A grammar the output must match. ``spec``: the schema (JSON text), Lark or regex text;
@@ -42,6 +45,8 @@ class Guided:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"guided decoding kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if len(self.spec) > MAX_SPEC_CHARS:  # compiled per request and cached per grammar on every worker
+            raise GrammarError(f"a {self.kind} grammar may be at most {MAX_SPEC_CHARS} characters, got {len(self.spec)}")
 
 
 class GrammarError(ValueError):

@@ -38,6 +38,7 @@ class Engine(Protocol):
         resume: Resume | None = None,
         kv_source: KVSource | None = None,
         tenant: str = "",
+        cache_scope: str = "",
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream deltas until one with ``finished``. Closing the iterator early aborts the
         request and frees its resources. Raises ValueError for invalid input,
@@ -45,7 +46,8 @@ class Engine(Protocol):
 
         ``resume``: output another replica already delivered (continue after it).
         ``kv_source``: take the prompt's first token and KV from a prefill replica.
-        ``tenant``: who is billed (fair queuing between tenants of one priority)."""
+        ``tenant``: who is billed (fair queuing between tenants of one priority).
+        ``cache_scope``: who may share its cached prefix (tokenfleet.kvcache.salt; "" = everyone)."""
 
     def prefill(
         self,
@@ -55,6 +57,7 @@ class Engine(Protocol):
         priority: int = Priority.INTERACTIVE,
         held_block_hashes: Sequence[bytes] = (),
         layout: KVLayout | None = None,
+        cache_scope: str = "",
     ) -> AsyncGenerator[PrefillEvent, None]:
         """Prefill role: run the prompt to its first token and stream it, then the KV the caller
         lacks (our engine) or one opaque hand-off (a backend with its own transceiver)."""

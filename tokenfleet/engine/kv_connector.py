@@ -34,12 +34,13 @@ class KVConnector:
 
     # ---- decode side: a prompt prefilled elsewhere ------------------------------------------
     def add_remote(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, request_id: str,
-                   priority: int = Priority.INTERACTIVE, tenant: str = "") -> int | None:
+                   priority: int = Priority.INTERACTIVE, tenant: str = "", cache_scope: str = "") -> int | None:
         """Reserve blocks for a prompt prefilled elsewhere. Returns the leading prompt blocks
         already cached here (not to be sent), or None when the blocks are not free now."""
         core = self.core
         request = core._new_request(prompt_token_ids, sampling_params, request_id, priority, None)
         request.tenant = tenant
+        request.cache_scope = cache_scope
         held = core.scheduler.add_remote(request)
         if held is not None:
             core._states[request_id] = OutputState(request, core.tokenizer)

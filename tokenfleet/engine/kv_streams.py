@@ -35,6 +35,7 @@ from tokenfleet.engine.request import Priority, RequestStatus
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.kvcache.block_hash import hash_blocks
 from tokenfleet.kvcache.layout import KVLayout
+from tokenfleet.kvcache.salt import chain_salt
 
 T = TypeVar("T")
 
@@ -47,7 +48,7 @@ class EngineLoop(Protocol):
     def kv_layout(self) -> KVLayout: ...
 
     def generate(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, request_id: str,
-                 priority: int = ..., *, hold_kv: bool = ...) -> AsyncIterator[RequestOutput]: ...
+                 priority: int = ..., *, hold_kv: bool = ..., cache_scope: str = ...) -> AsyncIterator[RequestOutput]: ...
 
     async def call(self, fn: Callable[[EngineCore], T],
                    abandoned: Callable[[EngineCore, Any], None] | None = None) -> T:
@@ -69,11 +70,11 @@ log = structlog.get_logger()
 
 
 async def pull(engine: EngineLoop, request_id: str, prompt: list[int], held: int, kv_source: KVSource,
-                outputs: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
+               outputs: asyncio.Queue[RequestOutput], cache_scope: str = "") -> AsyncIterator[RequestOutput]:
     """Decode side of a transfer: yields the first token's output as soon as it arrives, installs
     the KV, and joins the request to the batch; on any transfer failure computes it here."""
     layout = engine.kv_layout()
-    hashes = hash_blocks(prompt, layout.block_size, layout.hash_salt)[:held]
+    hashes = hash_blocks(prompt, layout.block_size, chain_salt(layout.hash_salt, cache_scope))[:held]
     receiver = KVReceiver(layout, -(-len(prompt) // layout.block_size), held)
     deadline = asyncio.get_running_loop().time() + engine.transfer_timeout
     try:
@@ -126,6 +127,7 @@ async def serve_prefill(
     priority: int = Priority.INTERACTIVE,
     held_block_hashes: Sequence[bytes] = (),
     layout: KVLayout | None = None,
+    cache_scope: str = "",
 ) -> AsyncGenerator[PrefillEvent, None]:
     """Prefill side: compute the prompt to its first token, then stream the blocks the caller
     does not hold, layer by layer. The blocks stay pinned until this iterator closes (or the
@@ -136,7 +138,7 @@ async def serve_prefill(
     if problem is not None:
         raise KVLayoutError(problem)
     prompt = list(prompt_token_ids)
-    hashes = hash_blocks(prompt, mine.block_size, mine.hash_salt)
+    hashes = hash_blocks(prompt, mine.block_size, chain_salt(mine.hash_salt, cache_scope))
     if list(held_block_hashes) != hashes[: len(held_block_hashes)]:
         raise ValueError("held block hashes are not this prompt's leading blocks")
     params = dataclasses.replace(sampling_params, max_tokens=1, min_tokens=min(sampling_params.min_tokens, 1), n=1,
@@ -144,7 +146,7 @@ async def serve_prefill(
                                  stop=())
     first = None
     try:
-        async for out in engine.generate(prompt, params, request_id, priority, hold_kv=True):
+        async for out in engine.generate(prompt, params, request_id, priority, hold_kv=True, cache_scope=cache_scope):
             first = first or (out if out.new_token_ids else None)
         if first is None:
             raise KVTransferError("the prefill produced no token (aborted)")

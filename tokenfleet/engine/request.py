@@ -55,6 +55,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of all_token_ids
     hold_blocks: bool = False  # prefill role: keep the blocks when finished, for a KV transfer
     tenant: str = ""  # who is billed; tenants of one priority are queued fairly (FairQueue)
+    cache_scope: str = ""  # who may share its cached blocks (tokenfleet.kvcache.salt); "" = everyone
     guide: Any = None  # grammar matcher (llguidance.LLMatcher) when sampling_params.guided is set
     index: int = 0  # which of the n samples of its group (forks share the prompt's blocks)
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1.. (prompt_logprobs set)

@@ -35,6 +35,7 @@ from tokenfleet.engine.block_manager import BlockManager
 from tokenfleet.engine.fair_queue import FairQueue
 from tokenfleet.engine.request import FinishReason, Request, RequestStatus
 from tokenfleet.kvcache.block_hash import hash_blocks
+from tokenfleet.kvcache.salt import chain_salt
 
 
 class QueueFullError(RuntimeError):
@@ -104,6 +105,10 @@ class Scheduler:
         self.num_forks = self.num_fork_shared_blocks = self.num_block_copies = 0
 
     # ---- queue management --------------------------------------------------------------
+    def salt(self, request: Request) -> str:
+        """The salt of ``request``'s block-hash chain: this engine's, scoped to who may share (kvcache.salt)."""
+        return chain_salt(self.hash_salt, request.cache_scope)
+
     def add_request(self, request: Request, forks: Sequence[Request] = ()) -> None:
         """Queue a validated request. Raises QueueFullError or ValueError (can never fit).
 
@@ -145,7 +150,7 @@ class Scheduler:
         num_blocks = -(-request.num_tokens // bs)
         if num_blocks > self.block_manager.num_blocks:
             raise ValueError(f"prompt needs {num_blocks} KV blocks; the cache has {self.block_manager.num_blocks}")
-        request.block_hashes = hash_blocks(request.all_token_ids, bs, self.hash_salt)
+        request.block_hashes = hash_blocks(request.all_token_ids, bs, self.salt(request))
 
     # ---- disaggregation ------------------------------------------------------------------
     def add_remote(self, request: Request) -> int | None:
@@ -180,7 +185,7 @@ class Scheduler:
         request = self.remote_request(request_id)
         bs = self.block_manager.block_size
         request.num_computed_tokens = request.num_prompt_tokens
-        request.block_hashes = hash_blocks(request.all_token_ids, bs, self.hash_salt, request.block_hashes)
+        request.block_hashes = hash_blocks(request.all_token_ids, bs, self.salt(request), request.block_hashes)
         if self.config.enable_prefix_caching:
             self.block_manager.cache_blocks(request_id, request.block_hashes[: request.num_prompt_tokens // bs])
         self._lift(request.tenant)
@@ -368,7 +373,7 @@ class Scheduler:
                 request.output_token_ids.append(sampled[entry.request_id])
                 if request.num_tokens % bs == 0:
                     request.block_hashes = hash_blocks(
-                        request.all_token_ids, bs, self.hash_salt, request.block_hashes
+                        request.all_token_ids, bs, self.salt(request), request.block_hashes
                     )
             if self.config.enable_prefix_caching and completed_block:  # else no new full block to record
                 self.block_manager.cache_blocks(
@@ -397,7 +402,7 @@ class Scheduler:
             fork.num_computed_tokens = parent.num_prompt_tokens
             fork.num_cached_tokens = parent.num_cached_tokens
             fork.output_token_ids.append(sampled[fork_id])
-            fork.block_hashes = hash_blocks(fork.all_token_ids, bs, self.hash_salt,
+            fork.block_hashes = hash_blocks(fork.all_token_ids, bs, self.salt(fork),
                                             parent.block_hashes[: parent.num_prompt_tokens // bs])
             fork.status = RequestStatus.RUNNING
             self.requests[fork_id] = fork

@@ -37,6 +37,7 @@ from tokenfleet.engine.request import Request
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig, SchedulerOutput
 from tokenfleet.kvcache.block_hash import hash_blocks
+from tokenfleet.kvcache.salt import chain_salt, request_scope
 from tokenfleet.planning.costs import CostModel, StepShape
 from tokenfleet.planning.workload import Arrival, Source
 from tokenfleet.routing.placement import (
@@ -204,12 +205,12 @@ class Simulator:
         if self._events:  # anything else left to happen (a closed loop ends when its last request does)
             self.at(self.now + self.fleet.report_interval_s, self._report)
 
-    def preload(self, tokens: list[int]) -> None:
+    def preload(self, tokens: list[int], tenant: str = "") -> None:
         """A warm start: leave ``tokens``' KV cached (evictable) where the router would have placed
         them, on the decode replica and on the prefill replica that computed them, as an earlier
-        turn that ran before the simulation would have."""
+        turn of ``tenant`` that ran before the simulation would have."""
         fleet = self.fleet
-        chain = hash_blocks(tokens, fleet.block_size, self.salt)
+        chain = hash_blocks(tokens, fleet.block_size, self._chain_salt(tenant))
         if not chain:
             return
         placement = self._placement(chain, len(tokens))
@@ -256,8 +257,8 @@ class Simulator:
     def _place(self, track: Track) -> None:
         arrival = track.arrival
         try:
-            placement = self._placement(hash_blocks(arrival.prompt, self.fleet.block_size, self.salt),
-                                        len(arrival.prompt))
+            placement = self._placement(hash_blocks(arrival.prompt, self.fleet.block_size,
+                                                    self._chain_salt(arrival.tenant)), len(arrival.prompt))
         except NoReplicaError:
             self._reject(track)
             return
@@ -272,7 +273,11 @@ class Simulator:
 
     def _request(self, arrival: Arrival, max_tokens: int) -> Request:
         return Request(arrival.request_id, arrival.prompt, PARAMS, arrival_time=self.now, max_tokens=max_tokens,
-                       tenant=arrival.tenant)
+                       tenant=arrival.tenant, cache_scope=request_scope(arrival.tenant))
+
+    def _chain_salt(self, tenant: str) -> str:
+        """As the router hashes a prompt: tenants never share cached prefixes (tokenfleet.kvcache.salt)."""
+        return chain_salt(self.salt, request_scope(tenant))
 
     def _add_local(self, track: Track) -> None:
         replica = self.replicas[track.replica]

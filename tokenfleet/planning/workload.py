@@ -59,7 +59,7 @@ class Simulation(Protocol):
 
     def submit(self, arrival: Arrival) -> None: ...
 
-    def preload(self, tokens: list[int]) -> None: ...
+    def preload(self, tokens: list[int], tenant: str = "") -> None: ...
 
 
 class Source(Protocol):
@@ -181,7 +181,7 @@ class ChatTraffic:
                 conv.transcript += segment(next(self._uids), self._length(self.conv.output_tokens))
                 conv.turn += 1
             if len(conv.transcript) < self.conv.max_context // 2:
-                sim.preload(conv.transcript)
+                sim.preload(conv.transcript, f"tenant-{conv.tenant}")
                 sim.at(self._residual(cycle), self._send, conv)
 
     def _residual(self, cycle: float) -> float:

@@ -20,13 +20,19 @@ from tokenfleet.tenancy.ratelimit import Limits, TenantBudget
 from tokenfleet.tenancy.tenants import AuthError, Directory, Tenant
 
 log = structlog.get_logger()
-ANONYMOUS = Tenant("anonymous")
+ANONYMOUS = Tenant("anonymous", max_concurrent=0)  # auth off: one trust domain, no limits
 
 
 @dataclass(frozen=True)
 class Caller:
     tenant: Tenant
     key_id: str = ""
+
+    @property
+    def sees_placement(self) -> bool:
+        """May learn which replica served it: an internal tenant, or everyone when auth is off
+        (one trust domain). Other tenants could use it to probe each other's traffic."""
+        return self.tenant.internal or self.tenant == ANONYMOUS
 
 
 ANONYMOUS_CALLER = Caller(ANONYMOUS)
@@ -67,32 +73,70 @@ class Ticket:
 
 class Admission:
     def __init__(self, directory: Directory | None = None, ledger: Ledger | None = None,
-                 share: Callable[[], float] = lambda: 1.0, clock: Callable[[], float] = time.monotonic):
+                 share: Callable[[], float | None] = lambda: 1.0, clock: Callable[[], float] = time.monotonic):
         self.directory = directory
         self.ledger = ledger
         self.share = share
         self.clock = clock
         self.budgets: dict[str, TenantBudget] = {}
 
-    def authenticate(self, authorization: str | None) -> Caller:
+    def authenticate(self, authorization: str | None, peer: str = "") -> Caller:
+        """The caller of a request; 401 for a missing, unknown or revoked key, logged with the client's
+        address (``peer``) and the key id it claimed, never the key."""
         if self.directory is None:
             return Caller(ANONYMOUS)
         key = authorization.removeprefix("Bearer ").strip() if authorization else None
         try:
             tenant, record = self.directory.authenticate(key)
         except AuthError as e:
+            log.warning("authentication failed", peer=peer, reason=str(e))
             raise APIError(401, str(e), code="invalid_api_key") from e
         return Caller(tenant, record.key_id)
 
     def budget(self, tenant: Tenant) -> TenantBudget:
+        """The tenant's budget on this gateway; 503 for a tenant with limits while this gateway does not
+        know how many gateways share them (fails closed: never N gateways each granting the whole)."""
         limits = Limits(tenant.tokens_per_minute, tenant.requests_per_minute, tenant.max_concurrent)
         budget = self.budgets.get(tenant.name)
         now, share = self.clock(), self.share()
+        if share is None:
+            if limits == Limits(0, 0, 0):
+                share = 1.0  # nothing to split
+            else:
+                raise APIError(503, "budgets are unavailable: this gateway cannot reach the cluster's gateway "
+                               "membership to know its share", "server_error", code="budget_unavailable",
+                               headers={"retry-after": "2"})
         if budget is None or budget.limits != limits:  # new tenant, or its limits were edited
             budget = self.budgets[tenant.name] = TenantBudget(limits, share, now)
         elif budget.share != share:  # gateways joined or left
             budget.rescale(share, now)
         return budget
+
+    def precheck(self, caller: Caller, request_id: str, endpoint: str, headers: dict[str, str] | None = None) -> None:
+        """The cheap refusal before a request is prepared: 429 when the tenant could not be admitted
+        now whatever the request (streams at its limit, request or token bucket empty)."""
+        budget = self.budget(caller.tenant)
+        now = self.clock()
+        denied = budget.precheck(now)
+        if denied is not None:  # the transport records the refusal (``refused``), as for any other before admission
+            self._deny(caller, budget, denied, now, request_id, "", endpoint, 0, headers, record=False)
+
+    def _deny(self, caller: Caller, budget: TenantBudget, denied: Denied, now: float, request_id: str, model: str,
+              endpoint: str, prompt_tokens: int, headers: dict[str, str] | None, record: bool = True) -> None:
+        """Refuse with 429: the rate-limit headers, a `rejected` ledger record, a log line."""
+        tenant = caller.tenant
+        state = budget.headers(now)
+        if headers is not None:
+            headers.update(state)
+        if denied.retry_after is not None:
+            state["retry-after"] = str(max(1, math.ceil(denied.retry_after)))
+        if self.ledger is not None and record:
+            wall = time.time()
+            self.ledger.submit(UsageRecord(request_id, tenant.name, model, endpoint, "rejected", caller.key_id,
+                                           prompt_tokens, started_at=wall, finished_at=wall, detail=denied.reason))
+        log.info("rate limited", tenant=tenant.name, key_id=caller.key_id, reason=denied.reason)
+        raise APIError(429, f"Rate limit reached for tenant {tenant.name!r}: {denied.reason}.", "requests",
+                       code="rate_limit_exceeded", headers=state)
 
     def admit(self, caller: Caller, model: str, endpoint: str, request_id: str, prompt_tokens: int,
               reserve: int, headers: dict[str, str] | None = None) -> Ticket:
@@ -106,19 +150,10 @@ class Admission:
         budget = self.budget(tenant)
         now = self.clock()
         denied = budget.admit(reserve, now)
-        state = budget.headers(now)
-        if headers is not None:
-            headers.update(state)
         if denied is not None:
-            if denied.retry_after is not None:
-                state["retry-after"] = str(max(1, math.ceil(denied.retry_after)))
-            if self.ledger is not None:
-                wall = time.time()
-                self.ledger.submit(UsageRecord(request_id, tenant.name, model, endpoint, "rejected", caller.key_id,
-                                               prompt_tokens, started_at=wall, finished_at=wall, detail=denied.reason))
-            log.info("rate limited", tenant=tenant.name, key_id=caller.key_id, reason=denied.reason)
-            raise APIError(429, f"Rate limit reached for tenant {tenant.name!r}: {denied.reason}.", "requests",
-                           code="rate_limit_exceeded", headers=state)
+            self._deny(caller, budget, denied, now, request_id, model, endpoint, prompt_tokens, headers)
+        if headers is not None:
+            headers.update(budget.headers(now))
         return Ticket(self, caller, model, endpoint, request_id, prompt_tokens, reserve)
 
     def refused(self, caller: Caller, request_id: str, endpoint: str, status: int, model: str = "") -> None:

@@ -6,6 +6,8 @@ import argparse
 import asyncio
 from datetime import UTC, datetime
 
+from tokenfleet.tenancy.tenants import DEFAULT_MAX_CONCURRENT
+
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     tenants = sub.add_parser("tenants", help="manage tenants and API keys").add_subparsers(title="tenants commands")
@@ -14,8 +16,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add.add_argument("--tier", choices=["interactive", "batch"], default="interactive")
     add.add_argument("--tokens-per-minute", type=int, default=0, help="0 = unlimited")
     add.add_argument("--requests-per-minute", type=int, default=0, help="0 = unlimited")
-    add.add_argument("--max-concurrent", type=int, default=0, help="open streams at once; 0 = unlimited")
+    add.add_argument("--max-concurrent", type=int, default=DEFAULT_MAX_CONCURRENT,
+                     help=f"open streams at once, split between gateways (default {DEFAULT_MAX_CONCURRENT}); 0 = unlimited")
     add.add_argument("--models", default="", help="comma-separated models it may use (default: all)")
+    add.add_argument("--cache-group", default="", help="tenants of one group share cached prompt prefixes (e.g. one "
+                     "company's keys); default: the tenant alone")
+    add.add_argument("--internal", action="store_true",
+                     help="an operator's tenant: responses name the replica that served them (x-tokenfleet-replica)")
     add.add_argument("--update", action="store_true", help="change an existing tenant's settings (no new key)")
     add.add_argument("--if-missing", action="store_true", help="do nothing (exit 0) when the tenant exists")
     add.set_defaults(func=_cmd_add)
@@ -49,7 +56,8 @@ def _tenant(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from tokenfleet.tenancy.tenants import Tenant
 
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
-    return Tenant(args.name, args.tier, args.tokens_per_minute, args.requests_per_minute, args.max_concurrent, models)
+    return Tenant(args.name, args.tier, args.tokens_per_minute, args.requests_per_minute, args.max_concurrent, models,
+                  cache_group=args.cache_group, internal=args.internal)
 
 
 def _run(args: argparse.Namespace, operation):  # type: ignore[no-untyped-def]

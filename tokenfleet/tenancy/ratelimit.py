@@ -61,6 +61,12 @@ class TokenBucket:
         self.capacity, self.tokens = capacity, capacity * fraction
 
 
+def concurrent_share(max_concurrent: int, share: float) -> int:
+    """This gateway's part of a tenant's open-stream limit (0 = unlimited): split like the per-minute
+    budgets, rounded down, at least one (so with more gateways than the limit, each still serves one)."""
+    return max(1, int(max_concurrent * share + 1e-9)) if max_concurrent else 0
+
+
 @dataclass(frozen=True)
 class Limits:
     tokens_per_minute: int  # 0 = unlimited
@@ -82,18 +88,32 @@ class TenantBudget:
         self.share = share
         self.tokens = TokenBucket.full(limits.tokens_per_minute * share, now)
         self.requests = TokenBucket.full(limits.requests_per_minute * share, now)
+        self.max_open = concurrent_share(limits.max_concurrent, share)
         self.open = 0
 
     def rescale(self, share: float, now: float) -> None:
         self.share = share
         self.tokens.rescale(self.limits.tokens_per_minute * share, now)
         self.requests.rescale(self.limits.requests_per_minute * share, now)
+        self.max_open = concurrent_share(self.limits.max_concurrent, share)
+
+    def precheck(self, now: float) -> Denied | None:
+        """Would any request be refused now, whatever its size? Takes nothing: the gateway asks before
+        it spends time preparing a request (templating, tokenizing), then ``admit`` decides."""
+        lim = self.limits
+        if self.max_open and self.open >= self.max_open:
+            return Denied(self._open_reason(), 1.0)
+        if lim.requests_per_minute and self.requests.wait_for(1, now) > 0:
+            return Denied(f"over {lim.requests_per_minute} requests per minute", self.requests.wait_for(1, now))
+        if lim.tokens_per_minute and self.tokens.wait_for(1, now) > 0:
+            return Denied(f"over {lim.tokens_per_minute} tokens per minute", self.tokens.wait_for(1, now))
+        return None
 
     def admit(self, reserve_tokens: int, now: float) -> Denied | None:
         """Reserve a request and its tokens, or say why not (nothing is taken then)."""
         lim = self.limits
-        if lim.max_concurrent and self.open >= lim.max_concurrent:
-            return Denied(f"{self.open} streams open; the tenant's limit is {lim.max_concurrent}", 1.0)
+        if self.max_open and self.open >= self.max_open:
+            return Denied(self._open_reason(), 1.0)
         if lim.tokens_per_minute and reserve_tokens > self.tokens.capacity:
             return Denied(f"the request may use {reserve_tokens} tokens; this gateway's share of the tenant's "
                           f"budget is {self.tokens.capacity:.0f} per minute", None)
@@ -106,6 +126,10 @@ class TenantBudget:
                           self.tokens.wait_for(reserve_tokens, now))
         self.open += 1
         return None
+
+    def _open_reason(self) -> str:
+        split = "" if self.max_open == self.limits.max_concurrent else f" ({self.max_open} on this gateway)"
+        return f"{self.open} streams open; the tenant's limit is {self.limits.max_concurrent}{split}"
 
     def settle(self, reserved: int, used: int, now: float) -> None:
         """The request ended having used ``used`` tokens: the rest of its reservation goes back."""

@@ -6,7 +6,11 @@ under a second on a healthy etcd)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import fcntl
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -104,28 +108,44 @@ class EtcdTenantStore(TenantStore):
 
 
 class FileTenantStore(TenantStore):
-    """A YAML file, loaded once and saved after every change."""
+    """A YAML file. Every change holds an exclusive lock on ``<file>.lock``, re-reads the file, applies
+    itself and replaces the file atomically: two editors at once never lose each other's changes (a
+    revocation, say), and a gateway re-reading it never sees half a file."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._directory = load_file(self.path) if self.path.exists() else Directory()
 
     async def directory(self) -> Directory:
+        """The file as it is now (another editor may have changed it since this store opened it)."""
+        self._directory = load_file(self.path) if self.path.exists() else Directory()
         return self._directory
 
+    @contextlib.contextmanager
+    def _editing(self) -> Iterator[Directory]:
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                self._directory = load_file(self.path) if self.path.exists() else Directory()
+                yield self._directory
+                save_file(self.path, self._directory)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
     async def _create_tenant(self, tenant: Tenant) -> bool:
-        if tenant.name in self._directory.tenants:
-            return False
-        await self._put_tenant(tenant)
+        with self._editing() as directory:
+            if tenant.name in directory.tenants:
+                return False
+            directory.tenants[tenant.name] = tenant
         return True
 
     async def _put_tenant(self, tenant: Tenant) -> None:
-        self._directory.tenants[tenant.name] = tenant
-        save_file(self.path, self._directory)
+        with self._editing() as directory:
+            directory.tenants[tenant.name] = tenant
 
     async def _put_key(self, record: ApiKey) -> None:
-        self._directory.keys[record.key_hash] = record
-        save_file(self.path, self._directory)
+        with self._editing() as directory:
+            directory.keys[record.key_hash] = record
 
 
 async def follow_directory(etcd: EtcdClient, directory: Directory, synced: asyncio.Event | None = None) -> None:
@@ -174,4 +194,11 @@ def save_file(path: str | Path, directory: Directory) -> None:
     data = {"tenants": {name: {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(t).items()
                                if k != "name"} for name, t in sorted(directory.tenants.items())},
             "keys": [dataclasses.asdict(k) for k in directory.keys.values()]}
-    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # key hashes: the owner's only
+    with os.fdopen(fd, "w") as f:
+        f.write(yaml.safe_dump(data, sort_keys=False))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

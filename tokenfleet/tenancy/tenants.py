@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 TIERS = ("interactive", "batch")
+DEFAULT_MAX_CONCURRENT = 64  # a new tenant's open-stream limit unless it says otherwise
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _KEY = re.compile(r"^tfk_([A-Za-z0-9]{8})_([A-Za-z0-9_-]{32})$")
 
@@ -26,12 +27,18 @@ class Tenant:
     tier: str = "interactive"
     tokens_per_minute: int = 0  # 0 = unlimited
     requests_per_minute: int = 0  # 0 = unlimited
-    max_concurrent: int = 0  # open streams at once; 0 = unlimited
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT  # open streams at once; 0 = unlimited (must be said)
     models: tuple[str, ...] = ()  # model names (or aliases) it may use; empty = all
+    # Tenants of one cache group share cached prompt prefixes (e.g. one company's keys); "" = its own.
+    cache_group: str = ""
+    # An operator's or the platform's own tenant: responses name the replica that served them.
+    internal: bool = False
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
             raise ValueError(f"tenant name {self.name!r}: 1-64 letters, digits, '.', '_' or '-'")
+        if self.cache_group and not _NAME.match(self.cache_group):
+            raise ValueError(f"cache group {self.cache_group!r}: 1-64 letters, digits, '.', '_' or '-'")
         if self.tier not in TIERS:
             raise ValueError(f"tier must be one of {', '.join(TIERS)}, got {self.tier!r}")
         for field in ("tokens_per_minute", "requests_per_minute", "max_concurrent"):

@@ -18,7 +18,7 @@ WORKER_STATE_SERVING: WorkerState
 WORKER_STATE_DRAINING: WorkerState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "prefill", "resume", "tenant", "ttft_objective_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "prefill", "resume", "tenant", "ttft_objective_ms", "cache_scope")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class GenerateRequest(_message.Message):
     RESUME_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TTFT_OBJECTIVE_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -35,7 +36,8 @@ class GenerateRequest(_message.Message):
     resume: ResumeState
     tenant: str
     ttft_objective_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., prefill: _Optional[_Union[PrefillSource, _Mapping]] = ..., resume: _Optional[_Union[ResumeState, _Mapping]] = ..., tenant: _Optional[str] = ..., ttft_objective_ms: _Optional[int] = ...) -> None: ...
+    cache_scope: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., prefill: _Optional[_Union[PrefillSource, _Mapping]] = ..., resume: _Optional[_Union[ResumeState, _Mapping]] = ..., tenant: _Optional[str] = ..., ttft_objective_ms: _Optional[int] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class PrefillSource(_message.Message):
     __slots__ = ("replica_id", "address")
@@ -70,7 +72,7 @@ class KVLayout(_message.Message):
     def __init__(self, hash_salt: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "held_block_hashes", "layout", "tenant")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "held_block_hashes", "layout", "tenant", "cache_scope")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +80,7 @@ class PrefillRequest(_message.Message):
     HELD_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -85,7 +88,8 @@ class PrefillRequest(_message.Message):
     held_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     layout: KVLayout
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., held_block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
+    cache_scope: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., held_block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., tenant: _Optional[str] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class PrefillStarted(_message.Message):
     __slots__ = ("token_id", "logprob", "num_cached_tokens", "first_block", "num_blocks", "num_chunks")

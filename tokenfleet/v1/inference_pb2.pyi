@@ -90,7 +90,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class ChatCompletionRequest(_message.Message):
-    __slots__ = ("model", "messages", "sampling", "logprobs", "top_logprobs", "n", "include_usage", "tools", "tool_choice", "parallel_tool_calls", "response_format_json", "user")
+    __slots__ = ("model", "messages", "sampling", "logprobs", "top_logprobs", "n", "include_usage", "tools", "tool_choice", "parallel_tool_calls", "response_format_json", "user", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class ChatCompletionRequest(_message.Message):
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_JSON_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingOptions
@@ -115,7 +116,8 @@ class ChatCompletionRequest(_message.Message):
     parallel_tool_calls: bool
     response_format_json: str
     user: str
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., include_usage: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., response_format_json: _Optional[str] = ..., user: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., include_usage: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., response_format_json: _Optional[str] = ..., user: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class LogprobToken(_message.Message):
     __slots__ = ("token", "logprob", "bytes")
@@ -168,7 +170,7 @@ class ChatCompletionChunk(_message.Message):
     def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., created: _Optional[int] = ..., choices: _Optional[_Iterable[_Union[ChatChoiceDelta, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
 
 class CompletionRequest(_message.Message):
-    __slots__ = ("model", "prompt", "prompt_token_ids", "sampling", "logprobs", "n", "include_usage", "echo", "user")
+    __slots__ = ("model", "prompt", "prompt_token_ids", "sampling", "logprobs", "n", "include_usage", "echo", "user", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +180,7 @@ class CompletionRequest(_message.Message):
     INCLUDE_USAGE_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     prompt_token_ids: TokenIds
@@ -187,7 +190,8 @@ class CompletionRequest(_message.Message):
     include_usage: bool
     echo: bool
     user: str
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., include_usage: _Optional[bool] = ..., echo: _Optional[bool] = ..., user: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., include_usage: _Optional[bool] = ..., echo: _Optional[bool] = ..., user: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

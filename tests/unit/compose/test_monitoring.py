@@ -57,7 +57,7 @@ def test_prometheus_scrapes_ports_services_expose() -> None:
         assert port in exposed_ports(services()[host]), f"scrape target {target}: {host} does not expose {port}"
     gateway = server_argv("gateway")
     assert gateway is not None
-    assert f"gateway:{flag(gateway, '--port')}" in targets, "the gateway's HTTP port (its /metrics) is not scraped"
+    assert f"gateway:{flag(gateway, '--metrics-port')}" in targets, "the gateway's metrics port is not scraped"
     for name in tokenfleet_services():
         argv = server_argv(name)
         if argv is None or argv[1] not in WORKER_ROLES:

@@ -194,3 +194,15 @@ def test_the_internal_plane_is_mutual_tls() -> None:
     assert urls and all(w.split("=", 1)[1].startswith("https://") for w in urls), urls
     assert etcd["depends_on"]["certs"]["condition"] == "service_completed_successfully"
     assert ("certs", "/certs") in mounts(etcd)
+
+
+def test_the_image_takes_only_hash_pinned_torch_from_a_second_index() -> None:
+    """No extra index for the whole install (dependency confusion): torch alone from PyTorch's CPU index,
+    every requirement there pinned to a hash; everything else from PyPI."""
+    text = (COMPOSE_DIR / "Dockerfile").read_text()
+    assert "PIP_EXTRA_INDEX_URL" not in text and "--extra-index-url" not in text
+    runs = [args for instruction, args in dockerfile() if instruction == "RUN" and "--index-url" in args]
+    assert runs and "--require-hashes" in runs[0] and "-r torch-cpu.txt" in runs[0]
+    pinned = [line for line in (COMPOSE_DIR / "torch-cpu.txt").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    assert pinned and all(re.search(r"==\S+ --hash=sha256:[0-9a-f]{64}$", line) for line in pinned)

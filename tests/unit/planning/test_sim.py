@@ -131,7 +131,7 @@ class Recorder:
         self.sent.append((self.now, arrival))
         self.at(self.now + 1.0, lambda a: self.source.finished(self, a, a.max_tokens), arrival)
 
-    def preload(self, tokens):
+    def preload(self, tokens, tenant=""):
         self.preloaded.append(tokens)
 
     def run(self, end):

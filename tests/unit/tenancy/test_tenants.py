@@ -41,3 +41,24 @@ def test_tenant_validation_and_allowed_models():
     for bad in ({"name": "a/b"}, {"name": "x", "tier": "gold"}, {"name": "x", "tokens_per_minute": -1}):
         with pytest.raises(ValueError):
             Tenant(**bad)
+
+
+def test_concurrent_editors_of_a_tenants_file_lose_no_change(tmp_path):
+    """Two stores opened on one file before either edits (two CLI runs at once): both changes survive,
+    and the file is replaced whole (mode 0600: it holds key hashes)."""
+    import asyncio
+    import stat
+
+    from tokenfleet.tenancy.store import FileTenantStore, load_file
+
+    path = tmp_path / "tenants.yaml"
+    first, second = FileTenantStore(path), FileTenantStore(path)
+    key = asyncio.run(first.add(Tenant("acme")))
+    asyncio.run(second.add(Tenant("globex")))  # opened before acme existed
+    assert key is not None
+    asyncio.run(second.revoke(key.split("_")[1]))  # revokes acme's key, which it never loaded itself
+    directory = load_file(path)
+    assert set(directory.tenants) == {"acme", "globex"}
+    assert [k.revoked for k in directory.keys.values() if k.tenant == "acme"] == [True]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert not list(tmp_path.glob(".tenants.yaml.*.tmp"))

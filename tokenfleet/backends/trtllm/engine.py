@@ -203,10 +203,13 @@ class TrtllmEngine:
             raise ValueError(f"prompt has {len(prompt)} tokens; the model's context is {self.max_model_len}")
         return params.output_limit(self.max_model_len, len(prompt))
 
-    def _submit(self, prompt: list[int], sp: Any, streaming: bool, disaggregated: Any = None) -> Any:
+    def _submit(self, prompt: list[int], sp: Any, streaming: bool, disaggregated: Any = None,
+                cache_scope: str = "") -> Any:
+        """``cache_scope`` becomes the library's ``cache_salt``: prefix reuse only within it."""
+        extra = {"cache_salt": cache_scope} if cache_scope else {}
         try:
             return self.llm.generate_async(prompt, sampling_params=sp, streaming=streaming,
-                                           disaggregated_params=disaggregated)
+                                           disaggregated_params=disaggregated, **extra)
         except self.api.RequestError as e:
             raise ValueError(str(e)) from e
         except ValueError:
@@ -224,6 +227,7 @@ class TrtllmEngine:
         resume: Resume | None = None,
         kv_source: KVSource | None = None,
         tenant: str = "",
+        cache_scope: str = "",
     ) -> AsyncGenerator[RequestOutput, None]:
         """``resume`` continues after delivered tokens by appending them to the prompt (the library
         cannot start a request with output): penalties then see them as prompt tokens.
@@ -255,9 +259,10 @@ class TrtllmEngine:
         handle: Any
         first = None
         if disaggregated is None:
-            handle = self._submit(prompt, local_params(), True, None)
+            handle = self._submit(prompt, local_params(), True, None, cache_scope)
         else:
-            handle, first = await self._start_generation_only(prompt, local_params, disaggregated, request_id)
+            handle, first = await self._start_generation_only(prompt, local_params, disaggregated, request_id,
+                                                              cache_scope)
         self._handles[request_id] = handle
         running = set(range(sampling_params.n))
         sent: dict[int, tuple[int, int]] = {}  # index -> (tokens, characters) already emitted
@@ -298,13 +303,13 @@ class TrtllmEngine:
                 self._stats.num_aborted += 1
 
     async def _start_generation_only(self, prompt: list[int], local_params: Callable[[], Any], disaggregated: Any,
-                                     request_id: str) -> tuple[Any, Any]:
+                                     request_id: str, cache_scope: str = "") -> tuple[Any, Any]:
         """Submit the decode phase and wait (at most ``transfer_timeout``) for its first result; a refusal
         or a wedge (the context state is gone, a transceiver never delivers) prefills here instead.
         Returns (handle, first result or None)."""
         handle = None
         try:
-            handle = self._submit(prompt, local_params(), True, disaggregated)
+            handle = self._submit(prompt, local_params(), True, disaggregated, cache_scope)
             async with asyncio.timeout(self.transfer_timeout):
                 first = await anext(handle.__aiter__())
             self._stats.num_remote_prefills += 1  # counted once the decode phase has produced
@@ -316,7 +321,7 @@ class TrtllmEngine:
             log.warning("generation_only failed; prefilling locally", engine_request_id=request_id,
                         error=str(e) or type(e).__name__)
             self._stats.num_remote_fallbacks += 1
-            return self._submit(prompt, local_params(), True, None), None
+            return self._submit(prompt, local_params(), True, None, cache_scope), None
 
     def _deltas(self, request_id: str, result: Any, running: set[int], sent: dict[int, tuple[int, int]],
                 num_prompt: int, num_resumed: int) -> list[RequestOutput]:
@@ -386,6 +391,7 @@ class TrtllmEngine:
         priority: int = Priority.INTERACTIVE,
         held_block_hashes: Sequence[bytes] = (),
         layout: KVLayout | None = None,
+        cache_scope: str = "",
     ) -> AsyncGenerator[PrefillEvent, None]:
         """Prefill role: a context_only request; its KV stays in the library until the decode side
         pulls it or ``kv_transfer_timeout_ms`` passes (there is no release call)."""
@@ -398,7 +404,7 @@ class TrtllmEngine:
         max_tokens = self._max_tokens(prompt, sampling_params)
         sp = translate.sampling(self.api, sampling_params, max_tokens, context_only=True,
                                 guided_backend=self.spec.guided_decoding_backend, vocab_size=self.vocab_size)
-        handle = self._submit(prompt, sp, False, self.api.DisaggregatedParams(request_type="context_only"))
+        handle = self._submit(prompt, sp, False, self.api.DisaggregatedParams(request_type="context_only"), cache_scope)
         self._handles[request_id] = handle
         try:
             result = await handle.aresult()
