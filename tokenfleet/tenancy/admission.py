@@ -16,7 +16,7 @@ import structlog
 
 from tokenfleet.api.openai_schema import APIError
 from tokenfleet.tenancy.ledger import Ledger, UsageRecord
-from tokenfleet.tenancy.ratelimit import Limits, TenantBudget
+from tokenfleet.tenancy.ratelimit import Denied, Limits, TenantBudget
 from tokenfleet.tenancy.tenants import AuthError, Directory, Tenant
 
 log = structlog.get_logger()
