@@ -36,8 +36,10 @@ WORKER_CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 # A worker that has not produced a request's first response after this many times its tier's TTFT
-# objective is given up on for that request (placed again), whatever the reason it is silent.
+# objective (at least FIRST_RESPONSE_MIN_S) is given up on for that request (placed again), whatever
+# the reason it is silent. Workers refuse at once what they predict to miss the objective itself.
 FIRST_RESPONSE_DEADLINE_FACTOR = 2.0
+FIRST_RESPONSE_MIN_S = 60.0
 # How a stream looks when its replica died mid-way (connection reset, RST_STREAM, server gone).
 LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
         grpc.StatusCode.CANCELLED)
@@ -193,9 +195,9 @@ class Dispatcher:
     async def _with_first_deadline(self, call: grpc.aio.UnaryStreamCall, job: Job
                                    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         """The call's responses; DEADLINE_EXCEEDED (the call cancelled) when the first takes longer than
-        FIRST_RESPONSE_DEADLINE_FACTOR x the tier's TTFT objective."""
+        FIRST_RESPONSE_DEADLINE_FACTOR x the tier's TTFT objective (at least FIRST_RESPONSE_MIN_S)."""
         responses = call.__aiter__()
-        deadline = FIRST_RESPONSE_DEADLINE_FACTOR * self.ttft_objectives.get(job.tenant.tier, 0) or None
+        deadline = max(FIRST_RESPONSE_MIN_S, FIRST_RESPONSE_DEADLINE_FACTOR * self.ttft_objectives.get(job.tenant.tier, 0))
         try:
             first = await asyncio.wait_for(anext(responses), deadline)
         except StopAsyncIteration:

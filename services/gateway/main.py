@@ -8,8 +8,8 @@ import contextlib
 import os
 import signal
 import socket
-from pathlib import Path
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import structlog
 import uvicorn

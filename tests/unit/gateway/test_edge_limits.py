@@ -92,6 +92,6 @@ def test_the_precheck_refuses_before_preparation_and_takes_nothing():
 
 
 def test_budget_precheck_ignores_request_size():
-    budget = TenantBudget(Limits(tokens_per_minute=100), 1.0, 0.0)
+    budget = TenantBudget(Limits(100, 0, 0), 1.0, 0.0)
     assert budget.precheck(0.0) is None  # a 1000-token request is admit()'s to refuse, not the precheck's
     assert budget.admit(1000, 0.0) is not None

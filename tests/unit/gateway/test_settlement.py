@@ -9,9 +9,9 @@ from types import SimpleNamespace
 from tokenfleet.services.gateway.pipeline import Gateway, Prepared, Run
 
 from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.telemetry.metrics import RequestTimer
 from tokenfleet.tenancy.admission import Admission, Caller
 from tokenfleet.tenancy.tenants import Tenant
-from tokenfleet.telemetry.metrics import RequestTimer
 from tokenfleet.v1 import engine_pb2
 
 
@@ -21,16 +21,16 @@ def _run(admission: Admission, closed: list[bool]) -> Run:
     model = SimpleNamespace(name="m", tokenizer=SimpleNamespace(decode=lambda ids, **_: "x"), tool_format="")
     prepared = Prepared(model, "chatcmpl-1", [1, 2, 3], SamplingParams(max_tokens=10), False)  # type: ignore[arg-type]
 
-    async def stream():  # the worker's stream after its first response: never ends by itself
+    async def stream():  # the worker's stream (its first response taken by open()): never ends by itself
         try:
+            yield engine_pb2.GenerateResponse(chunk=engine_pb2.TokenChunk(token_ids=[5], text="x"))
             while True:
                 await asyncio.sleep(0.01)
                 yield engine_pb2.GenerateResponse(chunk=engine_pb2.TokenChunk(token_ids=[7], text="x"))
         finally:
             closed.append(True)
 
-    first = engine_pb2.GenerateResponse(chunk=engine_pb2.TokenChunk(token_ids=[5], text="x"))
-    return Run(prepared, first, stream(), ticket)
+    return Run(prepared, engine_pb2.GenerateResponse(), stream(), ticket)  # first: set once started
 
 
 def test_leaving_after_the_role_chunk_settles_the_reservation():
@@ -38,6 +38,7 @@ def test_leaving_after_the_role_chunk_settles_the_reservation():
         admission, closed = Admission(), []
         run = _run(admission, closed)
         gateway = Gateway(["unused:1"], models=None)  # type: ignore[arg-type]
+        run.first = await anext(run.stream)  # as Gateway.open does
         events = gateway.events(run, RequestTimer(gateway.metrics))
         await anext(events)  # Opened: the role chunk, before any token
         await events.aclose()  # the client went away
@@ -51,7 +52,7 @@ def test_a_stream_never_read_is_settled_by_abandon():
     async def scenario() -> tuple[int, bool, list[bool]]:
         admission, closed = Admission(), []
         run = _run(admission, closed)
-        await anext(run.stream)  # started on the worker side; the HTTP layer never iterated the events
+        run.first = await anext(run.stream)  # placed and answered; the HTTP layer never iterated the events
         await run.abandon()
         await run.abandon()  # twice: still one settlement
         return admission.budgets["t"].open, run.ticket.settled, closed
