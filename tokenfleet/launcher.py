@@ -39,13 +39,16 @@ class Cluster:
     etcd: EtcdServer
     processes: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     gateway_url: str = ""
+    gateway_metrics: str = ""  # host:port of the gateway's /metrics (not on the public API port)
+    announced: dict[str, list[str]] = field(default_factory=dict)  # lines each service printed before LISTENING
     owns_state: bool = True  # `tokenfleet up`'s cluster: its state file goes with it
 
     def spawn(self, name: str, *args: str, threads: int = 1) -> str:
         proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, text=True,
                                 env={**os.environ, "TOKENFLEET_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
         self.processes.append((name, proc))
-        return wait_listening(name, proc)
+        lines = self.announced[name] = []
+        return wait_listening(name, proc, lines)
 
     def stop(self) -> None:
         for _name, proc in reversed(self.processes):
@@ -60,8 +63,9 @@ class Cluster:
             state_file().unlink(missing_ok=True)
 
 
-def wait_listening(name: str, proc: subprocess.Popen, timeout: float = 300) -> str:
-    """The address a service prints (``LISTENING host:port``) once it serves."""
+def wait_listening(name: str, proc: subprocess.Popen, before: list[str] | None = None, timeout: float = 300) -> str:
+    """The address a service prints (``LISTENING host:port``) once it serves; the lines it printed
+    before (``METRICS host:port``, ...) go to ``before``."""
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -69,6 +73,8 @@ def wait_listening(name: str, proc: subprocess.Popen, timeout: float = 300) -> s
         if line.startswith("LISTENING "):
             threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
             return line.split()[1]
+        if before is not None and line:
+            before.append(line.strip())
         if not line and proc.poll() is not None:
             break
     raise RuntimeError(f"{name} failed to start (exit {proc.poll()})")
@@ -151,8 +157,10 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
         router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", etcd, "--registry", registry, *audit)
         keys = ["--auth", "on", "--etcd", etcd] if auth else []
         gateway = cluster.spawn("gateway", "tokenfleet.services.gateway", "--router", router, "--registry", registry,
-                                "--host", host, "--port", str(gateway_port), *keys, *tls)
+                                "--host", host, "--port", str(gateway_port), "--metrics-port", "0", *keys, *tls)
         cluster.gateway_url = f"http://{gateway}"
+        cluster.gateway_metrics = next((line.split()[1] for line in cluster.announced["gateway"]
+                                        if line.startswith("METRICS ")), "")
         if not auth:
             _wait_serving(cluster.gateway_url, model_name)
         else:  # no tenant yet to ask with: the router places the model and the gateway's /health is 200
@@ -165,6 +173,7 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
     if record:
         state = {"pid": os.getpid(), "gateway": cluster.gateway_url, "etcd": etcd, "registry": registry,
                  "certs": str(folder or ""), "insecure": folder is None, "auth": auth,
+                 "gateway_metrics": cluster.gateway_metrics,
                  "started": _process_start(os.getpid())}
         state_file().parent.mkdir(parents=True, exist_ok=True)
         state_file().write_text(json.dumps(state))

@@ -18,6 +18,7 @@ from tokenfleet.services.gateway.app import MAX_BODY_BYTES, create_app
 from tokenfleet.services.gateway.catalog import ModelCatalog, ServedModel, load_served
 from tokenfleet.services.gateway.dispatch import DEFAULT_TTFT_OBJECTIVES
 from tokenfleet.services.gateway.grpc_api import InferenceAPI
+from tokenfleet.services.gateway.http_protocol import HeadTimeoutH11Protocol
 from tokenfleet.services.gateway.pipeline import Gateway
 from tokenfleet.services.registry.client import watch_registry
 
@@ -138,6 +139,7 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("gateway admission", auth=args.auth, ledger=args.ledger)
     serve_metrics(metrics.registry, args.host, args.metrics_port)
     http = _Server(uvicorn.Config(create_app(gateway, api_docs=args.api_docs), log_level="warning",
+                                  http=HeadTimeoutH11Protocol,  # slow-loris connections are closed
                                   ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key,
                                   timeout_graceful_shutdown=int(args.grace_seconds)))
     grpc_server = None

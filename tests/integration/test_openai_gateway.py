@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import ssl
 import urllib.error
 import urllib.request
 
@@ -382,7 +383,7 @@ def test_the_public_apis_serve_tls_when_given_a_certificate(stack, default_model
                        "--tls-key", str(certs / "gateway.key"), "--ledger", "none")
     try:
         client = openai.OpenAI(base_url=f"https://{gw.address}/v1", api_key="unused", max_retries=0, timeout=120,
-                               http_client=openai.DefaultHttpxClient(verify=str(certs / "ca.pem")))
+                               http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(certs / "ca.pem"))))
         reply = wait_for(lambda: _try_complete(client), "the HTTPS gateway serving")
         assert reply.usage.completion_tokens == 2
         with pytest.raises((urllib.error.URLError, http.client.HTTPException, ConnectionError)):
@@ -405,3 +406,27 @@ def _try_complete(client):  # type: ignore[no-untyped-def]
         return client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
     except openai.APIError:
         return None
+
+
+def test_a_slow_request_head_is_cut_off_and_an_unreachable_router_is_skipped(stack, default_model_dir):
+    """A connection that never completes its request head (slow loris) is closed by the gateway; a
+    gateway given a dead router first places requests through the next one."""
+    import socket
+
+    from tokenfleet.services.gateway.http_protocol import HEAD_TIMEOUT_S
+
+    _, _, _, gw, router = stack
+    host, port = gw.address.split(":")
+    slow = socket.create_connection((host, int(port)), timeout=HEAD_TIMEOUT_S + 20)
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # ... and nothing more
+    assert slow.recv(1) == b""  # closed by the server (a timeout here raises instead)
+    slow.close()
+
+    dead_first = start_service("tokenfleet.services.gateway", "--router", "127.0.0.1:1", "--router", router.address,
+                               "--model", f"{MODEL}={default_model_dir}", "--ledger", "none")
+    try:
+        client = openai.OpenAI(base_url=f"http://{dead_first.address}/v1", api_key="unused", max_retries=0, timeout=120)
+        for _ in range(3):  # the routers take turns as the first asked: each request gets through
+            assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        dead_first.stop()

@@ -337,3 +337,33 @@ def test_tenants_never_share_cached_prefixes_unless_they_share_a_group(stack):
     assert hits == 0 and replica == "t0"  # the internal tenant sees the replica, not others' prefixes
     with pytest.raises(openai.BadRequestError):
         cached(clients["alpha"], cache_salt="x" * 300)
+
+
+def test_budgets_fail_closed_while_gateway_membership_is_unknown(default_model_dir, tmp_path):
+    """etcd unreachable from the gateway's start: it cannot know how many gateways share a budget, so a
+    tenant with limits gets 503 (not the whole budget on every gateway); an unlimited one is served."""
+    import asyncio
+
+    from tokenfleet.tenancy.store import FileTenantStore
+    from tokenfleet.tenancy.tenants import Tenant
+
+    store = FileTenantStore(tmp_path / "tenants.yaml")
+    limited = asyncio.run(store.add(Tenant("limited", tokens_per_minute=10_000)))
+    free = asyncio.run(store.add(Tenant("free", max_concurrent=0)))
+    etcd = EtcdServer.create().start()
+    worker = start_worker(default_model_dir, etcd, "fc0", ttl=5)
+    router = start_service("tokenfleet.services.router", "--etcd", etcd.endpoint)
+    gateway = start_service("tokenfleet.services.gateway", "--router", router.address, "--model",
+                            f"{MODEL}={default_model_dir}", "--auth", "on", "--tenants-file", str(tmp_path / "tenants.yaml"),
+                            "--etcd", "http://127.0.0.1:1", "--ledger", "none")  # an etcd nobody answers at
+    try:
+        wait_for(lambda: replicas(etcd.endpoint), "worker registered")
+        ok = wait_for(lambda: _try(lambda: ask(client(gateway, free))), "the unlimited tenant served")
+        assert ok.parse().usage.completion_tokens == 4
+        with pytest.raises(openai.InternalServerError) as closed:
+            ask(client(gateway, limited))
+        assert closed.value.status_code == 503 and closed.value.body["code"] == "budget_unavailable"
+    finally:
+        for service in (gateway, router, worker):
+            service.stop()
+        etcd.cleanup()

@@ -206,3 +206,8 @@ def test_the_image_takes_only_hash_pinned_torch_from_a_second_index() -> None:
     pinned = [line for line in (COMPOSE_DIR / "torch-cpu.txt").read_text().splitlines()
               if line.strip() and not line.startswith("#")]
     assert pinned and all(re.search(r"==\S+ --hash=sha256:[0-9a-f]{64}$", line) for line in pinned)
+
+
+def test_grafana_has_no_default_credentials() -> None:
+    password = services()["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+    assert password.startswith("${GRAFANA_ADMIN_PASSWORD:?"), password  # compose refuses to start without one

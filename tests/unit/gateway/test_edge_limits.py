@@ -95,3 +95,18 @@ def test_budget_precheck_ignores_request_size():
     budget = TenantBudget(Limits(100, 0, 0), 1.0, 0.0)
     assert budget.precheck(0.0) is None  # a 1000-token request is admit()'s to refuse, not the precheck's
     assert budget.admit(1000, 0.0) is not None
+
+
+def test_worker_failures_reach_clients_without_internal_details():
+    import grpc
+    from tokenfleet.services.gateway.dispatch import status_error
+
+    def failure(code: grpc.StatusCode, details: str) -> APIError:
+        return status_error(grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details))
+
+    internal = failure(grpc.StatusCode.INTERNAL, "engine failure: RuntimeError at /srv/worker.py:12 (10.0.0.7:50061)")
+    assert internal.status == 500 and "10.0.0.7" not in internal.message and "RuntimeError" not in internal.message
+    gone = failure(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; ipv4:10.0.0.7:50061")
+    assert gone.status == 503 and "10.0.0.7" not in gone.message
+    bad = failure(grpc.StatusCode.INVALID_ARGUMENT, "logit_bias token ids out of range")
+    assert bad.status == 400 and "logit_bias" in bad.message  # the caller's own mistake: said as it is
