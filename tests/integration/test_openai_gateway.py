@@ -382,8 +382,9 @@ def test_the_public_apis_serve_tls_when_given_a_certificate(stack, default_model
                        f"{MODEL}={default_model_dir}", "--grpc-port", "0", "--tls-cert", str(certs / "gateway.pem"),
                        "--tls-key", str(certs / "gateway.key"), "--ledger", "none")
     try:
+        trust = ssl.create_default_context(cafile=str(certs / "ca.pem"))
         client = openai.OpenAI(base_url=f"https://{gw.address}/v1", api_key="unused", max_retries=0, timeout=120,
-                               http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(certs / "ca.pem"))))
+                               http_client=openai.DefaultHttpxClient(verify=trust))
         reply = wait_for(lambda: _try_complete(client), "the HTTPS gateway serving")
         assert reply.usage.completion_tokens == 2
         with pytest.raises((urllib.error.URLError, http.client.HTTPException, ConnectionError)):
