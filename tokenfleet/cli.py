@@ -176,7 +176,8 @@ def _params(args: argparse.Namespace):
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    from tokenfleet.models.gguf_import import import_gguf, model_dir, source as gguf_source
+    from tokenfleet.models.gguf_import import import_gguf, model_dir
+    from tokenfleet.models.gguf_import import source as gguf_source
 
     source = gguf_source(args.name)
     start = time.monotonic()
