@@ -1,6 +1,6 @@
 """Gemma 3 270M from its PyPI chunk packages into an HF folder (issue 19's first step): what transformers
-loads from it, Gemma 3's chat template and stop tokens, and our loader refusing it by name until the
-engine runs the architecture. About a minute: the GGUF is dequantized to fp32 (1 GB)."""
+loads from it, Gemma 3's chat template and stop tokens, and our loader reading it as Gemma 3 (an
+architecture it does not know is refused by name). About a minute: the GGUF is dequantized to fp32 (1 GB)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ def test_transformers_reads_the_folder_and_completes_sanely(gemma_dir):
     assert chat == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
 
 
-def test_our_loader_names_the_unsupported_field(gemma_dir):
+def test_our_loader_reads_gemma3_and_names_an_unknown_architecture(gemma_dir):
+    config = ModelConfig.from_dir(gemma_dir)
+    assert config.is_gemma3 and config.sliding_window == 512 and config.max_position_embeddings == 512
+    assert (config.rope_theta, config.rope_local_theta) == (1_000_000.0, 10_000.0)
+    raw = json.loads((gemma_dir / "config.json").read_text())
     with pytest.raises(UnsupportedModelError, match="architectures"):
-        ModelConfig.from_dir(gemma_dir)
+        ModelConfig.from_dict({**raw, "architectures": ["Qwen3ForCausalLM"]})

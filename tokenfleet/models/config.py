@@ -1,4 +1,5 @@
-"""Llama-family model configuration read from an HF ``config.json``, validated up front."""
+"""Model configuration read from an HF ``config.json``, validated up front: the Llama family, and
+Gemma 3 (``Gemma3ForCausalLM``) with its interleaved sliding-window and global layers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+GEMMA3 = "Gemma3ForCausalLM"
+SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, GEMMA3)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -43,6 +46,16 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    architecture: str = "LlamaForCausalLM"
+    # Gemma 3: each layer's attention ("sliding_attention" | "full_attention"), the window, and the
+    # RoPE base of the sliding layers (rope_theta is the global layers')
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    rope_local_theta: float = 0.0
+
+    @property
+    def is_gemma3(self) -> bool:
+        return self.architecture == GEMMA3
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -71,6 +84,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        if GEMMA3 in (raw.get("architectures") or ()):
+            return _gemma3(raw)
         _check_supported(raw)
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
@@ -95,9 +110,54 @@ class ModelConfig:
         )
 
 
+# Until sliding-window attention is in the paged KV (issue 19's next step), a Gemma 3 context is capped
+# at the window: within it, every layer attends to every earlier token, exactly as the model does.
+def _gemma3(raw: dict[str, Any]) -> ModelConfig:
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "head_dim", "sliding_window", "layer_types"):
+        if field not in raw:
+            raise UnsupportedModelError(f"config.json lacks the required field {field!r}")
+    if raw.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(f"hidden_activation={raw['hidden_activation']!r}: only gelu_pytorch_tanh (GeGLU)")
+    for field in ("final_logit_softcapping", "attn_logit_softcapping", "attention_bias", "use_bidirectional_attention",
+                  "quantization_config"):
+        if raw.get(field):
+            raise UnsupportedModelError(f"{field}={raw[field]!r} is not supported")
+    if int(raw.get("query_pre_attn_scalar", raw["head_dim"])) != int(raw["head_dim"]):
+        raise UnsupportedModelError(f"query_pre_attn_scalar={raw['query_pre_attn_scalar']}: only head_dim is supported")
+    rope = raw.get("rope_parameters") or {}
+    local, full = rope.get("sliding_attention", {}), rope.get("full_attention", {})
+    if any(r.get("rope_type", "default") != "default" for r in (local, full)):
+        raise UnsupportedModelError(f"rope_parameters={rope}: only default RoPE is supported for Gemma 3")
+    eos = raw.get("eos_token_id")
+    num_heads = int(raw["num_attention_heads"])
+    window = int(raw["sliding_window"])
+    return ModelConfig(
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(raw["head_dim"]),
+        max_position_embeddings=min(int(raw.get("max_position_embeddings", window)), window),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(full.get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
+        rope_scaling=RopeScaling(),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        architecture=GEMMA3,
+        layer_types=tuple(raw["layer_types"]),
+        sliding_window=window,
+        rope_local_theta=float(local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0))),
+    )
+
+
 def _check_supported(raw: dict[str, Any]) -> None:
     archs = raw.get("architectures") or ["LlamaForCausalLM"]
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+    if not any(a in LLAMA_ARCHITECTURES for a in archs):
         raise UnsupportedModelError(f"architectures={archs}: supported are {SUPPORTED_ARCHITECTURES}")
     act = raw.get("hidden_act", "silu")
     if act != "silu":

@@ -1,4 +1,5 @@
-"""Load a Llama-family HF folder (config.json + *.safetensors) into ``LlamaWeights``."""
+"""Load an HF folder (config.json + *.safetensors): the Llama family into ``LlamaWeights``, Gemma 3
+into ``Gemma3Weights``; the architecture comes from config.json."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from safetensors import safe_open
 
 from tokenfleet.models.attention import select_attention
 from tokenfleet.models.config import ModelConfig
+from tokenfleet.models.gemma3 import Gemma3LayerWeights, Gemma3Model, Gemma3Weights
 from tokenfleet.models.layer_ops import select_layer_ops
 from tokenfleet.models.linear import LinearKernel, select_linear
 from tokenfleet.models.llama import LayerWeights, LlamaModel, LlamaWeights
@@ -22,10 +24,13 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaModel | Gemma3Model:
     config = ModelConfig.from_dir(model_dir)
     tensors = _read_safetensors(Path(model_dir))
     linear = select_linear(dtype, device)
+    if config.is_gemma3:
+        return Gemma3Model(config, _gemma3_weights(config, tensors, dtype, device, linear), dtype, device, linear,
+                           select_attention(dtype, device))
     weights = _build_weights(config, tensors, dtype, device, linear)
     return LlamaModel(config, weights, dtype, device, linear, select_attention(dtype, device),
                       select_layer_ops(config, dtype, device))
@@ -73,3 +78,36 @@ def _build_weights(
         lm_head = take("lm_head.weight")
     return LlamaWeights(embed=embed, layers=layers, norm=take("norm.weight"), lm_head=linear.prepare(lm_head),
                         lm_head_rows=lm_head)
+
+
+def _gemma3_weights(config: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                    linear: LinearKernel) -> Gemma3Weights:
+    def take(name: str) -> torch.Tensor:
+        if name not in t:
+            raise ValueError(f"checkpoint lacks tensor {name!r}")
+        return t[name].to(device=device, dtype=dtype).contiguous()
+
+    def scale(name: str) -> torch.Tensor:  # Gemma's RMSNorm multiplies by (1 + weight), in fp32
+        if name not in t:
+            raise ValueError(f"checkpoint lacks tensor {name!r}")
+        return (1.0 + t[name].float()).to(device)
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        layers.append(Gemma3LayerWeights(
+            input_norm=scale(p + "input_layernorm.weight"),
+            qkv=linear.prepare(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])),
+            q_norm=scale(p + "self_attn.q_norm.weight"),
+            k_norm=scale(p + "self_attn.k_norm.weight"),
+            o_proj=linear.prepare(take(p + "self_attn.o_proj.weight")),
+            post_attention_norm=scale(p + "post_attention_layernorm.weight"),
+            pre_feedforward_norm=scale(p + "pre_feedforward_layernorm.weight"),
+            post_feedforward_norm=scale(p + "post_feedforward_layernorm.weight"),
+            gate_up=linear.prepare(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+            down=linear.prepare(take(p + "mlp.down_proj.weight")),
+            sliding=config.layer_types[i] == "sliding_attention",
+        ))
+    embed = take("embed_tokens.weight")
+    lm_head = embed if config.tie_word_embeddings or "lm_head.weight" not in t else take("lm_head.weight")
+    return Gemma3Weights(embed=embed, layers=layers, norm=scale("norm.weight"), lm_head=linear.prepare(lm_head))

@@ -16,11 +16,12 @@ from tokenfleet.engine.request import Request
 from tokenfleet.engine.runner import ExecuteResult
 from tokenfleet.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenfleet.models.attention import ForwardBatch, PagedQueries, PrefillSpan
+from tokenfleet.models.gemma3 import Gemma3Model
 from tokenfleet.models.llama import KVCache, LlamaModel
 
 
 class TorchModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None):
+    def __init__(self, model: LlamaModel | Gemma3Model, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None):
         self.model = model
         self.device = model.device
         self.block_size = block_size
