@@ -96,8 +96,11 @@ def _parser() -> argparse.ArgumentParser:
 
     up_cmd = sub.add_parser("up", help="start etcd, workers, router and gateway on loopback; Ctrl-C stops")
     up_cmd.add_argument("--workers", type=int, default=1)
-    up_cmd.add_argument("--model", help="HF model folder (default: the imported SmolLM2-135M-Instruct)")
-    up_cmd.add_argument("--model-name", default=None, help="served model name (default: smollm2-135m-instruct)")
+    up_cmd.add_argument("--model", action="append", default=[],
+                        help="a model to serve: an HF folder, NAME=FOLDER, or smollm2-135m-instruct / gemma3-270m "
+                        "(imported on first use); repeat to serve several (the first gets --workers, each other one "
+                        "worker). Default: smollm2-135m-instruct")
+    up_cmd.add_argument("--model-name", default=None, help="served name of the first model (default: its own)")
     up_cmd.add_argument("--role", default="both", choices=["both", "decode", "prefill"], help="workers' role")
     up_cmd.add_argument("--prefill-workers", type=int, default=0,
                         help="disaggregate: start this many prefill workers; the --workers then decode only")
@@ -283,7 +286,7 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
     """The `up` command line of the child that runs a --detach cluster: every option but --detach/--ask."""
     argv = ["up", "--workers", str(args.workers), "--prefill-workers", str(args.prefill_workers), "--threads",
             str(args.threads), "--port", str(args.port), "--role", args.role, "--dtype", args.dtype]
-    argv += ["--model", args.model] if args.model else []
+    argv += [word for model in args.model for word in ("--model", model)]
     argv += ["--model-name", args.model_name] if args.model_name else []
     argv += ["--certs", args.certs] if args.certs else []
     argv += ["--insecure"] if args.insecure else []
@@ -293,7 +296,7 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from tokenfleet import launcher
-    from tokenfleet.models.gguf_import import DEFAULT_MODEL_NAME, ensure_default_model
+    from tokenfleet.models.gguf_import import DEFAULT_MODEL_NAME
 
     launcher.check_auth(args.host, args.auth == "on", args.insecure_no_auth)  # before anything starts
     if args.detach:  # run the cluster in a child process that outlives this command
@@ -319,17 +322,21 @@ def _cmd_up(args: argparse.Namespace) -> int:
             url = line.split()[1].removesuffix("/v1")
             print(launcher.ask(url, args.model_name or DEFAULT_MODEL_NAME, args.ask))
         return 0
-    model_dir = args.model or str(ensure_default_model())
-    name = args.model_name or DEFAULT_MODEL_NAME
     from pathlib import Path
+
+    specs = args.model or [DEFAULT_MODEL_NAME]
+    name, model_dir = launcher.resolve_model(specs[0])
+    name = args.model_name or name
+    more = [launcher.resolve_model(spec) for spec in specs[1:]]
 
     auth = args.auth == "on"
     cluster = launcher.up(args.workers, model_dir, name, args.threads, args.port, args.role, args.dtype,
                           args.prefill_workers, insecure=args.insecure, certs=Path(args.certs) if args.certs else None,
-                          host=args.host, auth=auth, no_auth=args.insecure_no_auth)
+                          host=args.host, auth=auth, no_auth=args.insecure_no_auth, more_models=more)
     try:
         prefill = f" + {args.prefill_workers} prefill worker(s)" if args.prefill_workers else ""
-        print(f"gateway: {cluster.gateway_url}/v1  (model {name}, {args.workers} worker(s){prefill}, "
+        served = ", ".join([name, *(m for m, _ in more)])
+        print(f"gateway: {cluster.gateway_url}/v1  (model {served}, {args.workers} worker(s){prefill}, "
               f"etcd {cluster.etcd.endpoint})", flush=True)
         if auth:
             print("API keys required: `tokenfleet tenants add NAME` creates a tenant and prints its key "

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,6 +104,19 @@ def operator_plane(certs: str | None = None, insecure: bool = False) -> Plane:
     return Plane(Identity(Path(certs or state.get("certs") or envs.certs_dir()), "operator"))
 
 
+def resolve_model(spec: str) -> tuple[str, str]:
+    """(served name, HF folder) of an `up --model` value: NAME=DIR, the name of a model tokenfleet imports
+    (``gguf_import.SOURCES``: imported on first use), or a folder (named after it)."""
+    from tokenfleet.models.gguf_import import SOURCES, ensure_model
+
+    name, sep, folder = spec.partition("=")
+    if sep:
+        return name, folder
+    if spec in SOURCES:
+        return spec, str(ensure_model(spec))
+    return Path(spec).resolve().name, spec
+
+
 def check_auth(host: str, auth: bool, no_auth: bool) -> None:
     """The gateway may serve without API keys only on loopback, or when told so explicitly."""
     if auth or no_auth or is_loopback(host):
@@ -125,15 +139,17 @@ def is_loopback(host: str) -> bool:
 def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_port: int,
        role: str = "both", dtype: str = "bfloat16", prefill_workers: int = 0, record: bool = True,
        insecure: bool = False, certs: Path | None = None, host: str = "127.0.0.1", auth: bool = False,
-       no_auth: bool = False) -> Cluster:
+       no_auth: bool = False, more_models: Sequence[tuple[str, str]] = ()) -> Cluster:
     """``prefill_workers`` > 0 disaggregates: that many prefill workers, and the ``num_workers``
     others decode only (unless ``role`` says otherwise); the router sends long prompts' prefill there.
     ``record``: write the state file `tokenfleet down` reads (off for private clusters, e.g. calibration).
     ``certs``: the internal plane's certificates (default ``envs.certs_dir()``; missing ones are created);
     ``insecure``: plaintext instead. ``host``: where the gateway listens; ``auth``: API keys required
-    (tenants in this cluster's etcd); without keys only on loopback unless ``no_auth`` (check_auth)."""
+    (tenants in this cluster's etcd); without keys only on loopback unless ``no_auth`` (check_auth).
+    ``more_models``: further (name, folder) pairs, registered too and served by one worker each; the
+    gateway serves every registered model."""
     check_auth(host, auth, no_auth)
-    threads = threads or worker_threads(num_workers + prefill_workers)
+    threads = threads or worker_threads(num_workers + prefill_workers + len(more_models))
     folder = None if insecure else Path(certs or envs.certs_dir())
     if folder is None:
         print(f"WARNING: {INSECURE_WARNING}", file=sys.stderr, flush=True)
@@ -154,6 +170,11 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
             cluster.spawn(name, "tokenfleet.services.decode", "--registry", registry, "--model-name",
                           model_name, "--etcd", etcd, "--replica-id", name, "--role", worker_role, *audit,
                           threads=threads)
+        for extra, folder_of_extra in more_models:
+            register_model(registry, extra, folder_of_extra, plane, dtype)
+            cluster.spawn(f"worker-{extra}", "tokenfleet.services.decode", "--registry", registry, "--model-name",
+                          extra, "--etcd", etcd, "--replica-id", f"{extra}-0", "--role", "both", *audit,
+                          threads=threads)
         router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", etcd, "--registry", registry, *audit)
         keys = ["--auth", "on", "--etcd", etcd] if auth else []
         gateway = cluster.spawn("gateway", "tokenfleet.services.gateway", "--router", router, "--registry", registry,
@@ -161,12 +182,13 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
         cluster.gateway_url = f"http://{gateway}"
         cluster.gateway_metrics = next((line.split()[1] for line in cluster.announced["gateway"]
                                         if line.startswith("METRICS ")), "")
-        if not auth:
-            _wait_serving(cluster.gateway_url, model_name)
-        else:  # no tenant yet to ask with: the router places the model and the gateway's /health is 200
-            gateway_plane = Plane.plaintext() if folder is None else Plane(Identity(folder, "gateway"))
-            _wait_routable(router, model_name, gateway_plane)
-            _wait_healthy(cluster.gateway_url)
+        for served in [model_name, *(name for name, _ in more_models)]:
+            if not auth:
+                _wait_serving(cluster.gateway_url, served)
+            else:  # no tenant yet to ask with: the router places the model and the gateway's /health is 200
+                gateway_plane = Plane.plaintext() if folder is None else Plane(Identity(folder, "gateway"))
+                _wait_routable(router, served, gateway_plane)
+                _wait_healthy(cluster.gateway_url)
     except BaseException:
         cluster.stop()
         raise

@@ -114,3 +114,32 @@ def _chat(client):  # type: ignore[no-untyped-def]
         return client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     except openai.APIError:
         return None
+
+
+def test_up_serves_two_models_at_once(default_model_dir, tmp_path):
+    """One `tokenfleet up` with the default model and Gemma 3: both listed, both answer chats through the
+    official client, streaming and not (Gemma 3 is a base model: its answers are only checked to exist)."""
+    env = {**os.environ, "TOKENFLEET_CACHE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    from tokenfleet.models.gguf_import import GEMMA3_MODEL_NAME, ensure_model
+
+    gemma = ensure_model(GEMMA3_MODEL_NAME)  # the shared cache's import, named explicitly below
+    up = subprocess.Popen(
+        [sys.executable, "-m", "tokenfleet.cli", "up", "--port", "0", "--model", f"smol={default_model_dir}",
+         "--model", f"gemma={gemma}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        assert up.stdout is not None
+        banner = up.stdout.readline()
+        assert banner.startswith("gateway: http://127.0.0.1:") and "smol, gemma" in banner, banner
+        client = openai.OpenAI(base_url=banner.split()[1], api_key="unused", max_retries=0, timeout=120)
+        assert {"smol", "gemma"} <= {m.id for m in client.models.list()}
+        for model in ("smol", "gemma"):
+            messages = [{"role": "user", "content": "What is the capital of France?"}]
+            whole = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+            assert whole.model == model and whole.usage.completion_tokens > 0
+            streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                model=model, messages=messages, max_tokens=8, temperature=0, stream=True) if c.choices)
+            assert streamed == whole.choices[0].message.content
+    finally:
+        subprocess.run([sys.executable, "-m", "tokenfleet.cli", "down"], env=env, capture_output=True, timeout=120)
+        if up.poll() is None:
+            up.kill()

@@ -78,7 +78,7 @@ def test_a_detached_up_passes_every_option_to_the_cluster_process():
     from tokenfleet.cli import _parser, detached_up_argv
 
     given = ["up", "--workers", "2", "--prefill-workers", "1", "--threads", "3", "--port", "0", "--role", "decode",
-             "--dtype", "float32", "--model", "/m", "--model-name", "smol", "--detach", "--ask", "hi",
+             "--dtype", "float32", "--model", "/m", "--model", "g=/g", "--model-name", "smol", "--detach", "--ask", "hi",
              "--host", "10.0.0.5", "--auth", "on", "--insecure-no-auth", "--certs", "/c", "--insecure"]
     parent = _parser().parse_args(given)
     child = _parser().parse_args(detached_up_argv(parent))
