@@ -182,13 +182,14 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
         cluster.gateway_url = f"http://{gateway}"
         cluster.gateway_metrics = next((line.split()[1] for line in cluster.announced["gateway"]
                                         if line.startswith("METRICS ")), "")
+        gateway_plane = Plane.plaintext() if folder is None else Plane(Identity(folder, "gateway"))
         for served in [model_name, *(name for name, _ in more_models)]:
             if not auth:
                 _wait_serving(cluster.gateway_url, served)
-            else:  # no tenant yet to ask with: the router places the model and the gateway's /health is 200
-                gateway_plane = Plane.plaintext() if folder is None else Plane(Identity(folder, "gateway"))
+            else:  # no tenant yet to ask with: the router places the model (the gateway's /health after)
                 _wait_routable(router, served, gateway_plane)
-                _wait_healthy(cluster.gateway_url)
+        if auth:
+            _wait_healthy(cluster.gateway_url)
     except BaseException:
         cluster.stop()
         raise

@@ -228,10 +228,7 @@ class AsyncEngine:
         layout: KVLayout | None = None,
         cache_scope: str = "",
     ) -> AsyncGenerator[PrefillEvent, None]:
-        """Prefill side: compute the prompt to its first token, then stream the blocks the caller
-        does not hold, layer by layer. The blocks stay pinned until this iterator closes (or the
-        engine's hold timeout). KVLayoutError when ``layout`` differs from ours, ValueError for
-        bad input or held hashes that are not this prompt's (in ``cache_scope``)."""
+        """``Engine.prefill``: ``kv_streams.serve_prefill`` over this engine."""
         return kv_streams.serve_prefill(self, prompt_token_ids, sampling_params, request_id, priority,
                                         held_block_hashes, layout, cache_scope)
 

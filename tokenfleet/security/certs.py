@@ -27,6 +27,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from tokenfleet.files import write_atomically
+
 # Services and people: gateway, router, registry, worker (both engine roles), operator (people and
 # the CLI/launcher), autoscaler; etcd is the server certificate of the etcd cluster.
 ROLES = ("gateway", "router", "registry", "worker", "operator", "autoscaler", "etcd")
@@ -59,23 +61,14 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
-def _write(path: Path, data: bytes, mode: int) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-
-
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
 
 
 def _save(paths: CertPaths, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> None:
-    _write(paths.key, _key_pem(key), 0o600)
-    _write(paths.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_atomically(paths.key, _key_pem(key), 0o600)
+    write_atomically(paths.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
 
 
 def _folder(out: Path) -> Path:

@@ -108,8 +108,7 @@ class Identity:
         role, serial, not_after = _check(ca, cert, key, self.role)
         self._stamp = stamp
         material = Material(ca, cert, key, role, serial, not_after, generation)
-        self._expiry.labels(role=self.role).set(material.seconds_left())
-        self.warn_if_expiring(material)
+        self.warn_if_expiring(material)  # and sets the expiry gauge
         return material
 
     def current(self) -> Material:

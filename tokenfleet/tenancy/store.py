@@ -9,13 +9,13 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
 
 from tokenfleet.cluster.etcd import EtcdClient, KeyEvent, mirror_prefix
+from tokenfleet.files import write_atomically
 from tokenfleet.tenancy.tenants import ApiKey, Directory, Tenant, new_key
 
 TENANTS, KEYS = "tenants/", "apikeys/"
@@ -194,11 +194,4 @@ def save_file(path: str | Path, directory: Directory) -> None:
     data = {"tenants": {name: {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(t).items()
                                if k != "name"} for name, t in sorted(directory.tenants.items())},
             "keys": [dataclasses.asdict(k) for k in directory.keys.values()]}
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # key hashes: the owner's only
-    with os.fdopen(fd, "w") as f:
-        f.write(yaml.safe_dump(data, sort_keys=False))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomically(Path(path), yaml.safe_dump(data, sort_keys=False).encode(), 0o600)  # key hashes: owner only
