@@ -140,14 +140,15 @@ def resume(msg: engine_pb2.ResumeState) -> Resume | None:
 def layout_to_proto(layout: KVLayout) -> engine_pb2.KVLayout:
     return engine_pb2.KVLayout(hash_salt=layout.hash_salt, dtype=layout.dtype, block_size=layout.block_size,
                                num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                               head_dim=layout.head_dim)
+                               head_dim=layout.head_dim, layer_windows=layout.layer_windows)
 
 
 def layout_from_proto(msg: engine_pb2.KVLayout) -> KVLayout:
     opaque = msg.num_layers == 0  # a backend whose blocks never travel raw (TensorRT-LLM): any dtype tag
     if not (msg.dtype in DTYPE_SIZES or opaque and msg.dtype) or msg.block_size == 0:
         raise KVLayoutError(f"invalid KV layout: dtype {msg.dtype!r}, block size {msg.block_size}")
-    return KVLayout(msg.hash_salt, msg.dtype, msg.block_size, msg.num_layers, msg.num_kv_heads, msg.head_dim)
+    return KVLayout(msg.hash_salt, msg.dtype, msg.block_size, msg.num_layers, msg.num_kv_heads, msg.head_dim,
+                    tuple(msg.layer_windows))
 
 
 def _logprob_from(msg: common_pb2.TokenLogprob) -> TokenLogprobs:

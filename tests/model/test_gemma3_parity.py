@@ -1,6 +1,7 @@
 """Gemma 3 270M in fp32 through our engine equals HF transformers greedily, token for token, on chat
-prompts of different lengths (within the sliding window, which caps the context until window-aware
-paged attention lands), and its prefix-cache hits and chunked prefill change nothing."""
+prompts of different lengths, one longer than the sliding window (512 tokens: its local layers then
+attend to the last 512 only, and their blocks before the window are released), and its prefix-cache
+hits and chunked prefill change nothing."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ CHATS = [
     [{"role": "user", "content": "I am planning a trip to Japan in spring."},
      {"role": "assistant", "content": "That sounds lovely! Cherry blossom season is a great time to visit."},
      {"role": "user", "content": "Which cities should I visit, and what should I pack? " * 12}],
+    [{"role": "system", "content": "You are a careful assistant. Summarize what the user pastes."},
+     {"role": "user", "content": " ".join(f"Line {i}: the river rose {i % 7} inches near mill {i % 13}." for i in range(50))
+      + "\nSummarize the readings above in one sentence."}],
 ]
 MAX_TOKENS = 16
 
@@ -43,17 +47,14 @@ def hf(gemma_dir):
 
 def test_greedy_matches_transformers_on_chats_of_different_lengths(core, hf):
     prompts = [core.tokenizer.encode(render_chat(core.tokenizer, chat)) for chat in CHATS]
-    assert all(p[0] == 2 for p in prompts) and max(map(len, prompts)) > 150  # <bos>, and some long ones
+    assert all(p[0] == 2 for p in prompts) and max(map(len, prompts)) > 512  # <bos>, and one past the window
     assert all(len(p) + MAX_TOKENS <= core.model.max_model_len for p in prompts)
     ours = run_to_completion(core, {0: [(f"g{i}", p, greedy(MAX_TOKENS)) for i, p in enumerate(prompts)]})
     for i, prompt in enumerate(prompts):
         reference, _ = hf_greedy(hf, prompt, MAX_TOKENS)
         assert ours[f"g{i}"] == reference[: len(ours[f"g{i}"])] and ours[f"g{i}"], (i, ours[f"g{i}"], reference)
-    again = run_to_completion(core, {0: [("g0-again", prompts[0], greedy(MAX_TOKENS))]})  # a prefix-cache hit
-    assert again["g0-again"] == ours["g0"]
+    long = len(CHATS) - 1
+    again = run_to_completion(core, {0: [("g0-again", prompts[0], greedy(MAX_TOKENS)),  # prefix-cache hits
+                                         ("long-again", prompts[long], greedy(MAX_TOKENS))]})
+    assert again["g0-again"] == ours["g0"] and again["long-again"] == ours[f"g{long}"]
     assert_no_leak(core.scheduler.block_manager)
-
-
-def test_a_context_past_the_window_is_refused_until_sliding_window_attention_lands(core):
-    with pytest.raises(ValueError):
-        core.add_request(list(range(10, 10 + core.model.max_model_len + 1)), greedy(1), "too-long")

@@ -52,7 +52,8 @@ class EngineConfig:
 
     def num_kv_blocks(self, kv_bytes_per_token: int) -> int:
         """KV blocks: ``num_blocks`` when set, else as many as ``kv_cache_bytes`` holds.
-        ``kv_bytes_per_token``: K and V of one token over all layers, in bytes."""
+        ``kv_bytes_per_token``: K and V of one token in one block, in bytes (every layer's, for a
+        model of one KV group; one group's layers otherwise: a block holds one group)."""
         if self.num_blocks is not None:
             return self.num_blocks
         per_block = self.block_size * kv_bytes_per_token

@@ -177,7 +177,7 @@ class EngineCore:
     def kv_layout(self) -> KVLayout:
         num_layers, num_kv_heads, head_dim, dtype = self.runner.kv_geometry()
         return KVLayout(self.scheduler.hash_salt, dtype, self.scheduler.block_manager.block_size,
-                        num_layers, num_kv_heads, head_dim)
+                        num_layers, num_kv_heads, head_dim, self.model.layer_windows)
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

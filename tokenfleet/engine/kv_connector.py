@@ -16,11 +16,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from tokenfleet.engine.block_manager import NULL_BLOCK
 from tokenfleet.engine.kv_transfer import KVTransferError
 from tokenfleet.engine.output import OutputState, RequestOutput, TokenLogprobs
 from tokenfleet.engine.request import Priority
 from tokenfleet.engine.runner import ExecuteResult
 from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.kvcache.layout import layer_groups
 
 if TYPE_CHECKING:
     from tokenfleet.engine.core import EngineCore
@@ -31,6 +33,7 @@ class KVConnector:
         self.core = core
         self._held_until: dict[str, float] = {}  # prefill side: request id -> when its held blocks go
         self.hold_seconds = 30.0  # how long a finished prefill keeps its blocks for the transfer
+        self._groups: list[int] | None = None
 
     # ---- decode side: a prompt prefilled elsewhere ------------------------------------------
     def add_remote(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, request_id: str,
@@ -47,8 +50,16 @@ class KVConnector:
             core.stats.num_remote_prefills += 1
         return held
 
-    def remote_block_ids(self, request_id: str) -> list[int]:
-        return self.core.scheduler.block_manager.block_table(request_id)
+    def remote_block_ids(self, request_id: str, layer: int = 0) -> list[int]:
+        """The reserved table of ``layer``'s KV group."""
+        tables = self.core.scheduler.block_manager.block_tables(request_id)
+        return tables[self._layer_groups()[layer]] if tables else []
+
+    def _layer_groups(self) -> list[int]:
+        if self._groups is None:
+            layout = self.core.kv_layout()
+            self._groups = layer_groups(layout.layer_windows, layout.num_layers)
+        return self._groups
 
     def remote_first_token(self, request_id: str, token_id: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         """The first token sampled by the prefill replica, as this request's first output."""
@@ -66,10 +77,12 @@ class KVConnector:
         """Write one received chunk into the request's reserved blocks (engine thread only)."""
         core = self.core
         core.scheduler.remote_request(request_id)  # KeyError unless awaiting a remote prefill
-        table = self.remote_block_ids(request_id)
+        table = self.remote_block_ids(request_id, layer)
         block_ids = table[first_block : first_block + num_blocks]
         if len(block_ids) != num_blocks:
             raise ValueError(f"chunk blocks {first_block}+{num_blocks} outside the {len(table)} reserved")
+        if self.core.model.layer_windows and NULL_BLOCK in block_ids:
+            raise ValueError(f"chunk blocks {first_block}+{num_blocks} of layer {layer} lie before its window")
         core.runner.import_kv(layer, block_ids, k, v)
         core.stats.num_kv_bytes_received += len(k) + len(v)
         if layer == 0:
@@ -89,8 +102,13 @@ class KVConnector:
         self._held_until[request_id] = time.monotonic() + self.hold_seconds
 
     def held_block_ids(self, request_id: str) -> list[int] | None:
+        tables = self.held_block_tables(request_id)
+        return tables[0] if tables is not None else None
+
+    def held_block_tables(self, request_id: str) -> list[list[int]] | None:
+        """One table per KV group (tokenfleet.kvcache.layout.layer_groups maps layers to them)."""
         scheduler = self.core.scheduler
-        return scheduler.block_manager.block_table(request_id) if request_id in scheduler.held else None
+        return scheduler.block_manager.block_tables(request_id) if request_id in scheduler.held else None
 
     def export_held(self, request_id: str, layer: int, block_ids: Sequence[int]) -> tuple[bytes, bytes]:
         """K and V of some held blocks of one layer. The one call allowed off the engine thread: held

@@ -34,7 +34,7 @@ from tokenfleet.engine.output import RequestOutput
 from tokenfleet.engine.request import Priority, RequestStatus
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.kvcache.block_hash import hash_blocks
-from tokenfleet.kvcache.layout import KVLayout
+from tokenfleet.kvcache.layout import KVLayout, layer_groups
 from tokenfleet.kvcache.salt import chain_salt
 
 T = TypeVar("T")
@@ -75,7 +75,7 @@ async def pull(engine: EngineLoop, request_id: str, prompt: list[int], held: int
     the KV, and joins the request to the batch; on any transfer failure computes it here."""
     layout = engine.kv_layout()
     hashes = hash_blocks(prompt, layout.block_size, chain_salt(layout.hash_salt, cache_scope))[:held]
-    receiver = KVReceiver(layout, -(-len(prompt) // layout.block_size), held)
+    receiver = KVReceiver(layout, -(-len(prompt) // layout.block_size), held, len(prompt))
     deadline = asyncio.get_running_loop().time() + engine.transfer_timeout
     try:
         async with contextlib.aclosing(kv_source(hashes, layout)) as events:
@@ -150,16 +150,17 @@ async def serve_prefill(
             first = first or (out if out.new_token_ids else None)
         if first is None:
             raise KVTransferError("the prefill produced no token (aborted)")
-        table = await engine.call(lambda core: core.kv.held_block_ids(request_id))
-        if table is None:
+        tables = await engine.call(lambda core: core.kv.held_block_tables(request_id))
+        if tables is None:
             raise KVTransferError("the prefill's blocks were released before the transfer")
         held, num_prompt_blocks = len(held_block_hashes), -(-len(prompt) // mine.block_size)
-        plan = plan_chunks(mine, held, num_prompt_blocks - held)
+        plan = plan_chunks(mine, held, num_prompt_blocks - held, num_tokens=len(prompt))
+        group_of = layer_groups(mine.layer_windows, mine.num_layers)
         yield PrefillStarted(first.new_token_ids[0], first.logprobs[0] if first.logprobs else None,
                              first.num_cached_tokens, held, num_prompt_blocks - held, len(plan))
         num_bytes = 0
         for spec in plan:
-            block_ids = table[spec.first_block : spec.first_block + spec.num_blocks]
+            block_ids = tables[group_of[spec.layer]][spec.first_block : spec.first_block + spec.num_blocks]
             k, v = await asyncio.to_thread(engine.read_held, request_id, spec.layer, block_ids)
             num_bytes += len(k) + len(v)
             yield KVChunkData(spec.seq, spec.layer, spec.first_block, spec.num_blocks, k, v)

@@ -7,6 +7,9 @@ physical block id: each side maps them onto its own block table. The decode work
 the leading blocks it already holds; the prefill worker sends the rest, layer by layer, each
 layer cut so a chunk stays under the gRPC message limit.
 
+Sliding-window layers (``KVLayout.layer_windows``) send only the blocks their window reaches from the
+position after the prompt: the decode side keeps no others, the prefill side may hold no others.
+
 ``KVReceiver`` accepts a stream only if it is complete and consistent: same layout, chunks
 in sequence, each (layer, block) exactly once, exact byte sizes, and a trailer whose byte
 count matches. Anything else raises ``KVTransferError``; nothing is installed silently wrong.
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenfleet.engine.output import TokenLogprobs
-from tokenfleet.kvcache.layout import KVLayout
+from tokenfleet.kvcache.layout import KVLayout, window_first_block
 
 MAX_CHUNK_BYTES = 1 << 20  # K + V per message; gRPC's default limit is 4 MiB
 
@@ -42,13 +45,18 @@ class ChunkSpec:
 
 
 def plan_chunks(layout: KVLayout, first_block: int, num_blocks: int,
-                max_chunk_bytes: int = MAX_CHUNK_BYTES) -> list[ChunkSpec]:
-    """Layer by layer, blocks [first_block, first_block + num_blocks) in chunks under the limit."""
+                max_chunk_bytes: int = MAX_CHUNK_BYTES, num_tokens: int | None = None) -> list[ChunkSpec]:
+    """Layer by layer, blocks [first_block, first_block + num_blocks) in chunks under the limit; a
+    sliding-window layer from the first block its window reaches from position ``num_tokens`` (the
+    prompt's length; default: the end of the last block)."""
     per_chunk = max(1, max_chunk_bytes // (2 * layout.block_bytes))
+    end = first_block + num_blocks
+    position = (end * layout.block_size) if num_tokens is None else num_tokens
     specs: list[ChunkSpec] = []
     for layer in range(layout.num_layers):
-        for start in range(first_block, first_block + num_blocks, per_chunk):
-            n = min(per_chunk, first_block + num_blocks - start)
+        first = max(first_block, window_first_block(position, layout.layer_window(layer), layout.block_size))
+        for start in range(first, end, per_chunk):
+            n = min(per_chunk, end - start)
             specs.append(ChunkSpec(len(specs), layer, start, n))
     return specs
 
@@ -56,10 +64,11 @@ def plan_chunks(layout: KVLayout, first_block: int, num_blocks: int,
 class KVReceiver:
     """Checks one transfer's chunks as they arrive, against what the sender announced."""
 
-    def __init__(self, layout: KVLayout, num_prompt_blocks: int, held_blocks: int):
+    def __init__(self, layout: KVLayout, num_prompt_blocks: int, held_blocks: int, num_prompt_tokens: int | None = None):
         self.layout = layout
         self.num_prompt_blocks = num_prompt_blocks
         self.held_blocks = held_blocks
+        self.num_prompt_tokens = num_prompt_tokens
         self._expected: list[ChunkSpec] | None = None
         self._next = 0
         self.num_bytes = 0
@@ -70,7 +79,7 @@ class KVReceiver:
         if first_block + num_blocks != self.num_prompt_blocks:
             raise KVTransferError(
                 f"sender announces blocks {first_block}..{first_block + num_blocks}; the prompt has {self.num_prompt_blocks}")
-        self._expected = plan_chunks(self.layout, first_block, num_blocks, max_chunk_bytes)
+        self._expected = plan_chunks(self.layout, first_block, num_blocks, max_chunk_bytes, self.num_prompt_tokens)
         if num_chunks != len(self._expected):
             raise KVTransferError(f"sender announces {num_chunks} chunks; the layout gives {len(self._expected)}")
 

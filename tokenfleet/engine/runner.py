@@ -42,3 +42,4 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    layer_windows: tuple[int, ...] = ()  # per layer: sliding window, or 0 for full attention; () = all full

@@ -66,9 +66,10 @@ class ScheduledRequest:
     request_id: str
     start: int  # num_computed_tokens before this step
     num_new_tokens: int
-    block_ids: tuple[int, ...]  # the request's whole block table after allocation
+    block_ids: tuple[int, ...]  # the request's whole block table after allocation (the first KV group's)
     samples: bool  # the chunk reaches the end of the known tokens: sample one token
     forks: tuple[str, ...] = ()  # samples of the same prompt: each samples its own first token from these logits
+    other_block_ids: tuple[tuple[int, ...], ...] = ()  # the other KV groups' tables (sliding-window models)
 
 
 @dataclass(frozen=True)
@@ -146,10 +147,11 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if len(self.waiting) >= self.config.max_num_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_num_waiting} requests)")
-        bs = self.block_manager.block_size
-        num_blocks = -(-request.num_tokens // bs)
-        if num_blocks > self.block_manager.num_blocks:
-            raise ValueError(f"prompt needs {num_blocks} KV blocks; the cache has {self.block_manager.num_blocks}")
+        bm = self.block_manager
+        bs = bm.block_size
+        num_blocks = bm.blocks_for(request.num_tokens, self.config.max_num_batched_tokens)
+        if num_blocks > bm.capacity:
+            raise ValueError(f"prompt needs {num_blocks} KV blocks; the cache has {bm.capacity}")
         request.block_hashes = hash_blocks(request.all_token_ids, bs, self.salt(request))
 
     # ---- disaggregation ------------------------------------------------------------------
@@ -162,7 +164,8 @@ class Scheduler:
         bm = self.block_manager
         full = request.block_hashes[: request.num_prompt_tokens // bm.block_size]
         prefix = bm.match_prefix(full) if self.config.enable_prefix_caching else []
-        if bm.allocate_slots(request.request_id, request.num_prompt_tokens, prefix) is None:
+        # start: the decode side's first step computes the position after the prompt
+        if bm.allocate_slots(request.request_id, request.num_prompt_tokens, prefix, start=request.num_prompt_tokens) is None:
             return None
         request.num_cached_tokens = len(prefix) * bm.block_size
         request.status = RequestStatus.REMOTE_PREFILL
@@ -290,7 +293,8 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, n: int, preempted: list[str]):
         while True:
-            allocation = self.block_manager.allocate_slots(request.request_id, request.num_computed_tokens + n)
+            allocation = self.block_manager.allocate_slots(request.request_id, request.num_computed_tokens + n,
+                                                           start=request.num_computed_tokens)
             if allocation is not None:
                 return allocation
             victim = self.running[-1]
@@ -314,7 +318,7 @@ class Scheduler:
                 prefix = bm.match_prefix(request.block_hashes[: (request.num_tokens - 1) // bs])
             computed = len(prefix) * bs
             n = self._chunk(request, computed, budget)
-            allocation = bm.allocate_slots(request.request_id, computed + n, prefix)
+            allocation = bm.allocate_slots(request.request_id, computed + n, prefix, start=computed)
             if allocation is None:
                 break
             self.waiting.remove(request)
@@ -338,8 +342,10 @@ class Scheduler:
             self.waiting.charge(request.tenant, prompt_tokens=min(end, num_prompt) - start)
         samples = end == num_prompt + len(request.output_token_ids)
         forks = self.forks.get(request.request_id) if samples else None
-        return ScheduledRequest(request.request_id, start, n, tuple(self.block_manager.block_table(request.request_id)),
-                                samples, tuple(f.request_id for f in forks) if forks else ())
+        tables = self.block_manager.block_tables(request.request_id)
+        return ScheduledRequest(request.request_id, start, n, tuple(tables[0]), samples,
+                                tuple(f.request_id for f in forks) if forks else (),
+                                tuple(tuple(t) for t in tables[1:]))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -60,6 +60,7 @@ class PagedQueries:
     query_start: torch.Tensor  # [num_requests + 1] long: request r owns rows query_start[r] .. [r+1]-1
     num_tokens: int
     max_query_len: int
+    window: int = 0  # sliding window: a query row sees only the last ``window`` of its keys; 0: all
 
     @property
     def num_requests(self) -> int:
@@ -79,6 +80,13 @@ class ForwardBatch:
     queries: PagedQueries | None = None  # every row, request by request: set when one call attends the whole step
     paged: PagedQueries | None = None  # the one-row (decode) requests, the batch's first rows
     prefills: list[PrefillSpan] = field(default_factory=list)  # the others, for implementations that use SDPA
+    window: int = 0  # sliding window of the layers this batch's slots and tables serve; 0: full attention
+    # Models whose layers keep KV in several groups (tokenfleet.kvcache.layout.kv_groups): the other groups'
+    # views of the same rows (their slots, tables and window); group 0 is this object.
+    others: tuple[ForwardBatch, ...] = ()
+
+    def group(self, index: int) -> ForwardBatch:
+        return self if index == 0 else self.others[index - 1]
 
     @property
     def num_paged_tokens(self) -> int:
@@ -118,6 +126,8 @@ class TorchPagedAttention:
         # keys visible to query j: < L - count + j + 1
         limit = (meta.context_lens - counts)[:, None] + torch.arange(n, device=q.device)[None, :] + 1  # [R, n]
         visible = key_pos[None, None, :] < limit[:, :, None]  # [R, n, L]
+        if meta.window:  # and keys >= limit - window (blocks before that may be the null block)
+            visible &= key_pos[None, None, :] >= limit[:, :, None] - meta.window
         visible = visible[:, :, None, :].expand(r, n, group, -1).reshape(1, r, n * group, -1)
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
@@ -135,7 +145,7 @@ class NativePagedAttention:
     def __init__(self, lib: ctypes.CDLL):
         self._fn = lib.tf_paged_attention_bf16
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, ctypes.c_int]
+        self._fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, i64, ctypes.c_int]
         self._fn.restype = ctypes.c_int
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedQueries) -> torch.Tensor:
@@ -146,7 +156,7 @@ class NativePagedAttention:
         table = meta.block_table.contiguous()
         rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), meta.context_lens.data_ptr(),
                       meta.query_start.data_ptr(), out.data_ptr(), meta.num_requests, num_heads, num_kv_heads, head_dim,
-                      block_size, num_blocks, table.shape[1], head_dim**-0.5, torch.get_num_threads())
+                      block_size, num_blocks, table.shape[1], head_dim**-0.5, meta.window, torch.get_num_threads())
         if rc != 0:
             raise ValueError("paged attention: inconsistent block table, context lengths or query rows")
         return out
@@ -183,11 +193,11 @@ def paged_attention(
     for span in batch.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
         if span.context_block_ids is None:  # no earlier context: attend to the chunk's own K/V
-            out[rows] = _prefill_attention(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), 0)
+            out[rows] = _prefill_attention(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), 0, batch.window)
         else:
             ctx_k = _gather(k_cache, span.context_block_ids)[:, : span.context_len]
             ctx_v = _gather(v_cache, span.context_block_ids)[:, : span.context_len]
-            out[rows] = _prefill_attention(q[rows], ctx_k, ctx_v, span.context_len - span.num_tokens)
+            out[rows] = _prefill_attention(q[rows], ctx_k, ctx_v, span.context_len - span.num_tokens, batch.window)
     return out.view(num_tokens, num_heads * head_dim)
 
 
@@ -197,18 +207,22 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return cache.index_select(1, block_ids).view(num_kv_heads, -1, head_dim)
 
 
-def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int) -> torch.Tensor:
-    """q: [n, heads, hd]; k, v: [kv_heads, L, hd] with L = causal_offset + n. Query i sees keys <= offset + i."""
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int, window: int = 0
+                       ) -> torch.Tensor:
+    """q: [n, heads, hd]; k, v: [kv_heads, L, hd] with L = causal_offset + n. Query i sees keys <= offset + i
+    (and > offset + i - window with a sliding window)."""
     n, num_heads, head_dim = q.shape
     num_kv_heads, length, _ = k.shape
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]
     kt, vt = k.unsqueeze(0), v.unsqueeze(0)  # [1, kv_heads, L, hd]
     gqa = num_heads != num_kv_heads
-    if causal_offset == 0:
+    if causal_offset == 0 and (not window or n <= window):
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
     else:
         key_pos = torch.arange(length, device=q.device)
         query_pos = torch.arange(n, device=q.device) + causal_offset
         mask = key_pos[None, :] <= query_pos[:, None]  # [n, L]
+        if window:
+            mask &= key_pos[None, :] > query_pos[:, None] - window
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=gqa)
     return o.squeeze(0).transpose(0, 1)  # [n, heads, hd]

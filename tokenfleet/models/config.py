@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenfleet.kvcache.layout import KVGroup, kv_groups
+
 LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 GEMMA3 = "Gemma3ForCausalLM"
 SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, GEMMA3)
@@ -69,6 +71,18 @@ class ModelConfig:
         """Bytes of K+V per token at 1 byte per element; multiply by the element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per layer: its sliding window, or 0 for full attention; () when every layer is full."""
+        if "sliding_attention" not in self.layer_types:
+            return ()
+        return tuple(self.sliding_window if t == "sliding_attention" else 0 for t in self.layer_types)
+
+    @property
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """How the layers share block tables (tokenfleet.kvcache.layout.kv_groups)."""
+        return kv_groups(self.layer_windows or (0,) * self.num_layers)
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
@@ -110,8 +124,6 @@ class ModelConfig:
         )
 
 
-# Until sliding-window attention is in the paged KV (issue 19's next step), a Gemma 3 context is capped
-# at the window: within it, every layer attends to every earlier token, exactly as the model does.
 def _gemma3(raw: dict[str, Any]) -> ModelConfig:
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "head_dim", "sliding_window", "layer_types"):
@@ -140,7 +152,7 @@ def _gemma3(raw: dict[str, Any]) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
         head_dim=int(raw["head_dim"]),
-        max_position_embeddings=min(int(raw.get("max_position_embeddings", window)), window),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 32_768)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(full.get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
         rope_scaling=RopeScaling(),

@@ -4,8 +4,9 @@ What differs from Llama: the embedding is scaled by sqrt(hidden); RMSNorm multip
 in fp32; q and k are RMS-normed per head before RoPE (QK-norm); each sublayer's output is normed
 before it joins the residual (post-attention, post-feed-forward norms) besides the pre-norms; the MLP
 is GeGLU (tanh-approximated GELU of the gate times up); sliding-window layers use a local RoPE base
-(10k) and global layers the long one (1M). The config caps the context at the sliding window until
-the paged KV has window-aware layers (then every layer sees what the model would).
+(10k) and global layers the long one (1M). Sliding-window layers attend to the last ``sliding_window``
+keys: their KV lives in its own groups of the paged cache (``ModelConfig.kv_groups``), whose block
+tables keep only the blocks the window reaches, and the attention masks the rest.
 """
 
 from __future__ import annotations
@@ -91,7 +92,9 @@ class Gemma3Model:
         w, linear, eps = self.weights, self.linear, self.config.rms_norm_eps
         h = F.embedding(token_ids, w.embed) * self.embed_scale
         for i, layer in enumerate(w.layers):
-            attn = self._attention(gemma_rms_norm(h, layer.input_norm, eps), layer, batch, kv.k[i], kv.v[i])
+            group, slot = kv.layer_slots[i]
+            attn = self._attention(gemma_rms_norm(h, layer.input_norm, eps), layer, batch.group(group), kv.k[slot],
+                                   kv.v[slot])
             h = h + gemma_rms_norm(attn, layer.post_attention_norm, eps)
             gate, up = linear(gemma_rms_norm(h, layer.pre_feedforward_norm, eps), layer.gate_up).chunk(2, dim=-1)
             mlp = linear(F.gelu(gate, approximate="tanh") * up, layer.down)

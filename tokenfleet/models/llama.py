@@ -58,17 +58,25 @@ def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, rows: torch.Te
 
 
 class KVCache:
-    """Preallocated K and V for every layer; a token's slot is block_id * block_size + offset."""
+    """Preallocated K and V; a token's slot is block_id * block_size + offset.
+
+    A block holds one layer of each KV group (``config.kv_groups``): ``k[i]`` is the i-th layer of
+    whichever group the block belongs to. For a model of one group (a Llama) that is layer i."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-        shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, kv_heads, blocks, block_size, head_dim]
+        groups = config.kv_groups
+        self.layer_slots = [(0, 0)] * config.num_layers  # layer -> (group, index in k / v)
+        for g, group in enumerate(groups):
+            for slot, layer in enumerate(group.layers):
+                self.layer_slots[layer] = (g, slot)
+        shape = (len(groups[0].layers), config.num_kv_heads, num_blocks, block_size, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [slots, kv_heads, blocks, block_size, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks src -> dst in every layer (copy-on-write of shared blocks)."""
+        """Copy whole blocks src -> dst in every slot (copy-on-write of shared blocks)."""
         for src, dst in pairs:
             for cache in (self.k, self.v):
                 cache[:, :, dst].copy_(cache[:, :, src])

@@ -25,51 +25,51 @@ _sym_db = _symbol_database.Default()
 from tokenfleet.v1 import common_pb2 as tokenfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atokenfleet/v1/engine.proto\x12\rtokenfleet.v1\x1a\x1atokenfleet/v1/common.proto\"\xb6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.tokenfleet.v1.SamplingParams\x12)\n\x08priority\x18\x04 \x01(\x0e\x32\x17.tokenfleet.v1.Priority\x12-\n\x07prefill\x18\x05 \x01(\x0b\x32\x1c.tokenfleet.v1.PrefillSource\x12*\n\x06resume\x18\x06 \x01(\x0b\x32\x1a.tokenfleet.v1.ResumeState\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x19\n\x11ttft_objective_ms\x18\x08 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_scope\x18\t \x01(\t\"4\n\rPrefillSource\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"5\n\x0bResumeState\x12\x18\n\x10output_token_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"|\n\x08KVLayout\x12\x11\n\thash_salt\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\"\x83\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.tokenfleet.v1.SamplingParams\x12)\n\x08priority\x18\x04 \x01(\x0e\x32\x17.tokenfleet.v1.Priority\x12\x19\n\x11held_block_hashes\x18\x05 \x03(\x0c\x12\'\n\x06layout\x18\x06 \x01(\x0b\x32\x17.tokenfleet.v1.KVLayout\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x08 \x01(\t\"\xa8\x01\n\x0ePrefillStarted\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12,\n\x07logprob\x18\x02 \x01(\x0b\x32\x1b.tokenfleet.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x12\n\nnum_chunks\x18\x06 \x01(\r\"d\n\x07KVChunk\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\x0c\x12\t\n\x01v\x18\x06 \x01(\x0c\" \n\x0bPrefillDone\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\"\xb0\x01\n\x0fPrefillResponse\x12\x30\n\x07started\x18\x01 \x01(\x0b\x32\x1d.tokenfleet.v1.PrefillStartedH\x00\x12$\n\x02kv\x18\x02 \x01(\x0b\x32\x16.tokenfleet.v1.KVChunkH\x00\x12\x11\n\x07handoff\x18\x03 \x01(\x0cH\x00\x12*\n\x04\x64one\x18\x04 \x01(\x0b\x32\x1a.tokenfleet.v1.PrefillDoneH\x00\x42\x06\n\x04kind\"\xa1\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.tokenfleet.v1.TokenLogprob\x12\r\n\x05index\x18\x04 \x01(\r\x12\x34\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1b.tokenfleet.v1.TokenLogprob\"\xca\x01\n\rGenerateFinal\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.tokenfleet.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\rH\x00\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.tokenfleet.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\r\n\x05index\x18\x06 \x01(\rB\r\n\x0bstop_reason\"\xa2\x01\n\x10GenerateResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x19.tokenfleet.v1.TokenChunkH\x00\x12-\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1c.tokenfleet.v1.GenerateFinalH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.tokenfleet.v1.ErrorDetailH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\"\n\x0bLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xf2\x05\n\nLoadReport\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.tokenfleet.v1.WorkerState\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x04 \x01(\r\x12\x17\n\x0fnum_blocks_free\x18\x05 \x01(\r\x12\x15\n\rnum_in_flight\x18\x06 \x01(\r\x12\x1d\n\x15num_prefix_hit_tokens\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\x13\n\x0bnum_aborted\x18\t \x01(\x04\x12\x11\n\tnum_steps\x18\n \x01(\x04\x12\x16\n\x0ettft_ms_recent\x18\x0b \x01(\x01\x12\x16\n\x0etpot_ms_recent\x18\x0c \x01(\x01\x12\x14\n\x0cstep_ms_mean\x18\r \x01(\x01\x12 \n\x18num_queued_prompt_tokens\x18\x17 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x18 \x01(\x01\x12\x14\n\x0chashes_reset\x18\x0e \x01(\x08\x12\x1a\n\x12\x61\x64\x64\x65\x64_block_hashes\x18\x0f \x03(\x0c\x12\x1c\n\x14removed_block_hashes\x18\x10 \x03(\x0c\x12\'\n\x06layout\x18\x11 \x01(\x0b\x32\x17.tokenfleet.v1.KVLayout\x12\"\n\x1anum_prompt_tokens_computed\x18\x12 \x01(\x04\x12\x1a\n\x12num_kv_blocks_sent\x18\x13 \x01(\x04\x12\x1e\n\x16num_kv_blocks_received\x18\x14 \x01(\x04\x12\x1b\n\x13num_remote_prefills\x18\x15 \x01(\x04\x12\x1d\n\x15num_kv_bytes_received\x18\x16 \x01(\x04\x12\x11\n\tnum_forks\x18\x19 \x01(\x04\x12\x1e\n\x16num_fork_shared_blocks\x18\x1a \x01(\x04\x12\x18\n\x10num_block_copies\x18\x1b \x01(\x04\"\x0e\n\x0c\x44rainRequest\"$\n\rDrainResponse\x12\x13\n\x0bnum_drained\x18\x01 \x01(\r*`\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_SERVING\x10\x01\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x02\x32\xf3\x02\n\rEngineService\x12M\n\x08Generate\x12\x1e.tokenfleet.v1.GenerateRequest\x1a\x1f.tokenfleet.v1.GenerateResponse0\x01\x12J\n\x07Prefill\x12\x1d.tokenfleet.v1.PrefillRequest\x1a\x1e.tokenfleet.v1.PrefillResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.tokenfleet.v1.AbortRequest\x1a\x1c.tokenfleet.v1.AbortResponse\x12?\n\x04Load\x12\x1a.tokenfleet.v1.LoadRequest\x1a\x19.tokenfleet.v1.LoadReport0\x01\x12\x42\n\x05\x44rain\x12\x1b.tokenfleet.v1.DrainRequest\x1a\x1c.tokenfleet.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atokenfleet/v1/engine.proto\x12\rtokenfleet.v1\x1a\x1atokenfleet/v1/common.proto\"\xb6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.tokenfleet.v1.SamplingParams\x12)\n\x08priority\x18\x04 \x01(\x0e\x32\x17.tokenfleet.v1.Priority\x12-\n\x07prefill\x18\x05 \x01(\x0b\x32\x1c.tokenfleet.v1.PrefillSource\x12*\n\x06resume\x18\x06 \x01(\x0b\x32\x1a.tokenfleet.v1.ResumeState\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x19\n\x11ttft_objective_ms\x18\x08 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_scope\x18\t \x01(\t\"4\n\rPrefillSource\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"5\n\x0bResumeState\x12\x18\n\x10output_token_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x93\x01\n\x08KVLayout\x12\x11\n\thash_salt\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x15\n\rlayer_windows\x18\x07 \x03(\r\"\x83\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.tokenfleet.v1.SamplingParams\x12)\n\x08priority\x18\x04 \x01(\x0e\x32\x17.tokenfleet.v1.Priority\x12\x19\n\x11held_block_hashes\x18\x05 \x03(\x0c\x12\'\n\x06layout\x18\x06 \x01(\x0b\x32\x17.tokenfleet.v1.KVLayout\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x08 \x01(\t\"\xa8\x01\n\x0ePrefillStarted\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12,\n\x07logprob\x18\x02 \x01(\x0b\x32\x1b.tokenfleet.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x12\n\nnum_chunks\x18\x06 \x01(\r\"d\n\x07KVChunk\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\x0c\x12\t\n\x01v\x18\x06 \x01(\x0c\" \n\x0bPrefillDone\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\"\xb0\x01\n\x0fPrefillResponse\x12\x30\n\x07started\x18\x01 \x01(\x0b\x32\x1d.tokenfleet.v1.PrefillStartedH\x00\x12$\n\x02kv\x18\x02 \x01(\x0b\x32\x16.tokenfleet.v1.KVChunkH\x00\x12\x11\n\x07handoff\x18\x03 \x01(\x0cH\x00\x12*\n\x04\x64one\x18\x04 \x01(\x0b\x32\x1a.tokenfleet.v1.PrefillDoneH\x00\x42\x06\n\x04kind\"\xa1\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.tokenfleet.v1.TokenLogprob\x12\r\n\x05index\x18\x04 \x01(\r\x12\x34\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1b.tokenfleet.v1.TokenLogprob\"\xca\x01\n\rGenerateFinal\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.tokenfleet.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\rH\x00\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.tokenfleet.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\r\n\x05index\x18\x06 \x01(\rB\r\n\x0bstop_reason\"\xa2\x01\n\x10GenerateResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x19.tokenfleet.v1.TokenChunkH\x00\x12-\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1c.tokenfleet.v1.GenerateFinalH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.tokenfleet.v1.ErrorDetailH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\"\n\x0bLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xf2\x05\n\nLoadReport\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.tokenfleet.v1.WorkerState\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x04 \x01(\r\x12\x17\n\x0fnum_blocks_free\x18\x05 \x01(\r\x12\x15\n\rnum_in_flight\x18\x06 \x01(\r\x12\x1d\n\x15num_prefix_hit_tokens\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\x13\n\x0bnum_aborted\x18\t \x01(\x04\x12\x11\n\tnum_steps\x18\n \x01(\x04\x12\x16\n\x0ettft_ms_recent\x18\x0b \x01(\x01\x12\x16\n\x0etpot_ms_recent\x18\x0c \x01(\x01\x12\x14\n\x0cstep_ms_mean\x18\r \x01(\x01\x12 \n\x18num_queued_prompt_tokens\x18\x17 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x18 \x01(\x01\x12\x14\n\x0chashes_reset\x18\x0e \x01(\x08\x12\x1a\n\x12\x61\x64\x64\x65\x64_block_hashes\x18\x0f \x03(\x0c\x12\x1c\n\x14removed_block_hashes\x18\x10 \x03(\x0c\x12\'\n\x06layout\x18\x11 \x01(\x0b\x32\x17.tokenfleet.v1.KVLayout\x12\"\n\x1anum_prompt_tokens_computed\x18\x12 \x01(\x04\x12\x1a\n\x12num_kv_blocks_sent\x18\x13 \x01(\x04\x12\x1e\n\x16num_kv_blocks_received\x18\x14 \x01(\x04\x12\x1b\n\x13num_remote_prefills\x18\x15 \x01(\x04\x12\x1d\n\x15num_kv_bytes_received\x18\x16 \x01(\x04\x12\x11\n\tnum_forks\x18\x19 \x01(\x04\x12\x1e\n\x16num_fork_shared_blocks\x18\x1a \x01(\x04\x12\x18\n\x10num_block_copies\x18\x1b \x01(\x04\"\x0e\n\x0c\x44rainRequest\"$\n\rDrainResponse\x12\x13\n\x0bnum_drained\x18\x01 \x01(\r*`\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_SERVING\x10\x01\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x02\x32\xf3\x02\n\rEngineService\x12M\n\x08Generate\x12\x1e.tokenfleet.v1.GenerateRequest\x1a\x1f.tokenfleet.v1.GenerateResponse0\x01\x12J\n\x07Prefill\x12\x1d.tokenfleet.v1.PrefillRequest\x1a\x1e.tokenfleet.v1.PrefillResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.tokenfleet.v1.AbortRequest\x1a\x1c.tokenfleet.v1.AbortResponse\x12?\n\x04Load\x12\x1a.tokenfleet.v1.LoadRequest\x1a\x19.tokenfleet.v1.LoadReport0\x01\x12\x42\n\x05\x44rain\x12\x1b.tokenfleet.v1.DrainRequest\x1a\x1c.tokenfleet.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenfleet.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERSTATE']._serialized_start=2803
-  _globals['_WORKERSTATE']._serialized_end=2899
+  _globals['_WORKERSTATE']._serialized_start=2827
+  _globals['_WORKERSTATE']._serialized_end=2923
   _globals['_GENERATEREQUEST']._serialized_start=74
   _globals['_GENERATEREQUEST']._serialized_end=384
   _globals['_PREFILLSOURCE']._serialized_start=386
   _globals['_PREFILLSOURCE']._serialized_end=438
   _globals['_RESUMESTATE']._serialized_start=440
   _globals['_RESUMESTATE']._serialized_end=493
-  _globals['_KVLAYOUT']._serialized_start=495
-  _globals['_KVLAYOUT']._serialized_end=619
-  _globals['_PREFILLREQUEST']._serialized_start=622
-  _globals['_PREFILLREQUEST']._serialized_end=881
-  _globals['_PREFILLSTARTED']._serialized_start=884
-  _globals['_PREFILLSTARTED']._serialized_end=1052
-  _globals['_KVCHUNK']._serialized_start=1054
-  _globals['_KVCHUNK']._serialized_end=1154
-  _globals['_PREFILLDONE']._serialized_start=1156
-  _globals['_PREFILLDONE']._serialized_end=1188
-  _globals['_PREFILLRESPONSE']._serialized_start=1191
-  _globals['_PREFILLRESPONSE']._serialized_end=1367
-  _globals['_TOKENCHUNK']._serialized_start=1370
-  _globals['_TOKENCHUNK']._serialized_end=1531
-  _globals['_GENERATEFINAL']._serialized_start=1534
-  _globals['_GENERATEFINAL']._serialized_end=1736
-  _globals['_GENERATERESPONSE']._serialized_start=1739
-  _globals['_GENERATERESPONSE']._serialized_end=1901
-  _globals['_ABORTREQUEST']._serialized_start=1903
-  _globals['_ABORTREQUEST']._serialized_end=1937
-  _globals['_ABORTRESPONSE']._serialized_start=1939
-  _globals['_ABORTRESPONSE']._serialized_end=1954
-  _globals['_LOADREQUEST']._serialized_start=1956
-  _globals['_LOADREQUEST']._serialized_end=1990
-  _globals['_LOADREPORT']._serialized_start=1993
-  _globals['_LOADREPORT']._serialized_end=2747
-  _globals['_DRAINREQUEST']._serialized_start=2749
-  _globals['_DRAINREQUEST']._serialized_end=2763
-  _globals['_DRAINRESPONSE']._serialized_start=2765
-  _globals['_DRAINRESPONSE']._serialized_end=2801
-  _globals['_ENGINESERVICE']._serialized_start=2902
-  _globals['_ENGINESERVICE']._serialized_end=3273
+  _globals['_KVLAYOUT']._serialized_start=496
+  _globals['_KVLAYOUT']._serialized_end=643
+  _globals['_PREFILLREQUEST']._serialized_start=646
+  _globals['_PREFILLREQUEST']._serialized_end=905
+  _globals['_PREFILLSTARTED']._serialized_start=908
+  _globals['_PREFILLSTARTED']._serialized_end=1076
+  _globals['_KVCHUNK']._serialized_start=1078
+  _globals['_KVCHUNK']._serialized_end=1178
+  _globals['_PREFILLDONE']._serialized_start=1180
+  _globals['_PREFILLDONE']._serialized_end=1212
+  _globals['_PREFILLRESPONSE']._serialized_start=1215
+  _globals['_PREFILLRESPONSE']._serialized_end=1391
+  _globals['_TOKENCHUNK']._serialized_start=1394
+  _globals['_TOKENCHUNK']._serialized_end=1555
+  _globals['_GENERATEFINAL']._serialized_start=1558
+  _globals['_GENERATEFINAL']._serialized_end=1760
+  _globals['_GENERATERESPONSE']._serialized_start=1763
+  _globals['_GENERATERESPONSE']._serialized_end=1925
+  _globals['_ABORTREQUEST']._serialized_start=1927
+  _globals['_ABORTREQUEST']._serialized_end=1961
+  _globals['_ABORTRESPONSE']._serialized_start=1963
+  _globals['_ABORTRESPONSE']._serialized_end=1978
+  _globals['_LOADREQUEST']._serialized_start=1980
+  _globals['_LOADREQUEST']._serialized_end=2014
+  _globals['_LOADREPORT']._serialized_start=2017
+  _globals['_LOADREPORT']._serialized_end=2771
+  _globals['_DRAINREQUEST']._serialized_start=2773
+  _globals['_DRAINREQUEST']._serialized_end=2787
+  _globals['_DRAINRESPONSE']._serialized_start=2789
+  _globals['_DRAINRESPONSE']._serialized_end=2825
+  _globals['_ENGINESERVICE']._serialized_start=2926
+  _globals['_ENGINESERVICE']._serialized_end=3297
 # @@protoc_insertion_point(module_scope)

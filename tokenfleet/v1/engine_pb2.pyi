@@ -56,20 +56,22 @@ class ResumeState(_message.Message):
     def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("hash_salt", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+    __slots__ = ("hash_salt", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "layer_windows")
     HASH_SALT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    LAYER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     hash_salt: str
     dtype: str
     block_size: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    def __init__(self, hash_salt: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    layer_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, hash_salt: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "held_block_hashes", "layout", "tenant", "cache_scope")

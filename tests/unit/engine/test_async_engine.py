@@ -28,7 +28,8 @@ MODEL_CONTEXT = 8192  # SmolLM2's max_position_embeddings
 
 
 def make_engine(model_dir, **options) -> AsyncEngine:
-    config = EngineConfig(model=str(model_dir), dtype="float32", num_threads=1, num_blocks=256, **options)
+    options = {"dtype": "float32", "num_threads": 1, "num_blocks": 256, **options}
+    config = EngineConfig(model=str(model_dir), **options)
     return AsyncEngine(lambda: build_engine_core(config))
 
 

@@ -179,3 +179,38 @@ def test_fp32_always_takes_the_torch_path():
     """fp32 is what the exact-equality tests against HF run: never the bf16 kernels."""
     assert isinstance(select_attention(torch.float32, CPU), TorchPagedAttention)
     assert isinstance(select_layer_ops(tiny_config(), torch.float32, CPU), TorchLayerOps)
+
+
+@needs_compiler
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("head_dim", [64, 256])  # 256: Gemma 3's
+def test_sliding_window_kernels_match_the_torch_reference_and_never_read_the_null_block(case, head_dim):
+    """With a window, rows see only their last ``window`` keys; blocks entirely before every row's window
+    are the null block (0) in a sliding-window group's table. Here the null block holds NaN: a kernel
+    that read it would return NaN (the torch reference reads it masked, so it gets a zero block)."""
+    lens, rows = CASES[case]
+    window = 37
+    q, k_cache, v_cache, meta = paged_case(lens, rows, head_dim, seed=len(case) + 11)
+    table = meta.block_table.clone()
+    table[table == 0] = NUM_BLOCKS - 1 if (table == NUM_BLOCKS - 1).sum() == 0 else table.max()  # 0 only as null
+    for r, (length, n) in enumerate(zip(lens, rows)):
+        table[r, : max(0, length - n + 1 - window) // BLOCK] = 0
+    meta = PagedQueries(table, meta.context_lens, meta.query_start, meta.num_tokens, meta.max_query_len, window)
+    k_cache[:, 0], v_cache[:, 0] = 0, 0
+    expected = TorchPagedAttention()(q, k_cache, v_cache, meta).float()
+    k_cache[:, 0], v_cache[:, 0] = float("nan"), float("nan")
+    for name, kernel in kernels().items():
+        got = kernel(q, k_cache, v_cache, meta)
+        torch.testing.assert_close(got.float(), expected, rtol=8e-3, atol=2e-3, msg=f"{name} kernel, {case}")
+
+
+def test_windowed_sdpa_prefill_matches_a_brute_force_mask():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, h, 16, generator=g) for n, h in ((20, 4), (30, 2), (30, 2)))
+    out = _prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), 10, window=7)
+    for i in range(20):
+        keys = range(max(0, 10 + i - 6), 10 + i + 1)
+        for h in range(4):
+            s = torch.stack([q[i, h] @ k[j, h // 2] for j in keys]) * 16**-0.5
+            ref = torch.softmax(s, 0) @ torch.stack([v[j, h // 2] for j in keys])
+            torch.testing.assert_close(out[i, h], ref, rtol=1e-4, atol=1e-5)

@@ -24,14 +24,17 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
             f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
             f"({model.config.max_position_embeddings})"
         )
-    num_blocks = config.num_kv_blocks(model.config.kv_bytes_per_token * dtype.itemsize)
+    groups = model.config.kv_groups  # a block holds one layer of a group: K+V of len(group.layers) layers
+    per_token = 2 * len(groups[0].layers) * model.config.num_kv_heads * model.config.head_dim * dtype.itemsize
+    num_blocks = config.num_kv_blocks(per_token)
     runner = TorchModelRunner(model, num_blocks, config.block_size)
-    scheduler = Scheduler(config.scheduler_config(max_model_len), BlockManager(num_blocks, config.block_size),
-                          config.hash_salt())
+    block_manager = BlockManager(num_blocks, config.block_size, tuple(g.window for g in groups))
+    scheduler = Scheduler(config.scheduler_config(max_model_len), block_manager, config.hash_salt())
     tokenizer = Tokenizer(config.model)
     info = ModelInfo(
         vocab_size=model.config.vocab_size,
         max_model_len=max_model_len,
         eos_token_ids=model.config.eos_token_ids,
+        layer_windows=model.config.layer_windows,
     )
     return EngineCore(scheduler, runner, tokenizer, info)

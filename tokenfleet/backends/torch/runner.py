@@ -26,6 +26,7 @@ class TorchModelRunner:
         self.device = model.device
         self.block_size = block_size
         self.kv = KVCache(model.config, num_blocks, block_size, kv_dtype or model.dtype, model.device)
+        self.windows = tuple(group.window for group in model.config.kv_groups)
         self.sampler = Sampler(model.device)
         self._prompt_spans: list[tuple[str, int, int]] = []
 
@@ -86,37 +87,37 @@ class TorchModelRunner:
     # ---- KV transfer (disaggregated prefill) --------------------------------------------------
     def kv_geometry(self) -> tuple[int, int, int, str]:
         """(num_layers, num_kv_heads, head_dim, dtype name) of the cache."""
-        layers, kv_heads, _, _, head_dim = self.kv.k.shape
-        return layers, kv_heads, head_dim, str(self.kv.k.dtype).removeprefix("torch.")
+        _, kv_heads, _, _, head_dim = self.kv.k.shape
+        return len(self.kv.layer_slots), kv_heads, head_dim, str(self.kv.k.dtype).removeprefix("torch.")
 
     def export_kv(self, layer: int, block_ids: Sequence[int]) -> tuple[bytes, bytes]:
-        """K and V of ``block_ids`` in one layer as raw [kv_heads, n, block_size, head_dim] bytes.
-        Safe off the engine thread for blocks nobody writes (held, full or owned by a finished request)."""
-        index = self._tensor(list(block_ids))
-        return tuple(_raw(cache[layer].index_select(1, index)) for cache in (self.kv.k, self.kv.v))  # type: ignore[return-value]
+        """K and V of ``block_ids`` (of the layer's group) in one layer as raw [kv_heads, n, block_size,
+        head_dim] bytes. Safe off the engine thread for blocks nobody writes (held, full or owned by a
+        finished request)."""
+        index, slot = self._tensor(list(block_ids)), self.kv.layer_slots[layer][1]
+        return tuple(_raw(cache[slot].index_select(1, index)) for cache in (self.kv.k, self.kv.v))  # type: ignore[return-value]
 
     def import_kv(self, layer: int, block_ids: Sequence[int], k: bytes, v: bytes) -> None:
         """Write received blocks into the cache (engine thread: the blocks are reserved, not yet read)."""
-        index = self._tensor(list(block_ids))
+        index, slot = self._tensor(list(block_ids)), self.kv.layer_slots[layer][1]
         _, kv_heads, _, block_size, head_dim = self.kv.k.shape
         shape = (kv_heads, len(block_ids), block_size, head_dim)
         for cache, raw in ((self.kv.k, k), (self.kv.v, v)):
             values = torch.frombuffer(bytearray(raw), dtype=cache.dtype).view(shape)
-            cache[layer].index_copy_(1, index, values.to(self.device))
+            cache[slot].index_copy_(1, index, values.to(self.device))
 
     def build_batch(
         self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]
     ) -> tuple[torch.Tensor, ForwardBatch, list[tuple[str, int, int]]]:
         """Token ids and metadata of the step; logits rows are the sampling entries' last
         positions, then (requests that want prompt logprobs) spans of prompt positions, listed
-        as (request id, first position, count)."""
-        bs = self.block_size
+        as (request id, first position, count). Models of several KV groups get one view of the
+        step per group (``ForwardBatch.others``): the same rows over that group's tables."""
         tokens: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         logits_indices: list[int] = []
         decode_entries: list[ScheduledRequest] = []
-        prefills: list[PrefillSpan] = []
+        chunks: list[tuple[int, ScheduledRequest]] = []  # (first row, entry) of each prefill chunk
         spans: list[tuple[str, int, int]] = []
         span_rows: list[int] = []
         exact: list[int] = []  # positions in logits_indices whose top logits are refined (greedy or logprobs)
@@ -125,8 +126,6 @@ class TorchModelRunner:
             row = len(tokens)
             tokens += requests[entry.request_id].token_ids_range(start, end)
             positions += range(start, end)
-            table = entry.block_ids
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             request = requests[entry.request_id]
             params = request.sampling_params
             if entry.samples:
@@ -142,26 +141,47 @@ class TorchModelRunner:
                     spans.append((entry.request_id, first, last - first))
                     span_rows += range(row + first - start, row + last - start)
             if entry.num_new_tokens == 1:
-                if prefills:
+                if chunks:
                     raise ValueError("decode entries must precede prefill chunks")
                 decode_entries.append(entry)
             else:
-                context = self._tensor(list(table[: -(-end // bs)])) if start > 0 else None
-                prefills.append(PrefillSpan(row, entry.num_new_tokens, end, context))
-        whole = self.model.attention.handles_prefill  # one call attends every row, else decode rows + SDPA spans
-        batch = ForwardBatch(
+                chunks.append((row, entry))
+        shared = dict(
             positions=self._tensor(positions),
-            slot_mapping=self._tensor(slots),
             logits_indices=self._tensor(logits_indices + span_rows),
             exact_logits=self._tensor(exact + [len(logits_indices) + i for i in range(len(span_rows))])
             if exact or span_rows else None,
-            queries=self._paged_queries(scheduled) if whole else None,
-            paged=self._paged_queries(decode_entries) if decode_entries and not whole else None,
-            prefills=prefills,
         )
+        views = [self._view(g, window, scheduled, decode_entries, chunks, shared) for g, window in enumerate(self.windows)]
+        batch = views[0]
+        batch.others = tuple(views[1:])
         return self._tensor(tokens), batch, spans
 
-    def _paged_queries(self, entries: Sequence[ScheduledRequest]) -> PagedQueries:
+    def _view(self, group: int, window: int, scheduled: Sequence[ScheduledRequest],
+              decode_entries: Sequence[ScheduledRequest], chunks: Sequence[tuple[int, ScheduledRequest]],
+              shared: dict) -> ForwardBatch:
+        """The step over KV group ``group``'s tables: slots, paged queries, prefill contexts."""
+        bs = self.block_size
+        slots: list[int] = []
+        for entry in scheduled:
+            table = _table(entry, group)
+            slots += [table[p // bs] * bs + p % bs for p in range(entry.start, entry.start + entry.num_new_tokens)]
+        prefills = []
+        for row, entry in chunks:
+            end = entry.start + entry.num_new_tokens
+            context = self._tensor(list(_table(entry, group)[: -(-end // bs)])) if entry.start > 0 else None
+            prefills.append(PrefillSpan(row, entry.num_new_tokens, end, context))
+        whole = self.model.attention.handles_prefill  # one call attends every row, else decode rows + SDPA spans
+        return ForwardBatch(
+            slot_mapping=self._tensor(slots),
+            queries=self._paged_queries(scheduled, group, window) if whole else None,
+            paged=self._paged_queries(decode_entries, group, window) if decode_entries and not whole else None,
+            prefills=prefills,
+            window=window,
+            **shared,
+        )
+
+    def _paged_queries(self, entries: Sequence[ScheduledRequest], group: int = 0, window: int = 0) -> PagedQueries:
         """``entries`` (contiguous rows of the batch, in order) as paged queries over their block tables."""
         bs = self.block_size
         lengths = [e.start + e.num_new_tokens for e in entries]
@@ -169,7 +189,7 @@ class TorchModelRunner:
         table: list[int] = []
         starts = [0]
         for e, length in zip(entries, lengths):
-            row = e.block_ids[: -(-length // bs)]
+            row = _table(e, group)[: -(-length // bs)]
             table += row
             table += [0] * (max_blocks - len(row))
             starts.append(starts[-1] + e.num_new_tokens)
@@ -179,10 +199,15 @@ class TorchModelRunner:
             query_start=self._tensor(starts),
             num_tokens=starts[-1],
             max_query_len=max(e.num_new_tokens for e in entries),
+            window=window,
         )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _table(entry: ScheduledRequest, group: int) -> tuple[int, ...]:
+    return entry.block_ids if group == 0 else entry.other_block_ids[group - 1]
 
 
 def _raw(t: torch.Tensor) -> bytes:

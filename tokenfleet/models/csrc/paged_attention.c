@@ -11,7 +11,9 @@
  *   block_table   [num_requests, max_blocks]                    int64
  *   context_lens  [num_requests]  keys the request's last query token sees (its own included)
  *   query_start   [num_requests + 1]  request r owns query rows query_start[r] .. query_start[r+1]-1
- * Query row j (0-based) of a request with n query rows and context length L sees keys 0 .. L-n+j.
+ * Query row j (0-based) of a request with n query rows and context length L sees keys 0 .. L-n+j;
+ * with a sliding window W > 0 (Gemma 3's local layers) only the last W of them: L-n+j-W+1 .. L-n+j.
+ * Blocks the window no longer reaches may be the null block: they are never read.
  *
  * Work item: (request, kv head, up to ROWS_PER_ITEM of its query rows); the item's query heads
  * (GQA group) x rows share each K/V row as it is loaded, and keys past what the item's last row
@@ -32,6 +34,7 @@ typedef struct {
     uint16_t *out;
     int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks;
     float scale;
+    int64_t window; /* 0: every earlier key */
 } Args;
 
 typedef struct {
@@ -108,6 +111,11 @@ static inline int64_t q_offset(const Args *a, const Item *it, int64_t i) {
 
 static inline int64_t visible_keys(const Item *it, int64_t i, int64_t group) {
     return it->context_len - it->num_rows + it->row0 + i / group + 1;
+}
+/* The first key query vector i sees (0 without a window). */
+static inline int64_t first_key(const Args *a, const Item *it, int64_t i, int64_t group) {
+    const int64_t lo = a->window ? visible_keys(it, i, group) - a->window : 0;
+    return lo > 0 ? lo : 0;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && !defined(TF_PORTABLE_ONLY)
@@ -311,14 +319,14 @@ static void attend_portable(const Args *a, const Item *it, float *buf, int64_t s
     const int64_t group = a->num_heads / a->num_kv_heads, hd = a->head_dim;
     const int64_t num_q = (it->row1 - it->row0) * group;
     float *scores = buf, *qf = buf + num_q * stride, *acc = qf + num_q * hd;
-    const int64_t keys = visible_keys(it, num_q - 1, group);
+    const int64_t keys = visible_keys(it, num_q - 1, group), key0 = first_key(a, it, 0, group);
     float kf[MAX_HEAD_DIM];
     for (int64_t i = 0; i < num_q; i++) {
         const uint16_t *src = a->q + q_offset(a, it, i);
         for (int64_t d = 0; d < hd; d++) qf[i * hd + d] = bf16_to_f32(src[d]) * a->scale;
         memset(acc + i * hd, 0, sizeof(float) * (size_t)hd);
     }
-    for (int64_t t = 0; t < keys; t++) { /* scores; K rows converted once for every query vector */
+    for (int64_t t = key0; t < keys; t++) { /* scores; K rows converted once for every query vector */
         const uint16_t *k = cache_row(a, a->k_cache, it->kv_head, t);
         for (int64_t d = 0; d < hd; d++) kf[d] = bf16_to_f32(k[d]);
         for (int64_t i = 0; i < num_q; i++) {
@@ -326,16 +334,21 @@ static void attend_portable(const Args *a, const Item *it, float *buf, int64_t s
             float s = 0.0f;
 #pragma omp simd reduction(+ : s)
             for (int64_t d = 0; d < hd; d++) s += qi[d] * kf[d];
-            scores[i * stride + t] = s;
+            scores[i * stride + t - key0] = s;
         }
     }
     float sums[num_q];
-    for (int64_t i = 0; i < num_q; i++) sums[i] = softmax_row(scores + i * stride, keys, visible_keys(it, i, group));
-    for (int64_t t = 0; t < keys; t++) {
+    for (int64_t i = 0; i < num_q; i++) { /* row i sees keys first_key .. visible - 1: zero the rest */
+        float *row = scores + i * stride;
+        const int64_t skip = first_key(a, it, i, group) - key0;
+        sums[i] = softmax_row(row + skip, keys - key0 - skip, visible_keys(it, i, group) - key0 - skip);
+        memset(row, 0, sizeof(float) * (size_t)skip);
+    }
+    for (int64_t t = key0; t < keys; t++) {
         const uint16_t *v = cache_row(a, a->v_cache, it->kv_head, t);
         for (int64_t d = 0; d < hd; d++) kf[d] = bf16_to_f32(v[d]);
         for (int64_t i = 0; i < num_q; i++) {
-            const float p = scores[i * stride + t];
+            const float p = scores[i * stride + t - key0];
             float *o = acc + i * hd;
 #pragma omp simd
             for (int64_t d = 0; d < hd; d++) o[d] += p * kf[d];
@@ -365,9 +378,9 @@ static float *scratch(size_t floats) {
 static int attend_item(const Args *a, const Item *it) {
     const int64_t group = a->num_heads / a->num_kv_heads;
     const int64_t num_q = (it->row1 - it->row0) * group;
-    const int64_t stride = (visible_keys(it, num_q - 1, group) + 15) / 16 * 16;
+    const int64_t stride = (visible_keys(it, num_q - 1, group) - first_key(a, it, 0, group) + 15) / 16 * 16;
 #ifdef HAVE_AVX512_BF16
-    if (a->head_dim == 64 && a->block_size % 16 == 0) {
+    if (a->head_dim == 64 && a->block_size % 16 == 0 && a->window == 0) {
         float *scores = scratch((size_t)((num_q + 3) / 4 * 4 * stride));
         if (!scores) return -1;
         attend_hd64(a, it, scores, stride);
@@ -385,7 +398,7 @@ int tf_paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const ui
                             const int64_t *block_table, const int64_t *context_lens, const int64_t *query_start,
                             uint16_t *out, int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t max_blocks,
-                            float scale, int num_threads) {
+                            float scale, int64_t window, int num_threads) {
     if (head_dim > MAX_HEAD_DIM || num_kv_heads <= 0 || num_heads % num_kv_heads) return -1;
     int64_t num_items = 0;
     for (int64_t r = 0; r < num_requests; r++) {
@@ -407,7 +420,7 @@ int tf_paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const ui
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
     for (int64_t i = 0; i < num_items; i++) {
         const Args a = {q, k_cache, v_cache, block_table + items[i].request * max_blocks, out, num_heads, num_kv_heads, head_dim,
-                        block_size, num_blocks, scale};
+                        block_size, num_blocks, scale, window};
         failed |= attend_item(&a, &items[i]) != 0;
     }
     free(items);
