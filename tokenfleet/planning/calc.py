@@ -7,6 +7,12 @@ HBM bandwidth x efficiency) per phase; tensor parallelism divides both; its two 
 activations per layer over NVLink overlap a prefill's compute (the larger of the two counts) and add
 to a decode step (small messages). It is a bound and a planning number, not a promise:
 calibrate the efficiencies against a measured engine (``tokenfleet simulate calibrate``, later).
+
+Sliding-window attention (Gemma 3: five local layers to one global): a local layer's query sees at
+most the last ``window`` keys, itself included, so per request it keeps and reads at most ``window``
+tokens of KV while a global layer keeps the whole context. KV of a request at context C is
+``per_layer_token_bytes x (global_layers x C + sliding_layers x min(C, window))``; memory, decode
+reads, attention FLOPs and KV transfers all count it this way.
 """
 
 from __future__ import annotations
@@ -42,6 +48,25 @@ GPUS = {
 }
 
 
+def attention_pairs(start: int, num_new_tokens: int, window: int | None = None) -> int:
+    """(query, key) pairs of computing positions ``start`` .. ``start + num_new_tokens - 1`` causally;
+    with a ``window`` each query sees at most that many keys, itself included."""
+
+    def upto(end: int) -> int:  # pairs of the queries at positions 0 .. end - 1
+        if window is None or end <= window:
+            return end * (end + 1) // 2
+        return window * (window + 1) // 2 + (end - window) * window
+
+    return upto(start + num_new_tokens) - upto(start)
+
+
+def attended_keys(start: int, num_new_tokens: int, window: int | None = None) -> int:
+    """Distinct keys those queries read: the whole context after them, or with a ``window`` its last
+    ``num_new_tokens + window - 1`` positions (one decode token: ``min(context, window)``)."""
+    end = start + num_new_tokens
+    return end if window is None else min(end, num_new_tokens + window - 1)
+
+
 @dataclass(frozen=True)
 class Model:
     name: str
@@ -52,33 +77,111 @@ class Model:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    sliding_window: int | None = None  # keys a sliding-window layer's query sees (and its KV per request)
+    num_sliding_layers: int = 0  # of num_layers; the others attend to (and keep) the whole context
+    tie_word_embeddings: bool = False  # the output projection is the input embedding
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_sliding_layers <= self.num_layers:
+            raise ValueError(f"{self.name}: {self.num_sliding_layers} sliding layers of {self.num_layers}")
+        if self.num_sliding_layers and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(f"{self.name}: sliding layers need a positive window, got {self.sliding_window}")
+
+    @property
+    def num_global_layers(self) -> int:
+        return self.num_layers - self.num_sliding_layers
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window, or None when no layer has one."""
+        return self.sliding_window if self.num_sliding_layers else None
 
     @property
     def num_params(self) -> float:
-        """Decoder weights: attention (q, o full; k, v by KV heads), SwiGLU MLP, embeddings in and out."""
+        """Decoder weights: attention (q, o full; k, v by KV heads), gated MLP, embeddings in and out
+        (once when tied)."""
         attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = 3 * self.hidden_size * self.intermediate_size
-        return self.num_layers * (attention + mlp) + 2 * self.vocab_size * self.hidden_size
+        embeddings = (1 if self.tie_word_embeddings else 2) * self.vocab_size * self.hidden_size
+        return self.num_layers * (attention + mlp) + embeddings
 
-    def kv_bytes_per_token(self, kv_dtype: str) -> float:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[kv_dtype]
+    def kv_bytes_per_layer_token(self, kv_dtype: str) -> float:
+        return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[kv_dtype]
+
+    def kv_layer_tokens(self, context: int) -> int:
+        """Tokens of KV one request of ``context`` tokens keeps, summed over layers."""
+        window = self.window
+        local = context if window is None else min(context, window)
+        return self.num_global_layers * context + self.num_sliding_layers * local
+
+    def kv_bytes(self, context: int, kv_dtype: str) -> float:
+        """KV of one request of ``context`` tokens (what it keeps, and what a decode step reads of it)."""
+        return self.kv_layer_tokens(context) * self.kv_bytes_per_layer_token(kv_dtype)
+
+    def kv_bytes_per_token(self, kv_dtype: str, context: int | None = None) -> float:
+        """K and V of one token over all layers, averaged over a request of ``context`` tokens. None:
+        as if every layer kept every token (full attention; exact for models without a window)."""
+        if context is None:
+            return self.num_layers * self.kv_bytes_per_layer_token(kv_dtype)
+        if context < 1:
+            raise ValueError(f"context must be positive, got {context}")
+        return self.kv_bytes(context, kv_dtype) / context
+
+    def attention_flops(self, pairs: int, window_pairs: int | None = None) -> float:
+        """QK^T and PV over all layers: ``pairs`` per global layer, ``window_pairs`` (default: the same)
+        per sliding-window layer."""
+        local = pairs if window_pairs is None else window_pairs
+        return 4 * self.num_heads * self.head_dim * (self.num_global_layers * pairs + self.num_sliding_layers * local)
 
     @classmethod
     def from_config(cls, path: str | Path) -> Model:
-        """An HF ``config.json`` (Llama-family keys)."""
-        c = json.loads(Path(path).read_text())
-        heads = int(c["num_attention_heads"])
-        return cls(name=c.get("_name_or_path") or Path(path).parent.name, num_layers=int(c["num_hidden_layers"]),
+        """An HF ``config.json``: Llama-family keys, and Gemma 3's (a multimodal one's ``text_config``)."""
+        outer = json.loads(Path(path).read_text())
+        c = outer.get("text_config") or outer
+        heads, layers = int(c["num_attention_heads"]), int(c["num_hidden_layers"])
+        window, num_sliding = _sliding_layers(c, layers)
+        return cls(name=outer.get("_name_or_path") or Path(path).parent.name, num_layers=layers,
                    hidden_size=int(c["hidden_size"]), num_heads=heads,
                    num_kv_heads=int(c.get("num_key_value_heads", heads)),
                    head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
-                   intermediate_size=int(c["intermediate_size"]), vocab_size=int(c["vocab_size"]))
+                   intermediate_size=int(c["intermediate_size"]), vocab_size=int(c["vocab_size"]),
+                   sliding_window=window, num_sliding_layers=num_sliding,
+                   tie_word_embeddings=bool(c.get("tie_word_embeddings", _is_gemma3(outer, c))))
 
 
-MODELS = {  # Llama-3-class GQA geometries
+def _is_gemma3(outer: dict[str, Any], c: dict[str, Any]) -> bool:
+    return c.get("model_type") in ("gemma3_text", "gemma3") or any(
+        a.startswith("Gemma3") for a in outer.get("architectures") or ())
+
+
+def _sliding_layers(c: dict[str, Any], num_layers: int) -> tuple[int | None, int]:
+    """(window, sliding layers): from ``layer_types`` when listed, else Gemma 3's pattern (every Nth
+    layer global, N = ``sliding_window_pattern``, 6 by default). Other configs' ``sliding_window``
+    (Qwen2's unused one, say) is not read: without a layer list it does not say which layers slide."""
+    window = c.get("sliding_window")
+    if not window:
+        return None, 0
+    if "layer_types" in c:
+        return int(window), sum(t == "sliding_attention" for t in c["layer_types"])
+    pattern = c.get("sliding_window_pattern") or c.get("_sliding_window_pattern")
+    if pattern is None and c.get("model_type") in ("gemma3_text", "gemma3"):
+        pattern = 6
+    if not pattern:
+        return None, 0
+    return int(window), num_layers - num_layers // int(pattern)
+
+
+MODELS = {  # Llama-3-class GQA geometries; Gemma 3 (text decoder only) from its HF configs
     "llama3-8b": Model("Llama-3 8B", 32, 4096, 32, 8, 128, 14336, 128256),
     "llama3-70b": Model("Llama-3 70B", 80, 8192, 64, 8, 128, 28672, 128256),
     "llama3-405b": Model("Llama-3 405B", 126, 16384, 128, 8, 128, 53248, 128256),
+    # sliding window on 5 of every 6 layers (the 6th, 12th, ... are global); tied embeddings; the
+    # multimodal sizes' vocabulary has 64 image tokens more
+    "gemma3-270m": Model("Gemma 3 270M", 18, 640, 4, 1, 256, 2048, 262144, 512, 15, True),
+    "gemma3-1b": Model("Gemma 3 1B", 26, 1152, 4, 1, 256, 6912, 262144, 512, 22, True),
+    "gemma3-4b": Model("Gemma 3 4B", 34, 2560, 8, 4, 256, 10240, 262208, 1024, 29, True),
+    "gemma3-12b": Model("Gemma 3 12B", 48, 3840, 16, 8, 256, 15360, 262208, 1024, 40, True),
+    "gemma3-27b": Model("Gemma 3 27B", 62, 5376, 32, 16, 128, 21504, 262208, 1024, 52, True),
 }
 
 
@@ -103,10 +206,12 @@ class Plan:
     """What ``plan`` reports for one replica (a TP x PP group of GPUs)."""
 
     weight_bytes_per_gpu: float
-    kv_bytes_per_token: float
+    kv_bytes_per_token: float  # averaged over a request of ``context`` tokens (sliding layers keep their window)
     kv_budget_bytes: float
-    resident_tokens: int
+    resident_tokens: int  # at ``context`` tokens per request
     max_concurrent: int  # requests of ``context`` tokens that fit at once
+    full_kv_bytes_per_token: float  # if every layer kept the whole context (a model without a window: the same)
+    full_max_concurrent: int  # ... and the requests that would fit then
     prefill_seconds: float  # one prompt of ``prompt_tokens``
     decode_step_seconds: float  # one step of ``batch`` requests at ``context``
     tokens_per_s: float  # batch / step time
@@ -126,15 +231,17 @@ def kv_budget(model: Model, layout: Layout, weights: float | None = None) -> flo
     return max(0.0, total - used - layout.reserve_bytes)
 
 
-def resident_tokens(model: Model, layout: Layout, weights: float | None = None) -> int:
-    return int(kv_budget(model, layout, weights) // model.kv_bytes_per_token(layout.kv_dtype))
+def resident_tokens(model: Model, layout: Layout, weights: float | None = None, context: int | None = None) -> int:
+    """Tokens of KV that fit, requests being ``context`` tokens long (None: every layer keeps every token)."""
+    return int(kv_budget(model, layout, weights) // model.kv_bytes_per_token(layout.kv_dtype, context))
 
 
 def prefill_seconds(model: Model, layout: Layout, prompt_tokens: int) -> float:
     """Compute-bound in practice: 2 FLOPs per weight per token plus attention's quadratic term."""
     gpu, n = layout.gpu, layout.num_gpus
-    attention = 2 * model.num_layers * prompt_tokens ** 2 * model.num_heads * model.head_dim  # QK^T and PV, causal
-    flops = 2 * model.num_params * prompt_tokens + attention
+    pairs = attention_pairs(0, prompt_tokens)
+    flops = 2 * model.num_params * prompt_tokens + model.attention_flops(
+        pairs, attention_pairs(0, prompt_tokens, model.window))
     compute = flops / (n * gpu.flops(layout.weight_dtype) * layout.prefill_efficiency)
     memory = weight_bytes(model, layout.weight_dtype) / (n * gpu.hbm_bytes_per_s)
     return max(compute, memory, _allreduce_seconds(model, layout, prompt_tokens))  # TP comms overlap compute
@@ -143,7 +250,7 @@ def prefill_seconds(model: Model, layout: Layout, prompt_tokens: int) -> float:
 def decode_step_seconds(model: Model, layout: Layout, batch: int, context: int) -> float:
     """Memory-bound in practice: every step reads the weights once and each request's KV."""
     gpu, n = layout.gpu, layout.num_gpus
-    read = weight_bytes(model, layout.weight_dtype) + batch * context * model.kv_bytes_per_token(layout.kv_dtype)
+    read = weight_bytes(model, layout.weight_dtype) + batch * model.kv_bytes(context, layout.kv_dtype)
     memory = read / (n * gpu.hbm_bytes_per_s * layout.decode_efficiency)
     compute = 2 * model.num_params * batch / (n * gpu.flops(layout.weight_dtype) * layout.prefill_efficiency)
     return max(memory, compute) + _allreduce_seconds(model, layout, batch)  # small messages: latency, not hidden
@@ -166,15 +273,17 @@ def replicas_for(target_tokens_per_s: float, per_replica_tokens_per_s: float) ->
 def plan(model: Model, layout: Layout, context: int = 4096, prompt_tokens: int = 3000, batch: int = 64,
          target_tokens_per_s: float | None = None, weights_bytes: float | None = None) -> Plan:
     weights = weight_bytes(model, layout.weight_dtype) if weights_bytes is None else weights_bytes
-    tokens = resident_tokens(model, layout, weights)
+    tokens = resident_tokens(model, layout, weights, context)
     step = decode_step_seconds(model, layout, batch, context)
     rate = batch / step
     return Plan(
         weight_bytes_per_gpu=weights / layout.num_gpus,
-        kv_bytes_per_token=model.kv_bytes_per_token(layout.kv_dtype),
+        kv_bytes_per_token=model.kv_bytes_per_token(layout.kv_dtype, context),
         kv_budget_bytes=kv_budget(model, layout, weights),
         resident_tokens=tokens,
         max_concurrent=tokens // context,
+        full_kv_bytes_per_token=model.kv_bytes_per_token(layout.kv_dtype),
+        full_max_concurrent=resident_tokens(model, layout, weights) // context,
         prefill_seconds=prefill_seconds(model, layout, prompt_tokens),
         decode_step_seconds=step,
         tokens_per_s=rate,
@@ -219,10 +328,11 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         ("layout", f"{layout.num_gpus} x {layout.gpu.name} (TP {layout.tp}, PP {layout.pp}), weights "
                    f"{layout.weight_dtype}, KV {layout.kv_dtype}"),
         ("weights per GPU", f"{result.weight_bytes_per_gpu / GB:.1f} GB"),
-        ("KV per token", f"{result.kv_bytes_per_token / 1e3:.0f} KB"),
+        ("KV per token", f"{result.kv_bytes_per_token / 1e3:.0f} KB" + _window_note(model, result, a.context)),
         ("KV budget", f"{result.kv_budget_bytes / GB:.0f} GB (after {a.reserve_gb:.0f} GB reserve)"),
         ("resident tokens", f"{result.resident_tokens:,}"),
-        ("max concurrent", f"{result.max_concurrent:,} requests of {a.context:,} tokens"),
+        ("max concurrent", f"{result.max_concurrent:,} requests of {a.context:,} tokens"
+                           + (f" ({result.full_max_concurrent:,} with full-context KV)" if model.window else "")),
         ("prefill", f"{result.prefill_seconds * 1000:.0f} ms per {a.prompt_tokens:,}-token prompt"),
         ("decode step", f"{result.decode_step_seconds * 1000:.1f} ms at batch {a.batch} x {a.context:,} tokens"),
         ("tokens/s per replica", f"{result.tokens_per_s:,.0f}"),
@@ -234,3 +344,10 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     return 0
+
+
+def _window_note(model: Model, result: Plan, context: int) -> str:
+    if model.window is None:
+        return ""
+    return (f" at {context:,} tokens ({model.num_sliding_layers} of {model.num_layers} layers keep a {model.window:,}-token "
+            f"window; {result.full_kv_bytes_per_token / 1e3:.0f} KB with full-context KV)")

@@ -1,7 +1,8 @@
 """What one engine step costs, in place of the model runner (the fleet simulator's clock).
 
 A step's cost depends on its shape, read from the real scheduler's output: tokens computed,
-rows that sample, attention work (query x key pairs) and KV read (keys each row attends to).
+rows that sample, attention work (query x key pairs) and KV read (keys each row attends to), the
+last two also as a sliding-window layer counts them (each query sees at most the window's keys).
 Two models give seconds for a shape:
 
 - ``Roofline``: ``tokenfleet plan``'s arithmetic for a model on a GPU layout. Compute (2 FLOPs
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tokenfleet.engine.scheduler import SchedulerOutput
-from tokenfleet.planning.calc import DTYPE_BYTES, Layout, Model, weight_bytes
+from tokenfleet.planning.calc import DTYPE_BYTES, Layout, Model, attended_keys, attention_pairs, weight_bytes
 
 
 @dataclass(frozen=True)
@@ -32,18 +33,41 @@ class StepShape:
     samples: int = 0  # tokens sampled (rows reaching their end, plus forked samples)
     pairs: int = 0  # attention (query, key) pairs, causal
     kv: int = 0  # keys read: each row's context after the step
+    # pairs and keys read in a layer of sliding window ``window`` (None: not counted; a cost model
+    # that needs them takes the rows as equal, see ``window_counts``)
+    window: int | None = None
+    window_pairs: int | None = None
+    window_kv: int | None = None
 
     @classmethod
-    def of(cls, output: SchedulerOutput) -> StepShape:
-        tokens = samples = pairs = kv = 0
+    def of(cls, output: SchedulerOutput, window: int | None = None) -> StepShape:
+        """``window``: also count a sliding-window layer's work (the model's window)."""
+        tokens = samples = pairs = kv = window_pairs = window_kv = 0
         for entry in output.scheduled:
             n, start = entry.num_new_tokens, entry.start
             tokens += n
             pairs += n * start + n * (n + 1) // 2
             kv += start + n
+            if window is not None:
+                window_pairs += attention_pairs(start, n, window)
+                window_kv += attended_keys(start, n, window)
             if entry.samples:
                 samples += 1 + len(entry.forks)
-        return cls(tokens, len(output.scheduled), samples, pairs, kv)
+        if window is None:
+            return cls(tokens, len(output.scheduled), samples, pairs, kv)
+        return cls(tokens, len(output.scheduled), samples, pairs, kv, window, window_pairs, window_kv)
+
+    def window_counts(self, window: int) -> tuple[int, int]:
+        """(pairs, keys read) in a layer of sliding window ``window``: as counted, or for a shape built
+        without them (by hand, or for another window) as if its rows were equal: each computing
+        ``tokens / rows`` new tokens at the end of ``kv / rows`` (exact for a lone prompt or a decode
+        batch at one context)."""
+        if self.window == window and self.window_pairs is not None and self.window_kv is not None:
+            return self.window_pairs, self.window_kv
+        rows = max(self.rows, 1)
+        n, end = self.tokens // rows, self.kv // rows
+        start = max(0, end - n)
+        return rows * attention_pairs(start, end - start, window), rows * attended_keys(start, end - start, window)
 
 
 class CostModel(Protocol):
@@ -56,10 +80,10 @@ class Roofline:
     layout: Layout
     step_overhead_s: float = 0.002  # host + launches + 2 all-reduce latencies per layer (CUDA graphs lower it)
 
-    def flops(self, tokens: int, pairs: int) -> float:
-        """Model FLOPs of computing ``tokens`` with ``pairs`` attention pairs (weights and attention)."""
-        m = self.model
-        return 2 * m.num_params * tokens + 4 * m.num_layers * m.num_heads * m.head_dim * pairs
+    def flops(self, tokens: int, pairs: int, window_pairs: int | None = None) -> float:
+        """Model FLOPs of computing ``tokens`` with ``pairs`` attention pairs (weights and attention);
+        ``window_pairs``: a sliding-window layer's pairs (default: the same)."""
+        return 2 * self.model.num_params * tokens + self.model.attention_flops(pairs, window_pairs)
 
     def peak_flops(self) -> float:
         """Of one replica (all its GPUs), at the weights' dtype."""
@@ -68,8 +92,10 @@ class Roofline:
     def step_seconds(self, shape: StepShape) -> float:
         m, lay = self.model, self.layout
         n = lay.num_gpus
-        compute = self.flops(shape.tokens, shape.pairs) / (self.peak_flops() * lay.prefill_efficiency)
-        read = weight_bytes(m, lay.weight_dtype) + shape.kv * m.kv_bytes_per_token(lay.kv_dtype)
+        window_pairs, window_kv = shape.window_counts(m.window) if m.window else (shape.pairs, shape.kv)
+        compute = self.flops(shape.tokens, shape.pairs, window_pairs) / (self.peak_flops() * lay.prefill_efficiency)
+        keys = m.num_global_layers * shape.kv + m.num_sliding_layers * window_kv  # summed over layers
+        read = weight_bytes(m, lay.weight_dtype) + keys * m.kv_bytes_per_layer_token(lay.kv_dtype)
         memory = read / (n * lay.gpu.hbm_bytes_per_s * lay.decode_efficiency)
         comms = 0.0
         if lay.tp > 1:

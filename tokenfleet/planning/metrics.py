@@ -89,7 +89,7 @@ def _mfu(sim: Simulator, seconds: float) -> float | None:
     cost = sim.cost
     if not isinstance(cost, Roofline):
         return None
-    used = sum(cost.flops(r.tokens, r.pairs) for r in sim.replicas.values())
+    used = sum(cost.flops(r.tokens, r.pairs, r.window_pairs) for r in sim.replicas.values())
     return used / (len(sim.replicas) * cost.peak_flops() * seconds)
 
 

@@ -141,19 +141,28 @@ def hardware(args: argparse.Namespace) -> tuple[Model, Layout]:
 
 def scenario_from_args(args: argparse.Namespace) -> Scenario:
     model, layout = hardware(args)
+    conversations = Conversations(args.tenants, args.system_tokens, args.user_tokens, args.output_tokens,
+                                  turns=args.turns, think_seconds=args.think_seconds)
     cost: CostModel
     engine: dict[str, Any] = {"block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
                               "max_num_running": args.max_num_running}
+    # a roofline charges sliding-window layers their window only; a profile measured our engine, which
+    # keeps every layer's whole context
+    kv = _kv_geometry(model, args.kv_dtype)
+    # the block manager counts tokens: a token is charged the mean KV of a request at the typical
+    # context (prompt + reply), which is less than full-context KV for a model with a window
+    context: int | None = int(conversations.mean_prompt_tokens()) + args.output_tokens
     if args.profile:
         profile = Profile.load(args.profile)
         cost = profile
         engine.update({k: profile.engine[k] for k in ("block_size", "num_blocks", "max_num_batched_tokens",
                                                       "max_num_running") if k in profile.engine})
-        kv_bytes = float(profile.engine.get("kv_bytes_per_token", model.kv_bytes_per_token(args.kv_dtype)))
+        kv = {"kv_bytes_per_token": float(profile.engine.get("kv_bytes_per_token",
+                                                             model.kv_bytes_per_token(args.kv_dtype)))}
+        context = None
     else:
         cost = Roofline(model, layout, args.step_overhead_ms / 1000)
-        kv_bytes = model.kv_bytes_per_token(args.kv_dtype)
-    num_blocks = engine.get("num_blocks") or resident_tokens(model, layout) // engine["block_size"]
+    num_blocks = engine.get("num_blocks") or resident_tokens(model, layout, context=context) // engine["block_size"]
     if num_blocks < 1:
         raise SystemExit(f"{model.name} leaves no KV memory on {layout.num_gpus} x {layout.gpu.name}")
     fleet = FleetConfig(
@@ -162,7 +171,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
         scheduler=SchedulerConfig(max_num_batched_tokens=int(engine["max_num_batched_tokens"]),
                                   max_num_running=int(engine["max_num_running"]), max_num_waiting=1_000_000,
                                   max_model_len=1 << 20),
-        policy=args.policy, disagg=DisaggConfig(args.min_uncached_tokens), kv_bytes_per_token=kv_bytes,
+        policy=args.policy, disagg=DisaggConfig(args.min_uncached_tokens), **kv,
         link_bytes_per_s=args.link_gbps * 1e9 / 8, hop_seconds=args.hop_ms / 1000)
     nodes = args.replicas + args.prefill_replicas
     fleet_peak = peak_rate(args.daily_users, args.turns_per_day, args.peak_factor)
@@ -173,7 +182,13 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     else:
         raise SystemExit("name the cell's load: --fleet-nodes N (its share of the peak) or --rate R")
     arrivals = Arrivals(args.pattern, rate, args.burst_cv, args.day_seconds)
-    conversations = Conversations(args.tenants, args.system_tokens, args.user_tokens, args.output_tokens,
-                                  turns=args.turns, think_seconds=args.think_seconds)
     return Scenario(fleet, cost, arrivals, conversations, args.warmup, args.duration, args.drain, args.seed,
                     Objectives(args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000), args.usd_per_gpu_hour)
+
+
+def _kv_geometry(model: Model, kv_dtype: str) -> dict[str, Any]:
+    """FleetConfig's KV fields for ``model``: its window and per-token KV of full-context and of
+    sliding-window layers (what transfers move, and which step shapes count a window)."""
+    per_layer = model.kv_bytes_per_layer_token(kv_dtype)
+    return {"kv_bytes_per_token": model.num_global_layers * per_layer, "sliding_window": model.window,
+            "window_kv_bytes_per_token": model.num_sliding_layers * per_layer}

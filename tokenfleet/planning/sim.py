@@ -73,7 +73,11 @@ class FleetConfig:
     policy: str = PREFIX_AWARE
     prefix: PrefixPolicyConfig = field(default_factory=PrefixPolicyConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
-    kv_bytes_per_token: float = 163_840.0  # what a transfer moves per uncached prompt token
+    kv_bytes_per_token: float = 163_840.0  # what a transfer moves per uncached prompt token (full-context layers)
+    # a model with sliding-window layers: their window (step shapes count their work too) and their
+    # KV per token, which a transfer moves for the last ``sliding_window`` uncached prompt tokens only
+    sliding_window: int | None = None
+    window_kv_bytes_per_token: float = 0.0
     link_bytes_per_s: float = 50e9  # prefill -> decode, effective, per transfer
     link_latency_s: float = 0.001
     hop_seconds: float = 0.002  # gateway + router + worker RPCs before a request reaches its replica
@@ -86,6 +90,8 @@ class FleetConfig:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.link_bytes_per_s <= 0 or self.report_interval_s <= 0:
             raise ValueError("link bandwidth and report interval must be positive")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
 
     @property
     def disaggregated(self) -> bool:
@@ -95,6 +101,12 @@ class FleetConfig:
     def num_gpus(self) -> int:
         return (self.replicas + self.prefill_replicas) * self.gpus_per_replica
 
+    def transfer_bytes(self, num_tokens: int) -> float:
+        """KV a decode replica lacking the prompt's last ``num_tokens`` tokens is sent: all of them in
+        full-context layers; in sliding-window layers only those the window still covers."""
+        local = num_tokens if self.sliding_window is None else min(num_tokens, self.sliding_window)
+        return num_tokens * self.kv_bytes_per_token + local * self.window_kv_bytes_per_token
+
 
 class SimReplica:
     def __init__(self, replica_id: str, roles: tuple[str, ...], config: FleetConfig, salt: str):
@@ -102,7 +114,7 @@ class SimReplica:
         self.scheduler = Scheduler(config.scheduler, BlockManager(config.num_blocks, config.block_size), salt)
         self.busy = False
         self.busy_seconds = 0.0  # inside the window
-        self.steps = self.rows = self.tokens = self.pairs = 0  # inside the window
+        self.steps = self.rows = self.tokens = self.pairs = self.window_pairs = 0  # inside the window
         self.kv_samples: list[float] = []
 
     def load(self) -> ReplicaLoad:
@@ -321,7 +333,7 @@ class Simulator:
         """The prefill sampled the first token: ship the blocks the decode replica lacks."""
         held = self._held.pop(track.arrival.request_id, 0)
         num_tokens = max(0, request.num_prompt_tokens - held * self.fleet.block_size)
-        num_bytes = num_tokens * self.fleet.kv_bytes_per_token
+        num_bytes = self.fleet.transfer_bytes(num_tokens)
         self.transfer_bytes += num_bytes
         seconds = self.fleet.link_latency_s + num_bytes / self.fleet.link_bytes_per_s
         self.at(self.now + seconds, self._install, (track, request.output_token_ids[0]))
@@ -348,7 +360,7 @@ class Simulator:
         if output.is_empty:
             replica.busy = False
             return
-        shape = StepShape.of(output)
+        shape = StepShape.of(output, self.fleet.sliding_window)
         seconds = self.cost.step_seconds(shape)
         if self.window[0] <= self.now < self.window[1]:
             replica.busy_seconds += seconds
@@ -356,6 +368,7 @@ class Simulator:
             replica.rows += shape.rows
             replica.tokens += shape.tokens
             replica.pairs += shape.pairs
+            replica.window_pairs += shape.pairs if shape.window_pairs is None else shape.window_pairs
         self.at(self.now + seconds, self._step_done, (replica, output))
 
     def _step_done(self, item: tuple[SimReplica, SchedulerOutput]) -> None:
