@@ -44,7 +44,8 @@ def test_transformers_reads_the_folder_and_completes_sanely(gemma_dir):
 
 def test_our_loader_reads_gemma3_and_names_an_unknown_architecture(gemma_dir):
     config = ModelConfig.from_dir(gemma_dir)
-    assert config.is_gemma3 and config.sliding_window == 512 and config.max_position_embeddings == 512
+    assert config.is_gemma3 and config.sliding_window == 512 and config.max_position_embeddings == 32_768
+    assert config.layer_windows.count(512) == 15 and config.layer_windows.count(0) == 3  # 5 local : 1 global
     assert (config.rope_theta, config.rope_local_theta) == (1_000_000.0, 10_000.0)
     raw = json.loads((gemma_dir / "config.json").read_text())
     with pytest.raises(UnsupportedModelError, match="architectures"):
