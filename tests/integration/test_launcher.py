@@ -139,6 +139,19 @@ def test_up_serves_two_models_at_once(default_model_dir, tmp_path):
             streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
                 model=model, messages=messages, max_tokens=8, temperature=0, stream=True) if c.choices)
             assert streamed == whole.choices[0].message.content
+        # Gemma's own tokenizer (262k tokens) under a grammar: a JSON schema, then a forced tool call
+        schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}}, "required": ["city"]}
+        answer = client.chat.completions.create(
+            model="gemma", messages=[{"role": "user", "content": "Capital of France, as JSON."}], max_tokens=24,
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+        assert json.loads(answer.choices[0].message.content)["city"] in ("Paris", "Lyon")
+        tool = {"type": "function", "function": {"name": "weather", "parameters": schema}}
+        call = client.chat.completions.create(
+            model="gemma", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=40, tools=[tool],
+            tool_choice={"type": "function", "function": {"name": "weather"}})
+        calls = call.choices[0].message.tool_calls
+        assert calls and calls[0].function.name == "weather"
+        assert json.loads(calls[0].function.arguments)["city"] in ("Paris", "Lyon")
     finally:
         subprocess.run([sys.executable, "-m", "tokenfleet.cli", "down"], env=env, capture_output=True, timeout=120)
         if up.poll() is None:

@@ -20,7 +20,7 @@ from tokenfleet.models.attention import ForwardBatch, PagedAttention, paged_atte
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.layer_ops import apply_rope
 from tokenfleet.models.linear import LinearKernel
-from tokenfleet.models.llama import KVCache
+from tokenfleet.models.llama import KVCache, refine_top_logits
 
 
 @dataclass
@@ -44,6 +44,7 @@ class Gemma3Weights:
     layers: list[Gemma3LayerWeights]
     norm: torch.Tensor  # (1 + weight), fp32
     lm_head: torch.Tensor  # prepared for the linear kernel (tied: the embedding)
+    lm_head_rows: torch.Tensor | None = None  # lm_head as plain rows: refine_top_logits
 
 
 def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,4 +101,8 @@ class Gemma3Model:
             mlp = linear(F.gelu(gate, approximate="tanh") * up, layer.down)
             h = h + gemma_rms_norm(mlp, layer.post_feedforward_norm, eps)
         last = gemma_rms_norm(h[batch.logits_indices], w.norm, eps)
-        return linear(last, w.lm_head).float()
+        logits = linear(last, w.lm_head).float()
+        which = batch.exact_logits
+        if which is not None and last.dtype != torch.float32 and w.lm_head_rows is not None:
+            logits[which] = refine_top_logits(logits[which], last[which], w.lm_head_rows)  # as Llama's: bf16 near-ties
+        return logits

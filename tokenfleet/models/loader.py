@@ -110,4 +110,5 @@ def _gemma3_weights(config: ModelConfig, t: dict[str, torch.Tensor], dtype: torc
         ))
     embed = take("embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings or "lm_head.weight" not in t else take("lm_head.weight")
-    return Gemma3Weights(embed=embed, layers=layers, norm=scale("norm.weight"), lm_head=linear.prepare(lm_head))
+    return Gemma3Weights(embed=embed, layers=layers, norm=scale("norm.weight"), lm_head=linear.prepare(lm_head),
+                         lm_head_rows=lm_head)

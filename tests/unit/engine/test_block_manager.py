@@ -5,8 +5,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tokenfleet.engine.block_manager import BlockManager, InvariantError
+from tokenfleet.engine.block_manager import NULL_BLOCK, BlockManager, InvariantError
 from tokenfleet.kvcache.block_hash import hash_blocks, root_hash
+from tokenfleet.kvcache.layout import window_first_block
 
 
 def test_allocate_takes_blocks_in_free_list_order():
@@ -202,3 +203,80 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+class WindowedBlockManagerMachine(RuleBasedStateMachine):
+    """The same with a full-attention group and two sliding-window groups: every invariant holds, each
+    window table keeps every block its window reaches from the last step's start (and only those
+    blocks plus the step's own), and prefix hits hold the window's blocks in every group."""
+
+    WINDOW = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(num_blocks=30, block_size=2, windows=(0, self.WINDOW, self.WINDOW))
+        self.tokens: dict[str, list[int]] = {}
+        self.starts: dict[str, int] = {}
+        self.next_id = 0
+
+    @rule(length=st.integers(1, 9), alphabet=st.integers(1, 3), use_prefix=st.booleans())
+    def allocate(self, length: int, alphabet: int, use_prefix: bool) -> None:
+        tokens = [i % alphabet for i in range(length)]
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        hashes = hash_blocks(tokens, 2, "h")
+        prefix = self.bm.match_prefix(hashes[: (length - 1) // 2]) if use_prefix else []
+        if prefix:
+            assert all(len(t) == len(prefix) for t in prefix.tables)
+        start = len(prefix) * 2
+        if self.bm.allocate_slots(rid, length, prefix, start=start) is not None:
+            self.tokens[rid], self.starts[rid] = tokens, start
+            self.bm.cache_blocks(rid, hashes)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), extra=st.integers(1, 3))
+    def grow(self, data: st.DataObject, extra: int) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        start = len(self.tokens[rid])
+        tokens = self.tokens[rid] + [7] * extra
+        self.starts[rid] = start  # a refused allocation still drops what the window left behind
+        if self.bm.allocate_slots(rid, len(tokens), start=start) is not None:
+            self.tokens[rid] = tokens
+            self.bm.cache_blocks(rid, hash_blocks(tokens, 2, "h"))
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        child = f"r{self.next_id}"
+        self.next_id += 1
+        self.bm.fork(rid, child)
+        self.tokens[child], self.starts[child] = list(self.tokens[rid]), self.starts[rid]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.bm.free(rid)
+        del self.tokens[rid], self.starts[rid]
+
+    @rule()
+    def evict_all(self) -> None:
+        self.bm.reset_prefix_cache()
+
+    @invariant()
+    def consistent(self) -> None:
+        self.bm.check_invariants()
+        used = {b for rid in self.tokens for t in self.bm.block_tables(rid) for b in t if b != NULL_BLOCK}
+        assert self.bm.num_used_blocks == len(used)
+        for rid in self.tokens:
+            full, *windowed = self.bm.block_tables(rid)
+            assert NULL_BLOCK not in full
+            first = window_first_block(self.starts[rid], self.WINDOW, 2)
+            for table in windowed:
+                assert NULL_BLOCK not in table[first:]  # the window's blocks are there
+                assert set(table[:first]) <= {NULL_BLOCK}  # and nothing before it is held
+
+
+WindowedBlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestWindowedBlockManagerMachine = WindowedBlockManagerMachine.TestCase
