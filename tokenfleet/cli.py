@@ -104,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
     up_cmd.add_argument("--role", default="both", choices=["both", "decode", "prefill"], help="workers' role")
     up_cmd.add_argument("--prefill-workers", type=int, default=0,
                         help="disaggregate: start this many prefill workers; the --workers then decode only")
+    up_cmd.add_argument("--kv-tier", default="", help="each worker's second KV tier: memory or disk:DIR (a folder "
+                        "per worker under DIR); blocks the pool evicts are restored from it instead of recomputed")
+    up_cmd.add_argument("--kv-tier-bytes", type=int, default=0, help="each worker's second-tier budget (default 4 GiB)")
     up_cmd.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                         help="dtype in the model's registry record")
     up_cmd.add_argument("--threads", type=int, default=0,
@@ -291,6 +294,7 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--certs", args.certs] if args.certs else []
     argv += ["--insecure"] if args.insecure else []
     argv += ["--host", args.host, "--auth", args.auth] + (["--insecure-no-auth"] if args.insecure_no_auth else [])
+    argv += ["--kv-tier", args.kv_tier, "--kv-tier-bytes", str(args.kv_tier_bytes)] if args.kv_tier else []
     return argv
 
 
@@ -332,7 +336,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     auth = args.auth == "on"
     cluster = launcher.up(args.workers, model_dir, name, args.threads, args.port, args.role, args.dtype,
                           args.prefill_workers, insecure=args.insecure, certs=Path(args.certs) if args.certs else None,
-                          host=args.host, auth=auth, no_auth=args.insecure_no_auth, more_models=more)
+                          host=args.host, auth=auth, no_auth=args.insecure_no_auth, more_models=more,
+                          kv_tier=args.kv_tier, kv_tier_bytes=args.kv_tier_bytes)
     try:
         prefill = f" + {args.prefill_workers} prefill worker(s)" if args.prefill_workers else ""
         served = ", ".join([name, *(m for m, _ in more)])

@@ -136,10 +136,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def tier_args(kv_tier: str, kv_tier_bytes: int, replica: str) -> list[str]:
+    """A worker's second-tier flags: disk tiers get a folder each (a tier belongs to one worker)."""
+    if not kv_tier:
+        return []
+    spec = f"disk:{Path(kv_tier[5:]) / replica}" if kv_tier.startswith("disk:") else kv_tier
+    return ["--kv-tier", spec] + (["--kv-tier-bytes", str(kv_tier_bytes)] if kv_tier_bytes else [])
+
+
 def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_port: int,
        role: str = "both", dtype: str = "bfloat16", prefill_workers: int = 0, record: bool = True,
        insecure: bool = False, certs: Path | None = None, host: str = "127.0.0.1", auth: bool = False,
-       no_auth: bool = False, more_models: Sequence[tuple[str, str]] = ()) -> Cluster:
+       no_auth: bool = False, more_models: Sequence[tuple[str, str]] = (), kv_tier: str = "",
+       kv_tier_bytes: int = 0) -> Cluster:
     """``prefill_workers`` > 0 disaggregates: that many prefill workers, and the ``num_workers``
     others decode only (unless ``role`` says otherwise); the router sends long prompts' prefill there.
     ``record``: write the state file `tokenfleet down` reads (off for private clusters, e.g. calibration).
@@ -147,7 +156,8 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
     ``insecure``: plaintext instead. ``host``: where the gateway listens; ``auth``: API keys required
     (tenants in this cluster's etcd); without keys only on loopback unless ``no_auth`` (check_auth).
     ``more_models``: further (name, folder) pairs, registered too and served by one worker each; the
-    gateway serves every registered model."""
+    gateway serves every registered model. ``kv_tier``: each worker's second KV tier, ``memory`` or
+    ``disk:DIR`` (a folder per worker under DIR), of ``kv_tier_bytes`` bytes."""
     check_auth(host, auth, no_auth)
     threads = threads or worker_threads(num_workers + prefill_workers + len(more_models))
     folder = None if insecure else Path(certs or envs.certs_dir())
@@ -169,12 +179,12 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
         for name, worker_role in roles:
             cluster.spawn(name, "tokenfleet.services.decode", "--registry", registry, "--model-name",
                           model_name, "--etcd", etcd, "--replica-id", name, "--role", worker_role, *audit,
-                          threads=threads)
+                          *tier_args(kv_tier, kv_tier_bytes, name), threads=threads)
         for extra, folder_of_extra in more_models:
             register_model(registry, extra, folder_of_extra, plane, dtype)
             cluster.spawn(f"worker-{extra}", "tokenfleet.services.decode", "--registry", registry, "--model-name",
                           extra, "--etcd", etcd, "--replica-id", f"{extra}-0", "--role", "both", *audit,
-                          threads=threads)
+                          *tier_args(kv_tier, kv_tier_bytes, f"{extra}-0"), threads=threads)
         router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", etcd, "--registry", registry, *audit)
         keys = ["--auth", "on", "--etcd", etcd] if auth else []
         gateway = cluster.spawn("gateway", "tokenfleet.services.gateway", "--router", router, "--registry", registry,

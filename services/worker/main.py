@@ -59,6 +59,12 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
                    "decode worker prefills locally instead")
     p.add_argument("--max-prefill-chunk", type=int, default=0, help="cap each request's prefill chunk (0 = budget)")
     p.add_argument("--grace-seconds", type=float, default=30.0, help="drain deadline on SIGTERM")
+    p.add_argument("--kv-tier", default="", help="second KV tier for blocks the pool evicts: memory or disk:DIR "
+                   "(restored on prefix hits instead of recomputed)")
+    p.add_argument("--kv-tier-bytes", type=int, default=4 << 30, help="the second tier's byte budget")
+    p.add_argument("--kv-tier-tenant-bytes", type=int, default=0, help="per-tenant bytes in the second tier (0: none)")
+    p.add_argument("--kv-tier-key-file", default="", help="AES key (16/24/32 bytes or hex; chmod 600) sealing the "
+                   "second tier's records")
     p.add_argument("--etcd", help="etcd endpoint host:port; register in replicas/<model>/<id> (omit: standalone)")
     p.add_argument("--etcd-root", default="/tokenfleet/v1/")
     p.add_argument("--lease-ttl", type=int, default=10, help="seconds a dead worker stays registered")
@@ -101,6 +107,10 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
         max_prefill_chunk=args.max_prefill_chunk,
         max_num_running=args.max_num_running,
         fair_queuing=not args.no_fair_queuing,
+        kv_tier=args.kv_tier,
+        kv_tier_bytes=args.kv_tier_bytes,
+        kv_tier_tenant_bytes=args.kv_tier_tenant_bytes,
+        kv_tier_key_file=args.kv_tier_key_file,
     )
 
 

@@ -202,6 +202,14 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             num_block_copies=stats.num_block_copies,
             num_queued_prompt_tokens=stats.num_queued_prompt_tokens,
             prefill_tokens_per_s=stats.prefill_tokens_per_s,
+            num_tier_hit_blocks=stats.tier_hit_blocks,
+            num_tier_stored_blocks=stats.tier_stored_blocks,
+            num_tier_dropped_blocks=stats.tier_dropped_blocks,
+            num_tier_corrupt_blocks=stats.tier_corrupt_blocks,
+            tier_bytes_used=stats.tier_bytes_used,
+            tier_bytes_written=stats.tier_bytes_written,
+            tier_bytes_read=stats.tier_bytes_read,
+            tier_restore_seconds=stats.tier_restore_seconds,
         )
 
 

@@ -87,7 +87,7 @@ class AsyncEngine:
         self._core_factory = core_factory
         self.transfer_timeout = transfer_timeout  # both sides: a KV transfer that takes longer is abandoned
         self._hashes: frozenset[bytes] = frozenset()  # the prefix cache's block hashes, as of the last step
-        self._hash_version = -1
+        self._hash_version: tuple[int, int] = (-1, -1)
         self._check_invariants = envs.check_invariants()
         self._core: EngineCore | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -131,9 +131,12 @@ class AsyncEngine:
 
     def _snapshot(self, core: EngineCore) -> None:
         self._stats = core.snapshot()
-        bm = core.scheduler.block_manager
-        if bm.hash_version != self._hash_version:
-            self._hashes, self._hash_version = frozenset(bm.cached_hashes()), bm.hash_version
+        bm, tier = core.scheduler.block_manager, core.tier
+        version = (bm.hash_version, tier.version if tier is not None else 0)
+        if version != self._hash_version:  # the router counts blocks in the pool and in the second tier alike
+            hashes = frozenset(bm.cached_hashes())
+            self._hashes = hashes | frozenset(tier.hashes()) if tier is not None else hashes
+            self._hash_version = version
 
     @property
     def core(self) -> EngineCore:

@@ -72,6 +72,11 @@ class BlockManager:
         self._num_hashed: dict[str, int] = {}  # leading blocks of each table already hashed
         self._num_dropped: dict[str, list[int]] = {}  # per group: leading entries that are the null block
         self.hash_version = 0  # bumped whenever the set of cached hashes changes
+        # Second tier (engine.kv_tier): cached blocks evicted for reuse, (block, hash, owner), until the
+        # engine copies them out (before anything writes the block again). Kept only when tracking.
+        self.track_evictions = False
+        self.evicted: list[tuple[int, bytes, str]] = []
+        self._block_owner = [""] * num_blocks  # who computed a cached block (its tenant)
 
     # ---- queries ---------------------------------------------------------------------
     @property
@@ -231,8 +236,15 @@ class BlockManager:
         self._num_slots[request_id] = max(self._num_slots[request_id], num_tokens)
         return SlotAllocation(new_block_ids=[b for _, b in copies] + new_ids, copies=copies)
 
-    def cache_blocks(self, request_id: str, block_hashes: Sequence[bytes]) -> None:
-        """Record hashes of the request's leading full blocks whose KV is now computed."""
+    def take_evicted(self) -> list[tuple[int, bytes, str]]:
+        """The cached blocks evicted since the last call: (block id, hash, owner). Their KV is still in
+        the pool until something writes those blocks again."""
+        evicted, self.evicted = self.evicted, []
+        return evicted
+
+    def cache_blocks(self, request_id: str, block_hashes: Sequence[bytes], owner: str = "") -> None:
+        """Record hashes of the request's leading full blocks whose KV is now computed (``owner``: the
+        tenant whose request computed them, for the second tier's quotas)."""
         tables = self._tables[request_id]
         start = self._num_hashed.get(request_id, 0)
         end = min(len(block_hashes), len(tables[0]))
@@ -243,6 +255,7 @@ class BlockManager:
                 if block_id != self._null and self._block_hash[block_id] is None and h not in found:
                     self._block_hash[block_id] = h
                     self._block_group[block_id] = g
+                    self._block_owner[block_id] = owner
                     found[h] = block_id
                     self.hash_version += 1
                 # else: the same content is already cached in another block; keep one copy.
@@ -323,6 +336,9 @@ class BlockManager:
             block_id = self._free_ids.popleft()
         else:
             block_id, _ = self._evictable.popitem(last=False)
+            h = self._block_hash[block_id]
+            if self.track_evictions and h is not None:
+                self.evicted.append((block_id, h, self._block_owner[block_id]))
             self._forget_hash(block_id)
         self._ref_counts[block_id] = 1
         return block_id

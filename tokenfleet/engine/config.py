@@ -26,6 +26,12 @@ class EngineConfig:
     fair_prompt_weight: float = 1.0  # counter cost of one computed prompt token (prefix-cache hits are free)
     fair_output_weight: float = 2.0  # counter cost of one generated token
     num_threads: int | None = None  # CPU torch threads; None = TOKENFLEET_NUM_THREADS or all usable cores
+    # Second KV tier (engine.kv_tier): "" (none), "memory" or "disk:DIR"; its byte budget, a per-tenant
+    # quota (0: none) and an optional AES key file (16, 24 or 32 bytes, or 32-64 hex digits) sealing its records
+    kv_tier: str = ""
+    kv_tier_bytes: int = 4 << 30
+    kv_tier_tenant_bytes: int = 0
+    kv_tier_key_file: str = ""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from tokenfleet.engine.detokenizer import Decoder
 from tokenfleet.engine.guided import GuideCompiler
 from tokenfleet.engine.kv_connector import KVConnector
+from tokenfleet.engine.kv_tier import SecondTier
 from tokenfleet.engine.output import OutputState, RequestOutput, Resume
 from tokenfleet.engine.request import FinishReason, Priority, Request, RequestStatus
 from tokenfleet.engine.runner import ExecuteResult, ModelInfo, ModelRunner
@@ -39,6 +40,25 @@ class EngineCore:
         self._group_of: dict[str, str] = {}
         self._guides: GuideCompiler | None = None
         self._guides_lock = threading.Lock()
+        self.tier: SecondTier | None = None
+
+    def attach_tier(self, tier: SecondTier) -> None:
+        """Keep blocks the pool evicts in ``tier`` and restore them on prefix hits (engine.kv_tier). The
+        runner must move whole blocks (``TierRunner``); one KV group only (sliding-window models: not yet)."""
+        if not hasattr(self.runner, "export_blocks") or len(self.scheduler.block_manager.windows) > 1:
+            raise ValueError("this engine cannot keep a second KV tier (its runner or its KV groups)")
+        self.tier = tier
+        self.scheduler.second_tier = tier
+        self.scheduler.block_manager.track_evictions = True
+
+    def offload_evicted(self) -> None:
+        """Copy the blocks the pool just evicted into the second tier, before anything writes them again
+        (call after every allocation: the step's, and a remote prefill's reservation)."""
+        evicted = self.scheduler.block_manager.take_evicted()
+        if evicted and self.tier is not None:
+            payloads = self.runner.export_blocks([block for block, _, _ in evicted])  # type: ignore[attr-defined]
+            for (_, block_hash, owner), payload in zip(evicted, payloads):
+                self.tier.offer(block_hash, owner, payload)
 
     @property
     def guides(self) -> GuideCompiler:
@@ -182,9 +202,12 @@ class EngineCore:
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         output = self.scheduler.schedule()
+        self.offload_evicted()  # before the restores and the forward overwrite those blocks
         if output.is_empty:
             return []
         with self._timer:
+            if output.restores:
+                self.runner.import_blocks(output.restores)  # type: ignore[attr-defined]
             result = self.runner.execute(output, ChainMap(self.scheduler.requests, self.scheduler.pending_forks))
         requests = self.scheduler.requests
         for request_id, lps in result.prompt_logprobs.items():
@@ -234,7 +257,15 @@ class EngineCore:
     def snapshot(self) -> EngineStats:
         """Current counters and gauges (copied)."""
         bm = self.scheduler.block_manager
+        tier = {}
+        if self.tier is not None:
+            t = self.tier.snapshot()
+            tier = dict(tier_hit_blocks=t.hits, tier_stored_blocks=t.stored, tier_dropped_blocks=t.dropped,
+                        tier_evicted_blocks=t.evicted, tier_corrupt_blocks=t.corrupt, tier_bytes_written=t.bytes_written,
+                        tier_bytes_read=t.bytes_read, tier_restore_seconds=t.restore_seconds,
+                        tier_bytes_used=t.bytes_used, tier_entries=t.entries)
         return self.stats.snapshot(
+            **tier,
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             num_blocks_used=bm.num_used_blocks,

@@ -45,6 +45,7 @@ class KVConnector:
         request.tenant = tenant
         request.cache_scope = cache_scope
         held = core.scheduler.add_remote(request)
+        core.offload_evicted()  # the transfer is about to write the reserved blocks
         if held is not None:
             core._states[request_id] = OutputState(request, core.tokenizer)
             core.stats.num_remote_prefills += 1

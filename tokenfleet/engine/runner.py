@@ -37,6 +37,14 @@ class ModelRunner(Protocol):
     def import_kv(self, layer: int, block_ids: Sequence[int], k: bytes, v: bytes) -> None: ...
 
 
+class TierRunner(Protocol):
+    """A runner that can move whole blocks (every layer) out of and into its pool: the second KV tier."""
+
+    def export_blocks(self, block_ids: Sequence[int]) -> list[bytes]: ...
+
+    def import_blocks(self, pairs: Sequence[tuple[int, bytes]]) -> None: ...
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     vocab_size: int

@@ -30,12 +30,21 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from tokenfleet.engine.block_manager import BlockManager
 from tokenfleet.engine.fair_queue import FairQueue
 from tokenfleet.engine.request import FinishReason, Request, RequestStatus
 from tokenfleet.kvcache.block_hash import hash_blocks
 from tokenfleet.kvcache.salt import chain_salt
+
+
+class PrefixTier(Protocol):
+    """Where blocks the pool evicted may still be (engine.kv_tier.SecondTier)."""
+
+    def fetch_chain(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """K/V bytes of the longest leading run of ``block_hashes`` it holds (verified)."""
+        ...
 
 
 class QueueFullError(RuntimeError):
@@ -77,6 +86,7 @@ class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]  # single-token entries first, then longer chunks
     copies: tuple[tuple[int, int], ...]  # (src, dst) blocks to copy before the forward
     preempted_ids: tuple[str, ...]
+    restores: tuple[tuple[int, bytes], ...] = ()  # (block, K/V bytes) from the second tier, to install first
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -104,6 +114,8 @@ class Scheduler:
         self.pending_forks: dict[str, Request] = {}  # id -> pending sample
         self.num_preemptions = 0
         self.num_forks = self.num_fork_shared_blocks = self.num_block_copies = 0
+        # The second KV tier (engine.kv_tier): blocks past a pool hit that it holds are restored, not recomputed.
+        self.second_tier: PrefixTier | None = None
 
     # ---- queue management --------------------------------------------------------------
     def salt(self, request: Request) -> str:
@@ -190,7 +202,8 @@ class Scheduler:
         request.num_computed_tokens = request.num_prompt_tokens
         request.block_hashes = hash_blocks(request.all_token_ids, bs, self.salt(request), request.block_hashes)
         if self.config.enable_prefix_caching:
-            self.block_manager.cache_blocks(request_id, request.block_hashes[: request.num_prompt_tokens // bs])
+            self.block_manager.cache_blocks(request_id, request.block_hashes[: request.num_prompt_tokens // bs],
+                                            request.tenant)
         self._lift(request.tenant)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -267,6 +280,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         copies: list[tuple[int, int]] = []
         preempted: list[str] = []
+        restores: list[tuple[int, bytes]] = []
         self.running.sort(key=lambda r: self._order[r.request_id])
         i = 0
         while i < len(self.running) and budget > 0:
@@ -280,10 +294,10 @@ class Scheduler:
             budget -= n
             i += 1
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled, copies)
+            budget = self._admit_waiting(budget, scheduled, copies, restores)
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
         self.num_block_copies += len(copies)
-        return SchedulerOutput(tuple(scheduled), tuple(copies), tuple(preempted))
+        return SchedulerOutput(tuple(scheduled), tuple(copies), tuple(preempted), tuple(restores))
 
     def _chunk(self, request: Request, num_computed: int, budget: int) -> int:
         n = min(request.num_tokens - num_computed, budget)
@@ -303,7 +317,8 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], copies: list) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], copies: list,
+                       restores: list[tuple[int, bytes]]) -> int:
         bm, bs = self.block_manager, self.block_manager.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_running:
             request = self.waiting.peek()
@@ -312,15 +327,21 @@ class Scheduler:
             if samples and self.running and len(self.running) + 1 + samples > self.config.max_num_running:
                 break  # its samples join the batch when forked: admit it when they fit (alone: always)
             prefix: list[int] = []
+            tier: list[bytes] = []
             if self.config.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
                 # Always leave at least one token to compute: its logits are needed. (Prompt
                 # logprobs need every prompt position's logits: no hits.)
-                prefix = bm.match_prefix(request.block_hashes[: (request.num_tokens - 1) // bs])
-            computed = len(prefix) * bs
+                limit = (request.num_tokens - 1) // bs
+                prefix = bm.match_prefix(request.block_hashes[:limit])
+                if self.second_tier is not None and len(prefix) < limit:
+                    tier = self.second_tier.fetch_chain(request.block_hashes[len(prefix): limit])
+            computed = (len(prefix) + len(tier)) * bs
             n = self._chunk(request, computed, budget)
             allocation = bm.allocate_slots(request.request_id, computed + n, prefix, start=computed)
             if allocation is None:
                 break
+            if tier:  # the blocks after the pool's hit are fresh: the tier's bytes go there before the forward
+                restores.extend(zip(bm.block_table(request.request_id)[len(prefix):], tier))
             self.waiting.remove(request)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = min(computed, request.num_prompt_tokens)
@@ -383,7 +404,7 @@ class Scheduler:
                     )
             if self.config.enable_prefix_caching and completed_block:  # else no new full block to record
                 self.block_manager.cache_blocks(
-                    entry.request_id, request.block_hashes[: request.num_computed_tokens // bs]
+                    entry.request_id, request.block_hashes[: request.num_computed_tokens // bs], request.tenant
                 )
             if entry.forks:
                 finished.extend(self._fork(request, entry.forks, sampled))

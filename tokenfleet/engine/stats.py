@@ -39,6 +39,17 @@ class EngineStats:
     last_step_seconds: float = 0.0
     num_queued_prompt_tokens: int = 0  # prompt tokens waiting to be computed
     prefill_tokens_per_s: float = 0.0  # recent rate of steps that prefilled (EMA)
+    # the second KV tier (engine.kv_tier; zeros without one): counters, then gauges
+    tier_hit_blocks: int = 0  # restored into the pool instead of recomputed
+    tier_stored_blocks: int = 0
+    tier_dropped_blocks: int = 0
+    tier_evicted_blocks: int = 0
+    tier_corrupt_blocks: int = 0
+    tier_bytes_written: int = 0
+    tier_bytes_read: int = 0
+    tier_restore_seconds: float = 0.0
+    tier_bytes_used: int = 0
+    tier_entries: int = 0
 
     @property
     def mean_step_seconds(self) -> float:
@@ -68,8 +79,8 @@ class EngineStats:
         self.num_generated_tokens += len(request.output_token_ids)
         self.num_prefix_hit_tokens += request.num_cached_tokens
 
-    def snapshot(self, **gauges: int) -> EngineStats:
-        return dataclasses.replace(self, **gauges)
+    def snapshot(self, **gauges: float) -> EngineStats:
+        return dataclasses.replace(self, **gauges)  # type: ignore[arg-type]
 
 
 class StepTimer:

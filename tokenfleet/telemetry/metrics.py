@@ -84,10 +84,15 @@ class WorkerCollector(Collector):
                     "aborted_requests": "num_aborted", "steps": "num_steps",
                     "prompt_tokens_computed": "num_prompt_tokens_computed", "remote_prefills": "num_remote_prefills",
                     "kv_blocks_sent": "num_kv_blocks_sent", "kv_blocks_received": "num_kv_blocks_received",
-                    "kv_bytes_received": "num_kv_bytes_received"}
+                    "kv_bytes_received": "num_kv_bytes_received", "tier_hit_blocks": "num_tier_hit_blocks",
+                    "tier_stored_blocks": "num_tier_stored_blocks", "tier_dropped_blocks": "num_tier_dropped_blocks",
+                    "tier_corrupt_blocks": "num_tier_corrupt_blocks", "tier_bytes_written": "tier_bytes_written",
+                    "tier_bytes_read": "tier_bytes_read", "tier_restore_seconds": "tier_restore_seconds"}
         for name, field in counters.items():
             yield CounterMetricFamily(f"tokenfleet_worker_{name}", f"Worker {name.replace('_', ' ')}",
                                       value=getattr(r, field))
+        yield GaugeMetricFamily("tokenfleet_worker_tier_bytes_used", "Bytes held by the second KV tier",
+                                value=r.tier_bytes_used)  # type: ignore[attr-defined]
         yield GaugeMetricFamily("tokenfleet_worker_step_seconds_mean", "Mean engine step time",
                                 value=r.step_ms_mean / 1000)  # type: ignore[attr-defined]
 

@@ -106,6 +106,29 @@ class TorchModelRunner:
             values = torch.frombuffer(bytearray(raw), dtype=cache.dtype).view(shape)
             cache[slot].index_copy_(1, index, values.to(self.device))
 
+    # ---- second KV tier: whole blocks, every layer, K then V ----------------------------------------
+    def export_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Each block's K and V in every layer as one raw [2, layers, kv_heads, block_size, head_dim] value."""
+        index = self._tensor(list(block_ids))
+        both = torch.stack([self.kv.k.index_select(2, index), self.kv.v.index_select(2, index)])
+        both = both.permute(3, 0, 1, 2, 4, 5).contiguous().cpu()  # [n, 2, layers, kv_heads, block_size, head_dim]
+        return [_raw(block) for block in both]
+
+    def import_blocks(self, pairs: Sequence[tuple[int, bytes]]) -> None:
+        """Write blocks ``export_blocks`` produced back into the pool (before the forward reads them)."""
+        if not pairs:
+            return
+        slots, kv_heads, _, block_size, head_dim = self.kv.k.shape
+        shape = (len(pairs), 2, slots, kv_heads, block_size, head_dim)
+        size = self.kv.k.dtype.itemsize * 2 * slots * kv_heads * block_size * head_dim
+        if any(len(data) != size for _, data in pairs):
+            raise ValueError(f"a stored KV block is not {size} bytes: another layout")
+        values = torch.frombuffer(bytearray(b"".join(data for _, data in pairs)), dtype=self.kv.k.dtype).view(shape)
+        values = values.to(self.device).permute(1, 2, 3, 0, 4, 5)  # [2, layers, kv_heads, n, block_size, head_dim]
+        index = self._tensor([block for block, _ in pairs])
+        self.kv.k.index_copy_(2, index, values[0])
+        self.kv.v.index_copy_(2, index, values[1])
+
     def build_batch(
         self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]
     ) -> tuple[torch.Tensor, ForwardBatch, list[tuple[str, int, int]]]:

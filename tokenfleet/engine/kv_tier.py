@@ -1,0 +1,405 @@
+"""The second KV tier of a worker: blocks evicted from the engine's pool, kept in a store with its own byte
+budget, restored into the pool on a prefix hit instead of being recomputed.
+
+Flow (engine thread unless said): the block manager reports the cached blocks it evicts; the core copies
+their K/V out of the pool before the step's forward overwrites them and ``offer``s each (hash, tenant,
+bytes) here; a writer thread seals and stores them (off the step's critical path). At admission the
+scheduler asks ``fetch_chain`` for the blocks following its pool hit: the longest leading run of them this
+tier holds and can verify, their bytes ready to install before the forward reads them.
+
+- Media (``BlockStore``): ``MemoryStore`` (host memory; on CUDA the core's copies to it are the device ->
+  host transfers) and ``DiskStore`` (one file per block: what a CPU node uses, its pool being RAM already).
+  The directory is created 0700 and files 0600: they hold tenants' prompts in KV form.
+- Records: magic, format version, tenant, a BLAKE2b digest of the plain payload keyed with the namespace,
+  then the payload, optionally sealed with AES-GCM (``cipher_key``). ``fetch_chain`` verifies every
+  record; one that fails is deleted, counted, and ends the run (its tokens are recomputed).
+- Namespace: a digest of the KV layout and the model's weights. A store directory serves one namespace;
+  the siblings of other namespaces (another model version or layout) are deleted when a tier opens.
+- Budget: an LRU over every entry (``budget_bytes``) and, per tenant, ``tenant_quota_bytes``: a tenant
+  over its quota evicts its own oldest entries first.
+- Hashes are the pool's, salted by the request's cache scope: isolation carries over unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+MAGIC = b"TFKV"
+VERSION = 1
+_HEADER = struct.Struct("<4sBBH")  # magic, version, flags (1: sealed), tenant length
+_DIGEST = 16
+
+
+class BlockStore(Protocol):
+    name: str
+
+    def write(self, key: str, data: bytes) -> None: ...
+
+    def read(self, key: str) -> bytes | None: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def scan(self) -> Iterable[tuple[str, int, float]]:
+        """(key, size, last use) of what is stored, for an index rebuilt at start."""
+        ...
+
+
+class MemoryStore:
+    name = "memory"
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def write(self, key: str, data: bytes) -> None:
+        with self._lock:
+            self._data[key] = data
+
+    def read(self, key: str) -> bytes | None:
+        with self._lock:
+            return self._data.get(key)
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._data.pop(key, None)
+
+    def scan(self) -> Iterable[tuple[str, int, float]]:
+        return []  # host memory does not outlive the process
+
+
+class DiskStore:
+    """One file per block under ``root/<namespace>``, written to a temporary name then renamed."""
+
+    name = "disk"
+
+    def __init__(self, root: str | Path, namespace: str):
+        self.root = Path(root)
+        self.dir = self.root / namespace
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for sibling in self.root.iterdir():  # other namespaces: another model version or KV layout
+            if sibling.is_dir() and sibling.name != namespace:
+                _remove_tree(sibling)
+        self.dir.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        os.chmod(self.dir, 0o700)
+
+    def write(self, key: str, data: bytes) -> None:
+        path = self.dir / key
+        tmp = self.dir / f".{key}.{threading.get_ident()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return (self.dir / key).read_bytes()
+        except OSError:
+            return None
+
+    def delete(self, key: str) -> None:
+        (self.dir / key).unlink(missing_ok=True)
+
+    def scan(self) -> Iterable[tuple[str, int, float]]:
+        for entry in os.scandir(self.dir):
+            if entry.is_file() and not entry.name.startswith("."):
+                st = entry.stat()
+                yield entry.name, st.st_size, st.st_mtime
+            elif entry.name.startswith("."):  # a write cut short by a crash
+                Path(entry.path).unlink(missing_ok=True)
+
+
+@dataclass
+class TierStats:
+    offered: int = 0  # blocks evicted from the pool and handed to this tier
+    stored: int = 0  # of those, written to the store
+    dropped: int = 0  # not kept: the writer was behind, or the block exceeds the budget or its tenant's quota
+    evicted: int = 0  # entries removed to make room (budget or quota)
+    hits: int = 0  # blocks restored into the pool
+    misses: int = 0  # lookups that found nothing past the pool's hit
+    corrupt: int = 0  # records that failed verification (deleted; their tokens recomputed)
+    bytes_written: int = 0
+    bytes_read: int = 0
+    restore_seconds: float = 0.0  # reading and verifying restored blocks
+    bytes_used: int = 0  # gauge
+    entries: int = 0  # gauge
+    per_tenant_bytes: dict[str, int] = field(default_factory=dict)  # gauge
+
+
+@dataclass
+class _Entry:
+    size: int
+    tenant: str
+
+
+class SecondTier:
+    def __init__(self, store: BlockStore, budget_bytes: int, namespace: str, tenant_quota_bytes: int = 0,
+                 cipher_key: bytes | None = None, max_pending: int = 256):
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+        self.store = store
+        self.budget_bytes = budget_bytes
+        self.tenant_quota_bytes = tenant_quota_bytes
+        self._key = hashlib.blake2b(namespace.encode(), digest_size=32).digest()
+        self._aead = _aead(cipher_key) if cipher_key else None
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU, oldest first (engine thread)
+        self._tenant_bytes: dict[str, int] = {}
+        self.stats = TierStats()
+        self.version = 0  # bumped whenever the set of held hashes changes
+        self._pending: dict[bytes, bytes] = {}  # sealed records not yet written (read by fetches)
+        self._lock = threading.Lock()  # guards _pending between the engine thread and the writer
+        self._queue: queue.Queue[tuple[str, bytes, bytes | None] | None] = queue.Queue()
+        self._max_pending = max_pending
+        self._rebuild()
+        self._writer = threading.Thread(target=self._write_loop, name=f"kv-tier-{store.name}", daemon=True)
+        self._writer.start()
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._index
+
+    def hashes(self) -> list[bytes]:
+        return list(self._index)
+
+    def offer(self, block_hash: bytes, tenant: str, payload: bytes) -> None:
+        """Keep an evicted block (its K/V bytes, copied out of the pool). Returns at once: the writer
+        thread stores it. Dropped when the writer is behind or the block cannot fit."""
+        self.stats.offered += 1
+        if block_hash in self._index:
+            self._index.move_to_end(block_hash)
+            return
+        record = self._seal(tenant, payload)
+        size = len(record)
+        quota = self.tenant_quota_bytes
+        if size > self.budget_bytes or (quota and size > quota) or len(self._pending) >= self._max_pending:
+            self.stats.dropped += 1
+            return
+        if quota:
+            while self._tenant_bytes.get(tenant, 0) + size > quota:
+                self._evict(next(h for h, e in self._index.items() if e.tenant == tenant))
+        while self.stats.bytes_used + size > self.budget_bytes:
+            self._evict(next(iter(self._index)))
+        self._index[block_hash] = _Entry(size, tenant)
+        self._account(tenant, size)
+        self.version += 1
+        with self._lock:
+            self._pending[block_hash] = record
+        self._queue.put(("write", block_hash, record))
+
+    def fetch_chain(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """Payloads of the longest leading run of ``block_hashes`` held here and verified; a record
+        that fails verification is deleted and ends the run."""
+        started = time.perf_counter()
+        out: list[bytes] = []
+        for h in block_hashes:
+            if h not in self._index:
+                break
+            with self._lock:
+                record = self._pending.get(h)
+            if record is None:
+                record = self.store.read(h.hex())
+            payload = self._open(record) if record is not None else None
+            if payload is None:
+                self.stats.corrupt += 1
+                log.warning("kv_tier_corrupt_block", store=self.store.name, block=h.hex()[:16])
+                self._evict(h, count=False)
+                break
+            self._index.move_to_end(h)
+            self.stats.bytes_read += len(record)  # type: ignore[arg-type]
+            out.append(payload)
+        if out:
+            self.stats.hits += len(out)
+            self.stats.restore_seconds += time.perf_counter() - started
+        elif block_hashes:
+            self.stats.misses += 1
+        return out
+
+    def snapshot(self) -> TierStats:
+        stats = TierStats(**{**self.stats.__dict__, "per_tenant_bytes": dict(self._tenant_bytes)})
+        stats.entries = len(self._index)
+        return stats
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every queued write has landed (tests, shutdown)."""
+        done = threading.Event()
+        self._queue.put(("flush", b"", done))  # type: ignore[arg-type]
+        done.wait(timeout)
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._writer.join(timeout=30)
+
+    # ---- internals ---------------------------------------------------------------------
+    def _evict(self, block_hash: bytes, count: bool = True) -> None:
+        entry = self._index.pop(block_hash)
+        self._account(entry.tenant, -entry.size)
+        self.version += 1
+        if count:
+            self.stats.evicted += 1
+        self._queue.put(("delete", block_hash, None))
+
+    def _account(self, tenant: str, size: int) -> None:
+        self.stats.bytes_used += size
+        left = self._tenant_bytes.get(tenant, 0) + size
+        if left:
+            self._tenant_bytes[tenant] = left
+        else:
+            self._tenant_bytes.pop(tenant, None)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            op, block_hash, data = item
+            try:
+                if op == "write":
+                    self.store.write(block_hash.hex(), data)  # type: ignore[arg-type]
+                    self.stats.stored += 1
+                    self.stats.bytes_written += len(data)  # type: ignore[arg-type]
+                    with self._lock:
+                        if self._pending.get(block_hash) is data:
+                            del self._pending[block_hash]
+                elif op == "delete":
+                    with self._lock:
+                        self._pending.pop(block_hash, None)
+                    self.store.delete(block_hash.hex())
+                elif op == "flush":
+                    data.set()  # type: ignore[union-attr]
+            except OSError as e:  # a full disk loses the block, not the worker
+                log.warning("kv_tier_write_failed", store=self.store.name, error=str(e))
+                with self._lock:
+                    self._pending.pop(block_hash, None)
+
+    def _seal(self, tenant: str, payload: bytes) -> bytes:
+        name = tenant.encode()
+        digest = hashlib.blake2b(payload, key=self._key, digest_size=_DIGEST).digest()
+        body = payload
+        flags = 0
+        if self._aead is not None:
+            nonce = os.urandom(12)
+            body = nonce + self._aead.encrypt(nonce, payload, name)
+            flags = 1
+        return _HEADER.pack(MAGIC, VERSION, flags, len(name)) + name + digest + body
+
+    def _open(self, record: bytes) -> bytes | None:
+        """The verified payload of a record, or None (damaged, foreign, or sealed with another key)."""
+        try:
+            magic, version, flags, name_len = _HEADER.unpack_from(record)
+        except struct.error:
+            return None
+        if magic != MAGIC or version != VERSION:
+            return None
+        start = _HEADER.size
+        name = record[start: start + name_len]
+        digest = record[start + name_len: start + name_len + _DIGEST]
+        body = record[start + name_len + _DIGEST:]
+        if flags & 1:
+            if self._aead is None:
+                return None
+            try:
+                body = self._aead.decrypt(body[:12], body[12:], name)
+            except Exception:  # InvalidTag: tampered or another key
+                return None
+        if hashlib.blake2b(body, key=self._key, digest_size=_DIGEST).digest() != digest:
+            return None
+        return body
+
+    def _tenant_of(self, record: bytes) -> str | None:
+        try:
+            magic, _, _, name_len = _HEADER.unpack_from(record)
+        except struct.error:
+            return None
+        return record[_HEADER.size: _HEADER.size + name_len].decode(errors="replace") if magic == MAGIC else None
+
+    def _rebuild(self) -> None:
+        """Index what the store already holds (a restarted worker keeps its disk tier), oldest first."""
+        found = sorted(self.store.scan(), key=lambda e: e[2])
+        for key, size, _ in found:
+            try:
+                block_hash = bytes.fromhex(key)
+            except ValueError:
+                self.store.delete(key)
+                continue
+            head = self.store.read(key)
+            tenant = self._tenant_of(head[:_HEADER.size + 65536]) if head is not None else None
+            if tenant is None or self.stats.bytes_used + size > self.budget_bytes:
+                self.store.delete(key)
+                continue
+            self._index[block_hash] = _Entry(size, tenant)
+            self._account(tenant, size)
+        if found:
+            log.info("kv_tier_reopened", store=self.store.name, entries=len(self._index), bytes=self.stats.bytes_used)
+
+
+def namespace(layout_key: str, model_dir: str | Path) -> str:
+    """Names what a stored block is valid for: the KV layout and the exact weights (every file of the
+    model folder but the tokenizer's, hashed), so a new model version starts an empty tier."""
+    h = hashlib.blake2b(layout_key.encode(), digest_size=16)
+    for path in sorted(Path(model_dir).glob("*")):
+        if path.is_file() and (path.suffix == ".safetensors" or path.name == "config.json"):
+            h.update(path.name.encode())
+            with path.open("rb") as f:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+    return h.hexdigest()
+
+
+def open_store(spec: str, namespace_: str) -> BlockStore:
+    """``memory`` or ``disk:DIR``."""
+    if spec == "memory":
+        return MemoryStore()
+    if spec.startswith("disk:") and len(spec) > 5:
+        return DiskStore(spec[5:], namespace_)
+    raise ValueError(f"KV tier {spec!r}: expected 'memory' or 'disk:DIR'")
+
+
+def read_key(path: str) -> bytes | None:
+    """The AES key in ``path`` (raw 16/24/32 bytes, or them in hex); None for no path. The file must not be
+    readable by others."""
+    if not path:
+        return None
+    p = Path(path)
+    if p.stat().st_mode & 0o077:
+        raise ValueError(f"{path}: a KV tier key file must be readable by its owner only (chmod 600)")
+    raw = p.read_bytes().strip()
+    try:
+        return bytes.fromhex(raw.decode()) if len(raw) in (32, 48, 64) else raw
+    except (UnicodeDecodeError, ValueError):
+        return raw
+
+
+def _aead(key: bytes):  # type: ignore[no-untyped-def]
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    if len(key) not in (16, 24, 32):
+        raise ValueError(f"the KV tier key must be 16, 24 or 32 bytes, got {len(key)}")
+    return AESGCM(key)
+
+
+def _remove_tree(path: Path) -> None:
+    for child in path.iterdir():
+        if child.is_dir():
+            _remove_tree(child)
+        else:
+            child.unlink(missing_ok=True)
+    path.rmdir()
