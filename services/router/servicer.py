@@ -19,6 +19,7 @@ from tokenfleet.routing.placement import (
     DisaggConfig,
     live_homes,
     place,
+    prefix_peer,
 )
 from tokenfleet.routing.policies import NoReplicaError, RoundRobin
 from tokenfleet.routing.prefix import DEFAULT_PREFIX_CONFIG, PrefixPolicyConfig
@@ -86,4 +87,11 @@ class Router(router_pb2_grpc.RouterServiceServicer):
         if placement.prefill is not None:
             response.prefill_replica_id = placement.prefill.replica_id
             response.prefill_address = placement.prefill.address
+        elif chain and not request.colocated:
+            peer = prefix_peer(snapshot, chain, cached, chosen.replica_id, placement.matched_blocks,
+                               self.prefix_config.min_match_blocks)
+            if peer is not None:
+                response.prefix_replica_id, response.prefix_address = peer[0].replica_id, peer[0].address
+                response.prefix_blocks = peer[1]
+                self.metrics.picks.labels(name, "peer_prefix").inc()
         return response

@@ -4,6 +4,10 @@ Shared by the decode and prefill services (role decides what placement sends it)
 that names a prefill replica pulls the prompt's first token and KV from that replica's
 Prefill stream (``RemotePrefill``), if that replica is one the fleet registered (``sources``;
 PERMISSION_DENIED otherwise); any failure during the transfer falls back to prefilling here.
+A Generate that names a prefix source (a peer replica of the same model holding more of the
+prompt's leading blocks, e.g. after a spill or a restart) first pulls the blocks this worker
+lacks from that peer's FetchBlocks stream, then computes the rest; a peer that fails or is slower
+than ``PEER_FETCH_TIMEOUT_S`` costs nothing but the recompute.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from tokenfleet.services.common.errors import map_errors
 from tokenfleet.services.worker.sources import PrefillSources
 
 from tokenfleet.engine.interface import Engine, EngineOverloadedError, EngineStoppedError
-from tokenfleet.engine.kv_transfer import MAX_CHUNK_BYTES, KVTransferError, PrefillEvent
+from tokenfleet.engine.kv_transfer import MAX_CHUNK_BYTES, KVLayoutError, KVTransferError, PrefillEvent
+from tokenfleet.kvcache.block_hash import hash_blocks
 from tokenfleet.kvcache.layout import KVLayout
+from tokenfleet.kvcache.salt import chain_salt
 from tokenfleet.security.plane import Channels, Plane
 from tokenfleet.telemetry.latency import RecentLatencies
 from tokenfleet.telemetry.request_id import metadata as request_id_metadata
@@ -30,6 +36,8 @@ from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger()
 DEFAULT_LOAD_INTERVAL_MS = 500
+PEER_FETCH_TIMEOUT_S = 5.0
+PEER_FETCH_BATCH = 16  # blocks read per engine-thread call while serving a peer
 
 
 Hook = Callable[[], Awaitable[None]]
@@ -91,6 +99,8 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             kv_source = RemotePrefill(self.channels.get(request.prefill.address, "worker"), request, context)
         request_id = self._admit(request.request_id)
         start, first, last, count = time.monotonic(), None, None, 0
+        if kv_source is None and request.HasField("prefix_source") and request.prefix_source.address:
+            await self._fetch_from_peer(request, request_id)
         stream = self.engine.generate(
             list(request.prompt_token_ids), params, request_id, convert.priority(request.priority),
             resume=convert.resume(request.resume), kv_source=kv_source, tenant=request.tenant,
@@ -130,6 +140,57 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
                     yield convert.prefill_response(event)
         finally:
             self.in_flight.discard(request_id)
+
+    async def _fetch_from_peer(self, request: engine_pb2.GenerateRequest, request_id: str) -> None:
+        """Stage the prompt's leading blocks a registered peer holds and this worker does not. Never raises:
+        whatever is not fetched is computed here."""
+        source, layout = request.prefix_source, self.engine.kv_layout()
+        if layout is None or not hasattr(self.engine, "stage_blocks"):
+            return
+        try:
+            await self.sources.check_peer(source.replica_id, source.address)
+            prompt = list(request.prompt_token_ids)
+            scope = convert.cache_scope(request.cache_scope)
+            hashes = hash_blocks(prompt, layout.block_size, chain_salt(layout.hash_salt, scope))
+            wanted = hashes[: min(source.num_blocks, (len(prompt) - 1) // layout.block_size)]
+            held = await self.engine.local_prefix_blocks(wanted)  # type: ignore[attr-defined]
+            if held >= len(wanted):
+                return
+            stub = engine_pb2_grpc.EngineServiceStub(self.channels.get(source.address, "worker"))
+            call = stub.FetchBlocks(engine_pb2.FetchBlocksRequest(block_hashes=wanted[held:], request_id=request_id,
+                                                                  layout=convert.layout_to_proto(layout)),
+                                    timeout=PEER_FETCH_TIMEOUT_S)
+            got, payloads = [], []
+            async for block in call:
+                got.append(block.block_hash)
+                payloads.append(block.data)
+            if got != wanted[held: held + len(got)]:
+                raise KVTransferError("the peer sent blocks out of order")
+            await self.engine.stage_blocks(got, payloads)  # type: ignore[attr-defined]
+            log.info("prefix fetched from peer", engine_request_id=request_id, peer=source.replica_id, blocks=len(got),
+                     held_here=held)
+        except (grpc.aio.AioRpcError, KVTransferError, PermissionError, ValueError) as e:
+            self.engine.count_peer_failure()  # type: ignore[attr-defined]
+            log.warning("peer fetch failed; computing the prefix here", engine_request_id=request_id,
+                        peer=source.replica_id, error=str(e)[:300])
+
+    @map_errors
+    async def FetchBlocks(self, request: engine_pb2.FetchBlocksRequest, context: grpc.aio.ServicerContext
+                          ) -> AsyncIterator[engine_pb2.FetchBlocksResponse]:
+        mine = self.engine.kv_layout()
+        if mine is None or not hasattr(self.engine, "read_blocks"):
+            raise KVLayoutError("this worker cannot send whole KV blocks")
+        problem = mine.mismatch(convert.layout_from_proto(request.layout))
+        if problem is not None:
+            raise KVLayoutError(problem)
+        hashes = list(request.block_hashes)
+        for i in range(0, len(hashes), PEER_FETCH_BATCH):
+            batch = hashes[i: i + PEER_FETCH_BATCH]
+            payloads = await self.engine.read_blocks(batch)  # type: ignore[attr-defined]
+            for block_hash, data in zip(batch, payloads):
+                yield engine_pb2.FetchBlocksResponse(block_hash=block_hash, data=data)
+            if len(payloads) < len(batch):
+                return
 
     @map_errors
     async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
@@ -210,6 +271,9 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             tier_bytes_written=stats.tier_bytes_written,
             tier_bytes_read=stats.tier_bytes_read,
             tier_restore_seconds=stats.tier_restore_seconds,
+            num_peer_blocks_received=stats.num_peer_blocks_received,
+            num_peer_blocks_served=stats.num_peer_blocks_served,
+            num_peer_fetch_failures=stats.num_peer_fetch_failures,
         )
 
 

@@ -65,7 +65,12 @@ class PrefillSources:
             return
         self.records[record.replica_id] = record
 
-    async def check(self, replica_id: str, address: str) -> None:
+    async def check_peer(self, replica_id: str, address: str) -> None:
+        """PrefillSourceError unless ``replica_id`` at ``address`` is a registered replica of this model
+        version and KV layout (any role): a peer this worker may fetch prefix blocks from."""
+        await self.check(replica_id, address, role=None)
+
+    async def check(self, replica_id: str, address: str, role: str | None = "prefill") -> None:
         """PrefillSourceError unless ``replica_id`` at ``address`` may send this worker KV."""
         if self.etcd is None:
             raise PrefillSourceError("this worker has no fleet membership view (--etcd): it accepts no prefill source")
@@ -77,8 +82,8 @@ class PrefillSources:
             problem = "is not registered for this model"
         elif record.address != address:
             problem = f"is registered at {record.address}, not at {address}"
-        elif "prefill" not in record.roles:
-            problem = "is not a prefill replica"
+        elif role is not None and role not in record.roles:
+            problem = f"is not a {role} replica"
         elif record.model_version != self.version:
             problem = f"serves version {record.model_version!r}, this worker {self.version!r}"
         elif record.kv_layout != self.layout_key:

@@ -129,6 +129,21 @@ class AsyncEngine:
     def cached_block_hashes(self) -> frozenset[bytes]:
         return self._hashes
 
+    # ---- peer fetch: whole blocks between replicas of one model (engine.kv_tier) ------------------
+    async def read_blocks(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """Our blocks for a peer: the longest leading run of ``block_hashes`` held here."""
+        return await self.call(lambda core: core.read_blocks(block_hashes))
+
+    async def local_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        return await self.call(lambda core: core.local_prefix_blocks(block_hashes) if core.staged is not None
+                               else len(block_hashes))
+
+    async def stage_blocks(self, block_hashes: Sequence[bytes], payloads: Sequence[bytes]) -> None:
+        await self.call(lambda core: core.stage_blocks(block_hashes, payloads))
+
+    def count_peer_failure(self) -> None:
+        self.post(lambda core: setattr(core.stats, "num_peer_fetch_failures", core.stats.num_peer_fetch_failures + 1))
+
     def _snapshot(self, core: EngineCore) -> None:
         self._stats = core.snapshot()
         bm, tier = core.scheduler.block_manager, core.tier

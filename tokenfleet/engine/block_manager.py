@@ -121,6 +121,10 @@ class BlockManager:
         membership often). Full-attention groups come first: a hash here is a block whose KV is here."""
         return self._hash_to_block[0].keys()
 
+    def cached_block(self, block_hash: bytes) -> int | None:
+        """The first group's block holding ``block_hash``, if cached (its KV is computed)."""
+        return self._hash_to_block[0].get(block_hash)
+
     def blocks_for(self, num_tokens: int, max_chunk: int) -> int:
         """Most blocks one request of ``num_tokens`` tokens holds at once, computed in chunks of at
         most ``max_chunk`` tokens (sliding-window groups hold a window and a chunk)."""

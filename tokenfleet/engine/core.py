@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from tokenfleet.engine.detokenizer import Decoder
 from tokenfleet.engine.guided import GuideCompiler
 from tokenfleet.engine.kv_connector import KVConnector
-from tokenfleet.engine.kv_tier import SecondTier
+from tokenfleet.engine.kv_tier import SecondTier, StagedBlocks, TierChain
 from tokenfleet.engine.output import OutputState, RequestOutput, Resume
 from tokenfleet.engine.request import FinishReason, Priority, Request, RequestStatus
 from tokenfleet.engine.runner import ExecuteResult, ModelInfo, ModelRunner
@@ -41,15 +41,72 @@ class EngineCore:
         self._guides: GuideCompiler | None = None
         self._guides_lock = threading.Lock()
         self.tier: SecondTier | None = None
+        self.staged: StagedBlocks | None = None  # blocks peers sent (peer fetch), until admission restores them
+
+    @property
+    def moves_blocks(self) -> bool:
+        """Whether whole blocks can leave and enter the pool here: a runner that moves them (``TierRunner``)
+        and one KV group (sliding-window models: not yet). The second tier and peer fetch need it."""
+        return hasattr(self.runner, "export_blocks") and len(self.scheduler.block_manager.windows) == 1
+
+    def enable_peer_blocks(self, budget_bytes: int = 256 << 20) -> None:
+        """Accept blocks fetched from peers (``stage_blocks``) and serve ours to them (``read_blocks``)."""
+        if not self.moves_blocks:
+            raise ValueError("this engine cannot move whole KV blocks (its runner or its KV groups)")
+        self.staged = StagedBlocks(budget_bytes)
+        self._chain_tiers()
 
     def attach_tier(self, tier: SecondTier) -> None:
-        """Keep blocks the pool evicts in ``tier`` and restore them on prefix hits (engine.kv_tier). The
-        runner must move whole blocks (``TierRunner``); one KV group only (sliding-window models: not yet)."""
-        if not hasattr(self.runner, "export_blocks") or len(self.scheduler.block_manager.windows) > 1:
+        """Keep blocks the pool evicts in ``tier`` and restore them on prefix hits (engine.kv_tier)."""
+        if not self.moves_blocks:
             raise ValueError("this engine cannot keep a second KV tier (its runner or its KV groups)")
         self.tier = tier
-        self.scheduler.second_tier = tier
         self.scheduler.block_manager.track_evictions = True
+        self._chain_tiers()
+
+    def _chain_tiers(self) -> None:
+        tiers = [t for t in (self.tier, self.staged) if t is not None]
+        self.scheduler.second_tier = tiers[0] if len(tiers) == 1 else TierChain(tiers)
+
+    # ---- peer fetch (engine thread) -------------------------------------------------------------
+    def read_blocks(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """Whole-block K/V of the longest leading run of ``block_hashes`` held here: in the pool, then in
+        the second tier. For a peer that would otherwise recompute them."""
+        if not self.moves_blocks:
+            return []
+        bm, out = self.scheduler.block_manager, []
+        for h in block_hashes:
+            block = bm.cached_block(h)
+            if block is not None:
+                out += self.runner.export_blocks([block])  # type: ignore[attr-defined]
+            elif self.tier is not None and h in self.tier:
+                got = self.tier.fetch_chain([h])
+                if not got:
+                    break
+                out += got
+            else:
+                break
+        self.stats.num_peer_blocks_served += len(out)
+        return out
+
+    def local_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        """Leading blocks of ``block_hashes`` this engine holds (pool, then second tier): what a peer
+        need not send."""
+        n = len(self.scheduler.block_manager.match_prefix(block_hashes))
+        while n < len(block_hashes) and self.tier is not None and block_hashes[n] in self.tier:
+            n += 1
+        return n
+
+    def stage_blocks(self, block_hashes: Sequence[bytes], payloads: Sequence[bytes]) -> None:
+        """Blocks a peer sent, restored at the admission of the prompt they belong to."""
+        if self.staged is None:
+            raise ValueError("peer blocks are not enabled on this engine")
+        size = self.runner.block_bytes()  # type: ignore[attr-defined]
+        for h, payload in zip(block_hashes, payloads):
+            if len(payload) != size:
+                raise ValueError(f"a peer's block is {len(payload)} bytes, not {size}: another layout")
+            self.staged.put(h, payload)
+        self.stats.num_peer_blocks_received += len(payloads)
 
     def offload_evicted(self) -> None:
         """Copy the blocks the pool just evicted into the second tier, before anything writes them again

@@ -403,3 +403,58 @@ def _remove_tree(path: Path) -> None:
         else:
             child.unlink(missing_ok=True)
     path.rmdir()
+
+
+class StagedBlocks:
+    """Blocks a peer replica sent for a prompt about to be admitted here (peer fetch), held in memory (least
+    recently used first out when ``budget_bytes`` is needed) and restored by admissions like tier blocks."""
+
+    def __init__(self, budget_bytes: int = 256 << 20):
+        self.budget_bytes = budget_bytes
+        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
+        self._bytes = 0
+        self.hits = 0
+        self.received = 0
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._blocks
+
+    def put(self, block_hash: bytes, payload: bytes) -> None:
+        if block_hash in self._blocks or len(payload) > self.budget_bytes:
+            return
+        while self._bytes + len(payload) > self.budget_bytes:
+            _, old = self._blocks.popitem(last=False)
+            self._bytes -= len(old)
+        self._blocks[block_hash] = payload
+        self._bytes += len(payload)
+        self.received += 1
+
+    def fetch_chain(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """Kept after a fetch (an admission that then finds no free blocks asks again); the budget evicts."""
+        out = []
+        for h in block_hashes:
+            payload = self._blocks.get(h)
+            if payload is None:
+                break
+            self._blocks.move_to_end(h)
+            out.append(payload)
+        self.hits += len(out)
+        return out
+
+
+class TierChain:
+    """Several places restored blocks may come from, asked block by block in order (the second tier,
+    then blocks staged from a peer)."""
+
+    def __init__(self, tiers: Sequence[SecondTier | StagedBlocks]):
+        self.tiers = list(tiers)
+
+    def fetch_chain(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+        out: list[bytes] = []
+        for i, h in enumerate(block_hashes):
+            tier = next((t for t in self.tiers if h in t), None)
+            got = tier.fetch_chain(block_hashes[i: i + 1]) if tier is not None else []
+            if not got:
+                break
+            out += got
+        return out

@@ -30,6 +30,9 @@ class EngineStats:
     num_forks: int = 0  # n > 1: samples forked from their request once its prompt was computed
     num_fork_shared_blocks: int = 0  # blocks those forks share with their request instead of copying
     num_block_copies: int = 0  # partially filled shared blocks copied on write
+    num_peer_blocks_received: int = 0  # peer fetch: blocks another replica sent instead of a recompute here
+    num_peer_blocks_served: int = 0  # blocks this replica sent to peers
+    num_peer_fetch_failures: int = 0  # peer fetches that failed or timed out (the blocks were recomputed)
     total_step_seconds: float = 0.0
     # gauges (filled by snapshot)
     num_running: int = 0

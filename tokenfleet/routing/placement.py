@@ -127,3 +127,18 @@ def choose_prefill(snapshot: FleetSnapshot, decode: ReplicaLoad, chain: Sequence
 def live_homes(homes: Sequence[str], live: Collection[str], new: str) -> tuple[str, ...]:
     """The anchor's homes after placing on ``new``: dead replicas dropped, ``new`` added last."""
     return tuple(h for h in homes if h in live and h != new) + (new,)
+
+
+def prefix_peer(snapshot: FleetSnapshot, chain: Sequence[bytes], cached: Mapping[str, Collection[bytes]],
+                chosen: str, chosen_blocks: int, min_blocks: int) -> tuple[ReplicaLoad, int] | None:
+    """Another replica (serving or draining: a draining one still sends blocks) that reports at least
+    ``min_blocks`` more of the prompt's leading blocks than the chosen one, and how many it holds: the
+    chosen replica fetches them from it instead of recomputing (peer fetch). None when there is none."""
+    best: tuple[ReplicaLoad, int] | None = None
+    for replica in snapshot.replicas:
+        if replica.replica_id == chosen:
+            continue
+        n = matched_prefix(chain, cached.get(replica.replica_id, ()))
+        if n - chosen_blocks >= min_blocks and (best is None or n > best[1]):
+            best = (replica, n)
+    return best

@@ -34,6 +34,7 @@ POLICY: Mapping[str, frozenset[str]] = {
     # engine workers: gateways place requests, decode workers pull KV from prefill workers
     "/tokenfleet.v1.EngineService/Generate": frozenset({"gateway"}),
     "/tokenfleet.v1.EngineService/Prefill": frozenset({"worker"}),
+    "/tokenfleet.v1.EngineService/FetchBlocks": frozenset({"worker"}),
     "/tokenfleet.v1.EngineService/Load": frozenset({"router"}) | OPERATORS,
     "/tokenfleet.v1.EngineService/Abort": OPERATORS,
     "/tokenfleet.v1.EngineService/Drain": OPERATORS,

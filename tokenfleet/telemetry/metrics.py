@@ -87,7 +87,9 @@ class WorkerCollector(Collector):
                     "kv_bytes_received": "num_kv_bytes_received", "tier_hit_blocks": "num_tier_hit_blocks",
                     "tier_stored_blocks": "num_tier_stored_blocks", "tier_dropped_blocks": "num_tier_dropped_blocks",
                     "tier_corrupt_blocks": "num_tier_corrupt_blocks", "tier_bytes_written": "tier_bytes_written",
-                    "tier_bytes_read": "tier_bytes_read", "tier_restore_seconds": "tier_restore_seconds"}
+                    "tier_bytes_read": "tier_bytes_read", "tier_restore_seconds": "tier_restore_seconds",
+                    "peer_blocks_received": "num_peer_blocks_received", "peer_blocks_served": "num_peer_blocks_served",
+                    "peer_fetch_failures": "num_peer_fetch_failures"}
         for name, field in counters.items():
             yield CounterMetricFamily(f"tokenfleet_worker_{name}", f"Worker {name.replace('_', ' ')}",
                                       value=getattr(r, field))

@@ -18,7 +18,7 @@ WORKER_STATE_SERVING: WorkerState
 WORKER_STATE_DRAINING: WorkerState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "prefill", "resume", "tenant", "ttft_objective_ms", "cache_scope")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "prefill", "resume", "tenant", "ttft_objective_ms", "cache_scope", "prefix_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class GenerateRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TTFT_OBJECTIVE_MS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -37,7 +38,36 @@ class GenerateRequest(_message.Message):
     tenant: str
     ttft_objective_ms: int
     cache_scope: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., prefill: _Optional[_Union[PrefillSource, _Mapping]] = ..., resume: _Optional[_Union[ResumeState, _Mapping]] = ..., tenant: _Optional[str] = ..., ttft_objective_ms: _Optional[int] = ..., cache_scope: _Optional[str] = ...) -> None: ...
+    prefix_source: PrefixSource
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., prefill: _Optional[_Union[PrefillSource, _Mapping]] = ..., resume: _Optional[_Union[ResumeState, _Mapping]] = ..., tenant: _Optional[str] = ..., ttft_objective_ms: _Optional[int] = ..., cache_scope: _Optional[str] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ...) -> None: ...
+
+class PrefixSource(_message.Message):
+    __slots__ = ("replica_id", "address", "num_blocks")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    address: str
+    num_blocks: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class FetchBlocksRequest(_message.Message):
+    __slots__ = ("block_hashes", "layout", "request_id")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    layout: KVLayout
+    request_id: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class FetchBlocksResponse(_message.Message):
+    __slots__ = ("block_hash", "data")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    data: bytes
+    def __init__(self, block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PrefillSource(_message.Message):
     __slots__ = ("replica_id", "address")
@@ -200,7 +230,7 @@ class LoadRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("state", "num_waiting", "num_running", "num_blocks_used", "num_blocks_free", "num_in_flight", "num_prefix_hit_tokens", "num_preemptions", "num_aborted", "num_steps", "ttft_ms_recent", "tpot_ms_recent", "step_ms_mean", "num_queued_prompt_tokens", "prefill_tokens_per_s", "hashes_reset", "added_block_hashes", "removed_block_hashes", "layout", "num_prompt_tokens_computed", "num_kv_blocks_sent", "num_kv_blocks_received", "num_remote_prefills", "num_kv_bytes_received", "num_forks", "num_fork_shared_blocks", "num_block_copies", "num_tier_hit_blocks", "num_tier_stored_blocks", "num_tier_dropped_blocks", "num_tier_corrupt_blocks", "tier_bytes_used", "tier_bytes_written", "tier_bytes_read", "tier_restore_seconds")
+    __slots__ = ("state", "num_waiting", "num_running", "num_blocks_used", "num_blocks_free", "num_in_flight", "num_prefix_hit_tokens", "num_preemptions", "num_aborted", "num_steps", "ttft_ms_recent", "tpot_ms_recent", "step_ms_mean", "num_queued_prompt_tokens", "prefill_tokens_per_s", "hashes_reset", "added_block_hashes", "removed_block_hashes", "layout", "num_prompt_tokens_computed", "num_kv_blocks_sent", "num_kv_blocks_received", "num_remote_prefills", "num_kv_bytes_received", "num_forks", "num_fork_shared_blocks", "num_block_copies", "num_tier_hit_blocks", "num_tier_stored_blocks", "num_tier_dropped_blocks", "num_tier_corrupt_blocks", "tier_bytes_used", "tier_bytes_written", "tier_bytes_read", "tier_restore_seconds", "num_peer_blocks_received", "num_peer_blocks_served", "num_peer_fetch_failures")
     STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +266,9 @@ class LoadReport(_message.Message):
     TIER_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     TIER_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     TIER_RESTORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PEER_BLOCKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PEER_BLOCKS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PEER_FETCH_FAILURES_FIELD_NUMBER: _ClassVar[int]
     state: WorkerState
     num_waiting: int
     num_running: int
@@ -271,7 +304,10 @@ class LoadReport(_message.Message):
     tier_bytes_written: int
     tier_bytes_read: int
     tier_restore_seconds: float
-    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., ttft_ms_recent: _Optional[float] = ..., tpot_ms_recent: _Optional[float] = ..., step_ms_mean: _Optional[float] = ..., num_queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., hashes_reset: _Optional[bool] = ..., added_block_hashes: _Optional[_Iterable[bytes]] = ..., removed_block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_kv_blocks_sent: _Optional[int] = ..., num_kv_blocks_received: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_kv_bytes_received: _Optional[int] = ..., num_forks: _Optional[int] = ..., num_fork_shared_blocks: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_tier_hit_blocks: _Optional[int] = ..., num_tier_stored_blocks: _Optional[int] = ..., num_tier_dropped_blocks: _Optional[int] = ..., num_tier_corrupt_blocks: _Optional[int] = ..., tier_bytes_used: _Optional[int] = ..., tier_bytes_written: _Optional[int] = ..., tier_bytes_read: _Optional[int] = ..., tier_restore_seconds: _Optional[float] = ...) -> None: ...
+    num_peer_blocks_received: int
+    num_peer_blocks_served: int
+    num_peer_fetch_failures: int
+    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., ttft_ms_recent: _Optional[float] = ..., tpot_ms_recent: _Optional[float] = ..., step_ms_mean: _Optional[float] = ..., num_queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., hashes_reset: _Optional[bool] = ..., added_block_hashes: _Optional[_Iterable[bytes]] = ..., removed_block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_kv_blocks_sent: _Optional[int] = ..., num_kv_blocks_received: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_kv_bytes_received: _Optional[int] = ..., num_forks: _Optional[int] = ..., num_fork_shared_blocks: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_tier_hit_blocks: _Optional[int] = ..., num_tier_stored_blocks: _Optional[int] = ..., num_tier_dropped_blocks: _Optional[int] = ..., num_tier_corrupt_blocks: _Optional[int] = ..., tier_bytes_used: _Optional[int] = ..., tier_bytes_written: _Optional[int] = ..., tier_bytes_read: _Optional[int] = ..., tier_restore_seconds: _Optional[float] = ..., num_peer_blocks_received: _Optional[int] = ..., num_peer_blocks_served: _Optional[int] = ..., num_peer_fetch_failures: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

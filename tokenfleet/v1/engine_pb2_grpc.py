@@ -45,6 +45,11 @@ class EngineServiceStub:
                 request_serializer=tokenfleet_dot_v1_dot_engine__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=tokenfleet_dot_v1_dot_engine__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.FetchBlocks = channel.unary_stream(
+                '/tokenfleet.v1.EngineService/FetchBlocks',
+                request_serializer=tokenfleet_dot_v1_dot_engine__pb2.FetchBlocksRequest.SerializeToString,
+                response_deserializer=tokenfleet_dot_v1_dot_engine__pb2.FetchBlocksResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tokenfleet.v1.EngineService/Abort',
                 request_serializer=tokenfleet_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
@@ -88,6 +93,15 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchBlocks(self, request, context):
+        """Peer fetch, called by a worker that lacks a prefix this one holds: the longest leading run
+        of the requested blocks found here (pool, then second KV tier), one message per block.
+        FAILED_PRECONDITION when the caller's KV layout differs from ours.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Abort a request by id (idempotent; unknown ids are not an error).
         """
@@ -121,6 +135,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=tokenfleet_dot_v1_dot_engine__pb2.PrefillRequest.FromString,
                     response_serializer=tokenfleet_dot_v1_dot_engine__pb2.PrefillResponse.SerializeToString,
+            ),
+            'FetchBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchBlocks,
+                    request_deserializer=tokenfleet_dot_v1_dot_engine__pb2.FetchBlocksRequest.FromString,
+                    response_serializer=tokenfleet_dot_v1_dot_engine__pb2.FetchBlocksResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -193,6 +212,33 @@ class EngineService:
             '/tokenfleet.v1.EngineService/Prefill',
             tokenfleet_dot_v1_dot_engine__pb2.PrefillRequest.SerializeToString,
             tokenfleet_dot_v1_dot_engine__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tokenfleet.v1.EngineService/FetchBlocks',
+            tokenfleet_dot_v1_dot_engine__pb2.FetchBlocksRequest.SerializeToString,
+            tokenfleet_dot_v1_dot_engine__pb2.FetchBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,7 +39,7 @@ class PickRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., exclude_replica_ids: _Optional[_Iterable[str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., colocated: _Optional[bool] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class PickResponse(_message.Message):
-    __slots__ = ("replica_id", "address", "model", "model_version", "prefill_replica_id", "prefill_address", "cached_prompt_tokens")
+    __slots__ = ("replica_id", "address", "model", "model_version", "prefill_replica_id", "prefill_address", "cached_prompt_tokens", "prefix_replica_id", "prefix_address", "prefix_blocks")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,9 @@ class PickResponse(_message.Message):
     PREFILL_REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     model: str
@@ -54,4 +57,7 @@ class PickResponse(_message.Message):
     prefill_replica_id: str
     prefill_address: str
     cached_prompt_tokens: int
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., prefill_replica_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    prefix_replica_id: str
+    prefix_address: str
+    prefix_blocks: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., prefill_replica_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., prefix_replica_id: _Optional[str] = ..., prefix_address: _Optional[str] = ..., prefix_blocks: _Optional[int] = ...) -> None: ...

@@ -113,3 +113,16 @@ def test_affinity_adds_the_anchors_head_without_copying_what_a_home_reported():
     assert known["b"] == {b"x"}  # not a home: untouched
     assert all(h in known["a"] for h in hashes[:3]) and b"other" in known["a"] and hashes[3] not in known["a"]
     assert set(known["a"]) == set(hashes[:3]) | {b"other"} and len(known["a"]) == 4
+
+
+def test_prefix_peer_names_the_replica_holding_more_of_the_prefix():
+    from tokenfleet.routing.placement import prefix_peer
+    from tokenfleet.routing.policies import FleetSnapshot, ReplicaLoad
+
+    chain = [bytes([i]) * 8 for i in range(10)]
+    snapshot = FleetSnapshot((ReplicaLoad("a", "a:1"), ReplicaLoad("b", "b:1", state="draining"), ReplicaLoad("c", "c:1")))
+    cached = {"a": set(chain[:2]), "b": set(chain[:9]), "c": set(chain[:5])}
+    peer = prefix_peer(snapshot, chain, cached, "a", 2, min_blocks=4)
+    assert peer is not None and peer[0].replica_id == "b" and peer[1] == 9  # a draining replica still sends blocks
+    assert prefix_peer(snapshot, chain, cached, "b", 9, min_blocks=4) is None  # the chosen one holds the most
+    assert prefix_peer(snapshot, chain, cached, "c", 5, min_blocks=5) is None  # 4 more is under the threshold

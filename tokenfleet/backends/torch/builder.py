@@ -39,6 +39,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         layer_windows=model.config.layer_windows,
     )
     core = EngineCore(scheduler, runner, tokenizer, info)
+    if core.moves_blocks:
+        core.enable_peer_blocks()
     if config.kv_tier:
         if len(groups) > 1:
             raise ValueError("a second KV tier is not supported yet for models with sliding-window layers")

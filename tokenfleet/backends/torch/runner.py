@@ -114,13 +114,18 @@ class TorchModelRunner:
         both = both.permute(3, 0, 1, 2, 4, 5).contiguous().cpu()  # [n, 2, layers, kv_heads, block_size, head_dim]
         return [_raw(block) for block in both]
 
+    def block_bytes(self) -> int:
+        """Size of one ``export_blocks`` value."""
+        slots, kv_heads, _, block_size, head_dim = self.kv.k.shape
+        return self.kv.k.dtype.itemsize * 2 * slots * kv_heads * block_size * head_dim
+
     def import_blocks(self, pairs: Sequence[tuple[int, bytes]]) -> None:
         """Write blocks ``export_blocks`` produced back into the pool (before the forward reads them)."""
         if not pairs:
             return
         slots, kv_heads, _, block_size, head_dim = self.kv.k.shape
         shape = (len(pairs), 2, slots, kv_heads, block_size, head_dim)
-        size = self.kv.k.dtype.itemsize * 2 * slots * kv_heads * block_size * head_dim
+        size = self.block_bytes()
         if any(len(data) != size for _, data in pairs):
             raise ValueError(f"a stored KV block is not {size} bytes: another layout")
         values = torch.frombuffer(bytearray(b"".join(data for _, data in pairs)), dtype=self.kv.k.dtype).view(shape)
