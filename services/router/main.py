@@ -45,6 +45,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--disagg-min-tokens", type=int, default=DisaggConfig.min_uncached_tokens,
                    help="a decode-only replica gets a separate prefill replica only for prompts with at least "
                    "this many tokens it does not hold")
+    p.add_argument("--no-peer-fetch", action="store_true", help="never name a peer holding more of a prompt's "
+                   "prefix than the picked replica (that replica then recomputes it)")
     p.add_argument("--affinity-ttl", type=int, default=DEFAULT_TTL,
                    help="seconds an affinity entry lives in etcd after its last write")
     p.add_argument("--grace-seconds", type=float, default=5.0)
@@ -70,7 +72,8 @@ async def serve(args: argparse.Namespace) -> None:
     server = GrpcServer([router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name], args.host, args.port,
                         plane=plane, audit=AuditLog(args.audit_log, "router"), max_message_bytes=MAX_MESSAGE_BYTES)
     metrics = RouterMetrics(fleet.metric_rows, registry)
-    router = Router(fleet, POLICIES[args.policy], metrics, affinity, prefix, DisaggConfig(args.disagg_min_tokens))
+    router = Router(fleet, POLICIES[args.policy], metrics, affinity, prefix, DisaggConfig(args.disagg_min_tokens),
+                    peer_fetch=not args.no_peer_fetch)
     router_pb2_grpc.add_RouterServiceServicer_to_server(router, server.server)
     await server.start()
     log.info("router serving", address=server.address, policy=args.policy)

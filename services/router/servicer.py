@@ -35,7 +35,7 @@ class Router(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, fleet: FleetView, default_policy: int = router_pb2.POLICY_PREFIX_AWARE,
                  metrics: RouterMetrics | None = None, affinity: AffinityMap | None = None,
                  prefix_config: PrefixPolicyConfig = DEFAULT_PREFIX_CONFIG,
-                 disagg: DisaggConfig = DEFAULT_DISAGG_CONFIG):
+                 disagg: DisaggConfig = DEFAULT_DISAGG_CONFIG, peer_fetch: bool = True):
         self.fleet = fleet
         self.metrics = metrics or RouterMetrics(fleet.metric_rows)
         self.default_policy = default_policy
@@ -43,6 +43,7 @@ class Router(router_pb2_grpc.RouterServiceServicer):
         self.affinity = affinity
         self.prefix_config = prefix_config
         self.disagg = disagg
+        self.peer_fetch = peer_fetch  # name a peer holding more of the prefix (PickResponse.prefix_*)
 
     @map_errors
     async def Pick(self, request: router_pb2.PickRequest, context: grpc.aio.ServicerContext) -> router_pb2.PickResponse:
@@ -87,7 +88,7 @@ class Router(router_pb2_grpc.RouterServiceServicer):
         if placement.prefill is not None:
             response.prefill_replica_id = placement.prefill.replica_id
             response.prefill_address = placement.prefill.address
-        elif chain and not request.colocated:
+        elif chain and self.peer_fetch and not request.colocated:
             peer = prefix_peer(snapshot, chain, cached, chosen.replica_id, placement.matched_blocks,
                                self.prefix_config.min_match_blocks)
             if peer is not None:
