@@ -140,14 +140,16 @@ def test_up_serves_two_models_at_once(default_model_dir, tmp_path):
                 model=model, messages=messages, max_tokens=8, temperature=0, stream=True) if c.choices)
             assert streamed == whole.choices[0].message.content
         # Gemma's own tokenizer (262k tokens) under a grammar: a JSON schema, then a forced tool call
-        schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}}, "required": ["city"]}
+        schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}}, "required": ["city"],
+                  "additionalProperties": False}  # else a base model keeps inventing keys until max_tokens
         answer = client.chat.completions.create(
-            model="gemma", messages=[{"role": "user", "content": "Capital of France, as JSON."}], max_tokens=24,
-            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+            model="gemma", messages=[{"role": "user", "content": "Capital of France, as JSON."}], max_tokens=64,
+            temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
         assert json.loads(answer.choices[0].message.content)["city"] in ("Paris", "Lyon")
         tool = {"type": "function", "function": {"name": "weather", "parameters": schema}}
         call = client.chat.completions.create(
-            model="gemma", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=40, tools=[tool],
+            model="gemma", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=64, tools=[tool],
+            temperature=0,
             tool_choice={"type": "function", "function": {"name": "weather"}})
         calls = call.choices[0].message.tool_calls
         assert calls and calls[0].function.name == "weather"

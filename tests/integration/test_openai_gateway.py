@@ -368,7 +368,8 @@ def test_the_edge_counts_body_bytes_and_bounds_public_messages(stack):
         with pytest.raises(urllib.error.HTTPError) as hidden:
             urllib.request.urlopen(f"{url}{path}", timeout=30)
         assert hidden.value.code == 404
-    assert client.completions.create(model=MODEL, prompt="Still serving?", max_tokens=2).usage.completion_tokens == 2
+    still = client.completions.create(model=MODEL, prompt="Still serving?", max_tokens=2, extra_body={"ignore_eos": True})
+    assert still.usage.completion_tokens == 2  # (sampled: without ignore_eos an early EOS made this flaky)
 
 
 def test_the_public_apis_serve_tls_when_given_a_certificate(stack, default_model_dir):
