@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import structlog
 
@@ -164,9 +164,9 @@ class SecondTier:
         self._tenant_bytes: dict[str, int] = {}
         self.stats = TierStats()
         self.version = 0  # bumped whenever the set of held hashes changes
-        self._pending: dict[bytes, bytes] = {}  # sealed records not yet written (read by fetches)
+        self._pending: dict[bytes, bytes] = {}  # payloads not yet written (fetches take them from here)
         self._lock = threading.Lock()  # guards _pending between the engine thread and the writer
-        self._queue: queue.Queue[tuple[str, bytes, bytes | None] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, bytes, object] | None] = queue.Queue()
         self._max_pending = max_pending
         self._rebuild()
         self._writer = threading.Thread(target=self._write_loop, name=f"kv-tier-{store.name}", daemon=True)
@@ -186,8 +186,7 @@ class SecondTier:
         if block_hash in self._index:
             self._index.move_to_end(block_hash)
             return
-        record = self._seal(tenant, payload)
-        size = len(record)
+        size = self._record_size(tenant, payload)  # sealed on the writer thread, off the step's path
         quota = self.tenant_quota_bytes
         if size > self.budget_bytes or (quota and size > quota) or len(self._pending) >= self._max_pending:
             self.stats.dropped += 1
@@ -201,8 +200,8 @@ class SecondTier:
         self._account(tenant, size)
         self.version += 1
         with self._lock:
-            self._pending[block_hash] = record
-        self._queue.put(("write", block_hash, record))
+            self._pending[block_hash] = payload
+        self._queue.put(("write", block_hash, (tenant, payload)))
 
     def fetch_chain(self, block_hashes: Sequence[bytes]) -> list[bytes]:
         """Payloads of the longest leading run of ``block_hashes`` held here and verified; a record
@@ -213,17 +212,17 @@ class SecondTier:
             if h not in self._index:
                 break
             with self._lock:
-                record = self._pending.get(h)
-            if record is None:
+                payload = self._pending.get(h)  # still in memory: nothing to verify
+            if payload is None:
                 record = self.store.read(h.hex())
-            payload = self._open(record) if record is not None else None
+                payload = self._open(record) if record is not None else None
+                self.stats.bytes_read += len(record) if record is not None else 0
             if payload is None:
                 self.stats.corrupt += 1
                 log.warning("kv_tier_corrupt_block", store=self.store.name, block=h.hex()[:16])
                 self._evict(h, count=False)
                 break
             self._index.move_to_end(h)
-            self.stats.bytes_read += len(record)  # type: ignore[arg-type]
             out.append(payload)
         if out:
             self.stats.hits += len(out)
@@ -240,7 +239,7 @@ class SecondTier:
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every queued write has landed (tests, shutdown)."""
         done = threading.Event()
-        self._queue.put(("flush", b"", done))  # type: ignore[arg-type]
+        self._queue.put(("flush", b"", done))
         done.wait(timeout)
 
     def close(self) -> None:
@@ -273,22 +272,27 @@ class SecondTier:
             op, block_hash, data = item
             try:
                 if op == "write":
-                    self.store.write(block_hash.hex(), data)  # type: ignore[arg-type]
+                    tenant, payload = cast(tuple[str, bytes], data)
+                    record = self._seal(tenant, payload)
+                    self.store.write(block_hash.hex(), record)
                     self.stats.stored += 1
-                    self.stats.bytes_written += len(data)  # type: ignore[arg-type]
+                    self.stats.bytes_written += len(record)
                     with self._lock:
-                        if self._pending.get(block_hash) is data:
+                        if self._pending.get(block_hash) is payload:
                             del self._pending[block_hash]
                 elif op == "delete":
                     with self._lock:
                         self._pending.pop(block_hash, None)
                     self.store.delete(block_hash.hex())
                 elif op == "flush":
-                    data.set()  # type: ignore[union-attr]
+                    cast(threading.Event, data).set()
             except OSError as e:  # a full disk loses the block, not the worker
                 log.warning("kv_tier_write_failed", store=self.store.name, error=str(e))
                 with self._lock:
                     self._pending.pop(block_hash, None)
+
+    def _record_size(self, tenant: str, payload: bytes) -> int:
+        return _HEADER.size + len(tenant.encode()) + _DIGEST + len(payload) + (28 if self._aead is not None else 0)
 
     def _seal(self, tenant: str, payload: bytes) -> bytes:
         name = tenant.encode()
