@@ -32,85 +32,40 @@ import time
 from pathlib import Path
 
 import numpy as np
-from kv_tier import Result, workload
-from serving.load import httpx
+from kv_tier import run_load, workload
 from serving.procs import Children, wait_completion
+from serving.report import git_head
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def novel_tokens(prompts: list[list[int]]) -> list[int]:
-    """Per prompt, in sending order: its tokens past the longest prefix it shares with an earlier prompt (their
-    KV cannot have been computed anywhere before it; the rest, if computed again, is a recompute)."""
+def shared_prefixes(prompts: list[list[int]]) -> list[int]:
+    """Per prompt, in sending order: the length of the longest prefix it shares with an earlier prompt."""
     seen: set[tuple[int, ...]] = set()
     out = []
     for prompt in prompts:
-        shared = max((n for n in range(len(prompt), 0, -1) if tuple(prompt[:n]) in seen), default=0)
-        out.append(len(prompt) - shared)
+        out.append(max((n for n in range(len(prompt), 0, -1) if tuple(prompt[:n]) in seen), default=0))
         seen.update(tuple(prompt[:n]) for n in range(1, len(prompt) + 1))
     return out
+
+
+def novel_tokens(prompts: list[list[int]]) -> list[int]:
+    """Per prompt: its tokens past that shared prefix (their KV cannot have been computed anywhere before it;
+    the rest, if computed again, is a recompute)."""
+    return [len(p) - shared for p, shared in zip(prompts, shared_prefixes(prompts))]
 
 
 def block_floor(prompts: list[list[int]]) -> list[int]:
-    """Per prompt: the tokens even an unbounded block cache computes (past the last full block of the longest
-    prefix shared with an earlier prompt; at least the last token, whose logits are needed)."""
-    seen: set[tuple[int, ...]] = set()
-    out = []
-    for prompt in prompts:
-        shared = max((n for n in range(len(prompt), 0, -1) if tuple(prompt[:n]) in seen), default=0)
-        out.append(len(prompt) - min(shared // 16, (len(prompt) - 1) // 16) * 16)
-        seen.update(tuple(prompt[:n]) for n in range(1, len(prompt) + 1))
-    return out
+    """Per prompt: the tokens even an unbounded block cache computes (past the last full block of the shared
+    prefix; at least the last token, whose logits are needed)."""
+    return [len(p) - min(shared // 16, (len(p) - 1) // 16) * 16 for p, shared in zip(prompts, shared_prefixes(prompts))]
 
 
 def worker_args(args: argparse.Namespace, model_dir: str, model: str, etcd: str, i: int, tier_root: Path) -> list[str]:
     return ["--model", model_dir, "--model-name", model, "--etcd", etcd, "--role", "both", "--threads", "1",
             "--replica-id", f"w{i}", "--num-blocks", str(args.num_blocks), "--dtype", args.dtype,
             "--kv-tier", f"disk:{tier_root / f'w{i}'}", "--kv-tier-bytes", str(args.tier_bytes), "--grace-seconds", "5"]
-
-
-async def run_load(url: str, model: str, args: argparse.Namespace, prompts: list[list[int]],
-                   at_half: threading.Event) -> tuple[list[Result], float]:
-    limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency + 4)
-    results = [Result() for _ in prompts]
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(len(prompts)):
-        queue.put_nowait(i)
-    done = 0
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(1800.0), limits=limits) as client:
-        async def worker() -> None:
-            nonlocal done
-            while not queue.empty():
-                i = queue.get_nowait()
-                result = results[i]
-                body = {"model": model, "prompt": prompts[i], "max_tokens": args.output_len, "temperature": 0.0,
-                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-                sent = time.perf_counter()
-                try:
-                    async with client.stream("POST", "/v1/completions", json=body) as response:
-                        result.replica = response.headers.get("x-tokenfleet-replica", "")
-                        if response.status_code != 200:
-                            result.error = f"HTTP {response.status_code}"
-                        else:
-                            async for line in response.aiter_lines():
-                                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                                    continue
-                                event = json.loads(line[5:])
-                                if event.get("choices") and result.ttft_s is None and event["choices"][0].get("text"):
-                                    result.ttft_s = time.perf_counter() - sent
-                                if event.get("usage"):
-                                    result.prompt_tokens = event["usage"]["prompt_tokens"]
-                                    result.cached_tokens = event["usage"]["prompt_tokens_details"]["cached_tokens"]
-                except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
-                    result.error = f"{type(e).__name__}: {e}"[:200]
-                done += 1
-                if done == len(prompts) // 2:
-                    at_half.set()
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
-        return results, time.perf_counter() - start
 
 
 def peer_counters(children: Children, addresses: list[str]) -> dict:
@@ -160,7 +115,8 @@ def one_run(args: argparse.Namespace, model_dir: str, model: str, prompts: list[
 
         thread = threading.Thread(target=restart, daemon=True)
         thread.start()
-        results, wall = asyncio.run(run_load(url, model, args, prompts, at_half))
+        half = len(prompts) // 2
+        results, wall = asyncio.run(run_load(url, model, args, prompts, lambda n: at_half.set() if n == half else None))
         while "seconds" not in restarted and thread.is_alive():
             time.sleep(0.2)
         for w in workers:
@@ -254,7 +210,7 @@ def main() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "git": _git_head(),
+    result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "git": git_head(),
                     "machine": f"{os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f} at start", "runs": [],
                     "command": "benchmarks/kv_peer_fetch.py " + " ".join(sys.argv[1:])}
     for run in range(args.runs):
@@ -269,12 +225,6 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2))
     out.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))
-
-
-def _git_head() -> str:
-    import subprocess
-
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
 
 
 if __name__ == "__main__":

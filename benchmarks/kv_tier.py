@@ -35,12 +35,14 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from serving.load import httpx
 from serving.procs import Children, wait_completion
+from serving.report import git_head
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,14 +74,18 @@ def workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     return prompts
 
 
-async def run_load(url: str, model: str, args: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[Result], float]:
+async def run_load(url: str, model: str, args: argparse.Namespace, prompts: list[list[int]],
+                   on_done: Callable[[int], None] | None = None) -> tuple[list[Result], float]:
+    """Closed loop, --concurrency at a time, in order; ``on_done(n)`` after the n-th request ends."""
     limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency + 4)
     results = [Result() for _ in prompts]
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(prompts)):
         queue.put_nowait(i)
+    done = 0
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(1800.0), limits=limits) as client:
         async def worker() -> None:
+            nonlocal done
             while not queue.empty():
                 i = queue.get_nowait()
                 result = results[i]
@@ -103,6 +109,10 @@ async def run_load(url: str, model: str, args: argparse.Namespace, prompts: list
                                 result.cached_tokens = event["usage"]["prompt_tokens_details"]["cached_tokens"]
                 except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
                     result.error = f"{type(e).__name__}: {e}"[:200]
+                finally:
+                    done += 1
+                    if on_done is not None:
+                        on_done(done)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
@@ -198,7 +208,7 @@ def main() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "git": _git_head(),
+    result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "git": git_head(),
                     "machine": f"{os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f} at start", "runs": [],
                     "working_set_tokens": distinct, "pool_tokens": pool_tokens, "working_set_ratio": distinct / pool_tokens,
                     "command": "benchmarks/kv_tier.py " + " ".join(sys.argv[1:])}
@@ -233,12 +243,6 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2))
     out.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))
-
-
-def _git_head() -> str:
-    import subprocess
-
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 from serving.load import httpx
 from serving.procs import Children, wait_completion
+from serving.report import git_head
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -202,7 +203,7 @@ def main() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "git": _git_head(),
+    result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "git": git_head(),
                     "machine": f"{os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f} at start", "runs": []}
     children = Children()
     try:
@@ -230,12 +231,6 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2))
     out.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))
-
-
-def _git_head() -> str:
-    import subprocess
-
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
 
 
 if __name__ == "__main__":

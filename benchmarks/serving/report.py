@@ -13,3 +13,11 @@ def write_report(out: str | Path, result: dict, markdown: str) -> None:
     path.with_suffix(".md").write_text(markdown)
     print(markdown)
     print(f"wrote {path} and {path.with_suffix('.md')}")
+
+
+def git_head() -> str:
+    """The checkout's short commit, for a report's header."""
+    import subprocess
+
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2]).stdout.strip()

@@ -12,6 +12,7 @@ failure falls back to computing the prompt here; cancellation at any point frees
 from __future__ import annotations
 
 import asyncio
+import itertools
 import queue
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -149,8 +150,8 @@ class AsyncEngine:
         bm, tier = core.scheduler.block_manager, core.tier
         version = (bm.hash_version, tier.version if tier is not None else 0)
         if version != self._hash_version:  # the router counts blocks in the pool and in the second tier alike
-            hashes = frozenset(bm.cached_hashes())
-            self._hashes = hashes | frozenset(tier.hashes()) if tier is not None else hashes
+            held = bm.cached_hash_view()
+            self._hashes = frozenset(itertools.chain(held, tier.hashes()) if tier is not None else held)
             self._hash_version = version
 
     @property

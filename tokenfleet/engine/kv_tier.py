@@ -25,11 +25,12 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
+import shutil
 import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, KeysView, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, cast
@@ -53,8 +54,8 @@ class BlockStore(Protocol):
 
     def delete(self, key: str) -> None: ...
 
-    def scan(self) -> Iterable[tuple[str, int, float]]:
-        """(key, size, last use) of what is stored, for an index rebuilt at start."""
+    def scan(self) -> Iterable[tuple[str, int, float, bytes]]:
+        """(key, size, last use, the record's first bytes) of what is stored, for an index rebuilt at start."""
         ...
 
 
@@ -77,7 +78,7 @@ class MemoryStore:
         with self._lock:
             self._data.pop(key, None)
 
-    def scan(self) -> Iterable[tuple[str, int, float]]:
+    def scan(self) -> Iterable[tuple[str, int, float, bytes]]:
         return []  # host memory does not outlive the process
 
 
@@ -92,7 +93,7 @@ class DiskStore:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         for sibling in self.root.iterdir():  # other namespaces: another model version or KV layout
             if sibling.is_dir() and sibling.name != namespace:
-                _remove_tree(sibling)
+                shutil.rmtree(sibling, ignore_errors=True)
         self.dir.mkdir(mode=0o700, exist_ok=True)
         os.chmod(self.root, 0o700)
         os.chmod(self.dir, 0o700)
@@ -118,11 +119,15 @@ class DiskStore:
     def delete(self, key: str) -> None:
         (self.dir / key).unlink(missing_ok=True)
 
-    def scan(self) -> Iterable[tuple[str, int, float]]:
+    def scan(self) -> Iterable[tuple[str, int, float, bytes]]:
         for entry in os.scandir(self.dir):
             if entry.is_file() and not entry.name.startswith("."):
                 st = entry.stat()
-                yield entry.name, st.st_size, st.st_mtime
+                with open(entry.path, "rb") as f:  # the header and tenant only, not the block
+                    head = f.read(_HEADER.size)
+                    if len(head) == _HEADER.size:
+                        head += f.read(_HEADER.unpack(head)[3])
+                yield entry.name, st.st_size, st.st_mtime, head
             elif entry.name.startswith("."):  # a write cut short by a crash
                 Path(entry.path).unlink(missing_ok=True)
 
@@ -176,8 +181,9 @@ class SecondTier:
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._index
 
-    def hashes(self) -> list[bytes]:
-        return list(self._index)
+    def hashes(self) -> KeysView[bytes]:
+        """The held block hashes, live (engine thread)."""
+        return self._index.keys()
 
     def offer(self, block_hash: bytes, tenant: str, payload: bytes) -> None:
         """Keep an evicted block (its K/V bytes, copied out of the pool). Returns at once: the writer
@@ -338,14 +344,13 @@ class SecondTier:
     def _rebuild(self) -> None:
         """Index what the store already holds (a restarted worker keeps its disk tier), oldest first."""
         found = sorted(self.store.scan(), key=lambda e: e[2])
-        for key, size, _ in found:
+        for key, size, _, head in found:
             try:
                 block_hash = bytes.fromhex(key)
             except ValueError:
                 self.store.delete(key)
                 continue
-            head = self.store.read(key)
-            tenant = self._tenant_of(head[:_HEADER.size + 65536]) if head is not None else None
+            tenant = self._tenant_of(head)
             if tenant is None or self.stats.bytes_used + size > self.budget_bytes:
                 self.store.delete(key)
                 continue
@@ -398,15 +403,6 @@ def _aead(key: bytes):  # type: ignore[no-untyped-def]
     if len(key) not in (16, 24, 32):
         raise ValueError(f"the KV tier key must be 16, 24 or 32 bytes, got {len(key)}")
     return AESGCM(key)
-
-
-def _remove_tree(path: Path) -> None:
-    for child in path.iterdir():
-        if child.is_dir():
-            _remove_tree(child)
-        else:
-            child.unlink(missing_ok=True)
-    path.rmdir()
 
 
 class StagedBlocks:

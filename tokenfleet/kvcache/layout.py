@@ -73,13 +73,18 @@ def kv_groups(layer_windows: tuple[int, ...]) -> tuple[KVGroup, ...]:
                  for window, layers in sorted(by_window.items()) for i in range(0, len(layers), size))
 
 
+def layer_slots(layer_windows: tuple[int, ...], num_layers: int) -> list[tuple[int, int]]:
+    """Per layer: (index of its group in ``kv_groups``, its slot in a block: its index in the group)."""
+    out = [(0, 0)] * num_layers
+    for g, group in enumerate(kv_groups(layer_windows or (0,) * num_layers)):
+        for slot, layer in enumerate(group.layers):
+            out[layer] = (g, slot)
+    return out
+
+
 def layer_groups(layer_windows: tuple[int, ...], num_layers: int) -> list[int]:
     """Per layer: the index of its group in ``kv_groups`` (all 0 when every layer is full)."""
-    out = [0] * num_layers
-    for g, group in enumerate(kv_groups(layer_windows or (0,) * num_layers)):
-        for layer in group.layers:
-            out[layer] = g
-    return out
+    return [g for g, _ in layer_slots(layer_windows, num_layers)]
 
 
 def window_first_block(position: int, window: int, block_size: int) -> int:

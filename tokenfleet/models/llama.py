@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenfleet.kvcache.layout import layer_slots
 from tokenfleet.models.attention import ForwardBatch, PagedAttention, paged_attention
 from tokenfleet.models.config import ModelConfig, RopeScaling
 from tokenfleet.models.layer_ops import LayerOps
@@ -64,12 +65,8 @@ class KVCache:
     whichever group the block belongs to. For a model of one group (a Llama) that is layer i."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-        groups = config.kv_groups
-        self.layer_slots = [(0, 0)] * config.num_layers  # layer -> (group, index in k / v)
-        for g, group in enumerate(groups):
-            for slot, layer in enumerate(group.layers):
-                self.layer_slots[layer] = (g, slot)
-        shape = (len(groups[0].layers), config.num_kv_heads, num_blocks, block_size, config.head_dim)
+        self.layer_slots = layer_slots(config.layer_windows, config.num_layers)  # layer -> (group, index in k / v)
+        shape = (len(config.kv_groups[0].layers), config.num_kv_heads, num_blocks, block_size, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [slots, kv_heads, blocks, block_size, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
