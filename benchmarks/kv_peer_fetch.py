@@ -2,10 +2,13 @@
 
 The workload and fleet of benchmarks/kv_tier.py (2 workers x 1 thread, each with its disk tier, the
 prefix-aware router), with load that forces spills away from a prefix's home (--concurrency requests at
-a time and the router's --load-slack, so a busy home hands turns to the other worker) and, once half the
-requests are done, worker 1 drained (SIGTERM: its streams finish) and restarted on its disk tier. With
-peer fetch the router names the replica holding more of the prompt's prefix and the picked worker pulls
-those blocks from it; without (`router --no-peer-fetch`) the picked worker recomputes them.
+a time and the router's --load-slack and --spill-floor, so a busy home hands turns to the other worker)
+and, once half the requests are done, worker 1 drained (SIGTERM: its streams finish; with peer fetch it
+then keeps sending blocks to its peer until none has been asked for in --handoff-idle seconds) and
+restarted on its disk tier (which holds its pool too: a closing worker copies it there). With peer fetch
+the router names the replica holding more of the prompt's prefix and the picked worker pulls those blocks
+from it; without (`router --no-peer-fetch`, workers `--handoff-idle-seconds 0`) the picked worker
+recomputes them.
 
 Per run: recomputed prompt tokens = computed prompt tokens (prompt - cached, from each response's usage)
 minus the novel ones (past the longest prefix a prompt shares with an earlier one: computed nowhere
@@ -62,9 +65,12 @@ def block_floor(prompts: list[list[int]]) -> list[int]:
     return [len(p) - min(shared // 16, (len(p) - 1) // 16) * 16 for p, shared in zip(prompts, shared_prefixes(prompts))]
 
 
-def worker_args(args: argparse.Namespace, model_dir: str, model: str, etcd: str, i: int, tier_root: Path) -> list[str]:
-    return ["--model", model_dir, "--model-name", model, "--etcd", etcd, "--role", "both", "--threads", "1",
-            "--replica-id", f"w{i}", "--num-blocks", str(args.num_blocks), "--dtype", args.dtype,
+def worker_args(args: argparse.Namespace, model_dir: str, model: str, etcd: str, i: int, tier_root: Path,
+                peer: bool) -> list[str]:
+    # Without peer fetch nothing fetches from a drained worker: it exits once its streams end.
+    return ["--handoff-idle-seconds", str(args.handoff_idle if peer else 0), "--model", model_dir, "--model-name", model,
+            "--etcd", etcd, "--role", "both", "--threads", "1", "--replica-id", f"w{i}", "--num-blocks",
+            str(args.num_blocks), "--dtype", args.dtype,
             "--kv-tier", f"disk:{tier_root / f'w{i}'}", "--kv-tier-bytes", str(args.tier_bytes), "--grace-seconds", "5"]
 
 
@@ -91,10 +97,11 @@ def one_run(args: argparse.Namespace, model_dir: str, model: str, prompts: list[
     try:
         etcd = children.start_etcd().endpoint
         workers = [children.spawn_service(f"worker-{i}", "tokenfleet.services.decode",
-                                          *worker_args(args, model_dir, model, etcd, i, tier_root), threads=1)
+                                          *worker_args(args, model_dir, model, etcd, i, tier_root, peer), threads=1)
                    for i in range(2)]
         router = children.spawn_service("router", "tokenfleet.services.router", "--etcd", etcd, "--policy",
                                         args.policy, "--load-slack", str(args.load_slack),
+                                        "--spill-floor", str(args.spill_floor),
                                         *([] if peer else ["--no-peer-fetch"]))
         gateway = children.spawn_service("gateway", "tokenfleet.services.gateway", "--router", router.address,
                                          "--model", f"{model}={model_dir}")
@@ -105,10 +112,12 @@ def one_run(args: argparse.Namespace, model_dir: str, model: str, prompts: list[
 
         def restart() -> None:
             at_half.wait()
-            started = time.perf_counter()
-            children.stop(workers[1])  # SIGTERM: drains, its streams finish
+            started = restarted["stop_at"] = time.perf_counter()
+            children.stop(workers[1])  # SIGTERM: drains, hands its blocks to peers, exits
+            restarted["exited_at"] = time.perf_counter()
             workers[1] = children.spawn_service("worker-1b", "tokenfleet.services.decode",
-                                                *worker_args(args, model_dir, model, etcd, 1, tier_root), threads=1)
+                                                *worker_args(args, model_dir, model, etcd, 1, tier_root, peer), threads=1)
+            restarted["up_at"] = time.perf_counter()
             restarted["seconds"] = round(time.perf_counter() - started, 1)
             # The child's parent-death signal follows the thread that spawned it: this one stays until the end.
             finished.wait()
@@ -134,12 +143,21 @@ def one_run(args: argparse.Namespace, model_dir: str, model: str, prompts: list[
     prompt, cached = sum(r.prompt_tokens for r in ok), sum(r.cached_tokens for r in ok)
     novel = sum(n for n, r in zip(novel_tokens(prompts), results) if r.error is None)
     floor = sum(n for n, r in zip(block_floor(prompts), results) if r.error is None)
+    phases: dict[str, int] = {"before": 0, "draining": 0, "down": 0, "after": 0}  # beyond the floor, by send time
+    for r, f in zip(results, block_floor(prompts)):
+        if r.error is None:
+            phase = ("before" if r.sent_at < restarted.get("stop_at", float("inf")) else
+                     "draining" if r.sent_at < restarted.get("exited_at", float("inf")) else
+                     "down" if r.sent_at < restarted.get("up_at", float("inf")) else "after")
+            phases[phase] += r.prompt_tokens - r.cached_tokens - f
     return {"config": "peer" if peer else "no-peer", "requests": len(results), "errors": len(results) - len(ok),
             "computed_tokens": prompt - cached, "novel_tokens": novel, "recomputed_tokens": prompt - cached - novel,
             "block_floor_tokens": floor, "beyond_block_floor": prompt - cached - floor,
             "hit_rate": cached / prompt if prompt else None,
             "ttft_ms": {"p50": float(np.percentile(ttft, 50)), "p99": float(np.percentile(ttft, 99))} if ttft else None,
             "wall_s": round(wall, 2), "restart_s": restarted.get("seconds"),
+            "drain_s": round(restarted["exited_at"] - restarted["stop_at"], 1) if "exited_at" in restarted else None,
+            "beyond_floor_by_phase": phases,
             "spread": {rep: sum(1 for r in ok if r.replica == rep) for rep in sorted({r.replica for r in ok})},
             "peer_counters_after_restart": counters}
 
@@ -159,18 +177,20 @@ def markdown(result: dict) -> str:
     a, bar = result["args"], result["bar"]
     lines = ["# Peer fetch under spills and a restart", "", f"{result['started']}, git {result['git']}, {result['machine']}",
              "", f"2 workers (--threads 1, --num-blocks {a['num_blocks']}, disk tiers), {a['policy']} router "
-             f"(--load-slack {a['load_slack']}), {a['concurrency']} requests at a time; worker 1 drained and restarted "
+             f"(--load-slack {a['load_slack']}, --spill-floor {a['spill_floor']}), {a['concurrency']} requests at a time; "
+             f"worker 1 drained (peer: handing off blocks until idle {a['handoff_idle']} s) and restarted "
              f"on its disk tier after half the requests. Workload of kv_tier.py: {a['tenants']} tenants, "
              f"{a['conversations']} conversations x {a['turns']} turns.", "",
              "| run | config | recomputed prompt tokens (computed - novel) | hit rate | TTFT p50 ms | TTFT p99 ms | wall s "
-             "| restart s "
+             "| restart s (drain + handoff) | beyond the block floor: before / draining / down / after the restart "
              "| requests per replica | peer blocks received (restarted worker: since restart) | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(result["runs"]):
         t = r["ttft_ms"] or {"p50": float("nan"), "p99": float("nan")}
         lines.append(f"| {i // 2 + 1} | {r['config']} | {r['recomputed_tokens']} ({r['computed_tokens']} - "
                      f"{r['novel_tokens']}) | {r['hit_rate']:.1%} | {t['p50']:.0f} | "
-                     f"{t['p99']:.0f} | {r['wall_s']} | {r['restart_s']} | {r['spread']} | "
+                     f"{t['p99']:.0f} | {r['wall_s']} | {r['restart_s']} ({r['drain_s']}) | "
+                     f"{' / '.join(str(v) for v in r['beyond_floor_by_phase'].values())} | {r['spread']} | "
                      f"{r['peer_counters_after_restart']['received']} | {r['errors']} |")
     lines += ["", f"Medians: recomputed prompt tokens without peer fetch {bar['no_peer']:.0f} / with "
                   f"{bar['peer']:.0f} = **{bar['ratio']:.2f}x** (bar >= 3: {'pass' if bar['ok'] else 'FAIL'}). Beyond "
@@ -187,6 +207,10 @@ def main() -> None:
     parser.add_argument("--tier-bytes", type=int, default=1 << 30)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--load-slack", type=float, default=0.0)
+    parser.add_argument("--spill-floor", type=int, default=2,
+                        help="the router's: with 4 requests at a time over 2 workers, a home with 3 spills")
+    parser.add_argument("--handoff-idle", type=float, default=2.0,
+                        help="the drained worker's --handoff-idle-seconds with peer fetch (0 without)")
     parser.add_argument("--policy", default="prefix-aware", choices=["prefix-aware", "least-loaded", "round-robin"],
                         help="least-loaded: every placement ignores the prefix, as when load spills all traffic")
     parser.add_argument("--tenants", type=int, default=4)

@@ -54,6 +54,7 @@ class Result:
     cached_tokens: int = 0
     replica: str = ""
     error: str | None = None
+    sent_at: float = 0.0  # time.perf_counter() when sent
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -91,7 +92,7 @@ async def run_load(url: str, model: str, args: argparse.Namespace, prompts: list
                 result = results[i]
                 body = {"model": model, "prompt": prompts[i], "max_tokens": args.output_len, "temperature": 0.0,
                         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-                sent = time.perf_counter()
+                sent = result.sent_at = time.perf_counter()
                 try:
                     async with client.stream("POST", "/v1/completions", json=body) as response:
                         result.replica = response.headers.get("x-tokenfleet-replica", "")

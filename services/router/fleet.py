@@ -35,7 +35,8 @@ class Replica:
     load: ReplicaLoad
     model: str
     version: str
-    hashes: set[bytes] = field(default_factory=set)  # block hashes it reports cached
+    hashes: set[bytes] = field(default_factory=set)  # block hashes it reports cached (pool and second tier)
+    tier_hashes: set[bytes] = field(default_factory=set)  # of those, held only in its second tier
     layout: KVLayout | None = None  # from its load reports (hash salt and block size key the prefix hashes)
     stream: asyncio.Task | None = None  # the Load stream that updates it
 
@@ -91,13 +92,14 @@ class FleetView:
     def snapshot(self, name: str, version: str = "") -> FleetSnapshot:
         return FleetSnapshot(tuple(r.load for r in self.replicas.values() if self._serves(r, name, version)))
 
-    def prefix_view(self, snapshot: FleetSnapshot) -> tuple[KVLayout | None, dict[str, set[bytes]]]:
-        """The KV layout to hash prompts with (its salt and block size), and each snapshot replica's reported
-        hashes. Replicas of one model share a layout; one that differs never matches (its hashes differ)."""
+    def prefix_view(self, snapshot: FleetSnapshot) -> tuple[KVLayout | None, dict[str, set[bytes]], dict[str, set[bytes]]]:
+        """The KV layout to hash prompts with (its salt and block size), each snapshot replica's reported
+        hashes, and of those the ones only in its second tier. Replicas of one model share a layout; one
+        that differs never matches (its hashes differ)."""
         ids = {r.replica_id for r in snapshot.replicas}
         members = [r for r in self.replicas.values() if r.load.replica_id in ids]
         layout = next((r.layout for r in members if r.layout is not None), None)
-        return layout, {r.load.replica_id: r.hashes for r in members}
+        return layout, {r.load.replica_id: r.hashes for r in members}, {r.load.replica_id: r.tier_hashes for r in members}
 
     def note_assignment(self, replica_id: str, name: str, version: str = "") -> None:
         for replica in self.replicas.values():
@@ -155,9 +157,12 @@ class FleetView:
             return
         if report.hashes_reset:
             replica.hashes = set(report.added_block_hashes)
+            replica.tier_hashes = set(report.added_tier_block_hashes)
         else:
             replica.hashes.difference_update(report.removed_block_hashes)
             replica.hashes.update(report.added_block_hashes)
+            replica.tier_hashes.difference_update(report.removed_tier_block_hashes)
+            replica.tier_hashes.update(report.added_tier_block_hashes)
         if report.HasField("layout"):
             replica.layout = layout_from_proto(report.layout)
         draining = report.state == engine_pb2.WORKER_STATE_DRAINING

@@ -42,9 +42,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "system prompt does not pin traffic)")
     p.add_argument("--load-slack", type=float, default=PrefixPolicyConfig.load_slack,
                    help="stay on the replica holding a prefix until its load exceeds (1 + this) x the pool mean")
+    p.add_argument("--spill-floor", type=int, default=PrefixPolicyConfig.spill_floor,
+                   help="a replica with fewer requests than this is never too loaded to keep its prefixes' traffic")
     p.add_argument("--disagg-min-tokens", type=int, default=DisaggConfig.min_uncached_tokens,
                    help="a decode-only replica gets a separate prefill replica only for prompts with at least "
                    "this many tokens it does not hold")
+    p.add_argument("--tier-block-value", type=float, default=PrefixPolicyConfig.tier_block_value,
+                   help="a block in a replica's second tier, relative to one in its pool (1) and a recompute (0)")
+    p.add_argument("--peer-block-value", type=float, default=PrefixPolicyConfig.peer_block_value,
+                   help="a block the picked replica can fetch from a peer, on the same scale")
+    p.add_argument("--peer-min-blocks", type=int, default=PrefixPolicyConfig.peer_min_blocks,
+                   help="name a peer only when it holds at least this many more of the prompt's leading blocks")
     p.add_argument("--no-peer-fetch", action="store_true", help="never name a peer holding more of a prompt's "
                    "prefix than the picked replica (that replica then recomputes it)")
     p.add_argument("--affinity-ttl", type=int, default=DEFAULT_TTL,
@@ -68,7 +76,10 @@ async def serve(args: argparse.Namespace) -> None:
     await affinity.start()
     with contextlib.suppress(TimeoutError):  # route by the recorded affinity from the first Pick on
         await asyncio.wait_for(affinity.synced.wait(), timeout=5)
-    prefix = PrefixPolicyConfig(min_match_blocks=args.min_match_blocks, load_slack=args.load_slack)
+    prefix = PrefixPolicyConfig(min_match_blocks=args.min_match_blocks, load_slack=args.load_slack,
+                                spill_floor=args.spill_floor, tier_block_value=args.tier_block_value,
+                                peer_block_value=0.0 if args.no_peer_fetch else args.peer_block_value,
+                                peer_min_blocks=args.peer_min_blocks)
     server = GrpcServer([router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name], args.host, args.port,
                         plane=plane, audit=AuditLog(args.audit_log, "router"), max_message_bytes=MAX_MESSAGE_BYTES)
     metrics = RouterMetrics(fleet.metric_rows, registry)

@@ -53,7 +53,7 @@ class Router(router_pb2_grpc.RouterServiceServicer):
             self.metrics.picks.labels("", "not_found").inc()
             raise
         snapshot = self.fleet.snapshot(name, version).without(request.exclude_replica_ids)
-        layout, cached = self.fleet.prefix_view(snapshot)
+        layout, cached, tiered = self.fleet.prefix_view(snapshot)
         prompt = list(request.prompt_token_ids)
         salt = chain_salt(layout.hash_salt, request.cache_scope) if layout is not None else ""
         chain = hash_blocks(prompt, layout.block_size, salt) if prompt and layout is not None else []
@@ -66,7 +66,8 @@ class Router(router_pb2_grpc.RouterServiceServicer):
             placement = place(snapshot, chain, cached, anchor_homes, len(prompt) or request.num_prompt_tokens,
                               block_size, policy, self.round_robin, self.prefix_config, self.disagg,
                               colocated=request.colocated,
-                              homes_count=self.affinity.homes_count() if self.affinity is not None else None)
+                              homes_count=self.affinity.homes_count() if self.affinity is not None else None,
+                              tiered=tiered)
         except NoReplicaError as e:
             self.metrics.picks.labels(name, "unavailable").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{name}@{version or '*'}: {e}")
@@ -90,7 +91,7 @@ class Router(router_pb2_grpc.RouterServiceServicer):
             response.prefill_address = placement.prefill.address
         elif chain and self.peer_fetch and not request.colocated:
             peer = prefix_peer(snapshot, chain, cached, chosen.replica_id, placement.matched_blocks,
-                               self.prefix_config.min_match_blocks)
+                               self.prefix_config.peer_min_blocks)
             if peer is not None:
                 response.prefix_replica_id, response.prefix_address = peer[0].replica_id, peer[0].address
                 response.prefix_blocks = peer[1]

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,9 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
                    "decode worker prefills locally instead")
     p.add_argument("--max-prefill-chunk", type=int, default=0, help="cap each request's prefill chunk (0 = budget)")
     p.add_argument("--grace-seconds", type=float, default=30.0, help="drain deadline on SIGTERM")
+    p.add_argument("--handoff-idle-seconds", type=float, default=2.0,
+                   help="after a drain, keep sending cached blocks to peers until none has fetched for this long "
+                   "(within the grace period; 0: exit once drained)")
     p.add_argument("--kv-tier", default="", help="second KV tier for blocks the pool evicts: memory or disk:DIR "
                    "(restored on prefix hits instead of recomputed)")
     p.add_argument("--kv-tier-bytes", type=int, default=4 << 30, help="the second tier's byte budget")
@@ -166,8 +170,12 @@ async def serve(args: argparse.Namespace) -> None:
     async def on_drain() -> None:
         if getattr(engine, "error", None) is not None:
             return  # a failed engine finishes nothing: leave now
+        deadline = time.monotonic() + args.grace_seconds
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(worker.drain(), timeout=args.grace_seconds)
+        if args.handoff_idle_seconds > 0 and getattr(engine, "read_blocks", None) is not None:
+            await worker.hand_off(args.handoff_idle_seconds, deadline)
+        worker.reports_closed = True  # Load streams end: nothing left to wait for
 
     async def watch_health() -> None:
         """An engine whose library failed (``error`` set) takes no more work: leave the fleet and exit."""

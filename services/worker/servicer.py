@@ -59,6 +59,9 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         self.on_draining = on_draining
         self.on_drained = on_drained
         self.draining = False
+        self.reports_closed = False  # set at shutdown: Load streams end, so the server stops without waiting
+        self.last_fetch = time.monotonic()  # when a peer last fetched blocks (the drain's handoff waits on it)
+        self.fetching = 0
         self.in_flight: set[str] = set()
         self.latencies = RecentLatencies()
         self.num_early_rejections = 0
@@ -184,13 +187,18 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         if problem is not None:
             raise KVLayoutError(problem)
         hashes = list(request.block_hashes)
-        for i in range(0, len(hashes), PEER_FETCH_BATCH):
-            batch = hashes[i: i + PEER_FETCH_BATCH]
-            payloads = await self.engine.read_blocks(batch)  # type: ignore[attr-defined]
-            for block_hash, data in zip(batch, payloads):
-                yield engine_pb2.FetchBlocksResponse(block_hash=block_hash, data=data)
-            if len(payloads) < len(batch):
-                return
+        self.fetching += 1
+        try:
+            for i in range(0, len(hashes), PEER_FETCH_BATCH):
+                batch = hashes[i: i + PEER_FETCH_BATCH]
+                payloads = await self.engine.read_blocks(batch)  # type: ignore[attr-defined]
+                for block_hash, data in zip(batch, payloads):
+                    yield engine_pb2.FetchBlocksResponse(block_hash=block_hash, data=data)
+                if len(payloads) < len(batch):
+                    return
+        finally:
+            self.fetching -= 1
+            self.last_fetch = time.monotonic()
 
     @map_errors
     async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
@@ -203,16 +211,22 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
     ) -> AsyncIterator[engine_pb2.LoadReport]:
         interval = (request.interval_ms or DEFAULT_LOAD_INTERVAL_MS) / 1000
         sent: frozenset[bytes] | None = None
-        while True:
+        sent_tiered: frozenset[bytes] | None = None
+        while not self.reports_closed:
             report = self.report()
-            hashes = self.engine.cached_block_hashes()
-            if sent is None:
+            hashes, tiered = self.engine.cached_block_hashes(), self.engine.tier_block_hashes()
+            if sent is None or sent_tiered is None:
                 report.hashes_reset = True
                 report.added_block_hashes.extend(hashes)
-            elif hashes is not sent:
-                report.added_block_hashes.extend(hashes - sent)
-                report.removed_block_hashes.extend(sent - hashes)
-            sent = hashes
+                report.added_tier_block_hashes.extend(tiered)
+            else:
+                if hashes is not sent:
+                    report.added_block_hashes.extend(hashes - sent)
+                    report.removed_block_hashes.extend(sent - hashes)
+                if tiered is not sent_tiered:
+                    report.added_tier_block_hashes.extend(tiered - sent_tiered)
+                    report.removed_tier_block_hashes.extend(sent_tiered - tiered)
+            sent, sent_tiered = hashes, tiered
             yield report
             await asyncio.sleep(interval)
 
@@ -233,6 +247,14 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         while self.in_flight:
             await asyncio.sleep(0.02)
         return num
+
+    async def hand_off(self, idle_seconds: float, deadline: float) -> None:
+        """After a drain: keep sending blocks to peers (routers now place this replica's conversations
+        elsewhere and name it as their prefix source) until no peer has fetched for ``idle_seconds`` or
+        ``deadline`` (monotonic) passes, so a drained replica's cache moves instead of being recomputed."""
+        self.last_fetch = max(self.last_fetch, time.monotonic())
+        while time.monotonic() < deadline and (self.fetching or time.monotonic() - self.last_fetch < idle_seconds):
+            await asyncio.sleep(0.05)
 
     def report(self) -> engine_pb2.LoadReport:
         stats = self.engine.stats()

@@ -31,15 +31,20 @@ def start(model_dir, etcd: EtcdServer, replica_id: str, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def pair(default_model_dir, tmp_path_factory):
-    etcd = EtcdServer.create().start()
+def etcd():
+    server = EtcdServer.create().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def pair(default_model_dir, tmp_path_factory, etcd):
     a = start(default_model_dir, etcd, "a", "--kv-tier", f"disk:{tmp_path_factory.mktemp('tier')}")
     b = start(default_model_dir, etcd, "b")
     wait_for(lambda: len(replicas(etcd.endpoint)) == 2, "both workers registered")
     yield a, b
     b.stop()
     a.stop()
-    etcd.cleanup()
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +110,40 @@ def test_fetch_blocks_refuses_another_layout(pair, tokenizer):
             list(engine_pb2_grpc.EngineServiceStub(ch).FetchBlocks(
                 engine_pb2.FetchBlocksRequest(block_hashes=[b"x" * 32], layout=layout)))
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_drained_worker_hands_its_blocks_to_peers_and_keeps_them_on_disk(pair, tokenizer, default_model_dir,
+                                                                          tmp_path, etcd):
+    """SIGTERM: the worker stops taking requests but keeps sending blocks to peers until none asks for a
+    while; it then copies its pool to its disk tier, so when it starts again on the same folder it reports
+    the prompt's blocks as held in its second tier (apart from the pool) and restores them on a hit."""
+    _, b = pair
+    tier = f"disk:{tmp_path / 'c'}"
+    args = ("--kv-tier", tier, "--handoff-idle-seconds", "3", "--grace-seconds", "60")
+    c = start(default_model_dir, etcd, "c", *args)
+    prompt = tokenizer.encode(SYSTEM + "Customer: can you true a wheel while I wait?")
+    try:
+        expected = generate(c.address, request(prompt, "on-c"))
+        wait_for(lambda: len(replicas(etcd.endpoint)) == 3, "c registered")
+        c.proc.terminate()  # drains (nothing open), then hands off until 3 s without a fetch
+        before = load_report(b.address)
+        got = generate(b.address, with_peer(prompt, "from-draining-c", "c", c.address))
+        assert got[0] == expected[0]
+        after = idle(b.address)
+        assert after.num_peer_blocks_received > before.num_peer_blocks_received  # b held the system prompt's
+        assert after.num_prompt_tokens_computed - before.num_prompt_tokens_computed < 16  # only the last block
+        assert c.proc.wait(timeout=60) == 0
+    finally:
+        c.stop()
+    c = start(default_model_dir, etcd, "c", *args)
+    try:
+        first = load_report(c.address)
+        assert first.hashes_reset and len(first.added_tier_block_hashes) >= len(prompt) // 16
+        assert set(first.added_tier_block_hashes) == set(first.added_block_hashes)  # nothing in the pool yet
+        again = generate(c.address, request(prompt, "after-restart"))
+        assert again[0] == expected[0]
+        assert again[2].usage.cached_prompt_tokens >= (len(prompt) // 16) * 16 - 16
+        later = wait_for(lambda: (r := load_report(c.address)).num_tier_hit_blocks and r, "the tier hits reported")
+        assert later.num_tier_hit_blocks >= len(prompt) // 16 - 1
+    finally:
+        c.stop()

@@ -88,6 +88,7 @@ class AsyncEngine:
         self._core_factory = core_factory
         self.transfer_timeout = transfer_timeout  # both sides: a KV transfer that takes longer is abandoned
         self._hashes: frozenset[bytes] = frozenset()  # the prefix cache's block hashes, as of the last step
+        self._tier_hashes: frozenset[bytes] = frozenset()  # of those, held only in the second tier
         self._hash_version: tuple[int, int] = (-1, -1)
         self._check_invariants = envs.check_invariants()
         self._core: EngineCore | None = None
@@ -130,6 +131,9 @@ class AsyncEngine:
     def cached_block_hashes(self) -> frozenset[bytes]:
         return self._hashes
 
+    def tier_block_hashes(self) -> frozenset[bytes]:
+        return self._tier_hashes
+
     # ---- peer fetch: whole blocks between replicas of one model (engine.kv_tier) ------------------
     async def read_blocks(self, block_hashes: Sequence[bytes]) -> list[bytes]:
         """Our blocks for a peer: the longest leading run of ``block_hashes`` held here."""
@@ -149,9 +153,10 @@ class AsyncEngine:
         self._stats = core.snapshot()
         bm, tier = core.scheduler.block_manager, core.tier
         version = (bm.hash_version, tier.version if tier is not None else 0)
-        if version != self._hash_version:  # the router counts blocks in the pool and in the second tier alike
+        if version != self._hash_version:  # routers count blocks in the pool, and for less in the second tier
             held = bm.cached_hash_view()
             self._hashes = frozenset(itertools.chain(held, tier.hashes()) if tier is not None else held)
+            self._tier_hashes = frozenset(tier.hashes() - held) if tier is not None else frozenset()
             self._hash_version = version
 
     @property
@@ -276,11 +281,16 @@ class AsyncEngine:
             return
         core = self._core
         core.kv.hold_seconds = self.transfer_timeout
+        self._snapshot(core)  # a restarted worker's second tier is reported from its first Load report
         ready.set_result(None)
         while True:
             block = not core.has_unfinished()
             if not self._drain_commands(core, block):
-                break
+                try:
+                    core.close()  # keeps the pool's blocks in a persistent second tier
+                except Exception as e:  # noqa: BLE001 - losing a cache must not fail the shutdown
+                    log.warning("engine_close_failed", error=repr(e))
+                return
             core.kv.expire_held()
             if core.has_unfinished():
                 try:

@@ -121,6 +121,15 @@ class BlockManager:
         membership often). Full-attention groups come first: a hash here is a block whose KV is here."""
         return self._hash_to_block[0].keys()
 
+    def cached_blocks(self) -> list[tuple[int, bytes, str]]:
+        """The first group's cached blocks as (block id, hash, owner), least recently used first: the
+        evictable ones in eviction order, then those requests hold now."""
+        found = self._hash_to_block[0]
+        idle = [b for b in self._evictable if self._block_group[b] == 0 and self._block_hash[b] in found]
+        held = set(idle)
+        busy = [b for b in found.values() if b not in held]
+        return [(b, self._block_hash[b] or b"", self._block_owner[b]) for b in idle + busy]
+
     def cached_block(self, block_hash: bytes) -> int | None:
         """The first group's block holding ``block_hash``, if cached (its KV is computed)."""
         return self._hash_to_block[0].get(block_hash)

@@ -117,6 +117,24 @@ class EngineCore:
             for (_, block_hash, owner), payload in zip(evicted, payloads):
                 self.tier.offer(block_hash, owner, payload)
 
+    def close(self) -> None:
+        """At shutdown: copy the pool's cached blocks into a persistent second tier too (a restarted worker
+        restores them from disk instead of recomputing its hottest prefixes) and wait for the writes."""
+        if self.tier is None:
+            return
+        if not self.tier.store.persistent:
+            self.tier.close()
+            return
+        self.offload_evicted()
+        blocks = self.scheduler.block_manager.cached_blocks()
+        for i in range(0, len(blocks), 64):  # in batches the writer keeps up with (offer drops when behind)
+            batch = blocks[i: i + 64]
+            payloads = self.runner.export_blocks([block for block, _, _ in batch])  # type: ignore[attr-defined]
+            for (_, block_hash, owner), payload in zip(batch, payloads):
+                self.tier.offer(block_hash, owner, payload)
+            self.tier.flush()
+        self.tier.close()
+
     @property
     def guides(self) -> GuideCompiler:
         """The grammar compiler, built on first use (seconds: the tokenizer's token trie); thread-safe."""

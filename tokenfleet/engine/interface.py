@@ -66,7 +66,10 @@ class Engine(Protocol):
         """What this engine's KV blocks mean (None: it cannot exchange raw blocks)."""
 
     def cached_block_hashes(self) -> frozenset[bytes]:
-        """Block hashes in the prefix cache now (routers score replicas with them)."""
+        """Block hashes in the prefix cache now, every tier (routers score replicas with them)."""
+
+    def tier_block_hashes(self) -> frozenset[bytes]:
+        """Of those, the ones held only in a slower tier (a hit restores them: routers count them for less)."""
 
     async def abort(self, request_id: str) -> None:
         """End a request; its stream yields a final output with finish reason ABORT."""

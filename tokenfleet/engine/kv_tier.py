@@ -47,6 +47,7 @@ _DIGEST = 16
 
 class BlockStore(Protocol):
     name: str
+    persistent: bool  # outlives the process (the pool is copied into it at shutdown)
 
     def write(self, key: str, data: bytes) -> None: ...
 
@@ -61,6 +62,7 @@ class BlockStore(Protocol):
 
 class MemoryStore:
     name = "memory"
+    persistent = False
 
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
@@ -86,6 +88,7 @@ class DiskStore:
     """One file per block under ``root/<namespace>``, written to a temporary name then renamed."""
 
     name = "disk"
+    persistent = True  # outlives the process: a restarted worker finds its records
 
     def __init__(self, root: str | Path, namespace: str):
         self.root = Path(root)

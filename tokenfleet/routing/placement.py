@@ -93,13 +93,15 @@ def place(
     disagg: DisaggConfig = DEFAULT_DISAGG_CONFIG,
     colocated: bool = False,
     homes_count: Mapping[str, int] | None = None,
+    tiered: Mapping[str, Collection[bytes]] | None = None,
 ) -> Placement:
     """Raises NoReplicaError when no decode replica is serving. ``homes_count``: prefixes homed
-    on each replica (the affinity map), to spread new prefixes over the pool."""
+    on each replica (the affinity map), to spread new prefixes over the pool. ``tiered``: of each
+    replica's reported hashes, those only in its second tier (worth less than pool blocks)."""
     anchor = anchor_of(chain, prefix_config)
     known = with_affinity(cached, chain, homes if anchor is not None else (), prefix_config)
     if policy == PREFIX_AWARE:
-        decode = prefix_aware(snapshot, chain, known, prefix_config, homes_count=homes_count).replica
+        decode = prefix_aware(snapshot, chain, known, prefix_config, homes_count=homes_count, tiered=tiered).replica
     elif policy == ROUND_ROBIN:
         decode = (round_robin or RoundRobin()).pick(snapshot)
     else:
@@ -108,20 +110,21 @@ def place(
     prefill = None
     if not colocated:
         prefill = choose_prefill(snapshot, decode, chain, known, num_prompt_tokens - matched * block_size,
-                                 prefix_config, disagg)
+                                 prefix_config, disagg, tiered)
     record = anchor is not None and decode.replica_id not in homes
     return Placement(decode, prefill, matched, anchor, record)
 
 
 def choose_prefill(snapshot: FleetSnapshot, decode: ReplicaLoad, chain: Sequence[bytes],
                    cached: Mapping[str, Collection[bytes]], uncached_tokens: int,
-                   prefix_config: PrefixPolicyConfig, disagg: DisaggConfig) -> ReplicaLoad | None:
+                   prefix_config: PrefixPolicyConfig, disagg: DisaggConfig,
+                   tiered: Mapping[str, Collection[bytes]] | None = None) -> ReplicaLoad | None:
     if "prefill" in decode.roles or uncached_tokens < disagg.min_uncached_tokens:
         return None
     others = FleetSnapshot(tuple(r for r in snapshot.replicas if r.replica_id != decode.replica_id))
     if not others.candidates("prefill"):
         return None
-    return prefix_aware(others, chain, cached, prefix_config, role="prefill").replica
+    return prefix_aware(others, chain, cached, prefix_config, role="prefill", tiered=tiered).replica
 
 
 def live_homes(homes: Sequence[str], live: Collection[str], new: str) -> tuple[str, ...]:

@@ -9,6 +9,13 @@ loads"): once its load exceeds ``(1 + load_slack)`` x the pool's mean (and is at
 ``spill_floor`` requests, so an almost idle fleet keeps its affinity) it spills to the least
 loaded replica, and the caller records that replica as a second home of the prefix.
 
+Blocks are not all worth the same: one in a replica's pool is free, one in its second tier must be
+restored (``tier_block_value`` of a pool block: a disk read and a copy instead of a prefill), and one a
+peer holds can be fetched by whichever replica is picked (``peer_block_value``; 0 when peer fetch is
+off). A replica's reuse value is its pool blocks + tier_block_value x its tier blocks + peer_block_value
+x the blocks past its own run that the best peer holds, so a replica holding a long prefix on disk can
+lose to an idle one when the peer fetch is almost as good.
+
 Short matches do not pin traffic: below ``min_match_blocks`` the prefix is ignored and the
 request goes to the least-loaded replica, so one short system prompt shared by every tenant
 does not send all traffic to one replica. A burst of same-prefix requests is not herded onto
@@ -31,6 +38,14 @@ class PrefixPolicyConfig:
     min_match_blocks: int = 4  # matches shorter than this are ignored (4 blocks = 64 tokens at block size 16)
     load_slack: float = 0.25  # epsilon of the bound: stay affine up to (1 + eps) x the pool's mean load
     spill_floor: int = 4  # a replica with fewer requests than this is never too loaded to stay affine
+    # A block's worth relative to one in the pool (1 = free, 0 = a recompute). Defaults from
+    # benchmarks/reports/2026-11-25-cpu-kv-tier*.md (SmolLM2 on CPU): a disk restore ~1 ms a block,
+    # a peer fetch over loopback ~2-4 ms, against ~25 ms to prefill 16 tokens.
+    tier_block_value: float = 0.9
+    peer_block_value: float = 0.8  # 0: peer fetch off (the router's --no-peer-fetch)
+    # A peer is named when it holds at least this many more leading blocks than the picked replica: one
+    # block's prefill (~25 ms for 16 tokens on CPU) already outweighs a fetch's round trip (~2 ms).
+    peer_min_blocks: int = 1
 
     def __post_init__(self) -> None:
         if self.min_match_blocks < 1:
@@ -39,6 +54,10 @@ class PrefixPolicyConfig:
             raise ValueError("load_slack must be >= 0")
         if self.spill_floor < 0:
             raise ValueError("spill_floor must be >= 0")
+        if self.peer_min_blocks < 1:
+            raise ValueError("peer_min_blocks must be >= 1")
+        if not (0 <= self.tier_block_value <= 1 and 0 <= self.peer_block_value <= 1):
+            raise ValueError("tier_block_value and peer_block_value must be within [0, 1]")
 
 
 DEFAULT_PREFIX_CONFIG = PrefixPolicyConfig()
@@ -61,6 +80,14 @@ def matched_prefix(block_hashes: Sequence[bytes], cached: Collection[bytes]) -> 
     return n
 
 
+def reuse_value(block_hashes: Sequence[bytes], run: int, tiered: Collection[bytes], best_run: int,
+                config: PrefixPolicyConfig) -> float:
+    """What a replica holding the prompt's first ``run`` blocks (``tiered``: those only in its second tier)
+    saves, in pool blocks, when the best holder in the fleet has ``best_run`` of them (fetchable)."""
+    slow = sum(1 for h in block_hashes[:run] if h in tiered) if tiered else 0
+    return run - slow * (1 - config.tier_block_value) + config.peer_block_value * max(0, best_run - run)
+
+
 def overloaded(replica: ReplicaLoad, candidates: Sequence[ReplicaLoad], config: PrefixPolicyConfig) -> bool:
     """Too loaded to take another request for affinity's sake: above (1 + eps) x the mean and the floor."""
     mean = sum(r.effective_load for r in candidates) / len(candidates)
@@ -75,8 +102,10 @@ def prefix_aware(
     config: PrefixPolicyConfig = PrefixPolicyConfig(),
     role: str = "decode",
     homes_count: Mapping[str, int] | None = None,
+    tiered: Mapping[str, Collection[bytes]] | None = None,
 ) -> PrefixPlacement:
-    """Pick a replica for a prompt with ``block_hashes``; ``cached`` maps replica id -> block hashes it holds.
+    """Pick a replica for a prompt with ``block_hashes``; ``cached`` maps replica id -> block hashes it holds,
+    ``tiered`` replica id -> those of them only in its second tier.
 
     ``homes_count`` (replica id -> prefixes whose home it is): a new prefix, long enough to be
     worth a home, goes to the replica with the fewest homes among those within the load bound,
@@ -87,8 +116,12 @@ def prefix_aware(
     matches = {r.replica_id: matched_prefix(block_hashes, cached.get(r.replica_id, ())) for r in candidates}
     affine = [r for r in candidates if matches[r.replica_id] >= config.min_match_blocks]
     within = [r for r in affine if not overloaded(r, candidates, config)]
-    if within:  # longest reuse first; among equal matches the less loaded
-        best = min(within, key=lambda r: (-matches[r.replica_id], r.effective_load, r.replica_id))
+    if within:  # most reuse first; among equal values the less loaded
+        holders = [matched_prefix(block_hashes, cached.get(r.replica_id, ())) for r in snapshot.replicas]
+        best_run = max(holders, default=0)  # draining replicas too: they still send blocks
+        value = {r.replica_id: reuse_value(block_hashes, matches[r.replica_id], (tiered or {}).get(r.replica_id, ()),
+                                           best_run, config) for r in within}
+        best = min(within, key=lambda r: (-value[r.replica_id], r.effective_load, r.replica_id))
         return PrefixPlacement(best, matches[best.replica_id], spilled=False)
     if not affine and homes_count is not None and len(block_hashes) >= config.min_match_blocks:
         bounded = [r for r in candidates if not overloaded(r, candidates, config)] or candidates

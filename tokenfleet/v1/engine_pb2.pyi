@@ -230,7 +230,7 @@ class LoadRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("state", "num_waiting", "num_running", "num_blocks_used", "num_blocks_free", "num_in_flight", "num_prefix_hit_tokens", "num_preemptions", "num_aborted", "num_steps", "ttft_ms_recent", "tpot_ms_recent", "step_ms_mean", "num_queued_prompt_tokens", "prefill_tokens_per_s", "hashes_reset", "added_block_hashes", "removed_block_hashes", "layout", "num_prompt_tokens_computed", "num_kv_blocks_sent", "num_kv_blocks_received", "num_remote_prefills", "num_kv_bytes_received", "num_forks", "num_fork_shared_blocks", "num_block_copies", "num_tier_hit_blocks", "num_tier_stored_blocks", "num_tier_dropped_blocks", "num_tier_corrupt_blocks", "tier_bytes_used", "tier_bytes_written", "tier_bytes_read", "tier_restore_seconds", "num_peer_blocks_received", "num_peer_blocks_served", "num_peer_fetch_failures")
+    __slots__ = ("state", "num_waiting", "num_running", "num_blocks_used", "num_blocks_free", "num_in_flight", "num_prefix_hit_tokens", "num_preemptions", "num_aborted", "num_steps", "ttft_ms_recent", "tpot_ms_recent", "step_ms_mean", "num_queued_prompt_tokens", "prefill_tokens_per_s", "hashes_reset", "added_block_hashes", "removed_block_hashes", "added_tier_block_hashes", "removed_tier_block_hashes", "layout", "num_prompt_tokens_computed", "num_kv_blocks_sent", "num_kv_blocks_received", "num_remote_prefills", "num_kv_bytes_received", "num_forks", "num_fork_shared_blocks", "num_block_copies", "num_tier_hit_blocks", "num_tier_stored_blocks", "num_tier_dropped_blocks", "num_tier_corrupt_blocks", "tier_bytes_used", "tier_bytes_written", "tier_bytes_read", "tier_restore_seconds", "num_peer_blocks_received", "num_peer_blocks_served", "num_peer_fetch_failures")
     STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +249,8 @@ class LoadReport(_message.Message):
     HASHES_RESET_FIELD_NUMBER: _ClassVar[int]
     ADDED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     REMOVED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    ADDED_TIER_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_TIER_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +289,8 @@ class LoadReport(_message.Message):
     hashes_reset: bool
     added_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     removed_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    added_tier_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    removed_tier_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     layout: KVLayout
     num_prompt_tokens_computed: int
     num_kv_blocks_sent: int
@@ -307,7 +311,7 @@ class LoadReport(_message.Message):
     num_peer_blocks_received: int
     num_peer_blocks_served: int
     num_peer_fetch_failures: int
-    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., ttft_ms_recent: _Optional[float] = ..., tpot_ms_recent: _Optional[float] = ..., step_ms_mean: _Optional[float] = ..., num_queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., hashes_reset: _Optional[bool] = ..., added_block_hashes: _Optional[_Iterable[bytes]] = ..., removed_block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_kv_blocks_sent: _Optional[int] = ..., num_kv_blocks_received: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_kv_bytes_received: _Optional[int] = ..., num_forks: _Optional[int] = ..., num_fork_shared_blocks: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_tier_hit_blocks: _Optional[int] = ..., num_tier_stored_blocks: _Optional[int] = ..., num_tier_dropped_blocks: _Optional[int] = ..., num_tier_corrupt_blocks: _Optional[int] = ..., tier_bytes_used: _Optional[int] = ..., tier_bytes_written: _Optional[int] = ..., tier_bytes_read: _Optional[int] = ..., tier_restore_seconds: _Optional[float] = ..., num_peer_blocks_received: _Optional[int] = ..., num_peer_blocks_served: _Optional[int] = ..., num_peer_fetch_failures: _Optional[int] = ...) -> None: ...
+    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., ttft_ms_recent: _Optional[float] = ..., tpot_ms_recent: _Optional[float] = ..., step_ms_mean: _Optional[float] = ..., num_queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., hashes_reset: _Optional[bool] = ..., added_block_hashes: _Optional[_Iterable[bytes]] = ..., removed_block_hashes: _Optional[_Iterable[bytes]] = ..., added_tier_block_hashes: _Optional[_Iterable[bytes]] = ..., removed_tier_block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_kv_blocks_sent: _Optional[int] = ..., num_kv_blocks_received: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_kv_bytes_received: _Optional[int] = ..., num_forks: _Optional[int] = ..., num_fork_shared_blocks: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_tier_hit_blocks: _Optional[int] = ..., num_tier_stored_blocks: _Optional[int] = ..., num_tier_dropped_blocks: _Optional[int] = ..., num_tier_corrupt_blocks: _Optional[int] = ..., tier_bytes_used: _Optional[int] = ..., tier_bytes_written: _Optional[int] = ..., tier_bytes_read: _Optional[int] = ..., tier_restore_seconds: _Optional[float] = ..., num_peer_blocks_received: _Optional[int] = ..., num_peer_blocks_served: _Optional[int] = ..., num_peer_fetch_failures: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

@@ -107,3 +107,25 @@ def test_random_cancellation_leaks_nothing_in_either_tier(default_model_dir, tmp
     assert stats.tier_hit_blocks > 0 and len(files) == stats.tier_entries
     assert sum(p.stat().st_size for p in files) == stats.tier_bytes_used <= 4 << 20
     assert all(v <= 3 << 20 for v in core.tier.snapshot().per_tenant_bytes.values())
+
+
+def test_a_restarted_engine_restores_its_pool_from_the_disk_tier(default_model_dir, reference, tmp_path):
+    """Closing copies the pool's cached blocks (never evicted, so not yet in the tier) to disk; an engine
+    started on the same folder serves the prompt from them, output unchanged."""
+    spec = f"disk:{tmp_path}"
+    core = make_core(default_model_dir, num_blocks=40, kv_tier=spec, kv_tier_bytes=64 << 20)
+    prompt = chat(core, "Which chain lube for winter?")
+    expected = run_to_completion(reference, {0: [("ref", prompt, greedy(8))]})["ref"]
+    assert run_to_completion(core, {0: [("a", prompt, greedy(8))]})["a"] == expected
+    assert core.snapshot().tier_entries == 0  # nothing evicted yet: the blocks live only in the pool
+    pooled = core.scheduler.block_manager.cached_hashes()
+    core.close()
+    restarted = make_core(default_model_dir, num_blocks=40, kv_tier=spec, kv_tier_bytes=64 << 20)
+    assert pooled <= set(restarted.tier.hashes())
+    restarted.add_request(prompt, greedy(8), request_id="b")
+    outputs = []
+    while restarted.has_unfinished():
+        outputs += restarted.step()
+    assert [t for o in outputs for t in o.new_token_ids] == expected
+    assert outputs[-1].num_cached_tokens >= (len(prompt) // 16 - 1) * 16
+    restarted.close()

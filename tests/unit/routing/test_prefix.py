@@ -8,7 +8,7 @@ import pytest
 
 from tokenfleet.kvcache.block_hash import hash_blocks
 from tokenfleet.routing.policies import FleetSnapshot, NoReplicaError, ReplicaLoad
-from tokenfleet.routing.prefix import PrefixPolicyConfig, matched_prefix, prefix_aware
+from tokenfleet.routing.prefix import PrefixPolicyConfig, matched_prefix, prefix_aware, reuse_value
 
 SALT = "smol|bfloat16|16"
 
@@ -35,6 +35,30 @@ def test_the_replica_with_the_longest_cached_prefix_wins_over_a_less_loaded_one(
     cached = {"r0": set(PROMPT[:4]), "r1": set(PROMPT[:8]), "r2": set()}
     placement = prefix_aware(fleet(1, 2, 0), PROMPT, cached)
     assert placement.replica.replica_id == "r1" and placement.matched_blocks == 8 and not placement.spilled
+
+
+def test_blocks_in_a_second_tier_count_for_less_than_pool_blocks():
+    """r1 holds 8 blocks, 6 of them only on its disk tier; r0 holds 6 in its pool. Tier worth 0.5, no peer
+    fetch: r1 = 8 - 0.5 x 6 = 5 < r0 = 6. Tier worth 0.9: r1 = 7.4 wins, unless peer fetch (0.8) lets r0
+    pull r1's other 2 blocks: r0 = 6 + 0.8 x 2 = 7.6."""
+    cached = {"r0": set(PROMPT[:6]), "r1": set(PROMPT[:8])}
+    tiered = {"r1": set(PROMPT[2:8])}
+    tier_half = PrefixPolicyConfig(tier_block_value=0.5, peer_block_value=0.0)
+    assert prefix_aware(fleet(1, 1), PROMPT, cached, tier_half, tiered=tiered).replica.replica_id == "r0"
+    assert prefix_aware(fleet(1, 1), PROMPT, cached, tier_half).replica.replica_id == "r1"  # all counted as pool
+    no_peer = PrefixPolicyConfig(tier_block_value=0.9, peer_block_value=0.0)
+    assert prefix_aware(fleet(1, 1), PROMPT, cached, no_peer, tiered=tiered).replica.replica_id == "r1"
+    peer = PrefixPolicyConfig(tier_block_value=0.9, peer_block_value=0.8)
+    assert prefix_aware(fleet(1, 1), PROMPT, cached, peer, tiered=tiered).replica.replica_id == "r0"
+    assert reuse_value(PROMPT, 6, set(), 8, peer) == pytest.approx(6 + 0.8 * 2)
+    assert reuse_value(PROMPT, 8, tiered["r1"], 8, peer) == pytest.approx(8 - 0.1 * 6)
+
+
+def test_block_values_are_checked():
+    with pytest.raises(ValueError, match="within"):
+        PrefixPolicyConfig(tier_block_value=1.5)
+    with pytest.raises(ValueError, match="peer_min_blocks"):
+        PrefixPolicyConfig(peer_min_blocks=0)
 
 
 def test_matches_below_the_minimum_are_ignored():

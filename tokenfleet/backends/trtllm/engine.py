@@ -155,6 +155,9 @@ class TrtllmEngine:
     def cached_block_hashes(self) -> frozenset[bytes]:
         return self._mirror.hashes
 
+    def tier_block_hashes(self) -> frozenset[bytes]:
+        return frozenset()  # the library's own host offload, if configured, is not reported apart
+
     def stats(self) -> EngineStats:
         """Iteration stats arrive only while the library iterates: the last one of a busy spell would
         say "running" forever once idle. All of the library's requests are ours (health probes aside),
