@@ -151,7 +151,7 @@ class Dispatcher:
             if picked.prefill_address:
                 request.prefill.replica_id = picked.prefill_replica_id
                 request.prefill.address = picked.prefill_address
-            elif picked.prefix_address:
+            if picked.prefix_address:  # with a prefill replica: that replica's source
                 request.prefix_source.replica_id = picked.prefix_replica_id
                 request.prefix_source.address = picked.prefix_address
                 request.prefix_source.num_blocks = picked.prefix_blocks

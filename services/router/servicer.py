@@ -22,7 +22,7 @@ from tokenfleet.routing.placement import (
     prefix_peer,
 )
 from tokenfleet.routing.policies import NoReplicaError, RoundRobin
-from tokenfleet.routing.prefix import DEFAULT_PREFIX_CONFIG, PrefixPolicyConfig
+from tokenfleet.routing.prefix import DEFAULT_PREFIX_CONFIG, PrefixPolicyConfig, matched_prefix
 from tokenfleet.telemetry.metrics import RouterMetrics
 from tokenfleet.v1 import router_pb2, router_pb2_grpc
 
@@ -86,12 +86,14 @@ class Router(router_pb2_grpc.RouterServiceServicer):
                                            model_version=version,
                                            cached_prompt_tokens=min(placement.matched_blocks * block_size,
                                                                     len(prompt)))
+        computes = chosen  # the replica that computes the prompt: a peer can save it a recompute
         if placement.prefill is not None:
             response.prefill_replica_id = placement.prefill.replica_id
             response.prefill_address = placement.prefill.address
-        elif chain and self.peer_fetch and not request.colocated:
-            peer = prefix_peer(snapshot, chain, cached, chosen.replica_id, placement.matched_blocks,
-                               self.prefix_config.peer_min_blocks)
+            computes = placement.prefill
+        if chain and self.peer_fetch and not request.colocated:
+            held = matched_prefix(chain, cached.get(computes.replica_id, ()))
+            peer = prefix_peer(snapshot, chain, cached, computes.replica_id, held, self.prefix_config.peer_min_blocks)
             if peer is not None:
                 response.prefix_replica_id, response.prefix_address = peer[0].replica_id, peer[0].address
                 response.prefix_blocks = peer[1]

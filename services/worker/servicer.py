@@ -133,10 +133,12 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         params = convert.sampling_params(request.sampling)
         layout = convert.layout_from_proto(request.layout) if request.HasField("layout") else None
         request_id = self._admit(request.request_id)
-        stream = self.engine.prefill(list(request.prompt_token_ids), params, request_id,
-                                     convert.priority(request.priority), list(request.held_block_hashes), layout,
-                                     cache_scope=convert.cache_scope(request.cache_scope))
         try:
+            if request.HasField("prefix_source") and request.prefix_source.address:
+                await self._fetch_from_peer(request, request_id)  # e.g. the replies the decode replica generated
+            stream = self.engine.prefill(list(request.prompt_token_ids), params, request_id,
+                                         convert.priority(request.priority), list(request.held_block_hashes), layout,
+                                         cache_scope=convert.cache_scope(request.cache_scope))
             # A cancelled call (the decode side went away) closes the stream: the held blocks are freed.
             async with contextlib.aclosing(stream) as events:
                 async for event in events:
@@ -144,7 +146,8 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         finally:
             self.in_flight.discard(request_id)
 
-    async def _fetch_from_peer(self, request: engine_pb2.GenerateRequest, request_id: str) -> None:
+    async def _fetch_from_peer(self, request: engine_pb2.GenerateRequest | engine_pb2.PrefillRequest,
+                               request_id: str) -> None:
         """Stage the prompt's leading blocks a registered peer holds and this worker does not. Never raises:
         whatever is not fetched is computed here."""
         source, layout = request.prefix_source, self.engine.kv_layout()
@@ -321,7 +324,8 @@ class RemotePrefill:
         call = self.stub.Prefill(engine_pb2.PrefillRequest(
             request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, sampling=r.sampling, priority=r.priority,
             held_block_hashes=list(held_block_hashes), layout=convert.layout_to_proto(layout),
-            cache_scope=r.cache_scope), metadata=self.metadata)
+            cache_scope=r.cache_scope, prefix_source=r.prefix_source if r.HasField("prefix_source") else None),
+            metadata=self.metadata)
         try:
             async for message in call:
                 yield convert.prefill_event(message)

@@ -147,3 +147,21 @@ def test_a_drained_worker_hands_its_blocks_to_peers_and_keeps_them_on_disk(pair,
         assert later.num_tier_hit_blocks >= len(prompt) // 16 - 1
     finally:
         c.stop()
+
+
+def test_a_prefill_replica_fetches_what_the_decode_replica_holds(pair, tokenizer):
+    """Disaggregated: the decode replica (a) holds the transcript (here: the whole prompt, as after the turn
+    it generated); the prefill replica (b) it asks for the prompt fetches those blocks from a instead of
+    recomputing them (GenerateRequest.prefix_source forwarded in PrefillRequest), output unchanged."""
+    a, b = pair
+    prompt = tokenizer.encode(SYSTEM + "Customer: I need a new saddle, something for long rides. Ideas?")
+    expected = generate(a.address, request(prompt, "turn-on-a"))
+    msg = with_peer(prompt, "disagg", "a", a.address)
+    msg.prefill.replica_id, msg.prefill.address = "b", b.address
+    before_b = load_report(b.address)
+    got = generate(a.address, msg)
+    after_b = idle(b.address)
+    assert got[0] == expected[0] and got[1] == expected[1]
+    assert after_b.num_peer_blocks_received > before_b.num_peer_blocks_received
+    assert after_b.num_prompt_tokens_computed - before_b.num_prompt_tokens_computed < 16  # b computed the tail only
+    assert after_b.num_peer_fetch_failures == before_b.num_peer_fetch_failures

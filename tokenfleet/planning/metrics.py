@@ -78,6 +78,7 @@ def summarize(sim: Simulator, objectives: Objectives = Objectives(), dollars_per
         "mean_batch": sum(r.rows for r in replicas) / max(1, sum(r.steps for r in replicas)),
         "mfu": _mfu(sim, seconds),
         "remote_prefills": sim.num_remote, "transfer_gb": sim.transfer_bytes / 1e9,
+        "peer_blocks": sim.num_peer_blocks, "tier_restored_blocks": sim.num_restored_blocks,
         "dollars_per_gpu_hour": dollars_per_gpu_hour,
         "usd_per_m_output_tokens": dollars / output_tokens * 1e6 if output_tokens else None,
         "usd_per_m_tokens": dollars / (output_tokens + prompt_tokens) * 1e6 if output_tokens + prompt_tokens else None,

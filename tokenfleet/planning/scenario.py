@@ -95,6 +95,12 @@ def add_fleet_flags(p: argparse.ArgumentParser) -> None:
                    help="P/D: shorter uncached prompts are prefilled on the decode replica")
     g.add_argument("--link-gbps", type=float, default=400.0, help="prefill -> decode KV transfer bandwidth, Gbit/s")
     g.add_argument("--hop-ms", type=float, default=2.0, help="gateway + router + RPC latency before a request starts")
+    g.add_argument("--tier-gb", type=float, default=0.0,
+                   help="a second KV tier per replica (host memory), GB; blocks the pool evicts are restored from it")
+    g.add_argument("--tier-gbytes-per-s", type=float, default=100.0, help="restoring from that tier, GB/s per replica")
+    g.add_argument("--peer-fetch", action="store_true",
+                   help="the replica computing a prompt pulls the leading blocks another holds (P/D: from the decode "
+                   "replica, which holds its replies) over --link-gbps")
 
 
 def add_traffic_flags(p: argparse.ArgumentParser) -> None:
@@ -172,7 +178,9 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
                                   max_num_running=int(engine["max_num_running"]), max_num_waiting=1_000_000,
                                   max_model_len=1 << 20),
         policy=args.policy, disagg=DisaggConfig(args.min_uncached_tokens), **kv,
-        link_bytes_per_s=args.link_gbps * 1e9 / 8, hop_seconds=args.hop_ms / 1000)
+        link_bytes_per_s=args.link_gbps * 1e9 / 8, hop_seconds=args.hop_ms / 1000,
+        tier_blocks=int(args.tier_gb * 1e9 / (kv["kv_bytes_per_token"] * int(engine["block_size"]))),
+        tier_bytes_per_s=args.tier_gbytes_per_s * 1e9, peer_fetch=args.peer_fetch)
     nodes = args.replicas + args.prefill_replicas
     fleet_peak = peak_rate(args.daily_users, args.turns_per_day, args.peak_factor)
     if args.rate:

@@ -18,6 +18,14 @@ the decode replica lacks travels at the link's bandwidth, then the decode replic
 (``activate_remote``) and the request joins its batch. The prefill replica frees its held blocks when
 the transfer ends.
 
+KV tiers (``tier_blocks``): each replica keeps the blocks its pool evicts in a second tier of that many
+blocks (host memory on a GPU node, LRU) and restores them on a prefix hit through the scheduler's own
+admission path, at ``tier_bytes_per_s``; the router counts tier blocks for less (``prefix``'s values).
+Peer fetch (``peer_fetch``): the replica that computes a prompt (a prefill replica, or a decode replica
+the router spilled to) first pulls the leading blocks another replica holds beyond its own, over the
+link, as services/worker does; in P/D fleets that is usually the decode replica, which holds the replies
+it generated.
+
 Only requests that arrive inside the measurement window count; the simulation runs past the window
 (traffic continues) until they finish or ``drain_seconds`` pass. See ``metrics`` for the outputs.
 """
@@ -27,8 +35,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from array import array
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -51,7 +59,7 @@ from tokenfleet.routing.placement import (
     place,
 )
 from tokenfleet.routing.policies import FleetSnapshot, NoReplicaError, ReplicaLoad, RoundRobin
-from tokenfleet.routing.prefix import PrefixPolicyConfig
+from tokenfleet.routing.prefix import PrefixPolicyConfig, matched_prefix
 
 PARAMS = SamplingParams(max_tokens=None, ignore_eos=True)  # lengths come from each request's max_tokens
 __all__ = ["FleetConfig", "Simulator", "POLICIES", "PREFIX_AWARE", "ROUND_ROBIN", "LEAST_LOADED"]
@@ -82,6 +90,9 @@ class FleetConfig:
     link_latency_s: float = 0.001
     hop_seconds: float = 0.002  # gateway + router + worker RPCs before a request reaches its replica
     report_interval_s: float = 0.2  # load reports to the router (services/router: 200 ms)
+    tier_blocks: int = 0  # a second KV tier per replica (host memory), in blocks; 0: none
+    tier_bytes_per_s: float = 100e9  # restoring from it into the pool (host -> all of a replica's GPUs)
+    peer_fetch: bool = False  # pull a prompt's leading blocks from the replica holding the most of them
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.prefill_replicas < 0 or self.gpus_per_replica < 1:
@@ -92,6 +103,8 @@ class FleetConfig:
             raise ValueError("link bandwidth and report interval must be positive")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.tier_blocks < 0 or self.tier_bytes_per_s <= 0:
+            raise ValueError("tier_blocks must be >= 0 and tier_bytes_per_s positive")
 
     @property
     def disaggregated(self) -> bool:
@@ -108,14 +121,73 @@ class FleetConfig:
         return num_tokens * self.kv_bytes_per_token + local * self.window_kv_bytes_per_token
 
 
+class SimTier:
+    """A replica's second KV tier as the scheduler sees it (``PrefixTier``): block hashes, LRU, no bytes."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.hits = 0
+
+    def offer(self, block_hash: bytes) -> None:
+        self.blocks[block_hash] = None
+        self.blocks.move_to_end(block_hash)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+
+    def fetch_chain(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+        n = 0
+        for h in block_hashes:
+            if h not in self.blocks:
+                break
+            self.blocks.move_to_end(h)
+            n += 1
+        self.hits += n
+        return [b""] * n
+
+
+class _Held(Collection[bytes]):
+    """A replica's blocks as its load reports say: the pool's and the tier's (``tier_only``: the tier's
+    that are not in the pool), live views, never copied."""
+
+    def __init__(self, pool: Collection[bytes], tier: Collection[bytes], tier_only: bool = False):
+        self.pool, self.tier, self.tier_only = pool, tier, tier_only
+
+    def __contains__(self, block_hash: object) -> bool:
+        if self.tier_only:
+            return block_hash in self.tier and block_hash not in self.pool
+        return block_hash in self.pool or block_hash in self.tier
+
+    def __iter__(self) -> Iterator[bytes]:
+        if not self.tier_only:
+            yield from self.pool
+        yield from (h for h in self.tier if h not in self.pool)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class SimReplica:
     def __init__(self, replica_id: str, roles: tuple[str, ...], config: FleetConfig, salt: str):
         self.replica_id, self.roles = replica_id, roles
         self.scheduler = Scheduler(config.scheduler, BlockManager(config.num_blocks, config.block_size), salt)
+        self.tier = SimTier(config.tier_blocks) if config.tier_blocks else None
+        if self.tier is not None:
+            self.scheduler.block_manager.track_evictions = True
+            self.scheduler.second_tier = self.tier
         self.busy = False
         self.busy_seconds = 0.0  # inside the window
         self.steps = self.rows = self.tokens = self.pairs = self.window_pairs = 0  # inside the window
         self.kv_samples: list[float] = []
+
+    def offload_evicted(self) -> None:
+        for _, block_hash, _ in self.scheduler.block_manager.take_evicted():
+            if self.tier is not None:
+                self.tier.offer(block_hash)
+
+    def held(self) -> Collection[bytes]:
+        pool = self.scheduler.block_manager.cached_hash_view()
+        return pool if self.tier is None else _Held(pool, self.tier.blocks.keys())
 
     def load(self) -> ReplicaLoad:
         s, bm = self.scheduler, self.scheduler.block_manager
@@ -157,6 +229,8 @@ class Simulator:
     def __init__(self, fleet: FleetConfig, cost: CostModel, source: Source, warmup_seconds: float = 20.0,
                  duration_seconds: float = 60.0, drain_seconds: float = 60.0, salt: str = "sim",
                  overload_seconds: float = 10.0):
+        if not fleet.peer_fetch:  # the router then counts no fetchable blocks (services/router --no-peer-fetch)
+            fleet = replace(fleet, prefix=replace(fleet.prefix, peer_block_value=0.0))
         self.fleet, self.cost, self.source = fleet, cost, source
         self.window = (warmup_seconds, warmup_seconds + duration_seconds)
         self.end = self.window[1] + drain_seconds
@@ -181,6 +255,7 @@ class Simulator:
         self.num_rejected = self.num_submitted = 0
         self.num_remote = self.num_fallbacks = 0
         self.transfer_bytes = 0.0
+        self.num_peer_blocks = self.num_restored_blocks = 0  # blocks fetched from peers, restored from tiers
         self.output_tokens_in_window = 0
         self._held: dict[str, int] = {}  # remote request -> leading prompt blocks the decode replica had
         self._open = 0  # measured requests not finished
@@ -228,10 +303,7 @@ class Simulator:
         placement = self._placement(chain, len(tokens))
         for chosen in (placement.decode, placement.prefill):
             if chosen is not None:
-                bm = self.replicas[chosen.replica_id].scheduler.block_manager
-                if bm.allocate_slots("preload", len(chain) * fleet.block_size, bm.match_prefix(chain)) is not None:
-                    bm.cache_blocks("preload", chain)
-                    bm.free("preload")
+                self._cache_chain(self.replicas[chosen.replica_id], chain)
                 self._loads[chosen.replica_id] = self.replicas[chosen.replica_id].load()
 
     def _placement(self, chain: list[bytes], num_tokens: int) -> Placement:
@@ -241,10 +313,12 @@ class Simulator:
         anchor_homes: tuple[str, ...] = ()
         if len(chain) >= fleet.prefix.min_match_blocks:
             anchor_homes = self._homes.get(chain[fleet.prefix.min_match_blocks - 1], ())
-        cached = {rid: r.scheduler.block_manager.cached_hash_view() for rid, r in self.replicas.items()}
+        cached = {rid: r.held() for rid, r in self.replicas.items()}
+        tiered = {rid: _Held(r.scheduler.block_manager.cached_hash_view(), r.tier.blocks.keys(), tier_only=True)
+                  for rid, r in self.replicas.items() if r.tier is not None}
         placement = place(self._snapshot(), chain, cached, anchor_homes, num_tokens, fleet.block_size, fleet.policy,
                           self._round_robin, fleet.prefix, fleet.disagg, colocated=not fleet.disaggregated,
-                          homes_count=self._homes_count)
+                          homes_count=self._homes_count, tiered=tiered)
         if placement.record_home and placement.anchor is not None:
             homes = live_homes(anchor_homes, self.replicas.keys(), placement.decode.replica_id)
             self._homes_count.subtract(anchor_homes)
@@ -268,9 +342,9 @@ class Simulator:
 
     def _place(self, track: Track) -> None:
         arrival = track.arrival
+        chain = hash_blocks(arrival.prompt, self.fleet.block_size, self._chain_salt(arrival.tenant))
         try:
-            placement = self._placement(hash_blocks(arrival.prompt, self.fleet.block_size,
-                                                    self._chain_salt(arrival.tenant)), len(arrival.prompt))
+            placement = self._placement(chain, len(arrival.prompt))
         except NoReplicaError:
             self._reject(track)
             return
@@ -279,9 +353,44 @@ class Simulator:
         track.replica = decode
         if placement.prefill is not None:
             self._pending[placement.prefill.replica_id] += 1
-            self._start_remote(track, placement.prefill.replica_id)
+            track.prefill_replica = placement.prefill.replica_id
+        computes = track.prefill_replica or decode
+        delay = self._fetch_from_peer(computes, chain[: (len(arrival.prompt) - 1) // self.fleet.block_size])
+        if delay:
+            self.at(self.now + delay, self._admit, track)
+        else:
+            self._admit(track)
+
+    def _admit(self, track: Track) -> None:
+        if track.prefill_replica:
+            self._start_remote(track, track.prefill_replica)
         else:
             self._add_local(track)
+
+    def _fetch_from_peer(self, replica_id: str, chain: list[bytes]) -> float:
+        """Peer fetch: the leading blocks of ``chain`` the best other holder has beyond ``replica_id``'s own
+        are copied into its pool (cached, evictable); returns the transfer's seconds (0: nothing fetched)."""
+        fleet = self.fleet
+        if not fleet.peer_fetch or not chain:
+            return 0.0
+        replica = self.replicas[replica_id]
+        own = matched_prefix(chain, replica.held())
+        best = max((matched_prefix(chain, r.held()) for rid, r in self.replicas.items() if rid != replica_id), default=0)
+        if best - own < fleet.prefix.peer_min_blocks:
+            return 0.0
+        self._cache_chain(replica, chain[:best])
+        self.num_peer_blocks += best - own
+        num_bytes = (best - own) * fleet.block_size * fleet.kv_bytes_per_token
+        self.transfer_bytes += num_bytes
+        return fleet.link_latency_s + num_bytes / fleet.link_bytes_per_s
+
+    def _cache_chain(self, replica: SimReplica, chain: list[bytes]) -> None:
+        """Leave ``chain``'s blocks cached (evictable) in the replica's pool, as a finished request would."""
+        bm = replica.scheduler.block_manager
+        if bm.allocate_slots("install", len(chain) * self.fleet.block_size, bm.match_prefix(chain)) is not None:
+            bm.cache_blocks("install", chain)
+            bm.free("install")
+        replica.offload_evicted()
 
     def _request(self, arrival: Arrival, max_tokens: int) -> Request:
         return Request(arrival.request_id, arrival.prompt, PARAMS, arrival_time=self.now, max_tokens=max_tokens,
@@ -311,7 +420,9 @@ class Simulator:
             held = decode.scheduler.add_remote(self._request(track.arrival, track.arrival.max_tokens))
         except (QueueFullError, ValueError):
             held = None
+        decode.offload_evicted()
         if held is None:  # no free blocks on the decode side now: prefill locally (as the worker does)
+            track.prefill_replica = ""
             self._add_local(track)
             return
         prefill = self.replicas[prefill_id]
@@ -321,10 +432,10 @@ class Simulator:
             prefill.scheduler.add_request(request)
         except (QueueFullError, ValueError):
             decode.scheduler.fallback_to_local(track.arrival.request_id)
+            track.prefill_replica = ""
             self.num_fallbacks += 1
             self._wake(decode)
             return
-        track.prefill_replica = prefill_id
         self.num_remote += 1
         self._held[track.arrival.request_id] = held
         self._wake(prefill)
@@ -357,11 +468,15 @@ class Simulator:
 
     def _step(self, replica: SimReplica) -> None:
         output = replica.scheduler.schedule()
+        replica.offload_evicted()
         if output.is_empty:
             replica.busy = False
             return
         shape = StepShape.of(output, self.fleet.sliding_window)
         seconds = self.cost.step_seconds(shape)
+        if output.restores:  # second-tier blocks copied into the pool before the step (not overlapped: pessimistic)
+            self.num_restored_blocks += len(output.restores)
+            seconds += len(output.restores) * self.fleet.block_size * self.fleet.kv_bytes_per_token / self.fleet.tier_bytes_per_s
         if self.window[0] <= self.now < self.window[1]:
             replica.busy_seconds += seconds
             replica.steps += 1

@@ -214,6 +214,39 @@ def test_disaggregated_cells_prefill_remotely_and_ship_only_what_decode_lacks():
     assert remote and all(t.first is not None and t.last > t.first for t in remote)
 
 
+def test_a_second_tier_restores_what_a_small_pool_evicted():
+    """Pools far smaller than the conversations' working set: with a tier the next turn's transcript is
+    restored instead of recomputed (the scheduler's own restore path), so the hit rate rises."""
+    results, sims = {}, {}
+    for tier in (0, 4096):
+        fleet = small_fleet(replicas=2, num_blocks=160, tier_blocks=tier)
+        sims[tier] = Simulator(fleet, Flat(0.005), chat(30.0, think_seconds=3.0), warmup_seconds=3.0,
+                               duration_seconds=8.0, drain_seconds=5.0).run()
+        results[tier] = summarize(sims[tier])
+        for replica in sims[tier].replicas.values():
+            replica.scheduler.block_manager.check_invariants()
+    assert results[0]["tier_restored_blocks"] == 0 < results[4096]["tier_restored_blocks"]
+    assert results[4096]["prefix_hit_rate"] > results[0]["prefix_hit_rate"] + 0.1
+    assert all(len(r.tier.blocks) <= 4096 for r in sims[4096].replicas.values() if r.tier is not None)
+
+
+def test_peer_fetch_lets_a_prefill_pool_pull_the_transcript_from_the_decode_replica():
+    """P/D: the prefill replica lacks the replies the decode replica generated; with peer fetch it pulls
+    them (and earlier turns) over the link instead of recomputing them."""
+    results = {}
+    for peer in (False, True):
+        fleet = small_fleet(replicas=2, prefill_replicas=1, kv_bytes_per_token=100.0, link_bytes_per_s=1e8,
+                            disagg=replace(small_fleet().disagg, min_uncached_tokens=32), peer_fetch=peer)
+        sim = Simulator(fleet, Flat(0.005), chat(20.0, user_tokens=64), warmup_seconds=2.0, duration_seconds=5.0,
+                        drain_seconds=5.0).run()
+        results[peer] = summarize(sim)
+        assert results[peer]["finished"] == results[peer]["requests"]
+        for replica in sim.replicas.values():
+            replica.scheduler.block_manager.check_invariants()
+    assert results[False]["peer_blocks"] == 0 < results[True]["peer_blocks"]
+    assert results[True]["prefix_hit_rate"] > results[False]["prefix_hit_rate"]
+
+
 def test_an_overloaded_cell_stops_early_and_fails_its_objectives():
     sim = Simulator(small_fleet(), Flat(0.05), chat(400.0), warmup_seconds=1.0, duration_seconds=30.0,
                     drain_seconds=30.0).run()
