@@ -212,6 +212,12 @@ class SecondTier:
             self._pending[block_hash] = payload
         self._queue.put(("write", block_hash, (tenant, payload)))
 
+    def held_run(self, block_hashes: Sequence[bytes]) -> int:
+        n = 0
+        while n < len(block_hashes) and block_hashes[n] in self._index:
+            n += 1
+        return n
+
     def fetch_chain(self, block_hashes: Sequence[bytes]) -> list[bytes]:
         """Payloads of the longest leading run of ``block_hashes`` held here and verified; a record
         that fails verification is deleted and ends the run."""
@@ -432,8 +438,14 @@ class StagedBlocks:
         self._bytes += len(payload)
         self.received += 1
 
+    def held_run(self, block_hashes: Sequence[bytes]) -> int:
+        n = 0
+        while n < len(block_hashes) and block_hashes[n] in self._blocks:
+            n += 1
+        return n
+
     def fetch_chain(self, block_hashes: Sequence[bytes]) -> list[bytes]:
-        """Kept after a fetch (an admission that then finds no free blocks asks again); the budget evicts."""
+        """Kept after a fetch (a prompt sent twice restores them twice); the budget evicts."""
         out = []
         for h in block_hashes:
             payload = self._blocks.get(h)
@@ -451,6 +463,12 @@ class TierChain:
 
     def __init__(self, tiers: Sequence[SecondTier | StagedBlocks]):
         self.tiers = list(tiers)
+
+    def held_run(self, block_hashes: Sequence[bytes]) -> int:
+        n = 0
+        while n < len(block_hashes) and any(block_hashes[n] in t for t in self.tiers):
+            n += 1
+        return n
 
     def fetch_chain(self, block_hashes: Sequence[bytes]) -> list[bytes]:
         out: list[bytes] = []

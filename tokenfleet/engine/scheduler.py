@@ -42,8 +42,13 @@ from tokenfleet.kvcache.salt import chain_salt
 class PrefixTier(Protocol):
     """Where blocks the pool evicted may still be (engine.kv_tier.SecondTier)."""
 
+    def held_run(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading ``block_hashes`` it holds, from its index alone (no reads)."""
+        ...
+
     def fetch_chain(self, block_hashes: Sequence[bytes]) -> list[bytes]:
-        """K/V bytes of the longest leading run of ``block_hashes`` it holds (verified)."""
+        """K/V bytes of the longest leading run of ``block_hashes`` it holds (verified; a record that
+        fails verification ends the run early)."""
         ...
 
 
@@ -327,20 +332,26 @@ class Scheduler:
             if samples and self.running and len(self.running) + 1 + samples > self.config.max_num_running:
                 break  # its samples join the batch when forked: admit it when they fit (alone: always)
             prefix: list[int] = []
-            tier: list[bytes] = []
+            held = 0  # blocks past the pool's hit that the second tier holds
             if self.config.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
                 # Always leave at least one token to compute: its logits are needed. (Prompt
                 # logprobs need every prompt position's logits: no hits.)
                 limit = (request.num_tokens - 1) // bs
                 prefix = bm.match_prefix(request.block_hashes[:limit])
                 if self.second_tier is not None and len(prefix) < limit:
-                    tier = self.second_tier.fetch_chain(request.block_hashes[len(prefix): limit])
-            computed = (len(prefix) + len(tier)) * bs
+                    held = self.second_tier.held_run(request.block_hashes[len(prefix): limit])
+            computed = (len(prefix) + held) * bs
             n = self._chunk(request, computed, budget)
             allocation = bm.allocate_slots(request.request_id, computed + n, prefix, start=computed)
             if allocation is None:
-                break
-            if tier:  # the blocks after the pool's hit are fresh: the tier's bytes go there before the forward
+                break  # nothing read from the tier: a request that waits for blocks costs no I/O per step
+            if held:  # the blocks after the pool's hit are fresh: the tier's bytes go there before the forward
+                assert self.second_tier is not None
+                tier = self.second_tier.fetch_chain(request.block_hashes[len(prefix): len(prefix) + held])
+                if len(tier) < held:  # a record failed verification: compute from there, within the slots held
+                    slots = computed + n
+                    computed = (len(prefix) + len(tier)) * bs
+                    n = min(self._chunk(request, computed, budget), slots - computed)
                 restores.extend(zip(bm.block_table(request.request_id)[len(prefix):], tier))
             self.waiting.remove(request)
             if request.num_preemptions == 0:

@@ -42,6 +42,7 @@ def test_offered_blocks_come_back_as_the_longest_leading_run(make_tier):
     for i in range(5):
         tier.offer(h(i), "t", payload(i))
     tier.flush()
+    assert tier.held_run([h(0), h(1), h(9), h(2)]) == 2  # from the index: no reads, no hits counted
     assert tier.fetch_chain([h(0), h(1), h(2)]) == [payload(0), payload(1), payload(2)]
     assert tier.fetch_chain([h(3), h(9), h(4)]) == [payload(3)]  # stops at the first one it lacks
     assert tier.fetch_chain([h(9)]) == []
