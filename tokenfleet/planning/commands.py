@@ -68,9 +68,11 @@ def add_command(sub: Any) -> None:
     predict.set_defaults(func=_cmd_predict)
 
     sizing = cmds.add_parser("sizing", help="regenerate docs/sizing.md: nodes, GPU-hours and cost for the headline")
-    sizing.add_argument("--out", default="docs/sizing.md")
+    sizing.add_argument("--out", help="default: docs/sizing.md (docs/sizing-tiers.md with --tiers)")
     sizing.add_argument("--jobs", type=int, default=2)
     sizing.add_argument("--quick", action="store_true", help="a tiny smoke version (tests): small cells, short windows")
+    sizing.add_argument("--tiers", action="store_true", help="only docs/sizing-tiers.md (to --out, default "
+                        "docs/sizing-tiers.md): what a second KV tier and peer fetch are worth")
     sizing.set_defaults(func=_cmd_sizing)
 
 
@@ -156,7 +158,10 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 
 def _cmd_sizing(args: argparse.Namespace) -> int:
-    from tokenfleet.planning.sizing import regenerate
+    from tokenfleet.planning.sizing import regenerate, regenerate_tiers
 
-    regenerate(Path(args.out), jobs=args.jobs, quick=args.quick)
+    if args.tiers:
+        regenerate_tiers(Path(args.out or "docs/sizing-tiers.md"), jobs=args.jobs, quick=args.quick)
+    else:
+        regenerate(Path(args.out or "docs/sizing.md"), jobs=args.jobs, quick=args.quick)
     return 0

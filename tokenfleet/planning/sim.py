@@ -135,13 +135,16 @@ class SimTier:
         while len(self.blocks) > self.capacity:
             self.blocks.popitem(last=False)
 
-    def fetch_chain(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+    def held_run(self, block_hashes: Sequence[bytes]) -> int:
         n = 0
-        for h in block_hashes:
-            if h not in self.blocks:
-                break
-            self.blocks.move_to_end(h)
+        while n < len(block_hashes) and block_hashes[n] in self.blocks:
             n += 1
+        return n
+
+    def fetch_chain(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+        n = self.held_run(block_hashes)
+        for h in block_hashes[:n]:
+            self.blocks.move_to_end(h)
         self.hits += n
         return [b""] * n
 

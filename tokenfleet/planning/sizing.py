@@ -139,6 +139,92 @@ def regenerate(out: Path, jobs: int = 2, quick: bool = False) -> dict[str, Any]:
     return {"summary": summary, "sensitivity": sens_points, "rows": rows}
 
 
+# ---- KV tiers and peer fetch -----------------------------------------------------------------------------------
+TIER_GB = 1000.0  # host memory per node given to the second KV tier (an 8 x H100 node has 2 TB)
+TIER_GBYTES_PER_S = 100.0  # restoring into the pool: host -> 8 GPUs over PCIe gen5, ~12.5 GB/s each
+LONG_THINK_S = 300.0  # users who come back minutes later (or agents waiting on tools): a larger working set
+
+
+def tier_cells(base: Scenario, quick: bool) -> list[tuple[str, Scenario]]:
+    """Pairs that differ only in the second tier or in peer fetch."""
+    tier_blocks = int(TIER_GB * 1e9 / (base.fleet.kv_bytes_per_token * base.fleet.block_size))
+    tiered = replace(base.fleet, tier_blocks=tier_blocks, tier_bytes_per_s=TIER_GBYTES_PER_S * 1e9)
+    long = replace(base, conversations=replace(base.conversations, think_seconds=LONG_THINK_S))
+    n = base.nodes
+    cells = [("colocated, headline", base), ("colocated, headline, + tier", replace(base, fleet=tiered))]
+    if not quick:  # minutes of simulated users in flight: too slow for the smoke version
+        cells += [(f"colocated, {LONG_THINK_S:g} s think", long),
+                  (f"colocated, {LONG_THINK_S:g} s think, + tier", replace(long, fleet=tiered))]
+    for split in ((1,) if quick else (2, 3)):
+        pd = replace(base.fleet, replicas=n - split, prefill_replicas=split)
+        cells += [(f"P/D {split}:{n - split}", replace(base, fleet=pd)),
+                  (f"P/D {split}:{n - split}, + peer fetch", replace(base, fleet=replace(pd, peer_fetch=True)))]
+    return cells
+
+
+def regenerate_tiers(out: Path, jobs: int = 2, quick: bool = False) -> dict[str, Any]:
+    """docs/sizing-tiers.md: what a second KV tier and peer fetch are worth for the headline fleet."""
+    started = time.time()
+    base = headline(quick)
+    peak = peak_rate(10e6, 15, 2.88)
+    cells = tier_cells(base, quick)
+    rows = search(cells, lambda s: expected_hit_rate(s.conversations, s.fleet.policy, s.nodes), jobs, quick)
+    summary = []
+    for label, _ in cells:
+        rate = best_rate(rows, label)
+        at = next((r for r in rows if r["label"] == label and r["rate_per_node"] == rate), None)
+        summary.append({"label": label, "rate_per_node": rate, "nodes": math.ceil(peak / rate) if rate else None,
+                        "row": at})
+    figures = out.parent / out.stem
+    figures.mkdir(parents=True, exist_ok=True)
+    plots.write_csv(rows, figures / "cells.csv")
+    out.write_text(_tiers_markdown(base, peak, summary, time.time() - started, quick))
+    return {"summary": summary, "rows": rows}
+
+
+def _tiers_markdown(base: Scenario, peak: float, summary: list[dict[str, Any]], seconds: float, quick: bool) -> str:
+    f = base.fleet
+    tier_tokens = int(TIER_GB * 1e9 / f.kv_bytes_per_token)
+    lines = [
+        "# KV tiers and peer fetch at the headline", "",
+        "Regenerate with `.venv/bin/tokenfleet simulate sizing --tiers` (this file and `sizing-tiers/cells.csv`; "
+        f"{seconds / 60:.0f} minutes on a 2-core machine{', QUICK smoke settings' if quick else ''}). The workload, "
+        "hardware, cost model and objectives are those of [sizing.md](sizing.md); each pair below differs in one "
+        "thing only:", "",
+        f"- **+ tier**: every node keeps the blocks its pool evicts in {TIER_GB:g} GB of host memory "
+        f"({tier_tokens:,} tokens of KV, {tier_tokens / (f.num_blocks * f.block_size):.1f}x the pool's "
+        f"{f.num_blocks * f.block_size:,}) and restores them on a prefix hit at {TIER_GBYTES_PER_S:g} GB/s, charged "
+        "to the step (not overlapped: pessimistic); the router counts tier blocks at 0.9 of a pool block.",
+        f"- **{LONG_THINK_S:g} s think**: users come back after {LONG_THINK_S / 60:g} minutes instead of 30 s (or agents "
+        "wait on tools): the same traffic with a working set about 10x larger.",
+        "- **+ peer fetch**: the replica that computes a prompt (the prefill replica in P/D) first pulls the leading "
+        "blocks another replica holds beyond its own, over the 400 Gbit/s link; in P/D that is the decode replica, "
+        "which holds the replies it generated.", "",
+        "| configuration | best rate per node (req/s) | nodes | TTFT p99 ms | TPOT p99 ms | prefix hit rate "
+        "| tier restores / s | peer blocks / s | KV use |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        row, nodes = s["row"] or {}, s["nodes"]
+        if nodes is None:
+            lines.append(f"| {s['label']} | none met the SLOs | - | - | - | - | - | - | - |")
+            continue
+        window = row.get("window_s") or 1.0
+        lines.append(
+            f"| {s['label']} | {s['rate_per_node']:.1f} | **{nodes}** | {(row.get('ttft_p99_s') or 0) * 1000:.0f} | "
+            f"{(row.get('tpot_p99_s') or 0) * 1000:.1f} | {row.get('prefix_hit_rate') or 0:.2f} | "
+            f"{row.get('tier_restored_blocks', 0) / window:,.0f} | {row.get('peer_blocks', 0) / window:,.0f} | "
+            f"{row.get('kv_utilization') or 0:.2f} |")
+    lines += ["", "What the pairs say:", ""]
+    for a, b in zip(summary[::2], summary[1::2]):
+        if a["nodes"] and b["nodes"]:
+            saved = a["nodes"] - b["nodes"]
+            lines.append(f"- {b['label']}: {b['nodes']} nodes instead of {a['nodes']} ({saved} fewer, "
+                         f"{saved / a['nodes']:.0%}; ${saved * f.gpus_per_replica * 24 * 2:,.0f}/day at $2 per "
+                         "GPU-hour, peak-sized).")
+    return "\n".join(lines) + "\n"
+
+
 # ---- prefix-hit sensitivity ---------------------------------------------------------------------------------
 def _reuse_levels(c: Conversations, quick: bool) -> list[tuple[str, Conversations]]:
     """Workloads with the same mean prompt (~3k tokens) and less and less of it reusable."""

@@ -297,3 +297,15 @@ def test_sizing_regenerates_its_report(tmp_path):
             assert s["nodes"] == math.ceil(peak_rate(10e6, 15, 2.88) / s["rate_per_node"]) and f"**{s['nodes']}**" in text
     for name in ("cells.png", "nodes.png", "prefix-sensitivity.png", "cells.csv"):
         assert (tmp_path / "sizing" / name).stat().st_size > 0
+
+
+def test_sizing_tiers_regenerates_its_report(tmp_path):
+    from tokenfleet.planning.sizing import regenerate_tiers
+
+    out = tmp_path / "sizing-tiers.md"
+    result = regenerate_tiers(out, jobs=2, quick=True)
+    text = out.read_text()
+    assert "+ tier" in text and "+ peer fetch" in text and (tmp_path / "sizing-tiers" / "cells.csv").stat().st_size > 0
+    rows = {r["label"]: r for r in result["rows"]}
+    assert rows["P/D 1:1"]["peer_blocks"] == 0 and rows["colocated, headline"]["tier_restored_blocks"] == 0
+    assert all(s["nodes"] is None or f"**{s['nodes']}**" in text for s in result["summary"])
