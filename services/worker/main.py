@@ -173,8 +173,9 @@ async def serve(args: argparse.Namespace) -> None:
         deadline = time.monotonic() + args.grace_seconds
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(worker.drain(), timeout=args.grace_seconds)
-        if args.handoff_idle_seconds > 0 and getattr(engine, "read_blocks", None) is not None:
-            await worker.hand_off(args.handoff_idle_seconds, deadline)
+        peers = [r for r in sources.records.values() if registration is None or r.replica_id != registration.record.replica_id]
+        if args.handoff_idle_seconds > 0 and peers and getattr(engine, "read_blocks", None) is not None:
+            await worker.hand_off(args.handoff_idle_seconds, deadline)  # only a replica with peers has takers
         worker.reports_closed = True  # Load streams end: nothing left to wait for
 
     async def watch_health() -> None:

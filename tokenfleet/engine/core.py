@@ -113,7 +113,8 @@ class EngineCore:
         (call after every allocation: the step's, and a remote prefill's reservation)."""
         evicted = self.scheduler.block_manager.take_evicted()
         if evicted and self.tier is not None:
-            payloads = self.runner.export_blocks([block for block, _, _ in evicted])  # type: ignore[attr-defined]
+            # wait=False: on CUDA a side-stream copy into pinned memory the tier's writer waits for
+            payloads = self.runner.export_blocks([block for block, _, _ in evicted], wait=False)  # type: ignore[attr-defined]
             for (_, block_hash, owner), payload in zip(evicted, payloads):
                 self.tier.offer(block_hash, owner, payload)
 

@@ -30,7 +30,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, KeysView, Sequence
+from collections.abc import Callable, Iterable, KeysView, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, cast
@@ -152,6 +152,35 @@ class TierStats:
     per_tenant_bytes: dict[str, int] = field(default_factory=dict)  # gauge
 
 
+class PendingBlock:
+    """A block's K/V bytes still on their way to host memory (on CUDA: a device -> pinned host copy on a
+    side stream, so the step that evicted the block does not wait for it). Its size is known now;
+    ``result()`` waits for the copy (the tier's writer thread does, or a restore that needs it first)."""
+
+    __slots__ = ("size", "_wait", "_value", "_lock")
+
+    def __init__(self, size: int, wait: Callable[[], bytes]):
+        self.size, self._wait = size, wait
+        self._value: bytes | None = None
+        self._lock = threading.Lock()  # the writer thread and a restore may ask at once: one waits, once
+
+    def __len__(self) -> int:
+        return self.size
+
+    def result(self) -> bytes:
+        with self._lock:
+            if self._value is None:
+                self._value = self._wait()
+            return self._value
+
+
+Payload = bytes | PendingBlock
+
+
+def _bytes(payload: Payload) -> bytes:
+    return payload.result() if isinstance(payload, PendingBlock) else payload
+
+
 @dataclass
 class _Entry:
     size: int
@@ -172,7 +201,7 @@ class SecondTier:
         self._tenant_bytes: dict[str, int] = {}
         self.stats = TierStats()
         self.version = 0  # bumped whenever the set of held hashes changes
-        self._pending: dict[bytes, bytes] = {}  # payloads not yet written (fetches take them from here)
+        self._pending: dict[bytes, Payload] = {}  # payloads not yet written (fetches take them from here)
         self._lock = threading.Lock()  # guards _pending between the engine thread and the writer
         self._queue: queue.Queue[tuple[str, bytes, object] | None] = queue.Queue()
         self._max_pending = max_pending
@@ -188,7 +217,7 @@ class SecondTier:
         """The held block hashes, live (engine thread)."""
         return self._index.keys()
 
-    def offer(self, block_hash: bytes, tenant: str, payload: bytes) -> None:
+    def offer(self, block_hash: bytes, tenant: str, payload: Payload) -> None:
         """Keep an evicted block (its K/V bytes, copied out of the pool). Returns at once: the writer
         thread stores it. Dropped when the writer is behind or the block cannot fit."""
         self.stats.offered += 1
@@ -227,7 +256,8 @@ class SecondTier:
             if h not in self._index:
                 break
             with self._lock:
-                payload = self._pending.get(h)  # still in memory: nothing to verify
+                pending = self._pending.get(h)  # still in memory: nothing to verify
+            payload = _bytes(pending) if pending is not None else None
             if payload is None:
                 record = self.store.read(h.hex())
                 payload = self._open(record) if record is not None else None
@@ -287,8 +317,8 @@ class SecondTier:
             op, block_hash, data = item
             try:
                 if op == "write":
-                    tenant, payload = cast(tuple[str, bytes], data)
-                    record = self._seal(tenant, payload)
+                    tenant, payload = cast(tuple[str, Payload], data)
+                    record = self._seal(tenant, _bytes(payload))
                     self.store.write(block_hash.hex(), record)
                     self.stats.stored += 1
                     self.stats.bytes_written += len(record)
@@ -306,7 +336,7 @@ class SecondTier:
                 with self._lock:
                     self._pending.pop(block_hash, None)
 
-    def _record_size(self, tenant: str, payload: bytes) -> int:
+    def _record_size(self, tenant: str, payload: Payload) -> int:
         return _HEADER.size + len(tenant.encode()) + _DIGEST + len(payload) + (28 if self._aead is not None else 0)
 
     def _seal(self, tenant: str, payload: bytes) -> bytes:

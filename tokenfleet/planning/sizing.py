@@ -155,7 +155,7 @@ def tier_cells(base: Scenario, quick: bool) -> list[tuple[str, Scenario]]:
     if not quick:  # minutes of simulated users in flight: too slow for the smoke version
         cells += [(f"colocated, {LONG_THINK_S:g} s think", long),
                   (f"colocated, {LONG_THINK_S:g} s think, + tier", replace(long, fleet=tiered))]
-    for split in ((1,) if quick else (2, 3)):
+    for split in ((1,) if quick else (3,)):  # 3:5, the best P/D split in sizing.md
         pd = replace(base.fleet, replicas=n - split, prefill_replicas=split)
         cells += [(f"P/D {split}:{n - split}", replace(base, fleet=pd)),
                   (f"P/D {split}:{n - split}, + peer fetch", replace(base, fleet=replace(pd, peer_fetch=True)))]
@@ -331,6 +331,9 @@ _READING = [
     "- **At the limit**: TTFT p99 explodes once prefill demand nears a node's compute (the queue grows), and "
     "TPOT p99 rises as more steps carry a full 2048-token prefill chunk (~45 ms on this roofline, above the "
     "40 ms objective); a smaller step budget (`--max-num-batched-tokens`) trades TTFT for TPOT.",
+    "- **KV tiers and peer fetch**: what a host-memory second tier per node and peer fetch (the prefill replica "
+    "pulling the transcript, replies included, from the decode replica) change in these numbers is in "
+    "[sizing-tiers.md](sizing-tiers.md) (`tokenfleet simulate sizing --tiers`).",
 ]
 
 _EXTRAPOLATION = [

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
+from collections import Counter
 
 import pytest
 
-from tokenfleet.engine.kv_tier import DiskStore, MemoryStore, SecondTier, open_store, read_key
+from tokenfleet.engine.kv_tier import DiskStore, MemoryStore, PendingBlock, SecondTier, open_store, read_key
 
 NS = "ns-a"
 
@@ -48,6 +50,28 @@ def test_offered_blocks_come_back_as_the_longest_leading_run(make_tier):
     assert tier.fetch_chain([h(9)]) == []
     stats = tier.snapshot()
     assert (stats.hits, stats.misses, stats.stored, stats.entries) == (4, 1, 5, 5)
+
+
+def test_a_pending_copy_is_waited_for_by_the_writer_or_by_a_restore(make_tier):
+    """CUDA offers blocks whose bytes are still being copied to host (``PendingBlock``): the writer thread
+    waits for them off the engine thread; a restore that comes first waits itself; either way the record
+    holds the right bytes."""
+    tier = make_tier()
+    release, copies = threading.Event(), Counter()
+
+    def copy(i: int) -> bytes:
+        release.wait(10)
+        copies[i] += 1
+        return payload(i)
+
+    tier.offer(h(1), "t", PendingBlock(1000, lambda: copy(1)))
+    tier.offer(h(2), "t", PendingBlock(1000, lambda: copy(2)))
+    assert tier.snapshot().bytes_used == 2 * tier._record_size("t", payload(1))  # sized before the copy ends
+    release.set()
+    assert tier.fetch_chain([h(1)]) == [payload(1)]  # from memory, waiting if the writer has not yet
+    tier.flush()
+    assert tier.fetch_chain([h(1), h(2)]) == [payload(1), payload(2)]
+    assert copies == {1: 1, 2: 1}  # each copy waited for once, by whoever needed it first
 
 
 def test_the_budget_evicts_least_recently_used_first(make_tier):

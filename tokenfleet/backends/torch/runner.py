@@ -6,11 +6,13 @@ step, and the sampler.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from tokenfleet.backends.torch.sampler import Sampler
+from tokenfleet.engine.kv_tier import PendingBlock
 from tokenfleet.engine.output import TokenLogprobs
 from tokenfleet.engine.request import Request
 from tokenfleet.engine.runner import ExecuteResult
@@ -29,6 +31,7 @@ class TorchModelRunner:
         self.windows = tuple(group.window for group in model.config.kv_groups)
         self.sampler = Sampler(model.device)
         self._prompt_spans: list[tuple[str, int, int]] = []
+        self._copy_stream: torch.cuda.Stream | None = None  # CUDA: evicted blocks go to host on it
 
     def execute(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> ExecuteResult:
         logits = self.compute_logits(output, requests)
@@ -107,12 +110,33 @@ class TorchModelRunner:
             cache[slot].index_copy_(1, index, values.to(self.device))
 
     # ---- second KV tier: whole blocks, every layer, K then V ----------------------------------------
-    def export_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
-        """Each block's K and V in every layer as one raw [2, layers, kv_heads, block_size, head_dim] value."""
+    def export_blocks(self, block_ids: Sequence[int], wait: bool = True) -> list[bytes] | list[PendingBlock]:
+        """Each block's K and V in every layer as one raw [2, layers, kv_heads, block_size, head_dim] value.
+        ``wait=False`` on CUDA: the copy to host runs on a side stream into pinned memory and each value is a
+        ``PendingBlock`` (the step goes on; whoever needs the bytes waits for the copy). The gather itself
+        is ordered on the current stream, so the pool's blocks may be overwritten right after."""
         index = self._tensor(list(block_ids))
         both = torch.stack([self.kv.k.index_select(2, index), self.kv.v.index_select(2, index)])
-        both = both.permute(3, 0, 1, 2, 4, 5).contiguous().cpu()  # [n, 2, layers, kv_heads, block_size, head_dim]
-        return [_raw(block) for block in both]
+        both = both.permute(3, 0, 1, 2, 4, 5).contiguous()  # [n, 2, layers, kv_heads, block_size, head_dim]
+        if wait or self.device.type != "cuda":
+            return [_raw(block) for block in both.cpu()]
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the gather is done before the copy reads it
+        with torch.cuda.stream(stream):
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        both.record_stream(stream)  # the allocator keeps the gathered copy until the side stream is done with it
+
+        def result(i: int) -> bytes:
+            copied.synchronize()
+            return _raw(host[i])
+
+        size = self.block_bytes()
+        return [PendingBlock(size, functools.partial(result, i)) for i in range(len(block_ids))]
 
     def block_bytes(self) -> int:
         """Size of one ``export_blocks`` value."""
@@ -129,7 +153,9 @@ class TorchModelRunner:
         if any(len(data) != size for _, data in pairs):
             raise ValueError(f"a stored KV block is not {size} bytes: another layout")
         values = torch.frombuffer(bytearray(b"".join(data for _, data in pairs)), dtype=self.kv.k.dtype).view(shape)
-        values = values.to(self.device).permute(1, 2, 3, 0, 4, 5)  # [2, layers, kv_heads, n, block_size, head_dim]
+        if self.device.type == "cuda":  # from pinned memory the upload is asynchronous, ordered before the forward
+            values = values.pin_memory()
+        values = values.to(self.device, non_blocking=True).permute(1, 2, 3, 0, 4, 5)  # [2, layers, kv_heads, n, ...]
         index = self._tensor([block for block, _ in pairs])
         self.kv.k.index_copy_(2, index, values[0])
         self.kv.v.index_copy_(2, index, values[1])
