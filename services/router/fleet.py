@@ -149,6 +149,9 @@ class FleetView:
                         self._apply(key, report)
             except grpc.aio.AioRpcError as e:
                 log.debug("load stream interrupted", address=address, code=str(e.code()))
+            replica = self.replicas.get(key)
+            if replica is not None:  # unheard from: name it neither as a prefix's holder nor as a peer to fetch from
+                replica.hashes, replica.tier_hashes = set(), set()
             await asyncio.sleep(0.5)
 
     def _apply(self, key: str, report: engine_pb2.LoadReport) -> None:

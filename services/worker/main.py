@@ -173,9 +173,14 @@ async def serve(args: argparse.Namespace) -> None:
         deadline = time.monotonic() + args.grace_seconds
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(worker.drain(), timeout=args.grace_seconds)
-        peers = [r for r in sources.records.values() if registration is None or r.replica_id != registration.record.replica_id]
-        if args.handoff_idle_seconds > 0 and peers and getattr(engine, "read_blocks", None) is not None:
+        me = registration.record.replica_id if registration is not None else None
+        peers = [r for r in sources.records.values()  # replicas that could fetch from this one (check_peer's terms)
+                 if r.replica_id != me and r.model_version == model_version and r.kv_layout == layout_key]
+        core = getattr(engine, "core", None)
+        if args.handoff_idle_seconds > 0 and peers and getattr(core, "moves_blocks", False):
             await worker.hand_off(args.handoff_idle_seconds, deadline)  # only a replica with peers has takers
+        if registration is not None:
+            await registration.stop()  # routers stop naming it as a prefix source before it stops answering
         worker.reports_closed = True  # Load streams end: nothing left to wait for
 
     async def watch_health() -> None:

@@ -217,7 +217,8 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         sent_tiered: frozenset[bytes] | None = None
         while not self.reports_closed:
             report = self.report()
-            hashes, tiered = self.engine.cached_block_hashes(), self.engine.tier_block_hashes()
+            held = getattr(self.engine, "held_block_hashes", None)  # one moment's pair where the engine has it
+            hashes, tiered = held() if held else (self.engine.cached_block_hashes(), self.engine.tier_block_hashes())
             if sent is None or sent_tiered is None:
                 report.hashes_reset = True
                 report.added_block_hashes.extend(hashes)

@@ -87,8 +87,8 @@ class AsyncEngine:
     def __init__(self, core_factory: Callable[[], EngineCore], transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT):
         self._core_factory = core_factory
         self.transfer_timeout = transfer_timeout  # both sides: a KV transfer that takes longer is abandoned
-        self._hashes: frozenset[bytes] = frozenset()  # the prefix cache's block hashes, as of the last step
-        self._tier_hashes: frozenset[bytes] = frozenset()  # of those, held only in the second tier
+        # the prefix cache's block hashes (pool and second tier) and those only in the tier, as of the last step
+        self._held: tuple[frozenset[bytes], frozenset[bytes]] = (frozenset(), frozenset())
         self._hash_version: tuple[int, int] = (-1, -1)
         self._check_invariants = envs.check_invariants()
         self._core: EngineCore | None = None
@@ -129,10 +129,14 @@ class AsyncEngine:
         return self.core.kv_layout()
 
     def cached_block_hashes(self) -> frozenset[bytes]:
-        return self._hashes
+        return self._held[0]
 
     def tier_block_hashes(self) -> frozenset[bytes]:
-        return self._tier_hashes
+        return self._held[1]
+
+    def held_block_hashes(self) -> tuple[frozenset[bytes], frozenset[bytes]]:
+        """(cached_block_hashes, tier_block_hashes) of one moment."""
+        return self._held
 
     # ---- peer fetch: whole blocks between replicas of one model (engine.kv_tier) ------------------
     async def read_blocks(self, block_hashes: Sequence[bytes]) -> list[bytes]:
@@ -155,8 +159,9 @@ class AsyncEngine:
         version = (bm.hash_version, tier.version if tier is not None else 0)
         if version != self._hash_version:  # routers count blocks in the pool, and for less in the second tier
             held = bm.cached_hash_view()
-            self._hashes = frozenset(itertools.chain(held, tier.hashes()) if tier is not None else held)
-            self._tier_hashes = frozenset(tier.hashes() - held) if tier is not None else frozenset()
+            hashes = frozenset(itertools.chain(held, tier.hashes()) if tier is not None else held)
+            tiered = frozenset(tier.hashes() - held) if tier is not None else frozenset()
+            self._held = (hashes, tiered)  # one assignment: the event loop never reads a torn pair
             self._hash_version = version
 
     @property

@@ -12,6 +12,8 @@ import time
 from collections import ChainMap
 from collections.abc import Sequence
 
+import structlog
+
 from tokenfleet.engine.detokenizer import Decoder
 from tokenfleet.engine.guided import GuideCompiler
 from tokenfleet.engine.kv_connector import KVConnector
@@ -23,6 +25,8 @@ from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import Scheduler
 from tokenfleet.engine.stats import EngineStats, StepTimer
 from tokenfleet.kvcache.layout import KVLayout
+
+log = structlog.get_logger()
 
 
 class EngineCore:
@@ -118,7 +122,7 @@ class EngineCore:
             for (_, block_hash, owner), payload in zip(evicted, payloads):
                 self.tier.offer(block_hash, owner, payload)
 
-    def close(self) -> None:
+    def close(self, seconds: float = 20.0) -> None:
         """At shutdown: copy the pool's cached blocks into a persistent second tier too (a restarted worker
         restores them from disk instead of recomputing its hottest prefixes) and wait for the writes."""
         if self.tier is None:
@@ -126,15 +130,24 @@ class EngineCore:
         if not self.tier.store.persistent:
             self.tier.close()
             return
+        tier = self.tier
         self.offload_evicted()
-        blocks = self.scheduler.block_manager.cached_blocks()
+        tier.flush()
+        # The most recently used blocks the tier's budget holds, not yet in it; at most ``seconds`` of copying.
+        size = self.runner.block_bytes()  # type: ignore[attr-defined]
+        fits = max(0, tier.budget_bytes // max(1, size + 4096))  # a record is the block and a small header
+        blocks = [b for b in self.scheduler.block_manager.cached_blocks()[-fits:] if b[1] not in tier] if fits else []
+        deadline = time.monotonic() + seconds
         for i in range(0, len(blocks), 64):  # in batches the writer keeps up with (offer drops when behind)
+            if time.monotonic() > deadline:
+                log.warning("kv_tier_close_cut_short", copied=i, left=len(blocks) - i)
+                break
             batch = blocks[i: i + 64]
             payloads = self.runner.export_blocks([block for block, _, _ in batch])  # type: ignore[attr-defined]
             for (_, block_hash, owner), payload in zip(batch, payloads):
-                self.tier.offer(block_hash, owner, payload)
-            self.tier.flush()
-        self.tier.close()
+                tier.offer(block_hash, owner, payload)
+            tier.flush()
+        tier.close()
 
     @property
     def guides(self) -> GuideCompiler:

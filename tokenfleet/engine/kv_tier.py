@@ -115,7 +115,10 @@ class DiskStore:
 
     def read(self, key: str) -> bytes | None:
         try:
-            return (self.dir / key).read_bytes()
+            path = self.dir / key
+            data = path.read_bytes()
+            os.utime(path)  # a restore is a use: a restarted worker's index keeps recently used records
+            return data
         except OSError:
             return None
 
@@ -171,7 +174,12 @@ class PendingBlock:
         with self._lock:
             if self._value is None:
                 self._value = self._wait()
+                self._wait = _done  # drops the pinned batch buffer the copy closed over
             return self._value
+
+
+def _done() -> bytes:
+    raise RuntimeError("a PendingBlock's copy was already taken")
 
 
 Payload = bytes | PendingBlock
@@ -257,8 +265,13 @@ class SecondTier:
                 break
             with self._lock:
                 pending = self._pending.get(h)  # still in memory: nothing to verify
-            payload = _bytes(pending) if pending is not None else None
-            if payload is None:
+            payload, failed = None, False
+            try:
+                payload = _bytes(pending) if pending is not None else None
+            except Exception as e:  # noqa: BLE001 - a copy that failed: like a damaged record, recomputed
+                log.warning("kv_tier_pending_copy_failed", error=repr(e)[:300])
+                failed = True
+            if payload is None and not failed:
                 record = self.store.read(h.hex())
                 payload = self._open(record) if record is not None else None
                 self.stats.bytes_read += len(record) if record is not None else 0
@@ -295,6 +308,8 @@ class SecondTier:
     # ---- internals ---------------------------------------------------------------------
     def _evict(self, block_hash: bytes, count: bool = True) -> None:
         entry = self._index.pop(block_hash)
+        with self._lock:  # here, not on the writer: a re-offer queued after the delete keeps its payload
+            self._pending.pop(block_hash, None)
         self._account(entry.tenant, -entry.size)
         self.version += 1
         if count:
@@ -326,13 +341,11 @@ class SecondTier:
                         if self._pending.get(block_hash) is payload:
                             del self._pending[block_hash]
                 elif op == "delete":
-                    with self._lock:
-                        self._pending.pop(block_hash, None)
                     self.store.delete(block_hash.hex())
                 elif op == "flush":
                     cast(threading.Event, data).set()
-            except OSError as e:  # a full disk loses the block, not the worker
-                log.warning("kv_tier_write_failed", store=self.store.name, error=str(e))
+            except Exception as e:  # noqa: BLE001 - a full disk or a failed copy loses the block, not the writer
+                log.warning("kv_tier_write_failed", store=self.store.name, error=repr(e)[:300])
                 with self._lock:
                     self._pending.pop(block_hash, None)
 
@@ -381,8 +394,10 @@ class SecondTier:
         return record[_HEADER.size: _HEADER.size + name_len].decode(errors="replace") if magic == MAGIC else None
 
     def _rebuild(self) -> None:
-        """Index what the store already holds (a restarted worker keeps its disk tier), oldest first."""
-        found = sorted(self.store.scan(), key=lambda e: e[2])
+        """Index what the store already holds (a restarted worker keeps its disk tier): the most recently
+        used records that fit the budget (a file's mtime is its last write or restore), the rest deleted."""
+        found = sorted(self.store.scan(), key=lambda e: e[2], reverse=True)  # newest first: they fill the budget
+        kept: list[tuple[bytes, _Entry]] = []
         for key, size, _, head in found:
             try:
                 block_hash = bytes.fromhex(key)
@@ -393,8 +408,10 @@ class SecondTier:
             if tenant is None or self.stats.bytes_used + size > self.budget_bytes:
                 self.store.delete(key)
                 continue
-            self._index[block_hash] = _Entry(size, tenant)
+            kept.append((block_hash, _Entry(size, tenant)))
             self._account(tenant, size)
+        for block_hash, entry in reversed(kept):  # the LRU index is oldest first
+            self._index[block_hash] = entry
         if found:
             log.info("kv_tier_reopened", store=self.store.name, entries=len(self._index), bytes=self.stats.bytes_used)
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tokenfleet.engine.output import TokenLogprobs
 from tokenfleet.engine.request import Request
 from tokenfleet.engine.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from tokenfleet.engine.kv_tier import PendingBlock
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,12 @@ class ModelRunner(Protocol):
 class TierRunner(Protocol):
     """A runner that can move whole blocks (every layer) out of and into its pool: the second KV tier."""
 
-    def export_blocks(self, block_ids: Sequence[int]) -> list[bytes]: ...
+    def export_blocks(self, block_ids: Sequence[int], wait: bool = True) -> Sequence[bytes | PendingBlock]:
+        """Each block's bytes; ``wait=False`` lets a device runner return copies still under way (bytes
+        when ``wait``)."""
+        ...
+
+    def block_bytes(self) -> int: ...
 
     def import_blocks(self, pairs: Sequence[tuple[int, bytes]]) -> None: ...
 

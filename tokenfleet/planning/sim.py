@@ -258,7 +258,7 @@ class Simulator:
         self.num_rejected = self.num_submitted = 0
         self.num_remote = self.num_fallbacks = 0
         self.transfer_bytes = 0.0
-        self.num_peer_blocks = self.num_restored_blocks = 0  # blocks fetched from peers, restored from tiers
+        self.num_peer_blocks = self.num_restored_blocks = 0  # fetched from peers, restored from tiers (in the window)
         self.output_tokens_in_window = 0
         self._held: dict[str, int] = {}  # remote request -> leading prompt blocks the decode replica had
         self._open = 0  # measured requests not finished
@@ -381,19 +381,24 @@ class Simulator:
         best = max((matched_prefix(chain, r.held()) for rid, r in self.replicas.items() if rid != replica_id), default=0)
         if best - own < fleet.prefix.peer_min_blocks:
             return 0.0
-        self._cache_chain(replica, chain[:best])
-        self.num_peer_blocks += best - own
+        if not self._cache_chain(replica, chain[:best]):
+            return 0.0  # no room for them now: computed there instead
         num_bytes = (best - own) * fleet.block_size * fleet.kv_bytes_per_token
-        self.transfer_bytes += num_bytes
+        if self.window[0] <= self.now < self.window[1]:
+            self.num_peer_blocks += best - own
+            self.transfer_bytes += num_bytes
         return fleet.link_latency_s + num_bytes / fleet.link_bytes_per_s
 
-    def _cache_chain(self, replica: SimReplica, chain: list[bytes]) -> None:
-        """Leave ``chain``'s blocks cached (evictable) in the replica's pool, as a finished request would."""
+    def _cache_chain(self, replica: SimReplica, chain: list[bytes]) -> bool:
+        """Leave ``chain``'s blocks cached (evictable) in the replica's pool, as a finished request would;
+        False when the pool has no room for them now."""
         bm = replica.scheduler.block_manager
-        if bm.allocate_slots("install", len(chain) * self.fleet.block_size, bm.match_prefix(chain)) is not None:
+        installed = bm.allocate_slots("install", len(chain) * self.fleet.block_size, bm.match_prefix(chain)) is not None
+        if installed:
             bm.cache_blocks("install", chain)
             bm.free("install")
         replica.offload_evicted()
+        return installed
 
     def _request(self, arrival: Arrival, max_tokens: int) -> Request:
         return Request(arrival.request_id, arrival.prompt, PARAMS, arrival_time=self.now, max_tokens=max_tokens,
@@ -478,7 +483,8 @@ class Simulator:
         shape = StepShape.of(output, self.fleet.sliding_window)
         seconds = self.cost.step_seconds(shape)
         if output.restores:  # second-tier blocks copied into the pool before the step (not overlapped: pessimistic)
-            self.num_restored_blocks += len(output.restores)
+            if self.window[0] <= self.now < self.window[1]:
+                self.num_restored_blocks += len(output.restores)
             seconds += len(output.restores) * self.fleet.block_size * self.fleet.kv_bytes_per_token / self.fleet.tier_bytes_per_s
         if self.window[0] <= self.now < self.window[1]:
             replica.busy_seconds += seconds

@@ -85,7 +85,8 @@ def reuse_value(block_hashes: Sequence[bytes], run: int, tiered: Collection[byte
     """What a replica holding the prompt's first ``run`` blocks (``tiered``: those only in its second tier)
     saves, in pool blocks, when the best holder in the fleet has ``best_run`` of them (fetchable)."""
     slow = sum(1 for h in block_hashes[:run] if h in tiered)  # never bool(tiered): a live view may count by iterating
-    return run - slow * (1 - config.tier_block_value) + config.peer_block_value * max(0, best_run - run)
+    fetchable = best_run - run if best_run - run >= config.peer_min_blocks else 0  # what a named peer would send
+    return run - slow * (1 - config.tier_block_value) + config.peer_block_value * fetchable
 
 
 def overloaded(replica: ReplicaLoad, candidates: Sequence[ReplicaLoad], config: PrefixPolicyConfig) -> bool:
