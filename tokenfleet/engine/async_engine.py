@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ T = TypeVar("T")
 _STOP = object()
 log = structlog.get_logger()
 DEFAULT_TRANSFER_TIMEOUT = 30.0
+HASHES_REFRESH_S = 0.05  # the reported hash sets lag the engine by at most this (plus one idle wait)
 
 
 def _resolve(future: Future, error: Exception | None = None, result: Any = None) -> bool:
@@ -89,6 +91,8 @@ class AsyncEngine:
         self.transfer_timeout = transfer_timeout  # both sides: a KV transfer that takes longer is abandoned
         # the prefix cache's block hashes (pool and second tier) and those only in the tier, as of the last step
         self._held: tuple[frozenset[bytes], frozenset[bytes]] = (frozenset(), frozenset())
+        self._hashes_built = float("-inf")
+        self._hashes_cost = 0.0  # seconds the last rebuild of the reported hash sets took
         self._hash_version: tuple[int, int] = (-1, -1)
         self._check_invariants = envs.check_invariants()
         self._core: EngineCore | None = None
@@ -153,16 +157,23 @@ class AsyncEngine:
     def count_peer_failure(self) -> None:
         self.post(lambda core: setattr(core.stats, "num_peer_fetch_failures", core.stats.num_peer_fetch_failures + 1))
 
-    def _snapshot(self, core: EngineCore) -> None:
+    def _snapshot(self, core: EngineCore, busy: bool = False) -> None:
         self._stats = core.snapshot()
         bm, tier = core.scheduler.block_manager, core.tier
         version = (bm.hash_version, tier.version if tier is not None else 0)
-        if version != self._hash_version:  # routers count blocks in the pool, and for less in the second tier
+        now = time.monotonic()
+        # While busy, rebuilt at most every HASHES_REFRESH_S and at most ~5% of the engine's time: the sets
+        # are as large as the pool and the tier (10^5-10^6 hashes on a GPU node: ~40-100 ms to build),
+        # evictions change them nearly every step, and routers read them every 200 ms. Idle: at once.
+        wait = max(HASHES_REFRESH_S, 20 * self._hashes_cost)
+        if version != self._hash_version and (not busy or now - self._hashes_built >= wait):
             held = bm.cached_hash_view()
             hashes = frozenset(itertools.chain(held, tier.hashes()) if tier is not None else held)
             tiered = frozenset(tier.hashes() - held) if tier is not None else frozenset()
             self._held = (hashes, tiered)  # one assignment: the event loop never reads a torn pair
             self._hash_version = version
+            self._hashes_built = time.monotonic()
+            self._hashes_cost = self._hashes_built - now
 
     @property
     def core(self) -> EngineCore:
@@ -307,7 +318,7 @@ class AsyncEngine:
                     return
                 for out in outputs:
                     self.deliver(out)
-            self._snapshot(core)
+            self._snapshot(core, busy=core.has_unfinished())
 
     def _fail_all(self, core: EngineCore, error: Exception) -> None:
         self.error = error
