@@ -115,6 +115,7 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
         kv_tier_bytes=args.kv_tier_bytes,
         kv_tier_tenant_bytes=args.kv_tier_tenant_bytes,
         kv_tier_key_file=args.kv_tier_key_file,
+        speculative_config=args.speculative_config or (record.speculative_config if record is not None else ""),
     )
 
 

@@ -299,6 +299,20 @@ class BlockManager:
                 if block_id != self._null:
                     self._release(block_id)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Shrink the request's tables to cover ``num_tokens`` tokens: the blocks past them go back (speculative
+        verification allocated slots for proposed tokens that were rejected). Never below its hashed blocks."""
+        tables = self._tables.get(request_id)
+        if tables is None or num_tokens >= self._num_slots[request_id]:
+            return
+        keep = max(-(-num_tokens // self.block_size), self._num_hashed.get(request_id, 0))
+        for table in tables:
+            while len(table) > keep:
+                block_id = table.pop()
+                if block_id != self._null:
+                    self._release(block_id)
+        self._num_slots[request_id] = num_tokens if keep == -(-num_tokens // self.block_size) else keep * self.block_size
+
     def reset_prefix_cache(self) -> None:
         """Evict every cached block that no request uses."""
         while self._evictable:

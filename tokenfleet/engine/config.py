@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenfleet.engine.scheduler import SchedulerConfig
+from tokenfleet.engine.spec_decode import SpecConfig
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class EngineConfig:
     kv_tier_bytes: int = 4 << 30
     kv_tier_tenant_bytes: int = 0
     kv_tier_key_file: str = ""
+    # Speculative decoding (engine.spec_decode.SpecConfig.parse): the registry record's speculative_config JSON,
+    # e.g. {"decoding_type": "NGram", "max_draft_len": 5}; "" = off
+    speculative_config: str = ""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -42,6 +46,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.dtype not in ("bfloat16", "float32", "float16"):
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        self.spec_config()  # a bad speculative_config fails here, before any weight is loaded
+
+    def spec_config(self) -> SpecConfig | None:
+        return SpecConfig.parse(self.speculative_config)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

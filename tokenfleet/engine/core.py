@@ -22,7 +22,8 @@ from tokenfleet.engine.output import OutputState, RequestOutput, Resume
 from tokenfleet.engine.request import FinishReason, Priority, Request, RequestStatus
 from tokenfleet.engine.runner import ExecuteResult, ModelInfo, ModelRunner
 from tokenfleet.engine.sampling_params import SamplingParams
-from tokenfleet.engine.scheduler import Scheduler
+from tokenfleet.engine.scheduler import Scheduler, SchedulerOutput
+from tokenfleet.engine.spec_decode import SpecConfig, Speculator
 from tokenfleet.engine.stats import EngineStats, StepTimer
 from tokenfleet.kvcache.layout import KVLayout
 
@@ -46,6 +47,11 @@ class EngineCore:
         self._guides_lock = threading.Lock()
         self.tier: SecondTier | None = None
         self.staged: StagedBlocks | None = None  # blocks peers sent (peer fetch), until admission restores them
+        self.spec: Speculator | None = None  # speculative decoding (enable_speculation)
+
+    def enable_speculation(self, config: SpecConfig) -> None:
+        """Propose tokens for decoding requests and verify them in the step's forward (engine.spec_decode)."""
+        self.spec = Speculator(config)
 
     @property
     def moves_blocks(self) -> bool:
@@ -275,6 +281,8 @@ class EngineCore:
         request = self.scheduler.finish_request(request_id, FinishReason.ABORT)
         state = self._states.pop(request_id, None)
         self.runner.release(request_id)
+        if self.spec is not None and request is not None:
+            self.spec.finished(request)
         if request is None or state is None:
             return None
         self.stats.num_aborted += 1
@@ -290,6 +298,9 @@ class EngineCore:
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.spec is not None:
+            self.spec.cost.prefill_per_token = 1.0 / self.stats.prefill_tokens_per_s if self.stats.prefill_tokens_per_s else 0.0
+            self.spec.propose(self.scheduler.running, self.scheduler.config.max_num_batched_tokens)
         output = self.scheduler.schedule()
         self.offload_evicted()  # before the restores and the forward overwrite those blocks
         if output.is_empty:
@@ -304,7 +315,9 @@ class EngineCore:
         self.stats.num_prompt_tokens_computed += sum(
             max(0, min(s.start + s.num_new_tokens, requests[s.request_id].num_prompt_tokens) - s.start)
             for s in output.scheduled)
-        finished = {r.request_id: r for r in self.scheduler.update(output, result.sampled)}
+        if self.spec is not None:
+            self._observe_speculation(output, result)
+        finished = {r.request_id: r for r in self.scheduler.update(output, result.sampled, result.accepted)}
         outputs = []
         for entry in output.scheduled:
             if entry.samples and entry.request_id in result.sampled:
@@ -315,14 +328,52 @@ class EngineCore:
             self.stats.record_prefill_rate(output.num_scheduled_tokens, self._timer.last)
         return outputs
 
+    def _observe_speculation(self, output: SchedulerOutput, result: ExecuteResult) -> None:
+        assert self.spec is not None
+        verified = [s for s in output.scheduled if s.draft]
+        for entry in verified:
+            accepted = len(result.accepted.get(entry.request_id, ()))
+            self.spec.observe(self.scheduler.requests[entry.request_id], len(entry.draft), accepted)
+            self.stats.num_spec_proposed_tokens += len(entry.draft)
+            self.stats.num_spec_accepted_tokens += accepted
+            self.stats.num_spec_verifications += 1
+        if all(s.num_new_tokens == 1 or s.draft for s in output.scheduled):  # decode and verification steps
+            self.spec.cost.observe(output.num_scheduled_tokens, self._timer.last)
+            if verified:
+                self.stats.num_spec_steps += 1
+                self.stats.spec_step_seconds += self._timer.last
+            else:
+                self.stats.num_plain_decode_steps += 1
+                self.stats.plain_decode_step_seconds += self._timer.last
+
     def _process(self, request_id: str, result: ExecuteResult, finished: dict[str, Request]) -> RequestOutput:
         state = self._states[request_id]
         request = finished.get(request_id)
-        token = result.sampled[request_id]
-        # Ended by EOS or a stop token id: that token is not text. (A completed grammar's last token is.)
-        by_token = request is not None and request.finish_reason is FinishReason.STOP and (
-            token in request.eos_token_ids or token in request.sampling_params.stop_token_ids)
-        out = state.on_token(token, result.logprobs.get(request_id), by_token)
+        tokens = [result.sampled[request_id], *result.accepted.get(request_id, ())]
+        logprobs = [result.logprobs.get(request_id), *result.accepted_logprobs.get(request_id, ())]
+        live = self.scheduler.requests.get(request_id) or request
+        if len(tokens) > 1:  # the scheduler drops the tail after a stop inside the accepted run
+            tokens = tokens[: self.scheduler.appended.get(request_id, len(tokens))]
+        out = None
+        for i, token in enumerate(tokens):
+            last = i == len(tokens) - 1
+            # Ended by EOS or a stop token id: that token is not text. (A completed grammar's last token is.)
+            by_token = last and request is not None and request.finish_reason is FinishReason.STOP and (
+                token in request.eos_token_ids or token in request.sampling_params.stop_token_ids)
+            step_out = state.on_token(token, logprobs[i] if i < len(logprobs) else None, by_token)
+            if out is None:
+                out = step_out
+            else:
+                out.new_token_ids += step_out.new_token_ids
+                out.text += step_out.text
+                out.logprobs += step_out.logprobs
+                out.num_output_tokens = step_out.num_output_tokens
+            if state.matcher.matched is not None and not last:  # a stop string inside the accepted run
+                assert live is not None
+                del live.output_token_ids[len(live.output_token_ids) - (len(tokens) - 1 - i):]
+                out.num_output_tokens = len(live.output_token_ids)
+                break
+        assert out is not None
         if request is None and state.matcher.matched is not None:
             request = self.scheduler.finish_request(request_id, FinishReason.STOP)
         if request is not None and request.finish_reason is not None:
@@ -332,6 +383,8 @@ class EngineCore:
             self._leave_group(request_id)
             self.runner.release(request_id)
             self.stats.record_finished(request)
+            if self.spec is not None:
+                self.spec.finished(request)
             out = state.finish(out, request.finish_reason)
         return out
 

@@ -59,6 +59,7 @@ class Request:
     guide: Any = None  # grammar matcher (llguidance.LLMatcher) when sampling_params.guided is set
     index: int = 0  # which of the n samples of its group (forks share the prompt's blocks)
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1.. (prompt_logprobs set)
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative proposals to verify this step
 
     @property
     def num_prompt_tokens(self) -> int:

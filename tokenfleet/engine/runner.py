@@ -23,6 +23,9 @@ class ExecuteResult:
     logprobs: dict[str, TokenLogprobs]
     # request id -> logprobs of the prompt tokens this step's chunk predicts (prompt_logprobs set)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = dataclasses.field(default_factory=dict)
+    # speculative verification: request id -> the tokens it takes after ``sampled[id]`` (and their logprobs)
+    accepted: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    accepted_logprobs: dict[str, list[TokenLogprobs]] = dataclasses.field(default_factory=dict)
 
 
 class ModelRunner(Protocol):

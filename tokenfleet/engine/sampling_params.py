@@ -45,6 +45,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # like logprobs, for the prompt's tokens (echo); disables prefix-cache hits
     logit_bias: tuple[tuple[int, float], ...] = ()
     guided: Guided | None = None
+    speculative: bool = True  # False: never speculate for this request (where the engine speculates)
 
     def __post_init__(self) -> None:
         stop = self.stop

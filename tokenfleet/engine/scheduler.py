@@ -84,6 +84,9 @@ class ScheduledRequest:
     samples: bool  # the chunk reaches the end of the known tokens: sample one token
     forks: tuple[str, ...] = ()  # samples of the same prompt: each samples its own first token from these logits
     other_block_ids: tuple[tuple[int, ...], ...] = ()  # the other KV groups' tables (sliding-window models)
+    # Speculative verification: proposed tokens after the request's last one (num_new_tokens counts them too);
+    # each of the 1 + len(draft) positions gets logits, and update() takes the accepted run.
+    draft: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class Scheduler:
         self.num_forks = self.num_fork_shared_blocks = self.num_block_copies = 0
         # The second KV tier (engine.kv_tier): blocks past a pool hit that it holds are restored, not recomputed.
         self.second_tier: PrefixTier | None = None
+        self.appended: dict[str, int] = {}  # the last update's verification entries: tokens each request took
 
     # ---- queue management --------------------------------------------------------------
     def salt(self, request: Request) -> str:
@@ -291,16 +295,20 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._chunk(request, request.num_computed_tokens, budget)
-            allocation = self._allocate_or_preempt(request, n, preempted)
+            allocation, draft = None, ()
+            if request.draft_token_ids and n == 1:
+                allocation, draft = self._allocate_draft(request, budget, len(self.running) - i - 1)
+            if allocation is None:
+                allocation = self._allocate_or_preempt(request, n, preempted)
             if allocation is None:
                 break  # the request itself was preempted; it was the last running one
             copies.extend(allocation.copies)
-            scheduled.append(self._entry(request, n))
-            budget -= n
+            scheduled.append(self._entry(request, n + len(draft), draft))
+            budget -= n + len(draft)
             i += 1
         if not preempted:
             budget = self._admit_waiting(budget, scheduled, copies, restores)
-        scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        scheduled.sort(key=lambda s: s.num_new_tokens != 1 and not s.draft)  # stable: decodes (and verifications) first
         self.num_block_copies += len(copies)
         return SchedulerOutput(tuple(scheduled), tuple(copies), tuple(preempted), tuple(restores))
 
@@ -309,6 +317,21 @@ class Scheduler:
         if self.config.max_prefill_chunk:
             n = min(n, self.config.max_prefill_chunk)
         return n
+
+    def _allocate_draft(self, request: Request, budget: int, num_after: int):
+        """Slots for a decoding request's last token and its proposed tokens, without preempting anyone and
+        leaving a block for each running request after it. (allocation, draft), or (None, ()) to decode plainly."""
+        draft, request.draft_token_ids = request.draft_token_ids, []
+        k = min(len(draft), budget - 1, request.max_tokens - len(request.output_token_ids) - 1,
+                self.config.max_model_len - request.num_tokens - 1)
+        if k <= 0:
+            return None, ()
+        bm = self.block_manager
+        end = request.num_computed_tokens + 1 + k
+        if bm.blocks_needed(request.request_id, end) + num_after > bm.num_free_blocks:
+            return None, ()
+        allocation = bm.allocate_slots(request.request_id, end, start=request.num_computed_tokens)
+        return (allocation, tuple(draft[:k])) if allocation is not None else (None, ())
 
     def _allocate_or_preempt(self, request: Request, n: int, preempted: list[str]):
         while True:
@@ -364,7 +387,7 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _entry(self, request: Request, n: int) -> ScheduledRequest:
+    def _entry(self, request: Request, n: int, draft: tuple[int, ...] = ()) -> ScheduledRequest:
         """The step's entry for ``request``; its tenant is charged for the prompt tokens it
         computes now (when scheduled, so later admissions of this step see the charge; prefix
         cache hits are not computed, hence free)."""
@@ -372,12 +395,12 @@ class Scheduler:
         num_prompt = len(request.prompt_token_ids)
         if start < num_prompt:
             self.waiting.charge(request.tenant, prompt_tokens=min(end, num_prompt) - start)
-        samples = end == num_prompt + len(request.output_token_ids)
+        samples = end - len(draft) == num_prompt + len(request.output_token_ids)
         forks = self.forks.get(request.request_id) if samples else None
         tables = self.block_manager.block_tables(request.request_id)
         return ScheduledRequest(request.request_id, start, n, tuple(tables[0]), samples,
                                 tuple(f.request_id for f in forks) if forks else (),
-                                tuple(tuple(t) for t in tables[1:]))
+                                tuple(tuple(t) for t in tables[1:]), draft)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -392,24 +415,39 @@ class Scheduler:
         self.waiting.push(request, self._order[request.request_id], resumed=request.status is RequestStatus.PREEMPTED)
 
     # ---- after the forward -----------------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int],
+               accepted: Mapping[str, Sequence[int]] | None = None) -> list[Request]:
         """Advance computed counts, append sampled tokens, apply token-level stops.
 
-        ``sampled`` maps request id -> token for entries with ``samples``. Returns the
-        requests that finished in this step (already removed, blocks freed).
+        ``sampled`` maps request id -> token for entries with ``samples``; ``accepted``, for verification
+        entries, the tokens after it (the accepted proposals past the first, then the sampler's own), so
+        those requests take 1 + len(accepted[id]) tokens. Returns the requests that finished in this step
+        (already removed, blocks freed).
         """
         bs = self.block_manager.block_size
         finished = []
+        self.appended.clear()
         for entry in output.scheduled:
             request = self.requests.get(entry.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += entry.num_new_tokens
+            more = (accepted or {}).get(entry.request_id, ()) if entry.draft else ()
+            # the KV of the last token and of the accepted proposals is valid; the rejected positions' is not
+            request.num_computed_tokens += entry.num_new_tokens - len(entry.draft) + len(more)
             completed_block = request.num_computed_tokens // bs != entry.start // bs
             if entry.samples:
-                self.waiting.charge(request.tenant, output_tokens=1)
-                request.output_token_ids.append(sampled[entry.request_id])
-                if request.num_tokens % bs == 0:
+                tokens = [sampled[entry.request_id], *more]
+                appended = 0
+                for token in tokens:
+                    request.output_token_ids.append(token)
+                    appended += 1
+                    if appended < len(tokens) and self._check_stop(request, grammar=False) is not None:
+                        break  # EOS, a stop id or the length inside the accepted run: the rest is dropped
+                self.waiting.charge(request.tenant, output_tokens=appended)
+                if entry.draft:
+                    self.appended[entry.request_id] = appended
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+                if request.num_tokens // bs > len(request.block_hashes):
                     request.block_hashes = hash_blocks(
                         request.all_token_ids, bs, self.salt(request), request.block_hashes
                     )
@@ -423,6 +461,8 @@ class Scheduler:
             if reason is not None:
                 self.finish_request(entry.request_id, reason)
                 finished.append(request)
+            elif entry.draft:
+                self.block_manager.trim(entry.request_id, request.num_tokens)
         return finished
 
     def _fork(self, parent: Request, fork_ids: Sequence[str], sampled: Mapping[str, int]) -> list[Request]:
@@ -455,9 +495,11 @@ class Scheduler:
             del self.forks[parent.request_id]
         return finished
 
-    def _check_stop(self, request: Request) -> FinishReason | None:
+    def _check_stop(self, request: Request, grammar: bool = True) -> FinishReason | None:
+        """Why ``request`` ends after its last token, or None. ``grammar=False``: not the grammar's state (the
+        matcher has consumed a whole accepted run; it is checked after its last token)."""
         params = request.sampling_params
-        if request.guide is not None and (request.guide.is_stopped() or request.guide.is_error()):
+        if grammar and request.guide is not None and (request.guide.is_stopped() or request.guide.is_error()):
             return FinishReason.STOP  # the grammar is complete (or cannot continue)
         num_output = len(request.output_token_ids)
         token = request.output_token_ids[-1]

@@ -34,6 +34,15 @@ class EngineStats:
     num_peer_blocks_served: int = 0  # blocks this replica sent to peers
     num_peer_fetch_failures: int = 0  # peer fetches that failed or timed out (the blocks were recomputed)
     total_step_seconds: float = 0.0
+    # speculative decoding (engine.spec_decode): proposed and accepted tokens, verifications (a request's
+    # proposals verified in one step), and decode-only steps' time with and without verifications
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_verifications: int = 0
+    num_spec_steps: int = 0
+    spec_step_seconds: float = 0.0
+    num_plain_decode_steps: int = 0
+    plain_decode_step_seconds: float = 0.0
     # gauges (filled by snapshot)
     num_running: int = 0
     num_waiting: int = 0
@@ -57,6 +66,15 @@ class EngineStats:
     @property
     def mean_step_seconds(self) -> float:
         return self.total_step_seconds / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.num_spec_accepted_tokens / self.num_spec_proposed_tokens if self.num_spec_proposed_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verification yields on average (accepted proposals + the target's own token)."""
+        return 1 + self.num_spec_accepted_tokens / self.num_spec_verifications if self.num_spec_verifications else 0.0
 
     def record_step(self, seconds: float, num_tokens: int) -> None:
         self.num_steps += 1

@@ -41,6 +41,9 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     core = EngineCore(scheduler, runner, tokenizer, info)
     if core.moves_blocks:
         core.enable_peer_blocks()
+    spec = config.spec_config()
+    if spec is not None:
+        core.enable_speculation(spec)
     if config.kv_tier:
         if len(groups) > 1:
             raise ValueError("a second KV tier is not supported yet for models with sliding-window layers")

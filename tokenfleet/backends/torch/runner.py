@@ -36,10 +36,52 @@ class TorchModelRunner:
     def execute(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> ExecuteResult:
         logits = self.compute_logits(output, requests)
         sampling = [s for s in output.scheduled if s.samples]
-        prompt_logprobs = self._prompt_logprobs(logits[len(sampling):], requests)
-        logits = logits[: len(sampling)]
+        num_rows = len(sampling) + sum(len(s.draft) for s in sampling)
+        prompt_logprobs = self._prompt_logprobs(logits[num_rows:], requests)
+        logits = logits[:num_rows]
         if not sampling:
             return ExecuteResult({}, {}, prompt_logprobs)
+        if num_rows != len(sampling):  # speculative verifications: several rows each
+            return self._verify(logits, sampling, requests, prompt_logprobs)
+        result = self.execute_plain(logits, sampling, requests)
+        return ExecuteResult(result.sampled, result.logprobs, prompt_logprobs)
+
+    def _verify(self, logits: torch.Tensor, sampling: Sequence[ScheduledRequest], requests: Mapping[str, Request],
+                prompt_logprobs: dict[str, list[TokenLogprobs]]) -> ExecuteResult:
+        """A step with verification entries: those go through ``Sampler.verify``, the others (one row each)
+        through ``sample``."""
+        plain_rows, plain, verify_rows, verify = [], [], [], []
+        row = 0
+        for s in sampling:
+            if s.draft:
+                verify_rows += range(row, row + 1 + len(s.draft))
+                verify.append(s)
+            else:
+                plain_rows.append(row)
+                plain.append(s)
+            row += 1 + len(s.draft)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        more: dict[str, list[int]] = {}
+        more_logprobs: dict[str, list[TokenLogprobs]] = {}
+        if plain:
+            result = self.execute_plain(logits[self._tensor(plain_rows)], plain, requests)
+            sampled.update(result.sampled)
+            logprobs.update(result.logprobs)
+        with torch.inference_mode():
+            outs = self.sampler.verify(logits[self._tensor(verify_rows)], [requests[s.request_id] for s in verify],
+                                       [s.draft for s in verify])
+        for s, out in zip(verify, outs):
+            sampled[s.request_id] = out.token_ids[0]
+            more[s.request_id] = out.token_ids[1:]
+            if out.logprobs[0] is not None:
+                logprobs[s.request_id] = out.logprobs[0]
+                more_logprobs[s.request_id] = [lp for lp in out.logprobs[1:] if lp is not None]
+        return ExecuteResult(sampled, logprobs, prompt_logprobs, more, more_logprobs)
+
+    def execute_plain(self, logits: torch.Tensor, sampling: Sequence[ScheduledRequest], requests: Mapping[str, Request]
+                      ) -> ExecuteResult:
+        """One token for each of ``sampling`` (and its forks) from its logits row."""
         rows, index = [], []
         for k, s in enumerate(sampling):  # a request forking n samples: one logits row each
             for request_id in (s.request_id, *s.forks):
@@ -51,7 +93,7 @@ class TorchModelRunner:
             result = self.sampler.sample(logits, rows)
         sampled = {r.request_id: t for r, t in zip(rows, result.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(rows, result.logprobs) if lp is not None}
-        return ExecuteResult(sampled, logprobs, prompt_logprobs)
+        return ExecuteResult(sampled, logprobs)
 
     def _prompt_logprobs(self, logits: torch.Tensor, requests: Mapping[str, Request]
                          ) -> dict[str, list[TokenLogprobs]]:
@@ -178,14 +220,16 @@ class TorchModelRunner:
         for entry in scheduled:
             start, end = entry.start, entry.start + entry.num_new_tokens
             row = len(tokens)
-            tokens += requests[entry.request_id].token_ids_range(start, end)
+            tokens += requests[entry.request_id].token_ids_range(start, end - len(entry.draft))
+            tokens += entry.draft
             positions += range(start, end)
             request = requests[entry.request_id]
             params = request.sampling_params
             if entry.samples:
-                if params.temperature == 0 or params.logprobs is not None:
-                    exact.append(len(logits_indices))
-                logits_indices.append(len(tokens) - 1)
+                for r in range(len(tokens) - 1 - len(entry.draft), len(tokens)):  # a verification: every row
+                    if params.temperature == 0 or params.logprobs is not None:
+                        exact.append(len(logits_indices))
+                    logits_indices.append(r)
             if params.prompt_logprobs is not None:
                 # Positions whose next token is a prompt token and whose logprob is not known yet
                 # (a preempted request recomputes its prompt but reports each logprob once).
@@ -194,9 +238,9 @@ class TorchModelRunner:
                 if last > first:
                     spans.append((entry.request_id, first, last - first))
                     span_rows += range(row + first - start, row + last - start)
-            if entry.num_new_tokens == 1:
+            if entry.num_new_tokens == 1 or entry.draft:
                 if chunks:
-                    raise ValueError("decode entries must precede prefill chunks")
+                    raise ValueError("decode and verification entries must precede prefill chunks")
                 decode_entries.append(entry)
             else:
                 chunks.append((row, entry))

@@ -54,28 +54,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits: float32 [num_rows, vocab], row i belongs to requests[i]. May modify ``logits``."""
-        raw_logprobs = None
-        if any(r.sampling_params.logprobs is not None for r in requests):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        penalized = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
-        if penalized:
-            apply_penalties(logits, [requests[i] for i in penalized], penalized)
-        for i, r in enumerate(requests):
-            if r.sampling_params.logit_bias:
-                ids, values = zip(*r.sampling_params.logit_bias)
-                logits[i, list(ids)] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+        raw_logprobs = self._adjust(logits, requests)
         guided = [i for i, r in enumerate(requests) if r.guide is not None]
-        if guided:
-            bitmask = torch.empty(len(guided), mask_width(logits.shape[-1]), dtype=torch.int32)
-            fill_masks([requests[i].guide for i in guided], bitmask)
-            apply_masks(logits, guided, bitmask)
-        for i, r in enumerate(requests):
-            if r.guide is None and len(r.output_token_ids) < r.sampling_params.min_tokens:
-                banned = list(r.sampling_params.stop_token_ids)
-                if not r.sampling_params.ignore_eos:
-                    banned += list(r.eos_token_ids)
-                if banned:
-                    logits[i, banned] = float("-inf")
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if not random_rows:
             token_ids = logits.argmax(dim=-1)
@@ -95,6 +75,122 @@ class Sampler:
             for i, r in enumerate(requests)
         ]
         return SamplerOutput(token_ids=token_ids_list, logprobs=logprobs)
+
+    def _adjust(self, logits: torch.Tensor, rows: Sequence[Request | _Row], masks: torch.Tensor | None = None
+                ) -> torch.Tensor | None:
+        """In place: penalties, logit bias, grammar masks (``masks``: precomputed bitmask rows of the guided rows,
+        in order; else from each row's matcher), min_tokens bans. Returns the raw logprobs when a row wants them."""
+        raw_logprobs = None
+        if any(r.sampling_params.logprobs is not None for r in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        penalized = [i for i, r in enumerate(rows) if r.sampling_params.has_penalties]
+        if penalized:
+            apply_penalties(logits, [rows[i] for i in penalized], penalized)
+        for i, r in enumerate(rows):
+            if r.sampling_params.logit_bias:
+                ids, values = zip(*r.sampling_params.logit_bias)
+                logits[i, list(ids)] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+        guided = [i for i, r in enumerate(rows) if r.guide is not None]
+        if guided:
+            if masks is None:
+                masks = torch.empty(len(guided), mask_width(logits.shape[-1]), dtype=torch.int32)
+                fill_masks([rows[i].guide for i in guided], masks)
+            apply_masks(logits, guided, masks)
+        for i, r in enumerate(rows):
+            if r.guide is None and len(r.output_token_ids) < r.sampling_params.min_tokens:
+                banned = list(r.sampling_params.stop_token_ids)
+                if not r.sampling_params.ignore_eos:
+                    banned += list(r.eos_token_ids)
+                if banned:
+                    logits[i, banned] = float("-inf")
+        return raw_logprobs
+
+    def verify(self, logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[Sequence[int]]
+               ) -> list[SamplerOutput]:
+        """Speculative verification. Request r owns 1 + len(drafts[r]) consecutive rows of ``logits``: row j is
+        the target's logits for the token after its tokens and drafts[r][:j]. Each row is adjusted as a plain
+        decode step at that point would be (penalties count the drafts before it, the grammar has consumed
+        them, min_tokens counts them). Returns per request the accepted run of drafts and one token of the
+        target's own: greedy requests accept while the draft equals the argmax; sampled ones by rejection
+        sampling against the drafter's point mass (accept d with probability p(d); on a rejection draw from p
+        without d, renormalized; after a full run draw from the last row), which leaves the output distributed
+        exactly as the target's. Guided requests' matchers consume the returned tokens.
+
+        Seeded sampled requests are not verified here (their streams would depend on acceptance); the caller
+        does not propose for them."""
+        rows: list[_Row] = []
+        starts: list[int] = []
+        mask_rows: list[torch.Tensor] = []
+        for r, draft in zip(requests, drafts):
+            starts.append(len(rows))
+            for j in range(len(draft) + 1):
+                rows.append(_Row(r, draft[:j]))
+            if r.guide is not None:
+                mask_rows.append(_draft_masks(r.guide, draft, logits.shape[-1]))
+        starts.append(len(rows))
+        masks = torch.cat(mask_rows) if mask_rows else None
+        raw_logprobs = self._adjust(logits, rows, masks)
+        argmax = logits.argmax(dim=-1).tolist()
+        random = [k for k, r in enumerate(requests) if not r.sampling_params.is_greedy]
+        chosen: dict[int, list[int]] = {}
+        if random:
+            chosen = self._verify_random(logits, rows, starts, [(k, requests[k], drafts[k]) for k in random])
+        outputs = []
+        for k, (r, draft) in enumerate(zip(requests, drafts)):
+            start = starts[k]
+            if k in chosen:
+                tokens = chosen[k]
+            else:
+                m = 0
+                while m < len(draft) and argmax[start + m] == draft[m]:
+                    m += 1
+                tokens = [*draft[:m], argmax[start + m]]
+            if r.guide is not None:
+                r.guide.consume_tokens(tokens)
+            num_top = r.sampling_params.logprobs
+            lps = [token_logprobs(raw_logprobs[start + j], t, num_top)
+                   if raw_logprobs is not None and num_top is not None else None for j, t in enumerate(tokens)]
+            outputs.append(SamplerOutput(tokens, lps))
+        return outputs
+
+    def _verify_random(self, logits: torch.Tensor, rows: Sequence[_Row], starts: Sequence[int],
+                       entries: Sequence[tuple[int, Request, Sequence[int]]]) -> dict[int, list[int]]:
+        """Rejection sampling for the sampled requests of ``verify`` (index k -> tokens)."""
+        index = [i for k, _, _ in entries for i in range(starts[k], starts[k + 1])]
+        probs = filtered_probs_batch(logits[index], [rows[i].sampling_params for i in index])  # [n, vocab]
+        local = {k: sum(starts[kk + 1] - starts[kk] for kk, _, _ in entries[:pos]) for pos, (k, _, _) in enumerate(entries)}
+        draft_rows = [(local[k] + j, d) for k, _, draft in entries for j, d in enumerate(draft)]
+        p_draft: list[float] = []
+        if draft_rows:
+            at = torch.tensor([row for row, _ in draft_rows], device=probs.device)
+            tok = torch.tensor([d for _, d in draft_rows], device=probs.device)
+            p_draft = probs[at, tok].tolist()
+        uniforms = torch.rand(len(draft_rows) + len(entries), generator=self._shared_generator).tolist()
+        final_rows, final_ban, out = [], [], {}
+        u = iter(uniforms)
+        p = iter(p_draft)
+        for k, _, draft in entries:
+            accepted, rejected = 0, -1
+            for j in range(len(draft)):
+                if next(u) < next(p):
+                    accepted += 1
+                else:
+                    rejected = draft[j]
+                    break
+            for _ in range(len(draft) - accepted - (1 if rejected >= 0 else 0)):  # keep the streams aligned
+                next(p)
+            out[k] = list(draft[:accepted])
+            final_rows.append(local[k] + accepted)
+            final_ban.append(rejected)
+        residual = probs[torch.tensor(final_rows, device=probs.device)]
+        ban = [(i, t) for i, t in enumerate(final_ban) if t >= 0]
+        if ban:  # the drafter's point mass on the rejected token: p - q clipped at 0 zeroes exactly that token
+            residual[[i for i, _ in ban], [t for _, t in ban]] = 0.0
+        draws = inverse_cdf(residual, torch.tensor(uniforms[len(draft_rows):], dtype=residual.dtype,
+                                                   device=residual.device)).tolist()
+        for (k, _, _), token in zip(entries, draws):
+            out[k].append(token)
+        return out
 
     def _draw(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """One token per row of ``logits`` [rows, vocab] under each request's filters: inverse CDF."""
@@ -120,6 +216,43 @@ class Sampler:
         if gen is None:
             gen = self._generators[request.request_id] = torch.Generator().manual_seed(seed)
         return gen
+
+
+class _Row:
+    """A request as it would be after ``draft`` more output tokens: what one verification row is sampled as."""
+
+    __slots__ = ("request", "draft", "sampling_params", "eos_token_ids", "guide")
+
+    def __init__(self, request: Request, draft: Sequence[int]):
+        self.request, self.draft = request, list(draft)
+        self.sampling_params = request.sampling_params
+        self.eos_token_ids = request.eos_token_ids
+        self.guide = request.guide
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.draft
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.request.all_token_ids + self.draft
+
+
+def _draft_masks(matcher, draft: Sequence[int], vocab: int) -> torch.Tensor:
+    """The grammar's allowed-token bitmask before each draft token and after the last ([len + 1, width]); the
+    matcher consumes the drafts to compute them and is rolled back (the drafts passed ``validate_tokens``)."""
+    out = torch.empty(len(draft) + 1, mask_width(vocab), dtype=torch.int32)
+    fill_masks([matcher], out[0:1])
+    consumed = 0
+    for j, token in enumerate(draft):
+        if not matcher.consume_token(token):
+            out[j + 1:] = 0  # cannot happen for validated drafts; a zero mask rejects the rest
+            break
+        consumed += 1
+        fill_masks([matcher], out[j + 1: j + 2])
+    if consumed:
+        matcher.rollback(consumed)
+    return out
 
 
 class NativeTemperatureSampler:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from tokenfleet.engine.spec_decode import trtllm_speculative_config
+
 TRT_ENGINE, PYTORCH = "trt", "pytorch"
 TRANSCEIVERS = ("DEFAULT", "UCX", "NIXL", "MPI")
 ROLES = ("prefill", "decode", "both")
@@ -136,8 +138,8 @@ def llm_kwargs(api: Any, spec: TrtllmSpec) -> dict[str, Any]:
     # transceiver; never without a timeout (blocks of a request no decode side pulls stay pinned until it).
     kwargs["cache_transceiver_config"] = api.CacheTransceiverConfig(
         backend=spec.transceiver, kv_transfer_timeout_ms=spec.kv_transfer_timeout_ms)
-    if spec.speculative:
-        kwargs["speculative_config"] = dict(spec.speculative)
+    if spec.speculative:  # the record's JSON, shared with the torch engine; keys only that engine reads dropped
+        kwargs["speculative_config"] = trtllm_speculative_config(spec.speculative)
     if spec.kind == TRT_ENGINE and spec.gather_generation_logits:
         kwargs["gather_generation_logits"] = True
     if kwargs["tokenizer"] is None:

@@ -33,8 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context KV not pulled by then is freed (always set: blocks leak otherwise)")
     g.add_argument("--guided-decoding-backend", choices=["xgrammar", "llguidance", "none"],
                    help="default: xgrammar for TRT engines, llguidance for checkpoints")
-    g.add_argument("--speculative-config", help="JSON passed as speculative_config, e.g. "
-                   '\'{"decoding_type": "Eagle", "max_draft_len": 4, "speculative_model": "/eagle"}\'')
+    g.add_argument("--speculative-config", help="speculative decoding, JSON in TensorRT-LLM's speculative_config "
+                   "schema (default: the registry record's). The torch engine: "
+                   '\'{"decoding_type": "NGram", "max_draft_len": 5}\' (prompt lookup, switched by load); '
+                   'TensorRT-LLM: any of its types, e.g. \'{"decoding_type": "Eagle", "max_draft_len": 4, '
+                   '"speculative_model": "/eagle"}\'')
 
 
 def model_limits(path: str) -> tuple[int, int, str]:
