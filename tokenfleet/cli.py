@@ -66,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     reg.add_argument("--max-model-len", type=int, default=0, help="0 = the model config's context length")
     reg.add_argument("--tokenizer", default="", help="tokenizer/chat-template folder (default: --path)")
     reg.add_argument("--description", default="")
-    reg.add_argument("--speculative-config", default="", help="TensorRT-LLM: JSON speculative_config, e.g. "
+    reg.add_argument("--speculative-config", default="", help="JSON speculative_config (TensorRT-LLM's schema; the "
+                     'torch engine reads {"decoding_type": "NGram", "max_draft_len": 5, ...}), e.g. "
                      '\'{"decoding_type": "Eagle", "max_draft_len": 4, "speculative_model": "/eagle"}\'')
     reg.add_argument("--tool-format", default="", choices=["", "hermes", "generic"],
                      help="how the model sees tools: hermes (a 'tool' role in its chat template) or generic "
@@ -109,6 +110,9 @@ def _parser() -> argparse.ArgumentParser:
     up_cmd.add_argument("--kv-tier-bytes", type=int, default=0, help="each worker's second-tier budget (default 4 GiB)")
     up_cmd.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                         help="dtype in the model's registry record")
+    up_cmd.add_argument("--speculative-config", default="", help="speculative decoding for the first model (its "
+                        'registry record\'s speculative_config), e.g. \'{"decoding_type": "NGram", "max_draft_len": 5}\': '
+                        "prompt lookup, verified only when the load makes it pay")
     up_cmd.add_argument("--threads", type=int, default=0,
                         help="torch threads per worker (0 = the machine's cores shared out among the workers)")
     up_cmd.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0 = any free port)")
@@ -295,6 +299,7 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--insecure"] if args.insecure else []
     argv += ["--host", args.host, "--auth", args.auth] + (["--insecure-no-auth"] if args.insecure_no_auth else [])
     argv += ["--kv-tier", args.kv_tier, "--kv-tier-bytes", str(args.kv_tier_bytes)] if args.kv_tier else []
+    argv += ["--speculative-config", args.speculative_config] if args.speculative_config else []
     return argv
 
 
@@ -303,6 +308,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from tokenfleet.models.gguf_import import DEFAULT_MODEL_NAME
 
     launcher.check_auth(args.host, args.auth == "on", args.insecure_no_auth)  # before anything starts
+    if args.speculative_config:
+        from tokenfleet.engine.spec_decode import SpecConfig
+
+        try:
+            SpecConfig.parse(args.speculative_config)
+        except ValueError as e:
+            print(f"--speculative-config: {e}", file=sys.stderr)
+            return 2
     if args.detach:  # run the cluster in a child process that outlives this command
         child = [sys.executable, "-m", "tokenfleet.cli", *detached_up_argv(args)]
         import subprocess
@@ -337,7 +350,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     cluster = launcher.up(args.workers, model_dir, name, args.threads, args.port, args.role, args.dtype,
                           args.prefill_workers, insecure=args.insecure, certs=Path(args.certs) if args.certs else None,
                           host=args.host, auth=auth, no_auth=args.insecure_no_auth, more_models=more,
-                          kv_tier=args.kv_tier, kv_tier_bytes=args.kv_tier_bytes)
+                          kv_tier=args.kv_tier, kv_tier_bytes=args.kv_tier_bytes,
+                          speculative_config=args.speculative_config)
     try:
         prefill = f" + {args.prefill_workers} prefill worker(s)" if args.prefill_workers else ""
         served = ", ".join([name, *(m for m, _ in more)])

@@ -43,13 +43,15 @@ class Cluster:
     gateway_metrics: str = ""  # host:port of the gateway's /metrics (not on the public API port)
     announced: dict[str, list[str]] = field(default_factory=dict)  # lines each service printed before LISTENING
     owns_state: bool = True  # `tokenfleet up`'s cluster: its state file goes with it
+    addresses: dict[str, str] = field(default_factory=dict)  # service name -> the address it listens on
 
     def spawn(self, name: str, *args: str, threads: int = 1) -> str:
         proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, text=True,
                                 env={**os.environ, "TOKENFLEET_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
         self.processes.append((name, proc))
         lines = self.announced[name] = []
-        return wait_listening(name, proc, lines)
+        self.addresses[name] = wait_listening(name, proc, lines)
+        return self.addresses[name]
 
     def stop(self) -> None:
         for _name, proc in reversed(self.processes):
@@ -82,13 +84,13 @@ def wait_listening(name: str, proc: subprocess.Popen, before: list[str] | None =
 
 
 def register_model(registry: str, name: str, model_dir: str, plane: Plane, dtype: str = "bfloat16",
-                   version: str = "v1") -> None:
+                   version: str = "v1", speculative_config: str = "") -> None:
     """Register ``name@version`` (a no-op when the identical record exists), as an operator."""
     from tokenfleet.cluster.registry import ModelRecord
     from tokenfleet.services.registry.client import register_model as register
 
     register(registry, ModelRecord(name=name, version=version, path=str(Path(model_dir).resolve()), dtype=dtype,
-                                   tool_format="hermes"), plane)  # the default model's ChatML template prints any role
+                                   tool_format="hermes", speculative_config=speculative_config), plane)  # the default model's ChatML template prints any role
 
 
 def audit_file() -> Path:
@@ -148,7 +150,7 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
        role: str = "both", dtype: str = "bfloat16", prefill_workers: int = 0, record: bool = True,
        insecure: bool = False, certs: Path | None = None, host: str = "127.0.0.1", auth: bool = False,
        no_auth: bool = False, more_models: Sequence[tuple[str, str]] = (), kv_tier: str = "",
-       kv_tier_bytes: int = 0) -> Cluster:
+       kv_tier_bytes: int = 0, speculative_config: str = "") -> Cluster:
     """``prefill_workers`` > 0 disaggregates: that many prefill workers, and the ``num_workers``
     others decode only (unless ``role`` says otherwise); the router sends long prompts' prefill there.
     ``record``: write the state file `tokenfleet down` reads (off for private clusters, e.g. calibration).
@@ -157,7 +159,8 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
     (tenants in this cluster's etcd); without keys only on loopback unless ``no_auth`` (check_auth).
     ``more_models``: further (name, folder) pairs, registered too and served by one worker each; the
     gateway serves every registered model. ``kv_tier``: each worker's second KV tier, ``memory`` or
-    ``disk:DIR`` (a folder per worker under DIR), of ``kv_tier_bytes`` bytes."""
+    ``disk:DIR`` (a folder per worker under DIR), of ``kv_tier_bytes`` bytes. ``speculative_config``: the first
+    model's record's (JSON, engine.spec_decode.SpecConfig.parse): its workers speculate."""
     check_auth(host, auth, no_auth)
     threads = threads or worker_threads(num_workers + prefill_workers + len(more_models))
     folder = None if insecure else Path(certs or envs.certs_dir())
@@ -172,7 +175,7 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
     try:
         etcd = cluster.etcd.endpoint
         registry = cluster.spawn("registry", "tokenfleet.services.registry", "--etcd", etcd, *audit)
-        register_model(registry, model_name, model_dir, plane, dtype)
+        register_model(registry, model_name, model_dir, plane, dtype, speculative_config=speculative_config)
         decode_role = "decode" if prefill_workers and role == "both" else role
         roles = [(f"worker-{i}", decode_role) for i in range(num_workers)]
         roles += [(f"prefill-{i}", "prefill") for i in range(prefill_workers)]

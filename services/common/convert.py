@@ -56,6 +56,7 @@ def sampling_params(msg: common_pb2.SamplingParams) -> SamplingParams:
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         logit_bias=dict(msg.logit_bias),
         guided=guided(msg.guided) if msg.HasField("guided") else None,
+        speculative=not msg.no_speculation,
     )
 
 
@@ -77,6 +78,7 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     if p.prompt_logprobs is not None:
         msg.prompt_logprobs = p.prompt_logprobs
     msg.logit_bias.update(dict(p.logit_bias))
+    msg.no_speculation = not p.speculative
     if p.guided is not None:
         if p.guided.kind == "json_object":
             msg.guided.json_object = True

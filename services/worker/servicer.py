@@ -300,6 +300,13 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             num_peer_blocks_received=stats.num_peer_blocks_received,
             num_peer_blocks_served=stats.num_peer_blocks_served,
             num_peer_fetch_failures=stats.num_peer_fetch_failures,
+            num_spec_proposed_tokens=stats.num_spec_proposed_tokens,
+            num_spec_accepted_tokens=stats.num_spec_accepted_tokens,
+            num_spec_verifications=stats.num_spec_verifications,
+            num_spec_steps=stats.num_spec_steps,
+            spec_step_seconds=stats.spec_step_seconds,
+            num_plain_decode_steps=stats.num_plain_decode_steps,
+            plain_decode_step_seconds=stats.plain_decode_step_seconds,
         )
 
 

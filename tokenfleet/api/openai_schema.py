@@ -71,6 +71,8 @@ class _Common(BaseModel):
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float | None = None
+    # false: never speculate for this request (where the worker speculates; lossless either way)
+    speculative: bool | None = None
 
     def _check_unsupported(self) -> None:
         extra = sorted(set(self.model_extra or {}) - INFORMATIONAL)
@@ -117,6 +119,7 @@ class _Common(BaseModel):
                 n=self.n,
                 logit_bias=bias,
                 guided=guided,
+                speculative=self.speculative is not False,
             )
         except ValueError as e:
             param = "logit_bias" if "logit_bias" in str(e) else None

@@ -67,7 +67,9 @@ class ModelRecord:
     created_at: float = 0.0
     description: str = ""
     tool_format: str = ""  # tokenfleet.api.tools.FORMATS; "" = the generic fallback
-    speculative_config: str = ""  # trtllm: JSON passed as the LLM's speculative_config ({"decoding_type": ...})
+    # JSON in TensorRT-LLM's speculative_config schema ({"decoding_type": ...}): passed to that library (trtllm), or
+    # read by the torch engine (decoding_type NGram: engine.spec_decode.SpecConfig.parse)
+    speculative_config: str = ""
 
     def __post_init__(self) -> None:
         check_name("model name", self.name)
@@ -87,6 +89,10 @@ class ModelRecord:
                 raise ValueError(f"speculative_config is not JSON: {e}") from e
             if not isinstance(spec, dict) or "decoding_type" not in spec:
                 raise ValueError("speculative_config must be a JSON object with a decoding_type")
+            if self.backend == "torch":  # the torch engine's own speculation (NGram): refused here, not at load
+                from tokenfleet.engine.spec_decode import SpecConfig
+
+                SpecConfig.parse(spec)
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
 

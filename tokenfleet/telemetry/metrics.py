@@ -89,7 +89,11 @@ class WorkerCollector(Collector):
                     "tier_corrupt_blocks": "num_tier_corrupt_blocks", "tier_bytes_written": "tier_bytes_written",
                     "tier_bytes_read": "tier_bytes_read", "tier_restore_seconds": "tier_restore_seconds",
                     "peer_blocks_received": "num_peer_blocks_received", "peer_blocks_served": "num_peer_blocks_served",
-                    "peer_fetch_failures": "num_peer_fetch_failures"}
+                    "peer_fetch_failures": "num_peer_fetch_failures",
+                    "spec_proposed_tokens": "num_spec_proposed_tokens", "spec_accepted_tokens": "num_spec_accepted_tokens",
+                    "spec_verifications": "num_spec_verifications", "spec_steps": "num_spec_steps",
+                    "spec_step_seconds": "spec_step_seconds", "plain_decode_steps": "num_plain_decode_steps",
+                    "plain_decode_step_seconds": "plain_decode_step_seconds"}
         for name, field in counters.items():
             yield CounterMetricFamily(f"tokenfleet_worker_{name}", f"Worker {name.replace('_', ' ')}",
                                       value=getattr(r, field))
@@ -97,6 +101,13 @@ class WorkerCollector(Collector):
                                 value=r.tier_bytes_used)  # type: ignore[attr-defined]
         yield GaugeMetricFamily("tokenfleet_worker_step_seconds_mean", "Mean engine step time",
                                 value=r.step_ms_mean / 1000)  # type: ignore[attr-defined]
+        proposed, accepted, verifications = (r.num_spec_proposed_tokens, r.num_spec_accepted_tokens,  # type: ignore[attr-defined]
+                                             r.num_spec_verifications)  # type: ignore[attr-defined]
+        yield GaugeMetricFamily("tokenfleet_worker_spec_acceptance_rate", "Share of proposed tokens accepted",
+                                value=accepted / proposed if proposed else 0.0)
+        yield GaugeMetricFamily("tokenfleet_worker_spec_mean_accepted_length",
+                                "Tokens a verification yields on average (accepted + the target's own)",
+                                value=1 + accepted / verifications if verifications else 0.0)
 
 
 class RouterMetrics:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tokenfleet.v1 import common_pb2 as tokenfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtokenfleet/v1/inference.proto\x12\rtokenfleet.v1\x1a\x1atokenfleet/v1/common.proto\"\xde\x02\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"`\n\x12\x46unctionDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"I\n\x04Tool\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x33\n\x08\x66unction\x18\x02 \x01(\x0b\x32!.tokenfleet.v1.FunctionDefinition\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"b\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12-\n\x08\x66unction\x18\x04 \x01(\x0b\x32\x1b.tokenfleet.v1.FunctionCall\"\x8e\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12+\n\ntool_calls\x18\x05 \x03(\x0b\x32\x17.tokenfleet.v1.ToolCallB\n\n\x08_content\"\xfc\x02\n\x15\x43hatCompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.tokenfleet.v1.ChatMessage\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.tokenfleet.v1.SamplingOptions\x12\x10\n\x08logprobs\x18\x04 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\t\n\x01n\x18\x06 \x01(\r\x12\x15\n\rinclude_usage\x18\x07 \x01(\x08\x12\"\n\x05tools\x18\x08 \x03(\x0b\x32\x13.tokenfleet.v1.Tool\x12\x13\n\x0btool_choice\x18\t \x01(\t\x12\x1b\n\x13parallel_tool_calls\x18\n \x01(\x08\x12\x1c\n\x14response_format_json\x18\x0b \x01(\t\x12\x0c\n\x04user\x18\x0c \x01(\t\x12\x12\n\ncache_salt\x18\r \x01(\tB\x0f\n\r_top_logprobs\"=\n\x0cLogprobToken\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\"\x83\x01\n\rTokenLogprobs\x12*\n\x05token\x18\x01 \x01(\x0b\x32\x1b.tokenfleet.v1.LogprobToken\x12\x31\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x1b.tokenfleet.v1.LogprobToken\x12\x13\n\x0btext_offset\x18\x03 \x01(\r\"\xd0\x01\n\x0f\x43hatChoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12+\n\ntool_calls\x18\x04 \x03(\x0b\x32\x17.tokenfleet.v1.ToolCall\x12.\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1c.tokenfleet.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.tokenfleet.v1.FinishReason\"\x97\x01\n\x13\x43hatCompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12/\n\x07\x63hoices\x18\x04 \x03(\x0b\x32\x1e.tokenfleet.v1.ChatChoiceDelta\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.tokenfleet.v1.Usage\"\x9a\x02\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x33\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x17.tokenfleet.v1.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.tokenfleet.v1.SamplingOptions\x12\x15\n\x08logprobs\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\t\n\x01n\x18\x06 \x01(\r\x12\x15\n\rinclude_usage\x18\x07 \x01(\x08\x12\x0c\n\x04\x65\x63ho\x18\x08 \x01(\x08\x12\x0c\n\x04user\x18\t \x01(\t\x12\x12\n\ncache_salt\x18\n \x01(\tB\x07\n\x05inputB\x0b\n\t_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x98\x01\n\x15\x43ompletionChoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.tokenfleet.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.tokenfleet.v1.FinishReason\"\x99\x01\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x35\n\x07\x63hoices\x18\x04 \x03(\x0b\x32$.tokenfleet.v1.CompletionChoiceDelta\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.tokenfleet.v1.Usage\"\x19\n\x17ListServedModelsRequest\"D\n\x18ListServedModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.tokenfleet.v1.ModelInfo\"(\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x03\x32\xa1\x02\n\x10InferenceService\x12\\\n\x0e\x43hatCompletion\x12$.tokenfleet.v1.ChatCompletionRequest\x1a\".tokenfleet.v1.ChatCompletionChunk0\x01\x12P\n\nCompletion\x12 .tokenfleet.v1.CompletionRequest\x1a\x1e.tokenfleet.v1.CompletionChunk0\x01\x12]\n\nListModels\x12&.tokenfleet.v1.ListServedModelsRequest\x1a\'.tokenfleet.v1.ListServedModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtokenfleet/v1/inference.proto\x12\rtokenfleet.v1\x1a\x1atokenfleet/v1/common.proto\"\x88\x03\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x18\n\x0bspeculative\x18\r \x01(\x08H\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0e\n\x0c_speculative\"`\n\x12\x46unctionDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"I\n\x04Tool\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x33\n\x08\x66unction\x18\x02 \x01(\x0b\x32!.tokenfleet.v1.FunctionDefinition\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"b\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12-\n\x08\x66unction\x18\x04 \x01(\x0b\x32\x1b.tokenfleet.v1.FunctionCall\"\x8e\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12+\n\ntool_calls\x18\x05 \x03(\x0b\x32\x17.tokenfleet.v1.ToolCallB\n\n\x08_content\"\xfc\x02\n\x15\x43hatCompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.tokenfleet.v1.ChatMessage\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.tokenfleet.v1.SamplingOptions\x12\x10\n\x08logprobs\x18\x04 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\t\n\x01n\x18\x06 \x01(\r\x12\x15\n\rinclude_usage\x18\x07 \x01(\x08\x12\"\n\x05tools\x18\x08 \x03(\x0b\x32\x13.tokenfleet.v1.Tool\x12\x13\n\x0btool_choice\x18\t \x01(\t\x12\x1b\n\x13parallel_tool_calls\x18\n \x01(\x08\x12\x1c\n\x14response_format_json\x18\x0b \x01(\t\x12\x0c\n\x04user\x18\x0c \x01(\t\x12\x12\n\ncache_salt\x18\r \x01(\tB\x0f\n\r_top_logprobs\"=\n\x0cLogprobToken\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\"\x83\x01\n\rTokenLogprobs\x12*\n\x05token\x18\x01 \x01(\x0b\x32\x1b.tokenfleet.v1.LogprobToken\x12\x31\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x1b.tokenfleet.v1.LogprobToken\x12\x13\n\x0btext_offset\x18\x03 \x01(\r\"\xd0\x01\n\x0f\x43hatChoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12+\n\ntool_calls\x18\x04 \x03(\x0b\x32\x17.tokenfleet.v1.ToolCall\x12.\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1c.tokenfleet.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.tokenfleet.v1.FinishReason\"\x97\x01\n\x13\x43hatCompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12/\n\x07\x63hoices\x18\x04 \x03(\x0b\x32\x1e.tokenfleet.v1.ChatChoiceDelta\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.tokenfleet.v1.Usage\"\x9a\x02\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x33\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x17.tokenfleet.v1.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.tokenfleet.v1.SamplingOptions\x12\x15\n\x08logprobs\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\t\n\x01n\x18\x06 \x01(\r\x12\x15\n\rinclude_usage\x18\x07 \x01(\x08\x12\x0c\n\x04\x65\x63ho\x18\x08 \x01(\x08\x12\x0c\n\x04user\x18\t \x01(\t\x12\x12\n\ncache_salt\x18\n \x01(\tB\x07\n\x05inputB\x0b\n\t_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x98\x01\n\x15\x43ompletionChoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.tokenfleet.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.tokenfleet.v1.FinishReason\"\x99\x01\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x35\n\x07\x63hoices\x18\x04 \x03(\x0b\x32$.tokenfleet.v1.CompletionChoiceDelta\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.tokenfleet.v1.Usage\"\x19\n\x17ListServedModelsRequest\"D\n\x18ListServedModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.tokenfleet.v1.ModelInfo\"(\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x03\x32\xa1\x02\n\x10InferenceService\x12\\\n\x0e\x43hatCompletion\x12$.tokenfleet.v1.ChatCompletionRequest\x1a\".tokenfleet.v1.ChatCompletionChunk0\x01\x12P\n\nCompletion\x12 .tokenfleet.v1.CompletionRequest\x1a\x1e.tokenfleet.v1.CompletionChunk0\x01\x12]\n\nListModels\x12&.tokenfleet.v1.ListServedModelsRequest\x1a\'.tokenfleet.v1.ListServedModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,41 +33,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenfleet.v1.inference_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGOPTIONS']._serialized_start=77
-  _globals['_SAMPLINGOPTIONS']._serialized_end=427
-  _globals['_FUNCTIONDEFINITION']._serialized_start=429
-  _globals['_FUNCTIONDEFINITION']._serialized_end=525
-  _globals['_TOOL']._serialized_start=527
-  _globals['_TOOL']._serialized_end=600
-  _globals['_FUNCTIONCALL']._serialized_start=602
-  _globals['_FUNCTIONCALL']._serialized_end=649
-  _globals['_TOOLCALL']._serialized_start=651
-  _globals['_TOOLCALL']._serialized_end=749
-  _globals['_CHATMESSAGE']._serialized_start=752
-  _globals['_CHATMESSAGE']._serialized_end=894
-  _globals['_CHATCOMPLETIONREQUEST']._serialized_start=897
-  _globals['_CHATCOMPLETIONREQUEST']._serialized_end=1277
-  _globals['_LOGPROBTOKEN']._serialized_start=1279
-  _globals['_LOGPROBTOKEN']._serialized_end=1340
-  _globals['_TOKENLOGPROBS']._serialized_start=1343
-  _globals['_TOKENLOGPROBS']._serialized_end=1474
-  _globals['_CHATCHOICEDELTA']._serialized_start=1477
-  _globals['_CHATCHOICEDELTA']._serialized_end=1685
-  _globals['_CHATCOMPLETIONCHUNK']._serialized_start=1688
-  _globals['_CHATCOMPLETIONCHUNK']._serialized_end=1839
-  _globals['_COMPLETIONREQUEST']._serialized_start=1842
-  _globals['_COMPLETIONREQUEST']._serialized_end=2124
-  _globals['_TOKENIDS']._serialized_start=2126
-  _globals['_TOKENIDS']._serialized_end=2149
-  _globals['_COMPLETIONCHOICEDELTA']._serialized_start=2152
-  _globals['_COMPLETIONCHOICEDELTA']._serialized_end=2304
-  _globals['_COMPLETIONCHUNK']._serialized_start=2307
-  _globals['_COMPLETIONCHUNK']._serialized_end=2460
-  _globals['_LISTSERVEDMODELSREQUEST']._serialized_start=2462
-  _globals['_LISTSERVEDMODELSREQUEST']._serialized_end=2487
-  _globals['_LISTSERVEDMODELSRESPONSE']._serialized_start=2489
-  _globals['_LISTSERVEDMODELSRESPONSE']._serialized_end=2557
-  _globals['_MODELINFO']._serialized_start=2559
-  _globals['_MODELINFO']._serialized_end=2599
-  _globals['_INFERENCESERVICE']._serialized_start=2602
-  _globals['_INFERENCESERVICE']._serialized_end=2891
+  _globals['_SAMPLINGOPTIONS']._serialized_end=469
+  _globals['_FUNCTIONDEFINITION']._serialized_start=471
+  _globals['_FUNCTIONDEFINITION']._serialized_end=567
+  _globals['_TOOL']._serialized_start=569
+  _globals['_TOOL']._serialized_end=642
+  _globals['_FUNCTIONCALL']._serialized_start=644
+  _globals['_FUNCTIONCALL']._serialized_end=691
+  _globals['_TOOLCALL']._serialized_start=693
+  _globals['_TOOLCALL']._serialized_end=791
+  _globals['_CHATMESSAGE']._serialized_start=794
+  _globals['_CHATMESSAGE']._serialized_end=936
+  _globals['_CHATCOMPLETIONREQUEST']._serialized_start=939
+  _globals['_CHATCOMPLETIONREQUEST']._serialized_end=1319
+  _globals['_LOGPROBTOKEN']._serialized_start=1321
+  _globals['_LOGPROBTOKEN']._serialized_end=1382
+  _globals['_TOKENLOGPROBS']._serialized_start=1385
+  _globals['_TOKENLOGPROBS']._serialized_end=1516
+  _globals['_CHATCHOICEDELTA']._serialized_start=1519
+  _globals['_CHATCHOICEDELTA']._serialized_end=1727
+  _globals['_CHATCOMPLETIONCHUNK']._serialized_start=1730
+  _globals['_CHATCOMPLETIONCHUNK']._serialized_end=1881
+  _globals['_COMPLETIONREQUEST']._serialized_start=1884
+  _globals['_COMPLETIONREQUEST']._serialized_end=2166
+  _globals['_TOKENIDS']._serialized_start=2168
+  _globals['_TOKENIDS']._serialized_end=2191
+  _globals['_COMPLETIONCHOICEDELTA']._serialized_start=2194
+  _globals['_COMPLETIONCHOICEDELTA']._serialized_end=2346
+  _globals['_COMPLETIONCHUNK']._serialized_start=2349
+  _globals['_COMPLETIONCHUNK']._serialized_end=2502
+  _globals['_LISTSERVEDMODELSREQUEST']._serialized_start=2504
+  _globals['_LISTSERVEDMODELSREQUEST']._serialized_end=2529
+  _globals['_LISTSERVEDMODELSRESPONSE']._serialized_start=2531
+  _globals['_LISTSERVEDMODELSRESPONSE']._serialized_end=2599
+  _globals['_MODELINFO']._serialized_start=2601
+  _globals['_MODELINFO']._serialized_end=2641
+  _globals['_INFERENCESERVICE']._serialized_start=2644
+  _globals['_INFERENCESERVICE']._serialized_end=2933
 # @@protoc_insertion_point(module_scope)

@@ -454,6 +454,12 @@ def test_a_record_names_the_speculative_config_and_a_wedged_engine_fails_its_per
     spec = TrtllmSpec.from_record(record, "decode")
     assert spec.speculative == {"decoding_type": "Eagle", "max_draft_len": 4} and spec.kind == PYTORCH
     assert llm_kwargs(double.api(), spec)["speculative_config"]["decoding_type"] == "Eagle"
+    # one record schema for both engines: NGram goes to TensorRT-LLM without the keys only the torch engine reads
+    ngram = SimpleNamespace(path="/ckpt", tensor_parallel_size=1, quantization="",
+                            speculative_config='{"decoding_type": "NGram", "max_draft_len": 5, "adaptive": false, '
+                            '"max_matching_ngram_size": 3}')
+    assert llm_kwargs(double.api(), TrtllmSpec.from_record(ngram, "both"))["speculative_config"] == \
+        {"decoding_type": "NGram", "max_draft_len": 5, "max_matching_ngram_size": 3}
 
     async def run():
         api = double.api()

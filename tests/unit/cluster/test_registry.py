@@ -96,7 +96,10 @@ def test_same_content_ignores_registration_time():
 def test_speculative_config_must_be_a_decoding_config():
     import pytest as _pytest
 
-    assert rec(speculative_config='{"decoding_type": "Eagle", "max_draft_len": 4}').speculative_config
+    assert rec(speculative_config='{"decoding_type": "Eagle", "max_draft_len": 4}', backend="trtllm").speculative_config
+    assert rec(speculative_config='{"decoding_type": "NGram", "max_draft_len": 4}').speculative_config  # torch
     for bad in ("{not json", '["Eagle"]', '{"max_draft_len": 4}'):
         with _pytest.raises(ValueError, match="speculative_config"):
             rec(speculative_config=bad)
+    with _pytest.raises(ValueError, match="passed to TensorRT-LLM"):  # the torch engine speculates with NGram only
+        rec(speculative_config='{"decoding_type": "Eagle", "max_draft_len": 4}')
