@@ -236,8 +236,10 @@ class SpecPolicy:
              cost: tuple[float, float] | None) -> dict[str, int]:
         """``base_tokens``: tokens the step schedules without speculation; ``base_yield``: tokens it yields
         (one per decoding request). Returns key -> tokens to verify (absent: none)."""
-        if not self.config.adaptive or cost is None:
+        if not self.config.adaptive:
             return {c.key: len(c.draft) for c in candidates if c.draft}
+        if cost is None:
+            return {}
         fixed, per_token = cost
         if per_token <= 0.0:
             return {c.key: len(c.draft) for c in candidates if c.draft}
@@ -314,12 +316,15 @@ class Speculator:
         eligible = [r for r in decoding if self.eligible(r) and r.max_tokens - len(r.output_token_ids) > 1]
         if not eligible:
             return 0
-        base_tokens = min(budget, len(decoding) + sum(r.num_tokens - r.num_computed_tokens for r in running
-                                                      if r.num_computed_tokens < r.num_tokens - 1))
+        # The value of the step's time is what a decode step of this batch yields per second: prefill chunks in
+        # the step are work that must be done anyway, not a reason to spend more of it on guesses.
+        base_tokens = min(budget, len(decoding))
         cost = self.cost.estimate()
-        if cfg.adaptive and cost is not None and cost[1] > 0:
+        if cfg.adaptive:
+            if cost is None:
+                return 0  # no step measured yet: nothing says what a verified token costs
             best = max(self._alpha(r) for r in eligible)
-            if best * (cost[0] + cost[1] * base_tokens) <= cost[1] * len(decoding):
+            if cost[1] > 0 and best * (cost[0] + cost[1] * base_tokens) <= cost[1] * len(decoding):
                 return 0  # not even the likeliest first guess would pay: skip the lookups
         candidates = []
         by_id = {}
