@@ -186,7 +186,8 @@ def markdown(result: dict, args: argparse.Namespace) -> str:
     if "chat" in result:
         c = result["chat"]
         lines += [f"## Chat workload, c={args.chat_concurrency} (bar: output tok/s on >= 0.97 x off)", "",
-                  "| run | on tok/s | off tok/s | always tok/s | on/off | always/off | acceptance (always) | verifications (on) |",
+                  "| run | on tok/s | off tok/s | always tok/s | on/off | always/off | acceptance (always) "
+                  "| verifications (on) |",
                   "|---|---|---|---|---|---|---|---|"]
         for i, r in enumerate(c["runs"]):
             a = r.get("always", {})

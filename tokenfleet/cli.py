@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     reg.add_argument("--tokenizer", default="", help="tokenizer/chat-template folder (default: --path)")
     reg.add_argument("--description", default="")
     reg.add_argument("--speculative-config", default="", help="JSON speculative_config (TensorRT-LLM's schema; the "
-                     'torch engine reads {"decoding_type": "NGram", "max_draft_len": 5, ...}), e.g. "
+                     'torch engine reads {"decoding_type": "NGram", "max_draft_len": 5, ...}), e.g. '
                      '\'{"decoding_type": "Eagle", "max_draft_len": 4, "speculative_model": "/eagle"}\'')
     reg.add_argument("--tool-format", default="", choices=["", "hermes", "generic"],
                      help="how the model sees tools: hermes (a 'tool' role in its chat template) or generic "

@@ -89,8 +89,9 @@ def register_model(registry: str, name: str, model_dir: str, plane: Plane, dtype
     from tokenfleet.cluster.registry import ModelRecord
     from tokenfleet.services.registry.client import register_model as register
 
+    # tool_format: the default model's ChatML template prints any role
     register(registry, ModelRecord(name=name, version=version, path=str(Path(model_dir).resolve()), dtype=dtype,
-                                   tool_format="hermes", speculative_config=speculative_config), plane)  # the default model's ChatML template prints any role
+                                   tool_format="hermes", speculative_config=speculative_config), plane)
 
 
 def audit_file() -> Path:
