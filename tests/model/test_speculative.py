@@ -152,3 +152,37 @@ def test_sampled_requests_speculate_and_seeded_ones_do_not(spec):
     outputs(spec, [("off", prompt, greedy(24, speculative=False))])
     assert spec.snapshot().num_spec_verifications == opted_out
     assert_no_leak(spec.scheduler.block_manager)
+
+
+# ---- a draft model (here the default model drafting for itself, whole or truncated: one model family only) ----
+def draft_config(**extra) -> str:
+    import json
+
+    return json.dumps({"decoding_type": "DraftTarget", "max_draft_len": 4, "speculative_model": "self",
+                       "adaptive": False, **extra})
+
+
+def test_a_draft_model_proposes_and_greedy_outputs_stay_identical(default_model_dir, base):
+    prompts = [prompt_of(base, EDIT), prompt_of(base, QUOTE)]
+    expected = [run_to_completion(base, {0: [(f"b{i}", p, greedy(32))]})[f"b{i}"] for i, p in enumerate(prompts)]
+    whole = make_core(default_model_dir, speculative_config=draft_config())
+    truncated = make_core(default_model_dir, speculative_config=draft_config(draft_layers=10))
+    for core in (whole, truncated):
+        got = [run_to_completion(core, {0: [(f"s{i}", p, greedy(32))]})[f"s{i}"] for i, p in enumerate(prompts)]
+        assert got == expected
+        assert_no_leak(core.scheduler.block_manager)
+    stats = whole.snapshot()  # drafting for itself in fp32, every proposal is the target's own pick
+    assert stats.num_spec_accepted_tokens == stats.num_spec_proposed_tokens > 0
+    assert truncated.snapshot().num_spec_proposed_tokens > 0
+
+
+def test_a_draft_model_survives_preemption_and_forks(default_model_dir, base):
+    prompts = {name: prompt_of(base, text) for name, text in (("edit", EDIT), ("quote", QUOTE))}
+    expected = {name: run_to_completion(base, {0: [(name, p, greedy(24))]})[name] for name, p in prompts.items()}
+    core = make_core(default_model_dir, num_blocks=14, speculative_config=draft_config())
+    tokens, _ = outputs(core, [("edit", prompts["edit"], greedy(24, n=2)), ("quote", prompts["quote"], greedy(24))])
+    assert tokens["edit"] == tokens["edit#1"] == expected["edit"] and tokens["quote"] == expected["quote"]
+    assert core.snapshot().num_preemptions > 0
+    sampled, finals = outputs(core, [("hot", prompts["quote"], SamplingParams(max_tokens=24, temperature=0.8))])
+    assert finals["hot"].num_output_tokens == len(sampled["hot"]) == 24
+    assert_no_leak(core.scheduler.block_manager)

@@ -34,14 +34,16 @@ from typing import Any
 from tokenfleet.engine.request import Request
 
 # speculative_config keys (TensorRT-LLM's names, shared with its adapter) this engine reads
-_OURS = {"decoding_type", "max_draft_len", "max_matching_ngram_size", "is_public_pool", "max_concurrency"}
+_NGRAM_KEYS = {"decoding_type", "max_draft_len", "max_matching_ngram_size", "is_public_pool", "max_concurrency"}
+_DRAFT_KEYS = {"decoding_type", "max_draft_len", "speculative_model", "speculative_model_dir", "max_concurrency"}
 # keys only this engine reads; the TensorRT-LLM adapter drops them (its config classes reject unknown keys)
-TORCH_ONLY_KEYS = frozenset({"min_matching_ngram_size", "adaptive", "tenant_history_tokens"})
+TORCH_ONLY_KEYS = frozenset({"min_matching_ngram_size", "adaptive", "tenant_history_tokens", "draft_layers"})
+DRAFT_TYPES = ("drafttarget", "draft_target")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    method: str = "ngram"
+    method: str = "ngram"  # "ngram" (prompt lookup) or "draft" (a draft model in the worker)
     num_speculative_tokens: int = 5  # most tokens proposed per request per step
     max_ngram: int = 4  # longest suffix matched
     min_ngram: int = 2  # shortest suffix matched (1 proposes after any repeated token: many wrong guesses)
@@ -49,10 +51,16 @@ class SpecConfig:
     tenant_history_tokens: int = 32768  # per tenant
     adaptive: bool = True  # SpecPolicy decides per step; False: verify every proposal
     max_concurrency: int = 0  # no speculation when more requests run (0: the policy alone decides)
+    draft_model: str = ""  # "draft": an HF folder with the target's tokenizer, or "self" (the target's own weights)
+    draft_layers: int = 0  # "draft": keep only the draft model's first layers (0: all)
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative method {self.method!r} is not supported here (ngram)")
+        if self.method not in ("ngram", "draft"):
+            raise ValueError(f"speculative method {self.method!r} is not supported here (ngram, draft)")
+        if (self.method == "draft") != bool(self.draft_model):
+            raise ValueError("a draft model (speculative_model) goes with decoding_type DraftTarget, and only there")
+        if self.draft_layers < 0:
+            raise ValueError(f"draft_layers must be >= 0, got {self.draft_layers}")
         if not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(f"max_draft_len must be in [1, 32], got {self.num_speculative_tokens}")
         if not 1 <= self.min_ngram <= self.max_ngram <= 16:
@@ -75,14 +83,20 @@ class SpecConfig:
                 raise ValueError(f"speculative_config is not JSON: {e}") from None
         if not isinstance(value, Mapping):
             raise ValueError("speculative_config must be a JSON object")
-        unknown = set(value) - _OURS - TORCH_ONLY_KEYS
         kind = str(value.get("decoding_type", "NGram"))
-        if kind.lower() != "ngram":
-            raise ValueError(f"the torch engine speculates with decoding_type NGram (prompt lookup), not {kind!r}; "
-                             "other types are passed to TensorRT-LLM")
+        draft = kind.lower() in DRAFT_TYPES
+        if kind.lower() != "ngram" and not draft:
+            raise ValueError(f"the torch engine speculates with decoding_type NGram (prompt lookup) or DraftTarget (a "
+                             f"draft model), not {kind!r}; other types are passed to TensorRT-LLM")
+        unknown = set(value) - (_DRAFT_KEYS if draft else _NGRAM_KEYS) - TORCH_ONLY_KEYS
         if unknown:
-            raise ValueError(f"unknown speculative_config keys for NGram: {sorted(unknown)}")
+            raise ValueError(f"unknown speculative_config keys for {kind}: {sorted(unknown)}")
         try:
+            if draft:
+                return cls(method="draft", num_speculative_tokens=int(value.get("max_draft_len", 4)),
+                           draft_model=str(value.get("speculative_model") or value.get("speculative_model_dir") or ""),
+                           draft_layers=int(value.get("draft_layers", 0)), adaptive=bool(value.get("adaptive", True)),
+                           max_concurrency=int(value.get("max_concurrency", 0)))
             return cls(
                 num_speculative_tokens=int(value.get("max_draft_len", 5)),
                 max_ngram=int(value.get("max_matching_ngram_size", 4)),
@@ -330,8 +344,9 @@ class Speculator:
         by_id = {}
         for r in eligible:
             k = min(cfg.num_speculative_tokens, r.max_tokens - len(r.output_token_ids) - 1)
-            draft = self._lookup(r, k)
-            if draft and r.guide is not None:
+            # a draft model proposes in the runner, once the step's slots are allocated: placeholders here
+            draft = [-1] * k if cfg.method == "draft" else self._lookup(r, k)
+            if draft and r.guide is not None and cfg.method == "ngram":
                 valid = r.guide.validate_tokens(draft)  # a token the grammar forbids is never verified
                 self.grammar_cut += len(draft) - valid
                 draft = draft[:valid]

@@ -110,6 +110,19 @@ def test_speculative_config_uses_tensorrt_llm_names():
         {"decoding_type": "NGram", "max_draft_len": 7}
 
 
+def test_a_draft_model_config_uses_tensorrt_llm_names_too():
+    config = SpecConfig.parse('{"decoding_type": "DraftTarget", "max_draft_len": 3, "speculative_model": "/draft", '
+                              '"draft_layers": 8}')
+    assert (config.method, config.draft_model, config.num_speculative_tokens, config.draft_layers) == \
+        ("draft", "/draft", 3, 8)
+    assert trtllm_speculative_config({"decoding_type": "DraftTarget", "speculative_model": "/d", "draft_layers": 8}) == \
+        {"decoding_type": "DraftTarget", "speculative_model": "/d"}
+    with pytest.raises(ValueError, match="draft model"):
+        SpecConfig.parse('{"decoding_type": "DraftTarget", "max_draft_len": 3}')
+    with pytest.raises(ValueError, match="unknown"):
+        SpecConfig.parse('{"decoding_type": "DraftTarget", "speculative_model": "/d", "is_public_pool": true}')
+
+
 @pytest.mark.parametrize("value, message", [
     ("{", "not JSON"),
     ('["NGram"]', "JSON object"),

@@ -88,3 +88,34 @@ def test_rejection_sampling_with_filters_keeps_the_filtered_distribution():
     support = int((target > 0).sum())
     stat = chi_square(counts, target, 10000)
     assert stat < {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}[support - 1]
+
+
+def test_rejection_sampling_against_a_draft_distribution_keeps_the_target_distribution():
+    """A draft model draws its proposal from q; accepting with min(1, p/q) and drawing from max(0, p - q) on a
+    rejection leaves the output distributed as p."""
+    torch.manual_seed(5)
+    logits = torch.randn(2, VOCAB)
+    p = filtered_probs(logits[0], 1.0, 0, 1.0, 0.0)
+    q = torch.softmax(torch.randn(VOCAB) * 2, dim=-1)  # a poor draft
+    sampler = Sampler(CPU)
+    sampler._shared_generator.manual_seed(11)
+    draws = torch.multinomial(q, 20000, replacement=True, generator=torch.Generator().manual_seed(12)).tolist()
+    firsts = []
+    for start in range(0, len(draws), 2000):
+        batch = draws[start: start + 2000]
+        outs = sampler.verify(logits.repeat(len(batch), 1), [make_req(request_id=f"r{i}") for i in range(len(batch))],
+                              [[d] for d in batch], [q[None, :]] * len(batch))
+        firsts += [o.token_ids[0] for o in outs]
+    assert chi_square(Counter(firsts), p, len(firsts)) < CHI2_DF5_P001
+    # verifying the draw as a point mass (ignoring q) is exact too, but accepts less often: p(d) <= min(1, p(d)/q(d))
+    naive = Sampler(CPU)
+    naive._shared_generator.manual_seed(11)
+    accepted = {"q": 0, "point": 0}
+    for start in range(0, 6000, 2000):
+        batch = draws[start: start + 2000]
+        reqs = [make_req(request_id=f"r{i}") for i in range(len(batch))]
+        with_q = sampler.verify(logits.repeat(len(batch), 1), reqs, [[d] for d in batch], [q[None, :]] * len(batch))
+        point = naive.verify(logits.repeat(len(batch), 1), reqs, [[d] for d in batch])
+        accepted["q"] += sum(len(o.token_ids) == 2 for o in with_q)
+        accepted["point"] += sum(len(o.token_ids) == 2 for o in point)
+    assert accepted["q"] > 1.2 * accepted["point"]

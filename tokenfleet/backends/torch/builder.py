@@ -43,6 +43,13 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         core.enable_peer_blocks()
     spec = config.spec_config()
     if spec is not None:
+        if spec.method == "draft":
+            from tokenfleet.backends.torch.draft import load_draft
+            from tokenfleet.models.llama import LlamaModel
+
+            if not isinstance(model, LlamaModel):
+                raise ValueError("a draft model can speculate only for a Llama-architecture target here")
+            runner.drafter = load_draft(spec, model, num_blocks, config.block_size, runner.build_batch)
         core.enable_speculation(spec)
     if config.kv_tier:
         if len(groups) > 1:

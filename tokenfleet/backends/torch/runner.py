@@ -6,11 +6,13 @@ step, and the sampler.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 
 import torch
 
+from tokenfleet.backends.torch.draft import DraftModel
 from tokenfleet.backends.torch.sampler import Sampler
 from tokenfleet.engine.kv_tier import PendingBlock
 from tokenfleet.engine.output import TokenLogprobs
@@ -32,8 +34,12 @@ class TorchModelRunner:
         self.sampler = Sampler(model.device)
         self._prompt_spans: list[tuple[str, int, int]] = []
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: evicted blocks go to host on it
+        self.drafter: DraftModel | None = None  # speculative decoding with a draft model (backends.torch.draft)
+        self._draft_probs: dict[str, torch.Tensor] = {}  # this step's: sampled requests' draft distributions
 
     def execute(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> ExecuteResult:
+        if self.drafter is not None and any(s.draft for s in output.scheduled):
+            output = self._draft(output, requests)
         logits = self.compute_logits(output, requests)
         sampling = [s for s in output.scheduled if s.samples]
         num_rows = len(sampling) + sum(len(s.draft) for s in sampling)
@@ -46,11 +52,27 @@ class TorchModelRunner:
         result = self.execute_plain(logits, sampling, requests)
         return ExecuteResult(result.sampled, result.logprobs, prompt_logprobs)
 
+    def _draft(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> SchedulerOutput:
+        """The draft model fills the verification entries' placeholders (after the step's block copies, which
+        it needs too); the output to run, its copies done."""
+        assert self.drafter is not None
+        if output.copies:
+            self.kv.copy_blocks(list(output.copies))
+            self.drafter.copy_blocks(list(output.copies))
+        proposals = self.drafter.propose([s for s in output.scheduled if s.draft], requests)
+        self._draft_probs = {rid: q for rid, (_, q) in proposals.items() if q is not None}
+        scheduled = tuple(dataclasses.replace(s, draft=tuple(proposals[s.request_id][0])) if s.draft else s
+                          for s in output.scheduled)
+        return dataclasses.replace(output, scheduled=scheduled, copies=())
+
     def _verify(self, logits: torch.Tensor, sampling: Sequence[ScheduledRequest], requests: Mapping[str, Request],
                 prompt_logprobs: dict[str, list[TokenLogprobs]]) -> ExecuteResult:
         """A step with verification entries: those go through ``Sampler.verify``, the others (one row each)
         through ``sample``."""
-        plain_rows, plain, verify_rows, verify = [], [], [], []
+        plain_rows: list[int] = []
+        verify_rows: list[int] = []
+        plain: list[ScheduledRequest] = []
+        verify: list[ScheduledRequest] = []
         row = 0
         for s in sampling:
             if s.draft:
@@ -70,8 +92,11 @@ class TorchModelRunner:
             logprobs.update(result.logprobs)
         with torch.inference_mode():
             outs = self.sampler.verify(logits[self._tensor(verify_rows)], [requests[s.request_id] for s in verify],
-                                       [s.draft for s in verify])
+                                       [s.draft for s in verify], [self._draft_probs.get(s.request_id) for s in verify])
+        self._draft_probs = {}
         for s, out in zip(verify, outs):
+            if self.drafter is not None:
+                self.drafter.accepted(s, requests[s.request_id], len(out.token_ids) - 1)
             sampled[s.request_id] = out.token_ids[0]
             more[s.request_id] = out.token_ids[1:]
             if out.logprobs[0] is not None:
@@ -128,6 +153,8 @@ class TorchModelRunner:
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
+        if self.drafter is not None:
+            self.drafter.release(request_id)
 
     # ---- KV transfer (disaggregated prefill) --------------------------------------------------
     def kv_geometry(self) -> tuple[int, int, int, str]:

@@ -105,8 +105,8 @@ class Sampler:
                     logits[i, banned] = float("-inf")
         return raw_logprobs
 
-    def verify(self, logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[Sequence[int]]
-               ) -> list[SamplerOutput]:
+    def verify(self, logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[Sequence[int]],
+               draft_probs: Sequence[torch.Tensor | None] | None = None) -> list[SamplerOutput]:
         """Speculative verification. Request r owns 1 + len(drafts[r]) consecutive rows of ``logits``: row j is
         the target's logits for the token after its tokens and drafts[r][:j]. Each row is adjusted as a plain
         decode step at that point would be (penalties count the drafts before it, the grammar has consumed
@@ -114,7 +114,9 @@ class Sampler:
         target's own: greedy requests accept while the draft equals the argmax; sampled ones by rejection
         sampling against the drafter's point mass (accept d with probability p(d); on a rejection draw from p
         without d, renormalized; after a full run draw from the last row), which leaves the output distributed
-        exactly as the target's. Guided requests' matchers consume the returned tokens.
+        exactly as the target's. ``draft_probs[r]`` ([len(drafts[r]), vocab]): the distribution a draft model drew
+        request r's proposals from (sampled requests): accept d with probability min(1, p(d) / q(d)), on a rejection
+        draw from max(0, p - q) renormalized. Guided requests' matchers consume the returned tokens.
 
         Seeded sampled requests are not verified here (their streams would depend on acceptance); the caller
         does not propose for them."""
@@ -134,7 +136,9 @@ class Sampler:
         random = [k for k, r in enumerate(requests) if not r.sampling_params.is_greedy]
         chosen: dict[int, list[int]] = {}
         if random:
-            chosen = self._verify_random(logits, rows, starts, [(k, requests[k], drafts[k]) for k in random])
+            qs = draft_probs or [None] * len(requests)
+            chosen = self._verify_random(logits, rows, starts, [(k, requests[k], drafts[k]) for k in random],
+                                         [qs[k] for k in random])
         outputs = []
         for k, (r, draft) in enumerate(zip(requests, drafts)):
             start = starts[k]
@@ -154,8 +158,10 @@ class Sampler:
         return outputs
 
     def _verify_random(self, logits: torch.Tensor, rows: Sequence[_Row], starts: Sequence[int],
-                       entries: Sequence[tuple[int, Request, Sequence[int]]]) -> dict[int, list[int]]:
-        """Rejection sampling for the sampled requests of ``verify`` (index k -> tokens)."""
+                       entries: Sequence[tuple[int, Request, Sequence[int]]], qs: Sequence[torch.Tensor | None]
+                       ) -> dict[int, list[int]]:
+        """Rejection sampling for the sampled requests of ``verify`` (index k -> tokens); ``qs``: each one's draft
+        distribution, or None for a point mass on its proposals (a proposer that does not sample)."""
         index = [i for k, _, _ in entries for i in range(starts[k], starts[k + 1])]
         probs = filtered_probs_batch(logits[index], [rows[i].sampling_params for i in index])  # [n, vocab]
         local = {k: sum(starts[kk + 1] - starts[kk] for kk, _, _ in entries[:pos]) for pos, (k, _, _) in enumerate(entries)}
@@ -165,11 +171,17 @@ class Sampler:
             at = torch.tensor([row for row, _ in draft_rows], device=probs.device)
             tok = torch.tensor([d for _, d in draft_rows], device=probs.device)
             p_draft = probs[at, tok].tolist()
+            q_draft = [q[j, d].item() if q is not None else 1.0 for q, (_, _, draft) in zip(qs, entries)
+                       for j, d in enumerate(draft)]
+            p_draft = [p / q if q > 0 else 1.0 for p, q in zip(p_draft, q_draft)]  # acceptance probability
         uniforms = torch.rand(len(draft_rows) + len(entries), generator=self._shared_generator).tolist()
-        final_rows, final_ban, out = [], [], {}
+        final_rows: list[int] = []
+        final_ban: list[int] = []
+        residual_q: list[tuple[int, torch.Tensor]] = []  # (final row, the draft distribution to subtract)
+        out: dict[int, list[int]] = {}
         u = iter(uniforms)
         p = iter(p_draft)
-        for k, _, draft in entries:
+        for (k, _, draft), q in zip(entries, qs):
             accepted, rejected = 0, -1
             for j in range(len(draft)):
                 if next(u) < next(p):
@@ -181,8 +193,13 @@ class Sampler:
                 next(p)
             out[k] = list(draft[:accepted])
             final_rows.append(local[k] + accepted)
+            if q is not None and rejected >= 0:
+                residual_q.append((len(final_rows) - 1, q[accepted]))
+                rejected = -1
             final_ban.append(rejected)
         residual = probs[torch.tensor(final_rows, device=probs.device)]
+        for i, q_row in residual_q:  # max(0, p - q): the mass the draft under-proposed
+            residual[i] = (residual[i] - q_row.to(residual.dtype)).clamp_(min=0.0)
         ban = [(i, t) for i, t in enumerate(final_ban) if t >= 0]
         if ban:  # the drafter's point mass on the rejected token: p - q clipped at 0 zeroes exactly that token
             residual[[i for i, _ in ban], [t for _, t in ban]] = 0.0
@@ -239,19 +256,18 @@ class _Row:
 
 
 def _draft_masks(matcher, draft: Sequence[int], vocab: int) -> torch.Tensor:
-    """The grammar's allowed-token bitmask before each draft token and after the last ([len + 1, width]); the
-    matcher consumes the drafts to compute them and is rolled back (the drafts passed ``validate_tokens``)."""
+    """The grammar's allowed-token bitmask before each draft token and after the last ([len + 1, width]). The
+    matcher consumes the drafts it accepts to compute them and is rolled back; past the first draft it forbids,
+    rows repeat the mask that rejects it (verification never reaches them)."""
     out = torch.empty(len(draft) + 1, mask_width(vocab), dtype=torch.int32)
+    valid = matcher.validate_tokens(list(draft)) if draft else 0
     fill_masks([matcher], out[0:1])
-    consumed = 0
-    for j, token in enumerate(draft):
-        if not matcher.consume_token(token):
-            out[j + 1:] = 0  # cannot happen for validated drafts; a zero mask rejects the rest
-            break
-        consumed += 1
+    for j in range(valid):
+        matcher.consume_token(draft[j])
         fill_masks([matcher], out[j + 1: j + 2])
-    if consumed:
-        matcher.rollback(consumed)
+    out[valid + 1:] = out[valid]
+    if valid:
+        matcher.rollback(valid)
     return out
 
 
@@ -347,7 +363,7 @@ def filtered_probs_batch(logits: torch.Tensor, params: Sequence[SamplingParams])
     return probs
 
 
-def apply_penalties(logits: torch.Tensor, requests: Sequence[Request], rows: Sequence[int]) -> None:
+def apply_penalties(logits: torch.Tensor, requests: Sequence[Request | _Row], rows: Sequence[int]) -> None:
     """In place on ``logits[rows]``: repetition (prompt + output), frequency and presence (output)."""
     vocab = logits.shape[-1]
     for row, r in zip(rows, requests):
