@@ -324,7 +324,7 @@ class EngineCore:
                 outputs.append(self._process(entry.request_id, result, finished))
                 outputs.extend(self._process(fork_id, result, finished) for fork_id in entry.forks)
         self.stats.record_step(self._timer.last, output.num_scheduled_tokens)
-        if any(s.num_new_tokens > 1 for s in output.scheduled):
+        if any(s.num_new_tokens > 1 and not s.draft for s in output.scheduled):  # a verification is no prefill
             self.stats.record_prefill_rate(output.num_scheduled_tokens, self._timer.last)
         return outputs
 
@@ -372,6 +372,8 @@ class EngineCore:
                 assert live is not None
                 del live.output_token_ids[len(live.output_token_ids) - (len(tokens) - 1 - i):]
                 out.num_output_tokens = len(live.output_token_ids)
+                if request is not None:  # the scheduler ended it later in the run (length): the stop string did
+                    request.finish_reason = FinishReason.STOP
                 break
         assert out is not None
         if request is None and state.matcher.matched is not None:

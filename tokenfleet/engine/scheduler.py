@@ -291,13 +291,15 @@ class Scheduler:
         preempted: list[str] = []
         restores: list[tuple[int, bytes]] = []
         self.running.sort(key=lambda r: self._order[r.request_id])
+        owed = self._owed_after() if any(r.draft_token_ids for r in self.running) else None
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._chunk(request, request.num_computed_tokens, budget)
             allocation, draft = None, ()
-            if request.draft_token_ids and n == 1:
-                allocation, draft = self._allocate_draft(request, budget, len(self.running) - i - 1)
+            if request.draft_token_ids and n == 1 and owed is not None and request.request_id not in self.forks:
+                # proposals take only budget the running requests after this one do not need
+                allocation, draft = self._allocate_draft(request, budget - owed[i], len(self.running) - i - 1)
             if allocation is None:
                 allocation = self._allocate_or_preempt(request, n, preempted)
             if allocation is None:
@@ -317,6 +319,17 @@ class Scheduler:
         if self.config.max_prefill_chunk:
             n = min(n, self.config.max_prefill_chunk)
         return n
+
+    def _owed_after(self) -> list[int]:
+        """Per running request, the tokens the running requests after it need this step (their decode or prefill
+        chunk): what speculation before them must leave in the budget."""
+        owed = [0] * len(self.running)
+        total = 0
+        for i in range(len(self.running) - 1, -1, -1):
+            owed[i] = total
+            r = self.running[i]
+            total += self._chunk(r, r.num_computed_tokens, self.config.max_num_batched_tokens)
+        return owed
 
     def _allocate_draft(self, request: Request, budget: int, num_after: int):
         """Slots for a decoding request's last token and its proposed tokens, without preempting anyone and

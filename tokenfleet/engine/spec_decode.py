@@ -176,7 +176,7 @@ class TenantHistory:
             return
         entry = self._by_tenant.pop(tenant, None)
         seqs, index = entry if entry is not None else ([], NgramIndex(self.min_n, self.max_n))
-        seqs.append(list(tokens[-self.limit:]))
+        seqs.append(list(tokens[-(self.limit - 1):]))  # with its separator, one request fits the budget
         if len(index) + len(seqs[-1]) + 1 > self.limit:  # rebuild from the newest requests that fit
             total, keep = 0, []
             for seq in reversed(seqs):
@@ -226,9 +226,8 @@ class StepCostModel:
         mean_t, mean_y = st / w, sy / w
         var = stt / w - mean_t * mean_t
         per_token = (sty / w - mean_t * mean_y) / var if var > 0.25 else self.prefill_per_token
-        per_token = max(per_token, 0.0)
-        if per_token == 0.0 and self.prefill_per_token > 0:
-            per_token = self.prefill_per_token
+        if per_token <= 0.0:  # T has not varied, or noise: the prefill rate, else a guess that T will correct
+            per_token = self.prefill_per_token or 0.05 * max(mean_y - mean_t * 1e-4, 1e-4)
         return max(mean_y - per_token * mean_t, 0.0), per_token
 
 
@@ -326,7 +325,9 @@ class Speculator:
         cfg = self.config
         if cfg.max_concurrency and len(running) > cfg.max_concurrency:
             return 0
-        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+        # decoding: its last output token is the only one not in the KV (a prompt's last chunk is not: its first
+        # token, and any n > 1 samples forking from it, come from that step's logits alone)
+        decoding = [r for r in running if r.output_token_ids and r.num_computed_tokens == r.num_tokens - 1]
         eligible = [r for r in decoding if self.eligible(r) and r.max_tokens - len(r.output_token_ids) > 1]
         if not eligible:
             return 0
@@ -377,7 +378,7 @@ class Speculator:
             index.extend(output[len(index) - len(prompt):])
         draft = index.propose(k)
         if not draft and self.history is not None:
-            draft = self.history.propose(request.tenant, index.tokens[-self.config.max_ngram:], k)
+            draft = self.history.propose(self._scope(request), index.tokens[-self.config.max_ngram:], k)
         return draft
 
     def observe(self, request: Request, proposed: int, accepted: int) -> None:
@@ -393,4 +394,10 @@ class Speculator:
         self._index.pop(request.request_id, None)
         self._accept.pop(request.request_id, None)
         if self.history is not None and request.output_token_ids:
-            self.history.add(request.tenant, request.all_token_ids)
+            self.history.add(self._scope(request), request.all_token_ids)
+
+    @staticmethod
+    def _scope(request: Request) -> str:
+        """Whose history a request may draw on: its tenant's, within its cache scope (the boundary the prefix
+        cache keeps: acceptance speed would otherwise tell one scope's users about another's text)."""
+        return f"{request.tenant}\x00{request.cache_scope}"

@@ -194,3 +194,47 @@ def test_proposals_never_pass_max_tokens_and_never_preempt():
     assert not s.num_preemptions and {e.request_id for e in out.scheduled} == {a.request_id, b.request_id}
     assert all(e.draft == () for e in out.scheduled)  # b still gets its block: no proposals this step
     s.block_manager.check_invariants()
+
+
+def test_a_prompts_last_token_is_never_verified_with_proposals():
+    """A chunked prompt with one token left decodes like a request (num_computed = num_tokens - 1) but its step
+    samples its first token (and forks n > 1 samples from it): no proposals there."""
+    from tokenfleet.engine.spec_decode import Speculator
+
+    spec = Speculator(SpecConfig(adaptive=False))
+    r = make_request(prompt_token_ids=[1, 2, 3, 1, 2, 3, 1, 2], max_tokens=8)
+    r.num_computed_tokens = r.num_tokens - 1
+    assert spec.propose([r], budget=64) == 0 and r.draft_token_ids == []
+    r.output_token_ids.append(3)  # now it decodes: "1 2 3" repeats
+    r.num_computed_tokens = r.num_tokens - 1
+    assert spec.propose([r], budget=64) > 0 and r.draft_token_ids[:2] == [1, 2]
+
+
+def test_proposals_leave_the_budget_later_running_requests_need():
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=12)
+    requests = [_decoding(s, make_request(num_prompt_tokens=5, max_tokens=30)) for _ in range(3)]
+    for _ in range(4):
+        for r in requests:
+            r.draft_token_ids = [1, 2, 3, 4, 5]
+        out = s.schedule()
+        assert {e.request_id for e in out.scheduled} == {r.request_id for r in requests}  # nobody starves
+        assert out.num_scheduled_tokens <= 12
+        s.update(out, {e.request_id: 9 for e in out.scheduled}, {e.request_id: [] for e in out.scheduled})
+        s.block_manager.check_invariants()
+
+
+def test_tenant_history_keeps_cache_scopes_apart():
+    from tokenfleet.engine.spec_decode import Speculator
+
+    spec = Speculator(SpecConfig(tenant_history=True, adaptive=False))
+    done = make_request(prompt_token_ids=[7, 8, 9, 10, 11, 12], max_tokens=4)
+    done.tenant, done.cache_scope = "acme", "team-a"
+    done.output_token_ids = [13, 14]
+    spec.finished(done)
+    for scope, expect in (("team-a", [10, 11]), ("team-b", [])):
+        r = make_request(prompt_token_ids=[50, 51, 52, 53], max_tokens=8)
+        r.tenant, r.cache_scope = "acme", scope
+        r.output_token_ids = [8, 9]  # its tail "8 9" occurred in team-a's finished request, never in its own tokens
+        r.num_computed_tokens = r.num_tokens - 1
+        spec.propose([r], budget=64)
+        assert r.draft_token_ids[:2] == expect

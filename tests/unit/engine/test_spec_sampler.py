@@ -119,3 +119,26 @@ def test_rejection_sampling_against_a_draft_distribution_keeps_the_target_distri
         accepted["q"] += sum(len(o.token_ids) == 2 for o in with_q)
         accepted["point"] += sum(len(o.token_ids) == 2 for o in point)
     assert accepted["q"] > 1.2 * accepted["point"]
+
+
+def test_a_grammar_completed_inside_the_run_ends_it_there(default_model_dir):
+    """Plain decoding stops at the token that completes the grammar; verification must not add the EOS the
+    completed grammar then allows."""
+    import json
+
+    from tokenfleet.engine.grammar import Guided
+    from tokenfleet.engine.guided import GuideCompiler
+    from tokenfleet.models.tokenizer import Tokenizer
+
+    cfg = json.loads((default_model_dir / "config.json").read_text())
+    vocab, eos = cfg["vocab_size"], cfg["eos_token_id"]
+    compiler = GuideCompiler((default_model_dir / "tokenizer.json").read_text(), vocab, (eos,))
+    (abc,) = Tokenizer(str(default_model_dir)).encode("abc")  # one token
+    logits = torch.zeros(2, vocab)
+    logits[0, abc] = 5.0
+    verifying, plain = make_req(temperature=0.0), make_req(temperature=0.0)
+    verifying.guide, plain.guide = compiler.matcher(Guided("regex", "abc")), compiler.matcher(Guided("regex", "abc"))
+    (out,) = Sampler(CPU).verify(logits.clone(), [verifying], [[abc]])
+    single = Sampler(CPU).sample(logits[:1].clone(), [plain])
+    assert out.token_ids == single.token_ids == [abc]
+    assert verifying.guide.is_stopped() and plain.guide.is_stopped()

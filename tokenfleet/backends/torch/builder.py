@@ -27,8 +27,22 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         )
     groups = model.config.kv_groups  # a block holds one layer of a group: K+V of len(group.layers) layers
     per_token = 2 * len(groups[0].layers) * model.config.num_kv_heads * model.config.head_dim * dtype.itemsize
+    spec = config.spec_config()
+    draft = None
+    if spec is not None and spec.method == "draft":  # its KV shares the budget: a block holds both models' K/V
+        from tokenfleet.backends.torch.draft import load_draft_model
+        from tokenfleet.models.llama import LlamaModel
+
+        if not isinstance(model, LlamaModel):
+            raise ValueError("a draft model can speculate only for a Llama-architecture target here")
+        draft = load_draft_model(spec, model)
+        per_token += 2 * draft.config.num_layers * draft.config.num_kv_heads * draft.config.head_dim * dtype.itemsize
     num_blocks = config.num_kv_blocks(per_token)
     runner = TorchModelRunner(model, num_blocks, config.block_size)
+    if draft is not None:
+        from tokenfleet.backends.torch.draft import DraftModel
+
+        runner.drafter = DraftModel(draft, num_blocks, config.block_size, runner.build_batch)
     block_manager = BlockManager(num_blocks, config.block_size, tuple(g.window for g in groups))
     scheduler = Scheduler(config.scheduler_config(max_model_len), block_manager, config.hash_salt())
     tokenizer = Tokenizer(config.model)
@@ -41,15 +55,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     core = EngineCore(scheduler, runner, tokenizer, info)
     if core.moves_blocks:
         core.enable_peer_blocks()
-    spec = config.spec_config()
     if spec is not None:
-        if spec.method == "draft":
-            from tokenfleet.backends.torch.draft import load_draft
-            from tokenfleet.models.llama import LlamaModel
-
-            if not isinstance(model, LlamaModel):
-                raise ValueError("a draft model can speculate only for a Llama-architecture target here")
-            runner.drafter = load_draft(spec, model, num_blocks, config.block_size, runner.build_batch)
         core.enable_speculation(spec)
     if config.kv_tier:
         if len(groups) > 1:

@@ -128,8 +128,7 @@ class DraftModel:
         return tokens, probs
 
 
-def load_draft(config: SpecConfig, target: LlamaModel, num_blocks: int, block_size: int,
-               build_batch: Callable[..., tuple[torch.Tensor, Any, Any]]) -> DraftModel:
+def load_draft_model(config: SpecConfig, target: LlamaModel) -> LlamaModel:
     """The draft model ``config.draft_model`` names (an HF folder; "self": the target's own weights), truncated to
     its first ``config.draft_layers`` layers when set. Its vocabulary must be the target's."""
     from tokenfleet.models.loader import load_model
@@ -144,6 +143,8 @@ def load_draft(config: SpecConfig, target: LlamaModel, num_blocks: int, block_si
     if model.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({model.config.vocab_size}) is not the target's "
                          f"({target.config.vocab_size})")
+    if len(model.config.kv_groups) != 1:
+        raise ValueError("a draft model with sliding-window layers is not supported")
     if config.draft_layers:
         if not 1 <= config.draft_layers <= model.config.num_layers:
             raise ValueError(f"draft_layers must be in [1, {model.config.num_layers}], got {config.draft_layers}")
@@ -152,4 +153,4 @@ def load_draft(config: SpecConfig, target: LlamaModel, num_blocks: int, block_si
         w = model.weights
         trimmed.weights = LlamaWeights(w.embed, w.layers[: config.draft_layers], w.norm, w.lm_head, w.lm_head_rows)
         model = trimmed
-    return DraftModel(model, num_blocks, block_size, build_batch)
+    return model

@@ -149,8 +149,12 @@ class Sampler:
                 while m < len(draft) and argmax[start + m] == draft[m]:
                     m += 1
                 tokens = [*draft[:m], argmax[start + m]]
-            if r.guide is not None:
-                r.guide.consume_tokens(tokens)
+            if r.guide is not None:  # as plain decoding would, end where the grammar completes (no EOS after it)
+                for i, token in enumerate(tokens):
+                    r.guide.consume_token(token)
+                    if r.guide.is_stopped():
+                        tokens = tokens[: i + 1]
+                        break
             num_top = r.sampling_params.logprobs
             lps = [token_logprobs(raw_logprobs[start + j], t, num_top)
                    if raw_logprobs is not None and num_top is not None else None for j, t in enumerate(tokens)]
