@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     ali.add_argument("alias")
     ali.add_argument("target", nargs="?")
     ali.add_argument("--delete", action="store_true")
+    ali.add_argument("--canary", default="", help="NAME@VERSION that takes --weight of the alias's conversations "
+                     "(sticky per conversation: the request's user, else its tenant)")
+    ali.add_argument("--weight", type=float, default=0.0, help="the canary's share, 0-1")
     ali.set_defaults(func=_cmd_alias)
     for p in (reg, lst, ali):
         p.add_argument("--registry", help="registry address host:port (default: the `tokenfleet up` cluster's)")
@@ -267,7 +270,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
     for m in snapshot.models:
         status = registry_pb2.ModelStatus.Name(m.status).removeprefix("MODEL_STATUS_").lower()
         rows.append((f"{m.name}@{m.version}", m.dtype, m.backend, status, m.path))
-    rows += [(f"{a.alias} -> {a.target}", "", "", "alias", "") for a in snapshot.aliases]
+    rows += [(f"{a.alias} -> {a.target}" + (f" ({a.canary} {a.canary_weight:.0%})" if a.canary else ""), "", "",
+              "alias", "") for a in snapshot.aliases]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
@@ -284,8 +288,10 @@ def _cmd_alias(args: argparse.Namespace) -> int:
         return 0
     if not args.target:
         raise ValueError("give the alias's target (NAME or NAME@VERSION), or --delete")
-    _registry_call(lambda: stub.SetAlias(registry_pb2.SetAliasRequest(alias=args.alias, target=args.target), timeout=30))
-    print(f"{args.alias} -> {args.target}")
+    request = registry_pb2.SetAliasRequest(alias=args.alias, target=args.target, canary=args.canary,
+                                           canary_weight=args.weight)
+    _registry_call(lambda: stub.SetAlias(request, timeout=30))
+    print(f"{args.alias} -> {args.target}" + (f" ({args.canary}: {args.weight:.0%})" if args.canary else ""))
     return 0
 
 

@@ -53,13 +53,14 @@ class ModelCatalog:
                     continue  # a name whose versions are all disabled
         return sorted(names.items())
 
-    async def get(self, name: str) -> ServedModel:
+    async def get(self, name: str, sticky: str = "") -> ServedModel:
+        """The model ``name`` serves now; ``sticky`` (the conversation's key) picks a side of a canary split."""
         if name in self.static:
             return self.static[name]
         try:
             if self.view is None:
                 raise UnknownModelError(name)
-            record = self.view.resolve(name)
+            record = self.view.resolve(name, sticky)
         except UnknownModelError as e:
             raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model",
                            "model_not_found") from e

@@ -124,12 +124,13 @@ class Gateway:
         if self.ttft_objectives is not None:
             self.dispatcher.ttft_objectives = dict(self.ttft_objectives)
 
-    async def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
-        model = await self.models.get(body.model)
+    async def prepare_chat(self, body: ChatCompletionRequest, tenant: str = "") -> Prepared:
+        """``tenant``: with the body's ``user``, the conversation's key for an alias's canary split."""
+        model = await self.models.get(body.model, body.user or tenant)
         return await self.preparer.run(self._prepare_chat, model, body)
 
-    async def prepare_completion(self, body: CompletionRequest) -> Prepared:
-        model = await self.models.get(body.model)
+    async def prepare_completion(self, body: CompletionRequest, tenant: str = "") -> Prepared:
+        model = await self.models.get(body.model, body.user or tenant)
         return await self.preparer.run(self._prepare_completion, model, body)
 
     def _prepare_chat(self, model: ServedModel, body: ChatCompletionRequest) -> Prepared:

@@ -41,7 +41,9 @@ def snapshot_to_proto(view: RegistryView) -> registry_pb2.RegistrySnapshot:
     records = sorted(view.models.values(), key=lambda r: (r.name, r.created_at, r.version))
     return registry_pb2.RegistrySnapshot(
         models=[record_to_proto(r) for r in records],
-        aliases=[registry_pb2.Alias(alias=a, target=t) for a, t in sorted(view.aliases.items())],
+        aliases=[registry_pb2.Alias(alias=a, target=t, canary=view.canaries.get(a, ("", 0.0))[0],
+                                    canary_weight=view.canaries.get(a, ("", 0.0))[1])
+                 for a, t in sorted(view.aliases.items())],
     )
 
 
@@ -51,4 +53,5 @@ def view_from_snapshot(snapshot: registry_pb2.RegistrySnapshot) -> RegistryView:
         record = record_from_proto(m)
         view.models[(record.name, record.version)] = record
     view.aliases = {a.alias: a.target for a in snapshot.aliases}
+    view.canaries = {a.alias: (a.canary, a.canary_weight) for a in snapshot.aliases if a.canary}
     return view

@@ -71,6 +71,15 @@ def test_register_get_alias_and_errors(registry, default_model_dir):
         grpc.StatusCode.INVALID_ARGUMENT
     assert code_of(lambda: stub.DeleteAlias(registry_pb2.DeleteAliasRequest(alias="nope"))) == \
         grpc.StatusCode.NOT_FOUND
+    # a canary split: validated, stored, listed
+    stub.SetAlias(registry_pb2.SetAliasRequest(alias="canaried", target="alpha@v1", canary="alpha@v2", canary_weight=0.1))
+    listed = {a.alias: a for a in stub.ListModels(registry_pb2.ListModelsRequest()).aliases}
+    assert (listed["canaried"].canary, round(listed["canaried"].canary_weight, 3)) == ("alpha@v2", 0.1)
+    for bad_split in (dict(canary="alpha@v2", canary_weight=1.5), dict(canary_weight=0.5)):
+        request = registry_pb2.SetAliasRequest(alias="c2", target="alpha@v1", **bad_split)
+        assert code_of(lambda r=request: stub.SetAlias(r)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: stub.SetAlias(registry_pb2.SetAliasRequest(alias="c2", target="alpha@v1", canary="nope@v9",
+                                                                      canary_weight=0.5))) == grpc.StatusCode.NOT_FOUND
 
     metrics = wait_for(lambda: (m := scrape(service.announced("METRICS")))
                        .get('tokenfleet_registry_versions{model="alpha",status="disabled"}') == 1 and m,

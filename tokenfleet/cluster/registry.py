@@ -3,17 +3,23 @@
 Keys (under the etcd root):
 - ``models/<name>/<version>`` -> a :class:`ModelRecord` as JSON. Versions are immutable: registering
   the same name@version again with different content is an error; the identical record is a no-op.
-- ``aliases/<alias>`` -> ``{"target": "<name>"}`` or ``{"target": "<name>@<version>"}``.
+- ``aliases/<alias>`` -> ``{"target": "<name>"}`` or ``{"target": "<name>@<version>"}``, optionally with a canary:
+  ``"canary": "<name>@<version>", "weight": w`` sends a share w of the alias's conversations there.
 
 A request's ``model`` is resolved by :meth:`RegistryView.resolve`: ``name@version`` exactly, an
 alias to its target, a bare name to its newest version. The view is pure (no I/O) so routers,
 gateways and the registry service share the same resolution rules and tests need no etcd.
+
+A canary split is sticky per conversation: ``resolve(alias, sticky=key)`` hashes the alias and the key (the
+request's ``user``, else its tenant) to a number in [0, 1) and takes the canary below the weight. The number does
+not depend on the weight, so raising it only moves conversations onto the canary, never back and forth.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import re
 import time
@@ -127,6 +133,7 @@ class RegistryView:
 
     models: dict[tuple[str, str], ModelRecord] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
+    canaries: dict[str, tuple[str, float]] = field(default_factory=dict)  # alias -> (canary ref, its weight)
     revision: int = 0  # bumped on every change, so watchers can tell a new view from an old one
 
     def reset(self, listing: dict[str, bytes], prefixes: tuple[str, ...] = (MODELS, ALIASES)) -> None:
@@ -135,6 +142,7 @@ class RegistryView:
             self.models.clear()
         if ALIASES in prefixes:
             self.aliases.clear()
+            self.canaries.clear()
         for key, raw in listing.items():
             self._apply(key, raw)
         self.revision += 1
@@ -152,23 +160,29 @@ class RegistryView:
                 self.models[(name, version)] = ModelRecord.from_json(raw)
         elif key.startswith(ALIASES):
             alias = key[len(ALIASES):]
+            self.canaries.pop(alias, None)
             if raw is None:
                 self.aliases.pop(alias, None)
             else:
-                self.aliases[alias] = json.loads(raw)["target"]
+                value = json.loads(raw)
+                self.aliases[alias] = value["target"]
+                if value.get("canary"):
+                    self.canaries[alias] = (value["canary"], float(value.get("weight", 0.0)))
 
     def versions(self, name: str) -> list[ModelRecord]:
         """A model's versions, oldest first."""
         return sorted((r for (n, _), r in self.models.items() if n == name), key=lambda r: (r.created_at, r.version))
 
-    def resolve(self, ref: str) -> ModelRecord:
-        """``name@version`` | alias | name (newest ready version) -> the record; UnknownModelError otherwise."""
+    def resolve(self, ref: str, sticky: str = "") -> ModelRecord:
+        """``name@version`` | alias | name (newest ready version) -> the record; UnknownModelError otherwise.
+        ``sticky``: the conversation's key, which picks a side of an alias's canary split."""
         seen: set[str] = set()
         while ref in self.aliases and "@" not in ref:
             if ref in seen:
                 raise UnknownModelError(f"alias loop at {ref!r}")
             seen.add(ref)
-            ref = self.aliases[ref]
+            canary = self.canaries.get(ref)
+            ref = canary[0] if canary is not None and canary_bucket(ref, sticky) < canary[1] else self.aliases[ref]
         name, version = split_ref(ref)
         if version:
             record = self.models.get((name, version))
@@ -183,6 +197,12 @@ class RegistryView:
     def names(self) -> list[str]:
         """Every name a client may send: model names and aliases (versions are reachable as name@version)."""
         return sorted({n for n, _ in self.models} | set(self.aliases))
+
+
+def canary_bucket(alias: str, sticky: str) -> float:
+    """A conversation's fixed place in [0, 1) for ``alias``'s canary split."""
+    digest = hashlib.sha256(f"{alias}\x00{sticky}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
 async def follow_registry(etcd: EtcdClient, view: RegistryView) -> None:
@@ -223,16 +243,28 @@ class ModelRegistry:
         await self.etcd.put(record.key, record.to_json())
         return record
 
-    async def set_alias(self, alias: str, target: str) -> None:
+    async def set_alias(self, alias: str, target: str, canary: str = "", weight: float = 0.0) -> None:
+        """Point ``alias`` at ``target``; with ``canary``, a share ``weight`` of its conversations goes there."""
         check_name("alias", alias)
+        if not 0.0 <= weight <= 1.0:  # also NaN
+            raise ValueError(f"a canary weight is in [0, 1], got {weight}")
+        if weight and not canary:
+            raise ValueError("a canary weight needs a canary")
         view = await self.load()
         if any(n == alias for n, _ in view.models):
             raise RegistryConflictError(f"alias {alias!r} would shadow the model of that name")
-        view.resolve(target)  # the target must exist now
-        name, version = split_ref(target)
-        if name in view.aliases:
-            raise RegistryConflictError(f"alias target {target!r} is itself an alias; point at a model")
-        await self.etcd.put(f"{ALIASES}{alias}", json.dumps({"target": f"{name}@{version}" if version else name}).encode())
+        value = {}
+        for key, ref in (("target", target), ("canary", canary)):
+            if not ref:
+                continue
+            view.resolve(ref)  # the target (and the canary) must exist now
+            name, version = split_ref(ref)
+            if name in view.aliases:
+                raise RegistryConflictError(f"alias {key} {ref!r} is itself an alias; point at a model")
+            value[key] = f"{name}@{version}" if version else name
+        if canary:
+            value["weight"] = weight  # type: ignore[assignment]
+        await self.etcd.put(f"{ALIASES}{alias}", json.dumps(value).encode())
 
     async def delete_alias(self, alias: str) -> bool:
         view = await self.load()

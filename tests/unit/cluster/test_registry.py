@@ -103,3 +103,34 @@ def test_speculative_config_must_be_a_decoding_config():
             rec(speculative_config=bad)
     with _pytest.raises(ValueError, match="passed to TensorRT-LLM"):  # the torch engine speculates with NGram only
         rec(speculative_config='{"decoding_type": "Eagle", "max_draft_len": 4}')
+
+
+def test_a_canary_split_is_sticky_per_conversation_and_close_to_its_weight():
+    from tokenfleet.cluster.registry import canary_bucket
+
+    view = view_of(rec(version="v1", created=1.0), rec(version="v2", created=2.0))
+    view.reset({**{r.key: r.to_json() for r in view.models.values()},
+                "aliases/prod": json.dumps({"target": "m@v1", "canary": "m@v2", "weight": 0.2}).encode()})
+    users = [f"user-{i}" for i in range(2000)]
+    picks = {u: view.resolve("prod", u).version for u in users}
+    share = sum(v == "v2" for v in picks.values()) / len(users)
+    assert 0.17 < share < 0.23
+    assert all(view.resolve("prod", u).version == picks[u] for u in users[:200])  # sticky
+    assert view.resolve("m@v1", "user-1").version == "v1"  # a pinned ref ignores splits
+    # raising the weight only moves conversations onto the canary
+    view.reset({"aliases/prod": json.dumps({"target": "m@v1", "canary": "m@v2", "weight": 0.5}).encode()},
+               ("aliases/",))
+    assert all(view.resolve("prod", u).version == "v2" for u in users if picks[u] == "v2")
+    assert all(0.0 <= canary_bucket("prod", u) < 1.0 for u in users[:50])
+    view.reset({"aliases/prod": json.dumps({"target": "m@v1"}).encode()}, ("aliases/",))
+    assert not view.canaries and {view.resolve("prod", u).version for u in users[:200]} == {"v1"}
+
+
+def test_a_canary_split_survives_the_registry_snapshot():
+    from tokenfleet.services.registry.convert import snapshot_to_proto, view_from_snapshot
+
+    view = view_of(rec(version="v1"), rec(version="v2", created=2.0))
+    view.aliases["prod"] = "m@v1"
+    view.canaries["prod"] = ("m@v2", 0.25)
+    again = view_from_snapshot(snapshot_to_proto(view))
+    assert again.aliases == {"prod": "m@v1"} and again.canaries == {"prod": ("m@v2", 0.25)}
