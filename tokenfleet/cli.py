@@ -87,6 +87,14 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--registry", help="registry address host:port (default: the `tokenfleet up` cluster's)")
         add_operator_arguments(p)
 
+    def registry_and_operator(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--registry", help="registry address host:port (default: the `tokenfleet up` cluster's)")
+        add_operator_arguments(p)
+
+    from tokenfleet.cluster import rollout_cli
+
+    rollout_cli.add_parser(models, registry_and_operator)
+
     gen = sub.add_parser("generate", help="complete raw text prompts (offline, in-process engine)")
     gen.add_argument("prompts", nargs="+", help="one or more prompts, batched together")
     _engine_args(gen)

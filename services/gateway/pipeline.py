@@ -179,6 +179,7 @@ class Gateway:
             status = ("cancelled" if isinstance(e, asyncio.CancelledError) else
                       "rejected" if isinstance(e, APIError) and e.code == "overloaded" else "failed")
             await ticket.finish(status, len(prompt), 0, 0, None, durable=False, detail=str(e))
+            self.metrics.settled(model.ref, status)
             raise
         return Run(prepared, first, stream, ticket)
 
@@ -186,7 +187,7 @@ class Gateway:
         """The run's typed choice events (events.py), ending with ``Ended``; leaving early (client
         gone, error) closes the worker stream, which cancels the request."""
         translator = Translator(run.prepared)
-        async with responses_of(run, timer) as responses:  # from the first event on: leaving early settles
+        async with responses_of(run, timer, self.metrics) as responses:  # from the first event on: leaving early settles
             for event in translator.start():
                 yield event
             async for r in responses:
@@ -320,9 +321,10 @@ class _Choice:
 
 
 @contextlib.asynccontextmanager
-async def responses_of(run: Run, timer: RequestTimer):
+async def responses_of(run: Run, timer: RequestTimer, metrics: GatewayMetrics | None = None):
     """The whole worker stream, timed and counted; the ticket is settled (billed durably before the
-    client can see the end) when the last final arrives, or on the way out when the stream was cut."""
+    client can see the end) when the last final arrives, or on the way out when the stream was cut. The
+    request's outcome is counted per model version in ``metrics``."""
     usage = run.usage
     produced = finals = 0
 
@@ -358,6 +360,9 @@ async def responses_of(run: Run, timer: RequestTimer):
     finally:
         await run.stream.aclose()
         timer.finish(usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens)
+        if metrics is not None:
+            ok = finals == run.n
+            metrics.settled(run.model.ref, "ok" if ok else status, timer.ttft_s, timer.tpot_s if ok else None)
         if run.ticket is not None and not run.ticket.settled:  # cancelled or failed: bill what was produced
             await run.ticket.finish(status, run.ticket.prompt_tokens, 0, produced, ttft_ms(), durable=False,
                                     detail=detail)

@@ -69,6 +69,8 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
     p.add_argument("--kv-tier-tenant-bytes", type=int, default=0, help="per-tenant bytes in the second tier (0: none)")
     p.add_argument("--kv-tier-key-file", default="", help="AES key (16/24/32 bytes or hex; chmod 600) sealing the "
                    "second tier's records")
+    p.add_argument("--fail-fraction", type=float, default=0.0, help="chaos testing: fail this share of requests "
+                   "(INTERNAL) to exercise retries and canary rollbacks; never in production")
     p.add_argument("--etcd", help="etcd endpoint host:port; register in replicas/<model>/<id> (omit: standalone)")
     p.add_argument("--etcd-root", default="/tokenfleet/v1/")
     p.add_argument("--lease-ttl", type=int, default=10, help="seconds a dead worker stays registered")
@@ -161,6 +163,9 @@ async def serve(args: argparse.Namespace) -> None:
         server.stop_requested.set()
 
     worker = EngineWorker(engine, args.role, plane, sources, on_draining=mark_draining, on_drained=request_exit)
+    if args.fail_fraction:
+        log.warning("chaos testing: failing a share of requests", fail_fraction=args.fail_fraction)
+        worker.fail_fraction = args.fail_fraction
     engine_pb2_grpc.add_EngineServiceServicer_to_server(worker, server.server)
     await server.start()
     log.info("worker serving", address=server.address, role=args.role, model=config.model)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -65,6 +66,7 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         self.in_flight: set[str] = set()
         self.latencies = RecentLatencies()
         self.num_early_rejections = 0
+        self.fail_fraction = 0.0  # chaos testing (--fail-fraction): this share of Generate calls fails
         self.channels = Channels(plane, KV_CHANNEL_OPTIONS)  # prefill replicas this worker pulls KV from
 
     async def close(self) -> None:
@@ -95,6 +97,8 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         params = convert.sampling_params(request.sampling)
+        if self.fail_fraction and random.random() < self.fail_fraction:
+            raise RuntimeError("injected failure (--fail-fraction: a chaos test of rollouts and retries)")
         self._check_objective(request)
         kv_source = None
         if request.HasField("prefill") and request.prefill.address:

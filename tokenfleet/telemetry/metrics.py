@@ -30,6 +30,21 @@ class GatewayMetrics:
                                 ["endpoint", "status"], registry=r)
         self.resumes = Counter("tokenfleet_gateway_resumes", "Streams continued on another replica after theirs was "
                                "lost (ok), or given up after --max-resumes (exhausted)", ["result"], registry=r)
+        # Per model version (name@version: what a canary rollout compares): outcomes and latencies.
+        self.version_requests = Counter("tokenfleet_gateway_version_requests", "Settled requests by model version and "
+                                        "outcome (ok, failed, rejected, cancelled)", ["ref", "status"], registry=r)
+        self.version_ttft = Histogram("tokenfleet_gateway_version_ttft_seconds", "Time to first token by model version",
+                                      ["ref"], buckets=LATENCY_BUCKETS, registry=r)
+        self.version_tpot = Histogram("tokenfleet_gateway_version_tpot_seconds", "Mean time per output token by model "
+                                      "version", ["ref"], buckets=LATENCY_BUCKETS, registry=r)
+
+    def settled(self, ref: str, status: str, ttft_s: float | None = None, tpot_s: float | None = None) -> None:
+        """One request to model version ``ref`` ended with ``status``."""
+        self.version_requests.labels(ref, status).inc()
+        if ttft_s is not None:
+            self.version_ttft.labels(ref).observe(ttft_s)
+        if tpot_s is not None:
+            self.version_tpot.labels(ref).observe(tpot_s)
 
 
 class RequestTimer:
@@ -60,8 +75,18 @@ class RequestTimer:
         m.prompt_tokens.inc(prompt)
         m.cached_tokens.inc(cached)
         m.completion_tokens.inc(completion)
+        if self.tpot_s is not None:
+            m.tpot.observe(self.tpot_s)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.first - self.start if self.first is not None else None
+
+    @property
+    def tpot_s(self) -> float | None:
         if self.first is not None and self.last is not None and self.num_tokens > 1:
-            m.tpot.observe((self.last - self.first) / (self.num_tokens - 1))
+            return (self.last - self.first) / (self.num_tokens - 1)
+        return None
 
 
 class WorkerCollector(Collector):
