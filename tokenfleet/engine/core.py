@@ -30,6 +30,11 @@ from tokenfleet.kvcache.layout import KVLayout
 log = structlog.get_logger()
 
 
+def adapter_scope(cache_scope: str, adapter: str) -> str:
+    """The cache scope of a request run with LoRA ``adapter`` (its KV differs from the base model's)."""
+    return f"{cache_scope}\x00lora:{adapter}"
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Decoder | None, model: ModelInfo):
         self.scheduler = scheduler
@@ -178,6 +183,7 @@ class EngineCore:
         hold_kv: bool = False,
         tenant: str = "",
         cache_scope: str = "",
+        adapter: str = "",
     ) -> str:
         """Validate and queue a request; returns its id. ValueError for bad input, QueueFullError when full.
 
@@ -190,6 +196,12 @@ class EngineCore:
         request = self._new_request(prompt_token_ids, sampling_params, request_id, priority, arrival_time, resume)
         request.hold_blocks = hold_kv
         request.tenant = tenant
+        if adapter:
+            if adapter not in (getattr(self.runner, "adapters", None) or ()):
+                raise ValueError(f"LoRA adapter {adapter!r} is not loaded on this worker")
+            request.adapter = adapter
+            # an adapter changes every layer's K/V: its prefixes are cached (and routed) apart from the base model's
+            cache_scope = adapter_scope(cache_scope, adapter)
         request.cache_scope = cache_scope
         forks = [self._fork_of(request, i) for i in range(1, sampling_params.n)]
         if forks and (hold_kv or resume is not None):

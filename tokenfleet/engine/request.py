@@ -60,6 +60,7 @@ class Request:
     index: int = 0  # which of the n samples of its group (forks share the prompt's blocks)
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1.. (prompt_logprobs set)
     draft_token_ids: list[int] = field(default_factory=list)  # speculative proposals to verify this step
+    adapter: str = ""  # the LoRA adapter it runs with ("" = the base model)
 
     @property
     def num_prompt_tokens(self) -> int:

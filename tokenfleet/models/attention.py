@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +84,7 @@ class ForwardBatch:
     # Models whose layers keep KV in several groups (tokenfleet.kvcache.layout.kv_groups): the other groups'
     # views of the same rows (their slots, tables and window); group 0 is this object.
     others: tuple[ForwardBatch, ...] = ()
+    lora: Any = None  # models.lora.LoraBatch: the step's rows grouped by LoRA adapter (None: no adapter in the step)
 
     def group(self, index: int) -> ForwardBatch:
         return self if index == 0 else self.others[index - 1]

@@ -129,12 +129,17 @@ class LlamaModel:
         cfg, w, linear, ops = self.config, self.weights, self.linear, self.ops
         residual = F.embedding(token_ids, w.embed)  # [num_tokens, hidden]
         delta: torch.Tensor | None = None  # what the previous sublayer adds to the residual stream
+        lora = batch.lora
         for i, layer in enumerate(w.layers):
             residual, x = ops.add_rms_norm(residual, delta, layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = ops.rope_store_kv(linear(x, layer.qkv), batch, self.cos, self.sin, kv.k[i], kv.v[i])
+            qkv = linear(x, layer.qkv) if lora is None else lora.apply(i, "qkv", x, linear(x, layer.qkv))
+            q, k, v = ops.rope_store_kv(qkv, batch, self.cos, self.sin, kv.k[i], kv.v[i])
             attn = paged_attention(q, k, v, kv.k[i], kv.v[i], batch, self.attention)  # [num_tokens, heads * head_dim]
-            residual, x = ops.add_rms_norm(residual, linear(attn, layer.o_proj), layer.post_norm, cfg.rms_norm_eps)
-            delta = linear(ops.silu_mul(linear(x, layer.gate_up)), layer.down)
+            o = linear(attn, layer.o_proj) if lora is None else lora.apply(i, "o_proj", attn, linear(attn, layer.o_proj))
+            residual, x = ops.add_rms_norm(residual, o, layer.post_norm, cfg.rms_norm_eps)
+            gate_up = linear(x, layer.gate_up) if lora is None else lora.apply(i, "gate_up", x, linear(x, layer.gate_up))
+            hidden = ops.silu_mul(gate_up)
+            delta = linear(hidden, layer.down) if lora is None else lora.apply(i, "down", hidden, linear(hidden, layer.down))
         rows = batch.logits_indices
         _, last = ops.add_rms_norm(residual[rows], None if delta is None else delta[rows], w.norm, cfg.rms_norm_eps)
         logits = linear(last, w.lm_head).float()

@@ -22,6 +22,7 @@ from tokenfleet.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenfleet.models.attention import ForwardBatch, PagedQueries, PrefillSpan
 from tokenfleet.models.gemma3 import Gemma3Model
 from tokenfleet.models.llama import KVCache, LlamaModel
+from tokenfleet.models.lora import LoraBatch, LoraSet, load_peft_adapter
 
 
 class TorchModelRunner:
@@ -35,6 +36,8 @@ class TorchModelRunner:
         self._prompt_spans: list[tuple[str, int, int]] = []
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: evicted blocks go to host on it
         self.drafter: DraftModel | None = None  # speculative decoding with a draft model (backends.torch.draft)
+        # LoRA adapters (models.lora), many per batch; None until the first is loaded
+        self.adapters: LoraSet | None = None
         self._draft_probs: dict[str, torch.Tensor] = {}  # this step's: sampled requests' draft distributions
 
     def execute(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> ExecuteResult:
@@ -280,7 +283,31 @@ class TorchModelRunner:
         views = [self._view(g, window, scheduled, decode_entries, chunks, shared) for g, window in enumerate(self.windows)]
         batch = views[0]
         batch.others = tuple(views[1:])
+        if self.adapters is not None:
+            batch.lora = self._lora_rows(scheduled, requests, len(tokens))
         return self._tensor(tokens), batch, spans
+
+    def load_adapter(self, name: str, folder: str) -> None:
+        """Load a PEFT LoRA adapter under ``name`` (ValueError if this model cannot serve it)."""
+        if not isinstance(self.model, LlamaModel):
+            raise ValueError("LoRA adapters are served for Llama-architecture models only")
+        adapter = load_peft_adapter(name, folder, self.model.config, self.model.dtype, self.device)
+        if self.adapters is None:
+            self.adapters = LoraSet(self.model.config, self.model.dtype, self.device)
+        self.adapters.add(adapter)
+
+    def _lora_rows(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request], num_rows: int
+                   ) -> LoraBatch | None:
+        """The step's rows grouped by their request's adapter (entries' rows are contiguous, in order)."""
+        assert self.adapters is not None
+        spans = []
+        row = 0
+        for entry in scheduled:
+            name = getattr(requests[entry.request_id], "adapter", "")
+            if name:
+                spans.append((name, row, row + entry.num_new_tokens))
+            row += entry.num_new_tokens
+        return self.adapters.batch(spans, num_rows)
 
     def _view(self, group: int, window: int, scheduled: Sequence[ScheduledRequest],
               decode_entries: Sequence[ScheduledRequest], chunks: Sequence[tuple[int, ScheduledRequest]],

@@ -1,0 +1,191 @@
+"""LoRA adapters (PEFT format) on a Llama-family model, many at once in one batch.
+
+An adapter adds ``scale * (x A^T) B^T`` to a linear layer's output (A: [r, in], B: [out, r]; scale = alpha / r, or
+alpha / sqrt(r) with rsLoRA). Our layers are fused (q, k and v in one matrix; gate and up in another), so an
+adapter's A matrices of one fused layer are stacked (one [x A^T] for the whole layer) and each sub-layer's B writes
+its own slice of the output. B is stored pre-scaled.
+
+A step's rows are grouped by adapter once (``LoraBatch``: rows per adapter, built by the model runner from the
+requests); every adapted layer then runs one small GEMM pair per adapter present in the step on just its rows and
+adds the result in place. Rows of requests without an adapter cost nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokenfleet.models.config import ModelConfig
+
+# our fused layer -> the HF sub-layers it concatenates, in order
+FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
+         "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.lora_([AB])\.weight$")
+
+
+@dataclass
+class FusedLora:
+    """One fused layer's adapter: stacked A [sum r, in] and each sub-layer's (output offset, rank offset, B)."""
+
+    a: torch.Tensor
+    parts: list[tuple[int, int, torch.Tensor]]  # (first output column, first rank row, scaled B [out, r])
+
+
+@dataclass
+class LoraAdapter:
+    name: str
+    rank: int
+    layers: list[dict[str, FusedLora]]  # per layer: fused layer name -> its adapter (absent: not adapted)
+
+
+class LoraSet:
+    """Every loaded adapter's matrices stacked per fused layer: A_all [C, in] (each adapter's stacked A in its
+    columns' range) and B_all [out, C] (each adapter's B in its columns, zeros elsewhere). A step then adds
+    ((x A_all^T) * mask) B_all^T, where the mask keeps each row's own adapter's columns: two GEMMs per fused layer
+    whatever the number of adapters in the step, no gathers (the extra work is C = sum of adapters' ranks wide)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        self.config, self.dtype, self.device = config, dtype, device
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.columns: dict[str, tuple[int, int]] = {}  # adapter -> its columns in every fused layer's C
+        self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        self.width = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.adapters
+
+    def add(self, adapter: LoraAdapter) -> None:
+        self.adapters[adapter.name] = adapter
+        self._rebuild()
+
+    def remove(self, name: str) -> None:
+        self.adapters.pop(name, None)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        outputs, inputs = _sizes(self.config)
+        fused_in = {f: inputs[subs[0]] for f, subs in FUSED.items()}
+        fused_out = {f: sum(outputs[s] for s in subs) for f, subs in FUSED.items()}
+        # one column range per adapter, wide enough for its widest fused layer
+        self.columns, start = {}, 0
+        for name in self.adapters:
+            per_fused = max((fl.a.shape[0] for layer in self.adapters[name].layers for fl in layer.values()), default=0)
+            self.columns[name] = (start, start + per_fused)
+            start += per_fused
+        self.width = start
+        self.layers = []
+        for i in range(self.config.num_layers):
+            layer: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            for f in FUSED:
+                a_all = torch.zeros(self.width, fused_in[f], dtype=self.dtype, device=self.device)
+                b_all = torch.zeros(fused_out[f], self.width, dtype=self.dtype, device=self.device)
+                used = False
+                for name, adapter in self.adapters.items():
+                    fl = adapter.layers[i].get(f)
+                    if fl is None:
+                        continue
+                    used = True
+                    c0 = self.columns[name][0]
+                    a_all[c0: c0 + fl.a.shape[0]] = fl.a
+                    for col, row, b in fl.parts:
+                        b_all[col: col + b.shape[0], c0 + row: c0 + row + b.shape[1]] = b
+                if used:
+                    layer[f] = (a_all, b_all)
+            self.layers.append(layer)
+
+    def batch(self, row_adapters: list[tuple[str, int, int]], num_rows: int) -> LoraBatch | None:
+        """The step's mask: rows [first, end) of each (adapter, first, end) keep that adapter's columns."""
+        if not row_adapters:
+            return None
+        mask = torch.zeros(num_rows, self.width, dtype=self.dtype)
+        for name, first, end in row_adapters:
+            c0, c1 = self.columns[name]
+            mask[first:end, c0:c1] = 1
+        return LoraBatch(self, mask.to(self.device))
+
+
+@dataclass
+class LoraBatch:
+    """A step's rows and their adapters, as a column mask over the loaded adapters' stacked ranks."""
+
+    lora: LoraSet
+    mask: torch.Tensor  # [rows, C]
+
+    def apply(self, layer: int, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (the base layer's output for input ``x``) plus each row's adapter, in place."""
+        weights = self.lora.layers[layer].get(name)
+        if weights is None:
+            return out
+        a_all, b_all = weights
+        out += ((x @ a_all.t()) * self.mask) @ b_all.t()
+        return out
+
+
+def load_peft_adapter(name: str, folder: str | Path, config: ModelConfig, dtype: torch.dtype,
+                      device: torch.device) -> LoraAdapter:
+    """A PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) for a model of ``config``.
+    ValueError for what it cannot serve (another architecture's shapes, DoRA, biases, embedding adapters)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    try:
+        cfg = json.loads((folder / "adapter_config.json").read_text())
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{folder} is not a PEFT adapter folder: {e}") from None
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"adapter {name}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    if cfg.get("use_dora") or cfg.get("bias", "none") != "none" or cfg.get("fan_in_fan_out"):
+        raise ValueError(f"adapter {name}: DoRA, LoRA biases and fan_in_fan_out are not supported")
+    rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise ValueError(f"adapter {name}: per-module ranks (rank_pattern/alpha_pattern) are not supported")
+    scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        match = _KEY.search(key)
+        if match is None:
+            raise ValueError(f"adapter {name}: tensor {key!r} adapts a layer this engine does not adapt")
+        found.setdefault((int(match[1]), match[2]), {})[match[3]] = value
+    sizes, inputs = _sizes(config)
+    layers: list[dict[str, FusedLora]] = [{} for _ in range(config.num_layers)]
+    for layer in range(config.num_layers):
+        for fused, subs in FUSED.items():
+            present = [s for s in subs if (layer, s) in found]
+            if not present:
+                continue
+            a_rows, parts, col, row = [], [], 0, 0
+            for sub in subs:
+                out_size = sizes[sub]
+                if sub in present:
+                    pair = found[(layer, sub)]
+                    a, b = pair.get("A"), pair.get("B")
+                    if a is None or b is None or tuple(a.shape) != (rank, inputs[sub]) or tuple(b.shape) != (out_size, rank):
+                        raise ValueError(f"adapter {name}: layer {layer} {sub} has shapes "
+                                         f"{None if a is None else tuple(a.shape)}, {None if b is None else tuple(b.shape)}"
+                                         f"; this model needs {(rank, inputs[sub])}, {(out_size, rank)}")
+                    a_rows.append(a)
+                    parts.append((col, row, (b.float() * scale).to(device=device, dtype=dtype)))
+                    row += rank
+                col += out_size
+            layers[layer][fused] = FusedLora(torch.cat(a_rows).to(device=device, dtype=dtype).contiguous(), parts)
+    if not any(layers):
+        raise ValueError(f"adapter {name} adapts no layer of this model")
+    return LoraAdapter(name, rank, layers)
+
+
+def _sizes(config: ModelConfig) -> tuple[dict[str, int], dict[str, int]]:
+    """Each sub-layer's output and input sizes."""
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    h, m = config.hidden_size, config.intermediate_size
+    outputs = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "self_attn.o_proj": h,
+               "mlp.gate_proj": m, "mlp.up_proj": m, "mlp.down_proj": h}
+    inputs = {"self_attn.q_proj": h, "self_attn.k_proj": h, "self_attn.v_proj": h, "self_attn.o_proj": q,
+              "mlp.gate_proj": h, "mlp.up_proj": h, "mlp.down_proj": m}
+    return outputs, inputs
