@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from tokenfleet.models.config import ModelConfig
+from tokenfleet.models.linear import LinearKernel
 
 # our fused layer -> the HF sub-layers it concatenates, in order
 FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
@@ -44,17 +45,18 @@ class LoraAdapter:
 
 
 class LoraSet:
-    """Every loaded adapter's matrices stacked per fused layer: A_all [C, in] (each adapter's stacked A in its
-    columns' range) and B_all [out, C] (each adapter's B in its columns, zeros elsewhere). A step then adds
-    ((x A_all^T) * mask) B_all^T, where the mask keeps each row's own adapter's columns: two GEMMs per fused layer
-    whatever the number of adapters in the step, no gathers (the extra work is C = sum of adapters' ranks wide)."""
+    """Every loaded adapter's matrices stacked per fused layer: A_all [C, in] (each adapter's stacked A in its own
+    rows) and B_all [out, C] (each adapter's B in its own columns, zeros elsewhere), prepared for the model's matmul
+    kernel. A step then adds ((x A_all^T) * mask) B_all^T, the mask keeping each row's own adapter's columns: two
+    GEMMs per fused layer whatever the mix of adapters in the step, no gathers (the extra work is C wide: the sum of
+    the loaded adapters' ranks on that layer)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
-        self.config, self.dtype, self.device = config, dtype, device
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, linear: LinearKernel):
+        self.config, self.dtype, self.device, self.linear = config, dtype, device, linear
         self.adapters: dict[str, LoraAdapter] = {}
-        self.columns: dict[str, tuple[int, int]] = {}  # adapter -> its columns in every fused layer's C
+        self.columns: dict[str, dict[str, tuple[int, int]]] = {}  # fused layer -> adapter -> its columns
+        self.width: dict[str, int] = {}  # fused layer -> C
         self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
-        self.width = 0
 
     def __contains__(self, name: str) -> bool:
         return name in self.adapters
@@ -69,52 +71,55 @@ class LoraSet:
 
     def _rebuild(self) -> None:
         outputs, inputs = _sizes(self.config)
-        fused_in = {f: inputs[subs[0]] for f, subs in FUSED.items()}
-        fused_out = {f: sum(outputs[s] for s in subs) for f, subs in FUSED.items()}
-        # one column range per adapter, wide enough for its widest fused layer
-        self.columns, start = {}, 0
-        for name in self.adapters:
-            per_fused = max((fl.a.shape[0] for layer in self.adapters[name].layers for fl in layer.values()), default=0)
-            self.columns[name] = (start, start + per_fused)
-            start += per_fused
-        self.width = start
+        self.columns, self.width = {}, {}
+        for f in FUSED:  # per fused layer, one column range per adapter: its widest stacked A there
+            start, ranges = 0, {}
+            for name, adapter in self.adapters.items():
+                rows = max((layer[f].a.shape[0] for layer in adapter.layers if f in layer), default=0)
+                if rows:
+                    ranges[name] = (start, start + rows)
+                    start += rows
+            self.columns[f], self.width[f] = ranges, start
         self.layers = []
         for i in range(self.config.num_layers):
             layer: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-            for f in FUSED:
-                a_all = torch.zeros(self.width, fused_in[f], dtype=self.dtype, device=self.device)
-                b_all = torch.zeros(fused_out[f], self.width, dtype=self.dtype, device=self.device)
-                used = False
-                for name, adapter in self.adapters.items():
-                    fl = adapter.layers[i].get(f)
-                    if fl is None:
-                        continue
-                    used = True
-                    c0 = self.columns[name][0]
-                    a_all[c0: c0 + fl.a.shape[0]] = fl.a
-                    for col, row, b in fl.parts:
-                        b_all[col: col + b.shape[0], c0 + row: c0 + row + b.shape[1]] = b
-                if used:
-                    layer[f] = (a_all, b_all)
+            for f, subs in FUSED.items():
+                if not self.width[f]:
+                    continue
+                a_all = torch.zeros(self.width[f], inputs[subs[0]], dtype=self.dtype, device=self.device)
+                b_all = torch.zeros(sum(outputs[s] for s in subs), self.width[f], dtype=self.dtype, device=self.device)
+                for name, (c0, _) in self.columns[f].items():
+                    fl = self.adapters[name].layers[i].get(f)
+                    if fl is not None:
+                        a_all[c0: c0 + fl.a.shape[0]] = fl.a
+                        for col, row, b in fl.parts:
+                            b_all[col: col + b.shape[0], c0 + row: c0 + row + b.shape[1]] = b
+                layer[f] = (self.linear.prepare(a_all), self.linear.prepare(b_all))
             self.layers.append(layer)
 
     def batch(self, row_adapters: list[tuple[str, int, int]], num_rows: int) -> LoraBatch | None:
-        """The step's mask: rows [first, end) of each (adapter, first, end) keep that adapter's columns."""
+        """The step's masks: rows [first, end) of each (adapter, first, end) keep that adapter's columns."""
         if not row_adapters:
             return None
-        mask = torch.zeros(num_rows, self.width, dtype=self.dtype)
-        for name, first, end in row_adapters:
-            c0, c1 = self.columns[name]
-            mask[first:end, c0:c1] = 1
-        return LoraBatch(self, mask.to(self.device))
+        masks = {}
+        for f, ranges in self.columns.items():
+            if not self.width[f]:
+                continue
+            mask = torch.zeros(num_rows, self.width[f], dtype=self.dtype)
+            for name, first, end in row_adapters:
+                if name in ranges:
+                    c0, c1 = ranges[name]
+                    mask[first:end, c0:c1] = 1
+            masks[f] = mask.to(self.device)
+        return LoraBatch(self, masks)
 
 
 @dataclass
 class LoraBatch:
-    """A step's rows and their adapters, as a column mask over the loaded adapters' stacked ranks."""
+    """A step's rows and their adapters: per fused layer, a column mask over the loaded adapters' stacked ranks."""
 
     lora: LoraSet
-    mask: torch.Tensor  # [rows, C]
+    masks: dict[str, torch.Tensor]  # fused layer -> [rows, C]
 
     def apply(self, layer: int, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the base layer's output for input ``x``) plus each row's adapter, in place."""
@@ -122,7 +127,8 @@ class LoraBatch:
         if weights is None:
             return out
         a_all, b_all = weights
-        out += ((x @ a_all.t()) * self.mask) @ b_all.t()
+        linear = self.lora.linear
+        out += linear(linear(x, a_all).mul_(self.masks[name]), b_all)
         return out
 
 

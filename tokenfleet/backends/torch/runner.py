@@ -293,7 +293,7 @@ class TorchModelRunner:
             raise ValueError("LoRA adapters are served for Llama-architecture models only")
         adapter = load_peft_adapter(name, folder, self.model.config, self.model.dtype, self.device)
         if self.adapters is None:
-            self.adapters = LoraSet(self.model.config, self.model.dtype, self.device)
+            self.adapters = LoraSet(self.model.config, self.model.dtype, self.device, self.model.linear)
         self.adapters.add(adapter)
 
     def _lora_rows(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request], num_rows: int
