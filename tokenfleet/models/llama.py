@@ -112,6 +112,7 @@ class LlamaModel:
         self.ops = ops
         self.weights = weights
         self.linear = linear
+        self.source_dir = ""  # the checkpoint folder it was loaded from (LoRA stacks adapters under its weights)
         self.dtype = dtype
         self.device = device
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
@@ -132,14 +133,14 @@ class LlamaModel:
         lora = batch.lora
         for i, layer in enumerate(w.layers):
             residual, x = ops.add_rms_norm(residual, delta, layer.input_norm, cfg.rms_norm_eps)
-            qkv = linear(x, layer.qkv) if lora is None else lora.apply(i, "qkv", x, linear(x, layer.qkv))
+            qkv = linear(x, layer.qkv) if lora is None else lora.project(i, "qkv", x, layer.qkv)
             q, k, v = ops.rope_store_kv(qkv, batch, self.cos, self.sin, kv.k[i], kv.v[i])
             attn = paged_attention(q, k, v, kv.k[i], kv.v[i], batch, self.attention)  # [num_tokens, heads * head_dim]
-            o = linear(attn, layer.o_proj) if lora is None else lora.apply(i, "o_proj", attn, linear(attn, layer.o_proj))
+            o = linear(attn, layer.o_proj) if lora is None else lora.project(i, "o_proj", attn, layer.o_proj)
             residual, x = ops.add_rms_norm(residual, o, layer.post_norm, cfg.rms_norm_eps)
-            gate_up = linear(x, layer.gate_up) if lora is None else lora.apply(i, "gate_up", x, linear(x, layer.gate_up))
+            gate_up = linear(x, layer.gate_up) if lora is None else lora.project(i, "gate_up", x, layer.gate_up)
             hidden = ops.silu_mul(gate_up)
-            delta = linear(hidden, layer.down) if lora is None else lora.apply(i, "down", hidden, linear(hidden, layer.down))
+            delta = linear(hidden, layer.down) if lora is None else lora.project(i, "down", hidden, layer.down)
         rows = batch.logits_indices
         _, last = ops.add_rms_norm(residual[rows], None if delta is None else delta[rows], w.norm, cfg.rms_norm_eps)
         logits = linear(last, w.lm_head).float()

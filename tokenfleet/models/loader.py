@@ -32,8 +32,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
         return Gemma3Model(config, _gemma3_weights(config, tensors, dtype, device, linear), dtype, device, linear,
                            select_attention(dtype, device))
     weights = _build_weights(config, tensors, dtype, device, linear)
-    return LlamaModel(config, weights, dtype, device, linear, select_attention(dtype, device),
-                      select_layer_ops(config, dtype, device))
+    model = LlamaModel(config, weights, dtype, device, linear, select_attention(dtype, device),
+                       select_layer_ops(config, dtype, device))
+    model.source_dir = str(model_dir)
+    return model
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,12 +52,17 @@ class LoraSet:
     GEMMs per fused layer whatever the mix of adapters in the step, no gathers (the extra work is C wide: the sum of
     the loaded adapters' ranks on that layer)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, linear: LinearKernel):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, linear: LinearKernel,
+                 base_weights: Callable[[], list[dict[str, torch.Tensor]]]):
+        """``base_weights``: the model's fused layer weights, unprepared ([out, in] per fused layer per layer):
+        each A_all is stacked under its base weight so one GEMM yields the layer's output and x A_all^T (at a
+        decode step's few rows a GEMM costs mostly its call: this saves one per adapted layer)."""
         self.config, self.dtype, self.device, self.linear = config, dtype, device, linear
+        self.base_weights = base_weights
         self.adapters: dict[str, LoraAdapter] = {}
         self.columns: dict[str, dict[str, tuple[int, int]]] = {}  # fused layer -> adapter -> its columns
         self.width: dict[str, int] = {}  # fused layer -> C
-        self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]] = []  # (prepared [W; A_all], B_all, out)
 
     def __contains__(self, name: str) -> bool:
         return name in self.adapters
@@ -81,8 +87,9 @@ class LoraSet:
                     start += rows
             self.columns[f], self.width[f] = ranges, start
         self.layers = []
-        for i in range(self.config.num_layers):
-            layer: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        base = self.base_weights() if self.adapters else []
+        for i in range(self.config.num_layers if self.adapters else 0):
+            layer: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
             for f, subs in FUSED.items():
                 if not self.width[f]:
                     continue
@@ -94,7 +101,9 @@ class LoraSet:
                         a_all[c0: c0 + fl.a.shape[0]] = fl.a
                         for col, row, b in fl.parts:
                             b_all[col: col + b.shape[0], c0 + row: c0 + row + b.shape[1]] = b
-                layer[f] = (self.linear.prepare(a_all), self.linear.prepare(b_all))
+                w = base[i][f].to(device=self.device, dtype=self.dtype)
+                layer[f] = (self.linear.prepare(torch.cat([w, a_all]).contiguous()), self.linear.prepare(b_all),
+                            w.shape[0])
             self.layers.append(layer)
 
     def batch(self, row_adapters: list[tuple[str, int, int]], num_rows: int) -> LoraBatch | None:
@@ -121,15 +130,17 @@ class LoraBatch:
     lora: LoraSet
     masks: dict[str, torch.Tensor]  # fused layer -> [rows, C]
 
-    def apply(self, layer: int, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out`` (the base layer's output for input ``x``) plus each row's adapter, in place."""
+    def project(self, layer: int, name: str, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """The fused layer ``name``'s output for ``x``, each row with its adapter (``base``: the plain weight)."""
+        linear = self.lora.linear
         weights = self.lora.layers[layer].get(name)
         if weights is None:
-            return out
-        a_all, b_all = weights
-        linear = self.lora.linear
-        out += linear(linear(x, a_all).mul_(self.masks[name]), b_all)
-        return out
+            return linear(x, base)
+        stacked, b_all, out = weights
+        both = linear(x, stacked)  # [rows, out + C]: the base output, then x A_all^T
+        result = both[:, :out].contiguous()
+        result += linear(both[:, out:].mul_(self.masks[name]), b_all)
+        return result
 
 
 def load_peft_adapter(name: str, folder: str | Path, config: ModelConfig, dtype: torch.dtype,
@@ -195,3 +206,18 @@ def _sizes(config: ModelConfig) -> tuple[dict[str, int], dict[str, int]]:
     inputs = {"self_attn.q_proj": h, "self_attn.k_proj": h, "self_attn.v_proj": h, "self_attn.o_proj": q,
               "mlp.gate_proj": h, "mlp.up_proj": h, "mlp.down_proj": m}
     return outputs, inputs
+
+
+def fused_base_weights(model_dir: str | Path, config: ModelConfig) -> list[dict[str, torch.Tensor]]:
+    """A Llama checkpoint's linear weights fused as the engine fuses them ([out, in] per fused layer, per layer)."""
+    from safetensors import safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                name = key.removeprefix("model.")
+                if name.startswith("layers.") and name.endswith("_proj.weight"):
+                    tensors[name] = f.get_tensor(key)
+    return [{f: torch.cat([tensors[f"layers.{i}.{sub}.weight"] for sub in subs]) for f, subs in FUSED.items()}
+            for i in range(config.num_layers)]

@@ -22,7 +22,7 @@ from tokenfleet.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenfleet.models.attention import ForwardBatch, PagedQueries, PrefillSpan
 from tokenfleet.models.gemma3 import Gemma3Model
 from tokenfleet.models.llama import KVCache, LlamaModel
-from tokenfleet.models.lora import LoraBatch, LoraSet, load_peft_adapter
+from tokenfleet.models.lora import LoraBatch, LoraSet, fused_base_weights, load_peft_adapter
 
 
 class TorchModelRunner:
@@ -293,7 +293,11 @@ class TorchModelRunner:
             raise ValueError("LoRA adapters are served for Llama-architecture models only")
         adapter = load_peft_adapter(name, folder, self.model.config, self.model.dtype, self.device)
         if self.adapters is None:
-            self.adapters = LoraSet(self.model.config, self.model.dtype, self.device, self.model.linear)
+            model = self.model
+            if not model.source_dir:
+                raise ValueError("LoRA needs the model's checkpoint folder (its weights are stacked with the adapters')")
+            self.adapters = LoraSet(model.config, model.dtype, self.device, model.linear,
+                                    lambda: fused_base_weights(model.source_dir, model.config))
         self.adapters.add(adapter)
 
     def _lora_rows(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request], num_rows: int
