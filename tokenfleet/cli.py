@@ -121,6 +121,8 @@ def _parser() -> argparse.ArgumentParser:
     up_cmd.add_argument("--kv-tier-bytes", type=int, default=0, help="each worker's second-tier budget (default 4 GiB)")
     up_cmd.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                         help="dtype in the model's registry record")
+    up_cmd.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                        help="a PEFT LoRA adapter the first model's workers load (repeat); ask for it as MODEL:NAME")
     up_cmd.add_argument("--speculative-config", default="", help="speculative decoding for the first model (its "
                         'registry record\'s speculative_config), e.g. \'{"decoding_type": "NGram", "max_draft_len": 5}\': '
                         "prompt lookup, verified only when the load makes it pay")
@@ -314,6 +316,7 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--host", args.host, "--auth", args.auth] + (["--insecure-no-auth"] if args.insecure_no_auth else [])
     argv += ["--kv-tier", args.kv_tier, "--kv-tier-bytes", str(args.kv_tier_bytes)] if args.kv_tier else []
     argv += ["--speculative-config", args.speculative_config] if args.speculative_config else []
+    argv += [w for spec in args.lora for w in ("--lora", spec)]
     return argv
 
 
@@ -365,7 +368,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
                           args.prefill_workers, insecure=args.insecure, certs=Path(args.certs) if args.certs else None,
                           host=args.host, auth=auth, no_auth=args.insecure_no_auth, more_models=more,
                           kv_tier=args.kv_tier, kv_tier_bytes=args.kv_tier_bytes,
-                          speculative_config=args.speculative_config)
+                          speculative_config=args.speculative_config, lora=args.lora)
     try:
         prefill = f" + {args.prefill_workers} prefill worker(s)" if args.prefill_workers else ""
         served = ", ".join([name, *(m for m, _ in more)])

@@ -151,7 +151,7 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
        role: str = "both", dtype: str = "bfloat16", prefill_workers: int = 0, record: bool = True,
        insecure: bool = False, certs: Path | None = None, host: str = "127.0.0.1", auth: bool = False,
        no_auth: bool = False, more_models: Sequence[tuple[str, str]] = (), kv_tier: str = "",
-       kv_tier_bytes: int = 0, speculative_config: str = "") -> Cluster:
+       kv_tier_bytes: int = 0, speculative_config: str = "", lora: Sequence[str] = ()) -> Cluster:
     """``prefill_workers`` > 0 disaggregates: that many prefill workers, and the ``num_workers``
     others decode only (unless ``role`` says otherwise); the router sends long prompts' prefill there.
     ``record``: write the state file `tokenfleet down` reads (off for private clusters, e.g. calibration).
@@ -161,7 +161,8 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
     ``more_models``: further (name, folder) pairs, registered too and served by one worker each; the
     gateway serves every registered model. ``kv_tier``: each worker's second KV tier, ``memory`` or
     ``disk:DIR`` (a folder per worker under DIR), of ``kv_tier_bytes`` bytes. ``speculative_config``: the first
-    model's record's (JSON, engine.spec_decode.SpecConfig.parse): its workers speculate."""
+    model's record's (JSON, engine.spec_decode.SpecConfig.parse): its workers speculate. ``lora``: NAME=PATH PEFT
+    adapters every worker of the first model loads (clients ask for MODEL:NAME)."""
     check_auth(host, auth, no_auth)
     threads = threads or worker_threads(num_workers + prefill_workers + len(more_models))
     folder = None if insecure else Path(certs or envs.certs_dir())
@@ -183,7 +184,8 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
         for name, worker_role in roles:
             cluster.spawn(name, "tokenfleet.services.decode", "--registry", registry, "--model-name",
                           model_name, "--etcd", etcd, "--replica-id", name, "--role", worker_role, *audit,
-                          *tier_args(kv_tier, kv_tier_bytes, name), threads=threads)
+                          *tier_args(kv_tier, kv_tier_bytes, name), *[w for spec in lora for w in ("--lora", spec)],
+                          threads=threads)
         for extra, folder_of_extra in more_models:
             register_model(registry, extra, folder_of_extra, plane, dtype)
             cluster.spawn(f"worker-{extra}", "tokenfleet.services.decode", "--registry", registry, "--model-name",

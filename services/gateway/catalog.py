@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from tokenfleet.api.openai_schema import APIError
 from tokenfleet.cluster.registry import RegistryView, UnknownModelError
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.tokenizer import Tokenizer
+
+ADAPTER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 @dataclass
@@ -21,6 +24,7 @@ class ServedModel:
     tokenizer: Tokenizer
     max_model_len: int
     tool_format: str = ""  # tokenfleet.api.tools.FORMATS key; "" = generic
+    adapter: str = ""  # a LoRA adapter the base model's workers load (model "BASE:ADAPTER"); "" = none
 
 
 def load_served(name: str, ref: str, tokenizer_dir: str, max_model_len: int = 0, tool_format: str = "") -> ServedModel:
@@ -57,14 +61,21 @@ class ModelCatalog:
         """The model ``name`` serves now; ``sticky`` (the conversation's key) picks a side of a canary split."""
         if name in self.static:
             return self.static[name]
+        adapter = ""
         try:
             if self.view is None:
                 raise UnknownModelError(name)
-            record = self.view.resolve(name, sticky)
+            try:
+                record = self.view.resolve(name, sticky)
+            except UnknownModelError:
+                base, sep, adapter = name.rpartition(":")  # BASE:ADAPTER, a LoRA adapter its workers load
+                if not sep or not base or not ADAPTER_RE.match(adapter):
+                    raise
+                record = self.view.resolve(base, sticky)
         except UnknownModelError as e:
             raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model",
                            "model_not_found") from e
         if record.ref not in self._loaded:  # tokenizer loads once per version, off the event loop
             self._loaded[record.ref] = await asyncio.to_thread(
                 load_served, name, record.ref, record.tokenizer_path, record.max_model_len, record.tool_format)
-        return dataclasses.replace(self._loaded[record.ref], name=name)
+        return dataclasses.replace(self._loaded[record.ref], name=name, adapter=adapter)

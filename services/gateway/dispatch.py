@@ -16,6 +16,7 @@ from tokenfleet.services.common.convert import sampling_to_proto
 
 from tokenfleet.api.openai_schema import APIError
 from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.kvcache.salt import adapter_scope
 from tokenfleet.security.plane import Channels
 from tokenfleet.telemetry.metrics import GatewayMetrics
 from tokenfleet.telemetry.request_id import metadata as request_id_metadata
@@ -67,6 +68,7 @@ class Job:
     tenant: Tenant
     placement: Placement = field(default_factory=Placement)
     cache_scope: str = ""  # who may share its cached prefix (tokenfleet.kvcache.salt), for Pick and Generate
+    adapter: str = ""  # a LoRA adapter on the workers ("" = the base model)
 
 
 @dataclass
@@ -97,8 +99,8 @@ class Dispatcher:
         the routers take turns as the first asked."""
         request = router_pb2.PickRequest(
             model=job.model_ref, request_id=job.request_id, num_prompt_tokens=len(job.prompt),
-            prompt_token_ids=job.prompt, exclude_replica_ids=list(exclude), colocated=colocated,
-            cache_scope=job.cache_scope)
+            prompt_token_ids=job.prompt, exclude_replica_ids=list(exclude), colocated=colocated or bool(job.adapter),
+            cache_scope=adapter_scope(job.cache_scope, job.adapter))  # the scope the worker hashes it with
         start = next(self._turn) % len(self.routers)
         error: grpc.aio.AioRpcError | None = None
         for address in [*self.routers[start:], *self.routers[:start]]:
@@ -140,7 +142,8 @@ class Dispatcher:
     def _request(self, job: Job, picked: router_pb2.PickResponse, progress: _Progress) -> engine_pb2.GenerateRequest:
         request = engine_pb2.GenerateRequest(request_id=job.request_id, prompt_token_ids=job.prompt,
                                              sampling=sampling_to_proto(job.params), tenant=job.tenant.name,
-                                             priority=TIER_PRIORITY[job.tenant.tier], cache_scope=job.cache_scope)
+                                             priority=TIER_PRIORITY[job.tenant.tier], cache_scope=job.cache_scope,
+                                             adapter=job.adapter)
         if progress.delivered:
             request.resume.output_token_ids.extend(progress.delivered)
             request.resume.text = progress.text

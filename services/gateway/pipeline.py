@@ -171,7 +171,7 @@ class Gateway:
                                       len(prompt) + params.n * limit, call.headers)
         tenant = call.caller.tenant
         scope = request_scope(tenant.cache_group or tenant.name, prepared.cache_salt)
-        job = Job(model.ref, prepared.request_id, prompt, params, limit, tenant, call.placement, scope)
+        job = Job(model.ref, prepared.request_id, prompt, params, limit, tenant, call.placement, scope, model.adapter)
         stream = self.dispatcher.generate(job)
         try:
             first = await _first(stream)

@@ -69,6 +69,8 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
     p.add_argument("--kv-tier-tenant-bytes", type=int, default=0, help="per-tenant bytes in the second tier (0: none)")
     p.add_argument("--kv-tier-key-file", default="", help="AES key (16/24/32 bytes or hex; chmod 600) sealing the "
                    "second tier's records")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="load a PEFT LoRA adapter (repeat); clients ask for it as model BASE:NAME")
     p.add_argument("--fail-fraction", type=float, default=0.0, help="chaos testing: fail this share of requests "
                    "(INTERNAL) to exercise retries and canary rollbacks; never in production")
     p.add_argument("--etcd", help="etcd endpoint host:port; register in replicas/<model>/<id> (omit: standalone)")
@@ -118,7 +120,15 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
         kv_tier_tenant_bytes=args.kv_tier_tenant_bytes,
         kv_tier_key_file=args.kv_tier_key_file,
         speculative_config=args.speculative_config or (record.speculative_config if record is not None else ""),
+        lora_adapters=tuple(_lora(spec) for spec in args.lora),
     )
+
+
+def _lora(spec: str) -> tuple[str, str]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora takes NAME=PATH, got {spec!r}")
+    return name, path
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -101,18 +101,19 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             raise RuntimeError("injected failure (--fail-fraction: a chaos test of rollouts and retries)")
         self._check_objective(request)
         kv_source = None
-        if request.HasField("prefill") and request.prefill.address:
+        if request.HasField("prefill") and request.prefill.address and not request.adapter:
             await self.sources.check(request.prefill.replica_id, request.prefill.address)
             kv_source = RemotePrefill(self.channels.get(request.prefill.address, "worker"), request, context)
         request_id = self._admit(request.request_id)
         start, first, last, count = time.monotonic(), None, None, 0
         try:
-            if kv_source is None and request.HasField("prefix_source") and request.prefix_source.address:
+            if kv_source is None and not request.adapter and request.HasField("prefix_source") \
+                    and request.prefix_source.address:
                 await self._fetch_from_peer(request, request_id)  # in the try: a cancel here still clears in_flight
             stream = self.engine.generate(
                 list(request.prompt_token_ids), params, request_id, convert.priority(request.priority),
                 resume=convert.resume(request.resume), kv_source=kv_source, tenant=request.tenant,
-                cache_scope=convert.cache_scope(request.cache_scope),
+                cache_scope=convert.cache_scope(request.cache_scope), adapter=request.adapter,
             )
             # aclosing: a cancelled call closes the engine stream now, which aborts the request.
             async with contextlib.aclosing(stream) as outputs:

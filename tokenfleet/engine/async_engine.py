@@ -48,6 +48,7 @@ class _Add:
     hold_kv: bool = False
     tenant: str = ""
     cache_scope: str = ""
+    adapter: str = ""
 
 
 @dataclass
@@ -193,8 +194,10 @@ class AsyncEngine:
         hold_kv: bool = False,
         tenant: str = "",
         cache_scope: str = "",
+        adapter: str = "",
     ) -> AsyncGenerator[RequestOutput, None]:
-        """``resume``: continue after output another replica delivered. ``kv_source``: pull the
+        """``adapter``: the LoRA adapter it runs with (loaded on this engine; its own KV, so no remote prefill).
+        ``resume``: continue after output another replica delivered. ``kv_source``: pull the
         prompt's first token and KV from a prefill replica (falls back to local prefill when the
         blocks are not free or the transfer fails). ``hold_kv``: keep the blocks when done (prefill).
         ``cache_scope``: who may share its cached blocks (tokenfleet.kvcache.salt)."""
@@ -209,6 +212,8 @@ class AsyncEngine:
         prompt = list(prompt_token_ids)
         await self._prepare_grammar(sampling_params)
         held = None
+        if adapter:
+            kv_source = None  # a prefill replica would compute the base model's KV
         if kv_source is not None and resume is None and sampling_params.n == 1 and sampling_params.prompt_logprobs is None:
             held = await self.call(lambda core: self._add_remote(core, prompt, sampling_params, request_id,
                                                                   int(priority), sink, tenant, cache_scope),
@@ -216,7 +221,7 @@ class AsyncEngine:
         if held is None:
             done: Future = Future()
             self._commands.put(_Add(prompt, sampling_params, request_id, int(priority), sink, done, resume, hold_kv,
-                                    tenant, cache_scope))
+                                    tenant, cache_scope, adapter))
             try:
                 await asyncio.wrap_future(done)  # re-raises ValueError / EngineOverloadedError
             except asyncio.CancelledError:
@@ -366,7 +371,7 @@ class AsyncEngine:
         try:
             core.add_request(command.prompt_token_ids, command.sampling_params, command.request_id, command.priority,
                              resume=command.resume, hold_kv=command.hold_kv, tenant=command.tenant,
-                             cache_scope=command.cache_scope)
+                             cache_scope=command.cache_scope, adapter=command.adapter)
         except QueueFullError as e:
             _resolve(command.done, error=EngineOverloadedError(str(e)))
         except ValueError as e:

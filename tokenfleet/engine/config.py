@@ -36,6 +36,7 @@ class EngineConfig:
     # Speculative decoding (engine.spec_decode.SpecConfig.parse): the registry record's speculative_config JSON,
     # e.g. {"decoding_type": "NGram", "max_draft_len": 5}; "" = off
     speculative_config: str = ""
+    lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) loaded at start
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

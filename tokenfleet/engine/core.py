@@ -26,13 +26,9 @@ from tokenfleet.engine.scheduler import Scheduler, SchedulerOutput
 from tokenfleet.engine.spec_decode import SpecConfig, Speculator
 from tokenfleet.engine.stats import EngineStats, StepTimer
 from tokenfleet.kvcache.layout import KVLayout
+from tokenfleet.kvcache.salt import adapter_scope
 
 log = structlog.get_logger()
-
-
-def adapter_scope(cache_scope: str, adapter: str) -> str:
-    """The cache scope of a request run with LoRA ``adapter`` (its KV differs from the base model's)."""
-    return f"{cache_scope}\x00lora:{adapter}"
 
 
 class EngineCore:

@@ -39,6 +39,7 @@ class Engine(Protocol):
         kv_source: KVSource | None = None,
         tenant: str = "",
         cache_scope: str = "",
+        adapter: str = "",
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream deltas until one with ``finished``. Closing the iterator early aborts the
         request and frees its resources. Raises ValueError for invalid input,
@@ -47,7 +48,8 @@ class Engine(Protocol):
         ``resume``: output another replica already delivered (continue after it).
         ``kv_source``: take the prompt's first token and KV from a prefill replica.
         ``tenant``: who is billed (fair queuing between tenants of one priority).
-        ``cache_scope``: who may share its cached prefix (tokenfleet.kvcache.salt; "" = everyone)."""
+        ``cache_scope``: who may share its cached prefix (tokenfleet.kvcache.salt; "" = everyone).
+        ``adapter``: a LoRA adapter loaded on this engine ("" = the base model); ValueError if unknown."""
 
     def prefill(
         self,

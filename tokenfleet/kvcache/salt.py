@@ -28,6 +28,12 @@ def request_scope(share_group: str, cache_salt: str = "", adapter: str = "") -> 
     return hashlib.sha256(payload).hexdigest()[:SCOPE_CHARS]
 
 
+def adapter_scope(scope: str, adapter: str) -> str:
+    """The scope of a request run with LoRA ``adapter``: its KV differs from the base model's. The engine applies
+    it to every request it is given with an adapter; a gateway asking a router to place one passes the same."""
+    return f"{scope}\x00lora:{adapter}" if adapter else scope
+
+
 def chain_salt(layout_salt: str, scope: str) -> str:
     """The salt a request's block hashes start from (``block_hash.root_hash``)."""
     return f"{layout_salt}\x00scope={scope}" if scope else layout_salt

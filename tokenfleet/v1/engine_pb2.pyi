@@ -18,7 +18,7 @@ WORKER_STATE_SERVING: WorkerState
 WORKER_STATE_DRAINING: WorkerState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "prefill", "resume", "tenant", "ttft_objective_ms", "cache_scope", "prefix_source")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "prefill", "resume", "tenant", "ttft_objective_ms", "cache_scope", "prefix_source", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class GenerateRequest(_message.Message):
     TTFT_OBJECTIVE_MS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -39,7 +40,8 @@ class GenerateRequest(_message.Message):
     ttft_objective_ms: int
     cache_scope: str
     prefix_source: PrefixSource
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., prefill: _Optional[_Union[PrefillSource, _Mapping]] = ..., resume: _Optional[_Union[ResumeState, _Mapping]] = ..., tenant: _Optional[str] = ..., ttft_objective_ms: _Optional[int] = ..., cache_scope: _Optional[str] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., prefill: _Optional[_Union[PrefillSource, _Mapping]] = ..., resume: _Optional[_Union[ResumeState, _Mapping]] = ..., tenant: _Optional[str] = ..., ttft_objective_ms: _Optional[int] = ..., cache_scope: _Optional[str] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class PrefixSource(_message.Message):
     __slots__ = ("replica_id", "address", "num_blocks")

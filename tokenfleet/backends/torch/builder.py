@@ -57,6 +57,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         core.enable_peer_blocks()
     if spec is not None:
         core.enable_speculation(spec)
+    for name, folder in config.lora_adapters:
+        runner.load_adapter(name, folder)
     if config.kv_tier:
         if len(groups) > 1:
             raise ValueError("a second KV tier is not supported yet for models with sliding-window layers")

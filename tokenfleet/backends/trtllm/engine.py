@@ -231,6 +231,7 @@ class TrtllmEngine:
         kv_source: KVSource | None = None,
         tenant: str = "",
         cache_scope: str = "",
+        adapter: str = "",
     ) -> AsyncGenerator[RequestOutput, None]:
         """``resume`` continues after delivered tokens by appending them to the prompt (the library
         cannot start a request with output): penalties then see them as prompt tokens.
@@ -239,6 +240,8 @@ class TrtllmEngine:
         stream ends (finish, request error, engine failure) share the library's one result object
         and the abort handle, and read in order here better than spread over helpers."""
         self._check_params(sampling_params)
+        if adapter:
+            raise ValueError("LoRA adapters are not wired to the TensorRT-LLM backend yet")
         self._check_accepting()
         prompt = list(prompt_token_ids)
         max_tokens = self._max_tokens(prompt, sampling_params)
