@@ -179,7 +179,9 @@ class Gateway:
             status = ("cancelled" if isinstance(e, asyncio.CancelledError) else
                       "rejected" if isinstance(e, APIError) and e.code == "overloaded" else "failed")
             await ticket.finish(status, len(prompt), 0, 0, None, durable=False, detail=str(e))
-            self.metrics.settled(model.ref, status)
+            # a client's own mistake (400s) says nothing about the version: a rollout must not count it as a failure
+            client_error = isinstance(e, APIError) and e.status < 500 and e.code != "overloaded"
+            self.metrics.settled(model.ref, "client_error" if client_error else status)
             raise
         return Run(prepared, first, stream, ticket)
 

@@ -108,3 +108,14 @@ def test_bad_adapters_and_unknown_names_are_refused(default_model_dir, adapters,
     (bad / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
     with pytest.raises(ValueError, match="DoRA"):
         core.runner.load_adapter("x", str(bad))
+    from safetensors.torch import load_file, save_file
+
+    nan = tmp_path / "nan"
+    shutil.copytree(adapters["a0"][0], nan)
+    tensors = load_file(str(nan / "adapter_model.safetensors"))
+    first = sorted(tensors)[0]
+    tensors[first] = tensors[first].clone()
+    tensors[first][0, 0] = float("nan")
+    save_file(tensors, str(nan / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="NaN"):  # it would spread to every row of a step
+        core.runner.load_adapter("x", str(nan))

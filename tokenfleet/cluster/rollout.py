@@ -117,9 +117,19 @@ class Rollout:
     history: list[dict[str, Any]] = field(default_factory=list)
     state: str = "running"  # running | paused | done | rolled_back
     weight: float = 0.0
+    max_read_failures: int = 5  # consecutive polls whose metrics could not be read before a rollback
 
     def run(self) -> str:
-        """Drive the rollout to ``done`` or ``rolled_back``; returns that state."""
+        """Drive the rollout to ``done`` or ``rolled_back``; returns that state. Whatever goes wrong on the way
+        (metrics, etcd, the registry, the eval command, Ctrl-C), the alias is put back on the current version."""
+        try:
+            return self._run()
+        except BaseException as e:
+            if self.state not in ("done", "rolled_back"):
+                self._roll_back(f"the rollout failed: {type(e).__name__}: {e}")
+            raise
+
+    def _run(self) -> str:
         for step in self.config.steps:
             self._set(step, "step")
             reason = self._hold(step)
@@ -133,7 +143,12 @@ class Rollout:
     def _hold(self, step: float) -> str | None:
         """Hold the step's weight for step_seconds (paused time does not count), judging every poll; the reason
         to roll back, or None."""
-        start = self.io.stats()
+        start: dict[str, VersionStats] | None = None  # the step's first reading (retried in the loop if it fails)
+        try:
+            start = self.io.stats()
+        except Exception:  # noqa: BLE001 - counted below, on the next polls
+            start = None
+        failures = 0
         held = 0.0
         last = self.clock()
         if self.config.min_eval_score is not None:
@@ -154,9 +169,26 @@ class Rollout:
             elif command == "resume":
                 self._set_state("running", "resumed by the operator")
             elif command.startswith("weight="):
-                self._set(float(command.split("=", 1)[1]), "manual override (paused)")
-                self._set_state("paused", "manual override")
-            reading = self.io.stats()
+                try:
+                    weight = float(command.split("=", 1)[1])
+                except ValueError:
+                    weight = float("nan")
+                if not 0.0 <= weight <= 1.0:  # also NaN
+                    self._event("ignored", f"control {command!r}: a weight is in [0, 1]")
+                else:
+                    self._set(weight, "manual override (paused)")
+                    self._set_state("paused", "manual override")
+            try:
+                reading = self.io.stats()
+                failures = 0
+            except Exception as e:  # a gateway restarting: skip this poll, but not for long
+                failures += 1
+                if failures >= self.max_read_failures:
+                    return f"no metrics for {failures} polls in a row ({type(e).__name__}: {e})"
+                continue
+            if start is None:
+                start = reading
+                continue
             base = reading.get(self.current, VersionStats()) - start.get(self.current, VersionStats())
             canary = reading.get(self.new, VersionStats()) - start.get(self.new, VersionStats())
             reason = judge(base, canary, self.config)

@@ -14,6 +14,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from tokenfleet.cluster.rollout import Rollout, RolloutConfig, VersionStats, merge_stats, parse_version_stats
+from tokenfleet.services.registry.convert import view_from_snapshot
 
 ROLLOUTS = "rollouts/"
 CONTROLS = ("pause", "resume", "abort")
@@ -139,11 +140,17 @@ def run_command(args: argparse.Namespace) -> int:
     args.metrics = args.metrics or ([state["gateway_metrics"]] if state.get("gateway_metrics") else [])
     if not args.metrics:
         raise ValueError("give each gateway's --metrics host:port (no `tokenfleet up` cluster to read them from)")
+    if args.min_eval_score is not None and not args.eval_command:
+        raise ValueError("--min-eval-score needs an --eval-command")
     stub = _registry_stub(args)
-    aliases = {a.alias: a for a in stub.ListModels(registry_pb2.ListModelsRequest(), timeout=30).aliases}
-    if args.alias not in aliases:
+    view = view_from_snapshot(stub.ListModels(registry_pb2.ListModelsRequest(), timeout=30))
+    if args.alias not in view.aliases:
         raise ValueError(f"alias {args.alias!r} does not exist: point it at the current version first")
-    current = aliases[args.alias].target
+    # name@version on both sides: the gateways count per version, and a bare name would move with new versions
+    current = view.resolve(view.aliases[args.alias]).ref
+    args.to = view.resolve(args.to).ref
+    if args.to == current:
+        raise ValueError(f"{args.alias} already serves {current}")
     config = RolloutConfig(steps=tuple(float(w) for w in args.steps.split(",")), step_seconds=args.step_seconds,
                            min_requests=args.min_requests, max_error_increase=args.max_error_increase,
                            max_latency_ratio=args.max_latency_ratio, min_eval_score=args.min_eval_score)

@@ -159,7 +159,12 @@ def load_peft_adapter(name: str, folder: str | Path, config: ModelConfig, dtype:
         raise ValueError(f"adapter {name}: peft_type {cfg.get('peft_type')!r} is not LORA")
     if cfg.get("use_dora") or cfg.get("bias", "none") != "none" or cfg.get("fan_in_fan_out"):
         raise ValueError(f"adapter {name}: DoRA, LoRA biases and fan_in_fan_out are not supported")
-    rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    try:
+        rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"adapter {name}: adapter_config.json needs a rank r: {e}") from None
+    if rank <= 0 or not math.isfinite(alpha):
+        raise ValueError(f"adapter {name}: rank {rank} and lora_alpha {alpha} must be positive and finite")
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         raise ValueError(f"adapter {name}: per-module ranks (rank_pattern/alpha_pattern) are not supported")
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
@@ -168,6 +173,10 @@ def load_peft_adapter(name: str, folder: str | Path, config: ModelConfig, dtype:
         match = _KEY.search(key)
         if match is None:
             raise ValueError(f"adapter {name}: tensor {key!r} adapts a layer this engine does not adapt")
+        if int(match[1]) >= config.num_layers:
+            raise ValueError(f"adapter {name}: tensor {key!r} is for layer {match[1]}; this model has {config.num_layers}")
+        if not bool(torch.isfinite(value).all()):  # one NaN would spread to every row of a step (stacked GEMMs)
+            raise ValueError(f"adapter {name}: tensor {key!r} holds NaN or infinite values")
         found.setdefault((int(match[1]), match[2]), {})[match[3]] = value
     sizes, inputs = _sizes(config)
     layers: list[dict[str, FusedLora]] = [{} for _ in range(config.num_layers)]

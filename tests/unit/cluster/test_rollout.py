@@ -129,3 +129,40 @@ tokenfleet_gateway_version_ttft_seconds_count{ref="m@v2"} 3.0
     assert (one["m@v2"].requests, one["m@v2"].errors, one["m@v2"].ttft) == (6.0, 2.0, pytest.approx(0.2))
     both = merge_stats([one, one])
     assert both["m@v1"].requests == 20 and both["m@v2"].errors == 4
+
+
+def test_unreadable_metrics_or_a_failure_put_the_alias_back():
+    fleet = Fleet()
+    broken = Fleet.stats
+
+    def flaky(self):  # the gateways stop answering once the canary is up
+        if self.weight > 0:
+            raise OSError("connection refused")
+        return broken(self)
+
+    fleet.stats = flaky.__get__(fleet)
+    r = rollout(fleet)
+    assert r.run() == "rolled_back" and fleet.alias == ("m@v1", "", 0.0)
+    assert "no metrics for 5 polls" in r.history[-1]["detail"]
+
+    fleet = Fleet()
+    calls = []
+
+    def failing_set_weight(weight):
+        calls.append(weight)
+        if len(calls) == 2:
+            raise RuntimeError("registry unavailable")
+        Fleet.set_weight(fleet, weight)
+
+    fleet.set_weight = failing_set_weight
+    with pytest.raises(RuntimeError):
+        rollout(fleet).run()
+    assert fleet.alias == ("m@v1", "", 0.0) and fleet.records[-1]["state"] == "rolled_back"
+
+
+def test_a_bad_weight_control_is_ignored():
+    fleet = Fleet()
+    fleet.controls = {2.0: "weight=lots", 3.0: "weight=1.5"}
+    r = rollout(fleet)
+    assert r.run() == "done"
+    assert [e["event"] for e in r.history].count("ignored") == 2
