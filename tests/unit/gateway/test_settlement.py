@@ -18,7 +18,7 @@ from tokenfleet.v1 import engine_pb2
 def _run(admission: Admission, closed: list[bool]) -> Run:
     caller = Caller(Tenant("t", max_concurrent=1))
     ticket = admission.admit(caller, "m", "/v1/chat/completions", "r", 3, 13)
-    model = SimpleNamespace(name="m", tokenizer=SimpleNamespace(decode=lambda ids, **_: "x"), tool_format="")
+    model = SimpleNamespace(name="m", ref="m@v1", tokenizer=SimpleNamespace(decode=lambda ids, **_: "x"), tool_format="")
     prepared = Prepared(model, "chatcmpl-1", [1, 2, 3], SamplingParams(max_tokens=10), False)  # type: ignore[arg-type]
 
     async def stream():  # the worker's stream (its first response taken by open()): never ends by itself
@@ -42,6 +42,8 @@ def test_leaving_after_the_role_chunk_settles_the_reservation():
         events = gateway.events(run, RequestTimer(gateway.metrics))
         await anext(events)  # Opened: the role chunk, before any token
         await events.aclose()  # the client went away
+        # counted once per model version, as what it was (rollouts compare versions on these)
+        assert gateway.metrics.version_requests.labels("m@v1", "cancelled")._value.get() == 1
         return admission.budgets["t"].open, run.ticket.settled, closed
 
     still_open, settled, closed = asyncio.run(scenario())
