@@ -288,7 +288,16 @@ class AsyncEngine:
         overload are raised here); ``abandoned(core, result)`` runs there if the caller gave up."""
         done: Future = Future()
         self._commands.put(_Call(fn, done, abandoned))
-        return await asyncio.wrap_future(done)
+        try:
+            return await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            # The engine thread may have finished ``fn`` just before the cancel: its result was then dropped on
+            # its way here (the wrapper was cancelled first), and the engine thread did not call ``abandoned``
+            # (its result was taken). Left alone, e.g., a remote prefill's reserved blocks would never be freed.
+            if abandoned is not None and done.done() and not done.cancelled() and done.exception() is None:
+                result = done.result()
+                self._commands.put(_Call(lambda core: abandoned(core, result), Future(), None))
+            raise
 
     def read_held(self, request_id: str, layer: int, block_ids: Sequence[int]) -> tuple[bytes, bytes]:
         return self.core.kv.export_held(request_id, layer, block_ids)

@@ -352,3 +352,24 @@ def test_shutdown_aborts_open_streams_and_refuses_new_requests(default_model_dir
             await collect(engine, [1, 2, 3], SamplingParams(max_tokens=1), "after-second-stop")
 
     asyncio.run(scenario())
+
+
+def test_a_cancel_that_races_a_remote_reservation_frees_its_blocks(engine, tokenizer):
+    """The engine thread reserves a remote prefill's blocks and resolves the call, but the caller is cancelled
+    before the event loop hands it the result (a loaded machine): the reservation must still be released. (A CI
+    run once left a decode worker's blocks reserved forever this way.)"""
+    import time
+
+    async def scenario() -> None:
+        stream = engine.generate(chat_ids(tokenizer, "Hello there."), GREEDY, "raced", kv_source=object())  # type: ignore[arg-type]
+        task = asyncio.create_task(stream.__anext__())
+        await asyncio.sleep(0)  # the task submits the reservation to the engine thread and waits for it
+        time.sleep(0.5)  # the loop is busy: the engine thread reserves and resolves, the result waits on the loop
+        assert "raced" in engine.core.scheduler.requests
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await until(lambda: "raced" not in engine.core.scheduler.requests, "the reservation released")
+        assert_clean(engine)
+
+    asyncio.run(scenario())
