@@ -309,6 +309,10 @@ class Speculator:
             if config.tenant_history else None
         self._index: dict[str, NgramIndex] = {}
         self._accept: dict[str, Acceptance] = {}
+        # steps in a row a request had proposals but verified none: after ``explore_after`` its own (low) estimate
+        # is forgotten for the fleet-wide one, so text that turned repetitive gets another chance
+        self._passed: dict[str, int] = {}
+        self.explore_after = 64
         self.grammar_cut = 0  # proposed tokens dropped because the request's grammar forbids them
 
     def eligible(self, request: Request) -> bool:
@@ -340,7 +344,9 @@ class Speculator:
                 return 0  # no step measured yet: nothing says what a verified token costs
             best = max(self._alpha(r) for r in eligible)
             if cost[1] > 0 and best * (cost[0] + cost[1] * base_tokens) <= cost[1] * len(decoding):
-                return 0  # not even the likeliest first guess would pay: skip the lookups
+                for r in eligible:  # not even the likeliest first guess would pay: skip the lookups
+                    self._passed_over(r.request_id)
+                return 0
         candidates = []
         by_id = {}
         for r in eligible:
@@ -361,7 +367,17 @@ class Speculator:
             if k:
                 by_id[c.key].draft_token_ids = c.draft[:k]
                 total += k
+                self._passed.pop(c.key, None)
+            else:
+                self._passed_over(c.key)
         return total
+
+    def _passed_over(self, request_id: str) -> None:
+        """A step in which the request could have speculated and did not."""
+        passed = self._passed[request_id] = self._passed.get(request_id, 0) + 1
+        if passed >= self.explore_after:
+            self._accept.pop(request_id, None)
+            self._passed.pop(request_id, None)
 
     def _alpha(self, request: Request) -> float:
         own = self._accept.get(request.request_id)
@@ -393,6 +409,7 @@ class Speculator:
         """``request`` is done: its tokens join its tenant's history (when kept); its state goes."""
         self._index.pop(request.request_id, None)
         self._accept.pop(request.request_id, None)
+        self._passed.pop(request.request_id, None)
         if self.history is not None and request.output_token_ids:
             self.history.add(self._scope(request), request.all_token_ids)
 

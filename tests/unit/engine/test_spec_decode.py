@@ -238,3 +238,25 @@ def test_tenant_history_keeps_cache_scopes_apart():
         r.num_computed_tokens = r.num_tokens - 1
         spec.propose([r], budget=64)
         assert r.draft_token_ids[:2] == expect
+
+
+def test_a_request_that_stopped_speculating_gets_another_chance():
+    """Its own low acceptance keeps it from verifying; after explore_after steps with proposals it did not verify,
+    it falls back to the fleet-wide estimate (here high) and speculates again."""
+    from tokenfleet.engine.spec_decode import Speculator
+
+    spec = Speculator(SpecConfig())
+    for tokens in (1, 2, 3, 1, 4, 2) * 3:
+        spec.cost.observe(tokens, 0.020 + 0.001 * tokens)  # fixed 20 ms, 1 ms per token
+    r = make_request(prompt_token_ids=[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], max_tokens=500)
+    r.output_token_ids = [3]
+    r.num_computed_tokens = r.num_tokens - 1
+    for _ in range(20):
+        spec.observe(r, 5, 0)  # its guesses were all wrong
+    for _ in range(50):
+        spec.acceptance.observe(5, 5)  # everyone else's were right
+    passed = 0
+    while spec.propose([r], budget=64) == 0:  # proposals it does not verify
+        passed += 1
+        assert passed <= spec.explore_after
+    assert passed == spec.explore_after and r.draft_token_ids
