@@ -183,6 +183,7 @@ def test_a_draft_model_survives_preemption_and_forks(default_model_dir, base):
     tokens, _ = outputs(core, [("edit", prompts["edit"], greedy(24, n=2)), ("quote", prompts["quote"], greedy(24))])
     assert tokens["edit"] == tokens["edit#1"] == expected["edit"] and tokens["quote"] == expected["quote"]
     assert core.snapshot().num_preemptions > 0
-    sampled, finals = outputs(core, [("hot", prompts["quote"], SamplingParams(max_tokens=24, temperature=0.8))])
+    hot = SamplingParams(max_tokens=24, temperature=0.8, ignore_eos=True)  # a sampled EOS would end it early
+    sampled, finals = outputs(core, [("hot", prompts["quote"], hot)])
     assert finals["hot"].num_output_tokens == len(sampled["hot"]) == 24
     assert_no_leak(core.scheduler.block_manager)
