@@ -26,7 +26,7 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaModel | Gemma3Model:
     config = ModelConfig.from_dir(model_dir)
-    tensors = _read_safetensors(Path(model_dir))
+    tensors = read_safetensors(Path(model_dir))
     linear = select_linear(dtype, device)
     if config.is_gemma3:
         return Gemma3Model(config, _gemma3_weights(config, tensors, dtype, device, linear), dtype, device, linear,
@@ -38,7 +38,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     return model
 
 
-def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir} has no *.safetensors files")

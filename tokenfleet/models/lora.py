@@ -71,10 +71,6 @@ class LoraSet:
         self.adapters[adapter.name] = adapter
         self._rebuild()
 
-    def remove(self, name: str) -> None:
-        self.adapters.pop(name, None)
-        self._rebuild()
-
     def _rebuild(self) -> None:
         outputs, inputs = _sizes(self.config)
         self.columns, self.width = {}, {}
@@ -219,14 +215,8 @@ def _sizes(config: ModelConfig) -> tuple[dict[str, int], dict[str, int]]:
 
 def fused_base_weights(model_dir: str | Path, config: ModelConfig) -> list[dict[str, torch.Tensor]]:
     """A Llama checkpoint's linear weights fused as the engine fuses them ([out, in] per fused layer, per layer)."""
-    from safetensors import safe_open
+    from tokenfleet.models.loader import read_safetensors
 
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                name = key.removeprefix("model.")
-                if name.startswith("layers.") and name.endswith("_proj.weight"):
-                    tensors[name] = f.get_tensor(key)
+    tensors = read_safetensors(Path(model_dir))
     return [{f: torch.cat([tensors[f"layers.{i}.{sub}.weight"] for sub in subs]) for f, subs in FUSED.items()}
             for i in range(config.num_layers)]
