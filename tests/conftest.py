@@ -8,6 +8,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton kernels (models.triton_attention) run in Triton's interpreter where there is no GPU; the variable is
+# read when a kernel is defined, at import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tokenfleet.engine.block_manager import BlockManager
 from tokenfleet.engine.request import Request

@@ -57,3 +57,15 @@ def certs_dir() -> Path:
 def audit_log() -> str | None:
     """``TOKENFLEET_AUDIT_LOG``: a JSON-lines file every service appends its administrative calls to."""
     return os.environ.get("TOKENFLEET_AUDIT_LOG") or None
+
+
+def cuda_graphs() -> bool:
+    """Replay decode steps as CUDA graphs on GPUs (backends.torch.cuda_graphs); "0" runs every step eagerly."""
+    return os.environ.get("TOKENFLEET_CUDA_GRAPHS", "1") not in ("0", "false", "no")
+
+
+def kernels() -> str:
+    """Which kernels the torch engine runs for attention and the layers' element-wise steps: "auto" (the native
+    C kernels on CPU in bf16, Triton on CUDA, else torch), "torch" (the torch reference everywhere: the engine as it
+    was before the GPU kernels) or "triton" (also on CPU, through Triton's interpreter: tests)."""
+    return os.environ.get("TOKENFLEET_KERNELS", "auto")

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from tokenfleet import envs
 from tokenfleet.models import native
 
 
@@ -77,6 +78,9 @@ class ForwardBatch:
     # Positions in logits_indices whose top logits are recomputed exactly (llama.refine_top_logits): the
     # rows a greedy pick or reported logprobs depend on. None: none.
     exact_logits: torch.Tensor | None = None
+    # The same as one bool per logits row (a captured CUDA graph cannot index by a varying set): True rows get
+    # the exact top logits. Set instead of exact_logits.
+    exact_rows: torch.Tensor | None = None
     queries: PagedQueries | None = None  # every row, request by request: set when one call attends the whole step
     paged: PagedQueries | None = None  # the one-row (decode) requests, the batch's first rows
     prefills: list[PrefillSpan] = field(default_factory=list)  # the others, for implementations that use SDPA
@@ -164,7 +168,20 @@ class NativePagedAttention:
 
 
 def select_attention(dtype: torch.dtype, device: torch.device) -> PagedAttention:
-    """The native kernel where it applies (bf16 on CPU, a compiler present), else the torch reference."""
+    """The native kernel where it applies (bf16 on CPU, a compiler present), the Triton kernel on CUDA (triton
+    installed), else the torch reference; TOKENFLEET_KERNELS=torch|triton overrides."""
+    choice = envs.kernels()
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"TOKENFLEET_KERNELS={choice!r}: auto, torch or triton")
+    if choice == "torch":
+        return TorchPagedAttention()
+    if device.type == "cuda" or choice == "triton":
+        from tokenfleet.models import triton_attention
+
+        if triton_attention.available():
+            return triton_attention.TritonPagedAttention()
+        if choice == "triton":
+            raise ValueError("TOKENFLEET_KERNELS=triton but triton is not installed")
     if device.type == "cpu" and dtype == torch.bfloat16:
         lib = native.load("paged_attention")
         if lib is not None:
@@ -195,11 +212,20 @@ def paged_attention(
         rows = slice(span.start, span.start + span.num_tokens)
         if span.context_block_ids is None:  # no earlier context: attend to the chunk's own K/V
             out[rows] = _prefill_attention(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), 0, batch.window)
+        elif getattr(attend, "prefix_spans", False):  # the kernel reads the prefix through the block table
+            meta = PagedQueries(block_table=span.context_block_ids[None], context_lens=_ints([span.context_len], q),
+                                query_start=_ints([0, span.num_tokens], q), num_tokens=span.num_tokens,
+                                max_query_len=span.num_tokens, window=batch.window)
+            out[rows] = attend(q[rows], k_cache, v_cache, meta)
         else:
             ctx_k = _gather(k_cache, span.context_block_ids)[:, : span.context_len]
             ctx_v = _gather(v_cache, span.context_block_ids)[:, : span.context_len]
             out[rows] = _prefill_attention(q[rows], ctx_k, ctx_v, span.context_len - span.num_tokens, batch.window)
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def _ints(values: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=like.device)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

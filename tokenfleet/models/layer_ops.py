@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from tokenfleet import envs
 from tokenfleet.models import native
 from tokenfleet.models.attention import ForwardBatch
 from tokenfleet.models.config import ModelConfig
@@ -106,6 +107,17 @@ class NativeLayerOps:
 
 
 def select_layer_ops(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LayerOps:
+    """Triton kernels on CUDA (models.triton_ops), the native C kernels on CPU in bf16, else torch; TOKENFLEET_KERNELS
+    =torch forces torch."""
+    choice = envs.kernels()
+    if choice == "torch":
+        return TorchLayerOps(config)
+    pow2_head = config.head_dim & (config.head_dim - 1) == 0
+    if (device.type == "cuda" or choice == "triton") and pow2_head and not config.is_gemma3:
+        from tokenfleet.models import triton_ops
+
+        if triton_ops.available():
+            return triton_ops.TritonLayerOps(config)
     if device.type == "cpu" and dtype == torch.bfloat16 and config.head_dim % 2 == 0:
         lib = native.load("fused_ops")
         if lib is not None:

@@ -145,6 +145,10 @@ class LlamaModel:
         _, last = ops.add_rms_norm(residual[rows], None if delta is None else delta[rows], w.norm, cfg.rms_norm_eps)
         logits = linear(last, w.lm_head).float()
         which = batch.exact_logits
-        if which is not None and last.dtype != torch.float32 and w.lm_head_rows is not None:
-            logits[which] = refine_top_logits(logits[which], last[which], w.lm_head_rows)
+        if last.dtype != torch.float32 and w.lm_head_rows is not None:
+            if which is not None:
+                logits[which] = refine_top_logits(logits[which], last[which], w.lm_head_rows)
+            elif batch.exact_rows is not None:
+                exact = refine_top_logits(logits, last, w.lm_head_rows)
+                logits = torch.where(batch.exact_rows[:, None], exact, logits)
         return logits

@@ -18,7 +18,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     configure_threads(config.num_threads)
     device = resolve_device(config.device)
     dtype = parse_dtype(config.dtype)
-    model = load_model(config.model, dtype, device)
+    model = load_model(config.model, dtype, device, config.quantization)
     max_model_len = config.max_model_len or model.config.max_position_embeddings
     if max_model_len > model.config.max_position_embeddings:
         raise ValueError(
@@ -38,7 +38,9 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         draft = load_draft_model(spec, model)
         per_token += 2 * draft.config.num_layers * draft.config.num_kv_heads * draft.config.head_dim * dtype.itemsize
     num_blocks = config.num_kv_blocks(per_token)
-    runner = TorchModelRunner(model, num_blocks, config.block_size)
+    graph_batch = config.cuda_graph_max_batch or min(config.max_num_running, 256)
+    runner = TorchModelRunner(model, num_blocks, config.block_size, cuda_graph_batch=graph_batch,
+                              max_model_len=max_model_len)
     if draft is not None:
         from tokenfleet.backends.torch.draft import DraftModel
 
@@ -59,6 +61,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         core.enable_speculation(spec)
     for name, folder in config.lora_adapters:
         runner.load_adapter(name, folder)
+    runner.capture_graphs()  # CUDA only, and only where the model and attention allow (cuda_graphs.graphs_supported)
     if config.kv_tier:
         if len(groups) > 1:
             raise ValueError("a second KV tier is not supported yet for models with sliding-window layers")

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from tokenfleet.backends.torch.cuda_graphs import DecodeGraphs, graphs_supported
 from tokenfleet.backends.torch.draft import DraftModel
 from tokenfleet.backends.torch.sampler import Sampler
 from tokenfleet.engine.kv_tier import PendingBlock
@@ -21,16 +22,24 @@ from tokenfleet.engine.runner import ExecuteResult
 from tokenfleet.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenfleet.models.attention import ForwardBatch, PagedQueries, PrefillSpan
 from tokenfleet.models.gemma3 import Gemma3Model
+from tokenfleet.models.linear import Fp8Linear
 from tokenfleet.models.llama import KVCache, LlamaModel
 from tokenfleet.models.lora import LoraBatch, LoraSet, fused_base_weights, load_peft_adapter
 
 
 class TorchModelRunner:
-    def __init__(self, model: LlamaModel | Gemma3Model, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None):
+    def __init__(self, model: LlamaModel | Gemma3Model, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
+                 cuda_graph_batch: int = 0, max_model_len: int = 0):
+        """``cuda_graph_batch`` > 0 on CUDA: decode-only steps of up to that many requests replay captured graphs
+        (backends.torch.cuda_graphs; ``capture_graphs`` captures them) where the model and attention allow it."""
         self.model = model
         self.device = model.device
         self.block_size = block_size
-        self.kv = KVCache(model.config, num_blocks, block_size, kv_dtype or model.dtype, model.device)
+        graphs = cuda_graph_batch > 0 and graphs_supported(model)
+        # graphs: one block more than the pool, never handed out, where padding rows write their K/V
+        self.kv = KVCache(model.config, num_blocks + graphs, block_size, kv_dtype or model.dtype, model.device)
+        self.graphs = DecodeGraphs(model, self.kv, block_size, num_blocks, cuda_graph_batch,
+                                   max_model_len or model.config.max_position_embeddings) if graphs else None
         self.windows = tuple(group.window for group in model.config.kv_groups)
         self.sampler = Sampler(model.device)
         self._prompt_spans: list[tuple[str, int, int]] = []
@@ -147,10 +156,18 @@ class TorchModelRunner:
             row += count
         return out
 
+    def capture_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.capture()
+
     def compute_logits(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> torch.Tensor:
         """float32 logits [num sampling entries, vocab] in ``output.scheduled`` order."""
         if output.copies:
             self.kv.copy_blocks(list(output.copies))
+        graphs = self.graphs
+        if graphs is not None and graphs.captured and self.adapters is None and graphs.supports(output.scheduled, requests):
+            self._prompt_spans = []
+            return graphs.run(output.scheduled, requests)
         token_ids, batch, self._prompt_spans = self.build_batch(output.scheduled, requests)
         return self.model.forward(token_ids, batch, self.kv)
 
@@ -291,6 +308,8 @@ class TorchModelRunner:
         """Load a PEFT LoRA adapter under ``name`` (ValueError if this model cannot serve it)."""
         if not isinstance(self.model, LlamaModel):
             raise ValueError("LoRA adapters are served for Llama-architecture models only")
+        if isinstance(self.model.linear, Fp8Linear):
+            raise ValueError("LoRA adapters are not served on fp8-quantized weights")
         adapter = load_peft_adapter(name, folder, self.model.config, self.model.dtype, self.device)
         if self.adapters is None:
             model = self.model

@@ -1,0 +1,106 @@
+"""The CUDA-graph decode path's bookkeeping: static buffers, buckets, padding rows, the scratch block.
+
+Without CUDA, ``DecodeGraphs.run`` fills the same buffers and runs the captured forward eagerly, so the
+inputs a graph would replay are checked here against the regular step path (same engine, same tokens,
+fp32); tests/gpu/test_graphs_device.py checks real captures and replays on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenfleet.backends.torch.cuda_graphs import DecodeGraphs, buckets
+from tokenfleet.backends.torch.runner import TorchModelRunner
+from tokenfleet.engine.block_manager import BlockManager
+from tokenfleet.engine.core import EngineCore
+from tokenfleet.engine.runner import ModelInfo
+from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig
+from tokenfleet.models import triton_attention
+from tokenfleet.models.config import ModelConfig
+from tokenfleet.models.llama import KVCache
+from tokenfleet.models.loader import random_model
+
+pytestmark = [pytest.mark.skipif(not triton_attention.available(), reason="graphs need the Triton attention kernel"),
+              pytest.mark.skipif(torch.cuda.is_available(), reason="CPU bookkeeping check; tests/gpu replays real graphs")]
+
+CONFIG = ModelConfig.from_dict(dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
+
+
+def test_buckets_cover_every_batch_size():
+    sizes = buckets(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and sizes == sorted(set(sizes))
+    assert buckets(1) == [1] and buckets(6) == [1, 2, 4, 6]
+    for n in range(1, 257):
+        assert any(b >= n for b in sizes)
+
+
+def test_graphs_are_supported_for_a_llama_with_triton_attention_on_cuda(monkeypatch):
+    """The gate itself (the device is only an attribute here: nothing runs)."""
+    from tokenfleet.backends.torch.cuda_graphs import graphs_supported
+    from tokenfleet.models.attention import TorchPagedAttention
+
+    monkeypatch.setenv("TOKENFLEET_KERNELS", "triton")
+    model = random_model(CONFIG, torch.float32, torch.device("cpu"))
+    assert not graphs_supported(model)  # CPU
+    model.device = torch.device("cuda")
+    assert graphs_supported(model)
+    monkeypatch.setenv("TOKENFLEET_CUDA_GRAPHS", "0")
+    assert not graphs_supported(model)
+    monkeypatch.setenv("TOKENFLEET_CUDA_GRAPHS", "1")
+    model.attention = TorchPagedAttention()  # loop bounds from Python: no graphs
+    assert not graphs_supported(model)
+
+
+def engine(graphs: bool, dtype: torch.dtype, monkeypatch) -> tuple[EngineCore, TorchModelRunner]:
+    monkeypatch.setenv("TOKENFLEET_KERNELS", "triton")
+    model = random_model(CONFIG, dtype, torch.device("cpu"), seed=3)
+    num_blocks = 48
+    runner = TorchModelRunner(model, num_blocks, 4)
+    if graphs:
+        runner.kv = KVCache(CONFIG, num_blocks + 1, 4, dtype, model.device)  # the scratch block, as on CUDA
+        runner.graphs = DecodeGraphs(model, runner.kv, 4, num_blocks, max_batch=8, max_model_len=128)
+        runner.graphs.captured = True
+    core = EngineCore(Scheduler(SchedulerConfig(max_model_len=128, max_num_batched_tokens=64), BlockManager(num_blocks, 4),
+                                hash_salt="g"), runner, None, ModelInfo(vocab_size=CONFIG.vocab_size, max_model_len=128,
+                                                                        eos_token_ids=()))
+    return core, runner
+
+
+def run(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, list[int]]:
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        core.add_request(prompt, p, request_id=f"r{i}")
+    out: dict[str, list[int]] = {}
+    while core.has_unfinished():
+        for o in core.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_static_buffer_steps_equal_the_regular_path(monkeypatch, dtype):
+    # 5 requests (bucket 8: three padding rows), then fewer as they finish (buckets 4, 2, 1); prompts cross block
+    # boundaries; one sampled request with a seed, one reporting logprobs
+    prompts = [list(range(10 + i, 10 + i + n)) for i, n in enumerate([3, 9, 17, 4, 30])]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (6, 10, 14, 18, 22)]
+    params[1] = SamplingParams(max_tokens=10, temperature=0.9, seed=11, ignore_eos=True)
+    params[3] = SamplingParams(max_tokens=18, temperature=0.0, logprobs=2, ignore_eos=True)
+    plain = run(engine(False, dtype, monkeypatch)[0], prompts, params)
+    core, runner = engine(True, dtype, monkeypatch)
+    graphed = run(core, prompts, params)
+    assert graphed == plain
+    assert [len(graphed[f"r{i}"]) for i in range(5)] == [6, 10, 14, 18, 22]
+    assert runner.graphs is not None and runner.graphs.replays >= 18  # every decode-only step took the graph path
+    core.scheduler.block_manager.check_invariants()
+
+
+def test_graph_path_declines_what_it_cannot_replay(monkeypatch):
+    core, runner = engine(True, torch.float32, monkeypatch)
+    assert runner.graphs is not None
+    p = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    out = run(core, [[5, 6, 7, 8, 9]], [p])
+    assert len(out["r0"]) == 3 and runner.graphs.replays == 0  # prompt logprobs: eager steps
+    big = [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)] * 9  # over max_batch=8
+    out = run(core, [[i + 1, i + 2] for i in range(9)], big)
+    assert all(len(t) == 2 for t in out.values()) and runner.graphs.replays == 0

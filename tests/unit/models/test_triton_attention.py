@@ -1,0 +1,80 @@
+"""The Triton paged-attention kernel against the torch reference, on random caches and block tables.
+
+Without CUDA it runs in Triton's interpreter (numpy on the CPU): the same kernel source, the same
+masks and loop bounds; the GPU run of the same checks is tests/gpu/test_graphs_device.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenfleet.models import triton_attention
+from tokenfleet.models.attention import PagedQueries, TorchPagedAttention
+
+pytestmark = pytest.mark.skipif(not triton_attention.available(), reason="triton is not installed")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # no CUDA: the interpreter (tests/conftest.py)
+
+
+def random_step(counts: list[int], contexts: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
+                dtype: torch.dtype, seed: int, num_blocks: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                                 PagedQueries]:
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-c // block_size) for c in contexts) + 1  # one spare column: the kernel must not read it
+    num_blocks = max(num_blocks, len(counts) * width)
+    k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=g).to(DEVICE, dtype)
+    v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=g).to(DEVICE, dtype)
+    table = torch.randperm(num_blocks, generator=g)[: len(counts) * width].view(len(counts), width)
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    q = torch.randn(starts[-1], heads, head_dim, generator=g).to(DEVICE, dtype)
+    meta = PagedQueries(block_table=table.to(DEVICE), context_lens=torch.tensor(contexts, device=DEVICE),
+                        query_start=torch.tensor(starts, device=DEVICE), num_tokens=starts[-1],
+                        max_query_len=max(counts))
+    return q, k_cache, v_cache, meta
+
+
+CASES = {
+    # counts (query rows per request), context lengths, heads, kv heads, head dim, block size, window
+    "decode-gqa3": ([1, 1, 1], [1, 37, 160], 9, 3, 64, 16, 0),
+    "decode-gqa4-hd128": ([1, 1], [129, 64], 8, 2, 128, 16, 0),
+    "verify": ([3, 1, 5], [40, 17, 100], 9, 3, 64, 16, 0),
+    "prefix-prefill": ([1, 70], [50, 150], 4, 2, 64, 16, 0),
+    "window": ([1, 4, 40], [90, 120, 200], 4, 1, 32, 8, 24),
+    "mha-odd-head": ([2, 1], [33, 5], 2, 2, 48, 16, 0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_paged_attention_matches_reference(case, dtype):
+    counts, contexts, heads, kv_heads, head_dim, block_size, window = CASES[case]
+    q, k_cache, v_cache, meta = random_step(counts, contexts, heads, kv_heads, head_dim, block_size, dtype,
+                                            seed=sum(map(ord, case)))
+    meta.window = window
+    ref = TorchPagedAttention()(q, k_cache, v_cache, meta).float()
+    for split in (0, 1 << 20):  # one program per request x KV head, or the context split in partitions of 64 keys
+        attend = triton_attention.TritonPagedAttention(block_n=32, prefill_tokens=8, partition=64, split_below=split)
+        out = attend(q, k_cache, v_cache, meta)
+        assert out.dtype == dtype and out.shape == q.shape
+        assert torch.isfinite(out.float()).all()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        # fp32: same math in another order; bf16: both accumulate in fp32 and round once at the output
+        assert err < (1e-5 if dtype == torch.float32 else 8e-3), (split, err)
+
+
+def test_triton_kernel_ignores_padding_rows_and_stale_table_columns():
+    """Graph replay pads the batch: padding requests (context 1 on a scratch block) and table columns past a
+    request's context hold anything; the real rows' outputs must not change."""
+    q, k_cache, v_cache, meta = random_step([1, 1], [20, 45], 9, 3, 64, 16, torch.float32, seed=5)
+    attend = triton_attention.TritonPagedAttention(block_n=16, partition=32, split_below=1 << 20)  # split, too
+    before = attend(q, k_cache, v_cache, meta)
+    table = meta.block_table.clone()
+    table[0, 2:] = 63  # past request 0's two blocks
+    padded = PagedQueries(block_table=torch.cat([table, torch.full_like(table[:1], 63)]),
+                          context_lens=torch.cat([meta.context_lens, torch.ones_like(meta.context_lens[:1])]),
+                          query_start=torch.cat([meta.query_start, meta.query_start[-1:] + 1]),
+                          num_tokens=3, max_query_len=1)
+    after = attend(torch.cat([q, torch.randn_like(q[:1])]), k_cache, v_cache, padded)
+    assert torch.equal(after[:2], before)

@@ -1,0 +1,168 @@
+"""CUDA graphs of decode-only steps: one captured forward per batch-size bucket, replayed.
+
+A decode step of a small model is launch-bound in eager mode: ~30 layers x ~15 kernels, each a few
+microseconds of Python and driver work, while the GPU needs a fraction of that to read the weights.
+A captured graph replays every kernel in one launch. It needs every input at a fixed address, so
+the step's inputs live in static buffers the runner fills each step:
+
+    token ids, positions, KV slots, context lengths, exact-logit flags   [max_batch] each
+    block tables                                                          [max_batch, max_blocks]
+
+filled on the host in one pinned buffer and uploaded with one copy. A step of B requests replays
+the graph of the smallest bucket >= B; the padding rows decode token 0 at position 0 into a
+scratch block that the block manager never hands out (the runner's cache has one more block than
+the pool), with a context of one key, and their logits are dropped. Attention must take its loop
+bounds from the context-length tensor, not from Python: the Triton kernel (models.triton_attention)
+does; the torch reference would gather the whole table width, so graphs are used only with it.
+
+What falls back to the eager forward: steps with a prefill chunk or speculative verification rows,
+prompt logprobs, LoRA adapters, models of several KV groups (Gemma 3's sliding layers), and batches
+over the largest bucket. Greedy rows (and rows reporting logprobs) get their top logits recomputed
+exactly as in eager mode (llama.refine_top_logits), chosen per row by a static flag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from tokenfleet import envs
+from tokenfleet.engine.request import Request
+from tokenfleet.engine.scheduler import ScheduledRequest
+from tokenfleet.models.attention import ForwardBatch, PagedQueries
+
+
+def graphs_supported(model: Any) -> bool:
+    """CUDA, a Llama-family model (one KV group, no sliding window), attention that reads its loop bounds from
+    device tensors, and graphs not turned off (TOKENFLEET_CUDA_GRAPHS=0)."""
+    from tokenfleet.models.llama import LlamaModel
+    from tokenfleet.models.triton_attention import TritonPagedAttention
+
+    return (model.device.type == "cuda" and envs.cuda_graphs() and isinstance(model, LlamaModel)
+            and not any(model.config.layer_windows)  # () for a model without sliding-window layers
+            and isinstance(model.attention, TritonPagedAttention))
+
+
+def buckets(max_batch: int) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, then every 8 to 64, every 16 to 128, every 32 beyond."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch]
+    b = 8
+    while b < max_batch:
+        sizes.append(b)
+        b += 8 if b < 64 else 16 if b < 128 else 32
+    sizes.append(max_batch)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, model: Any, kv: Any, block_size: int, scratch_block: int, max_batch: int, max_model_len: int):
+        self.model = model
+        self.kv = kv
+        self.device = model.device
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.max_batch = max_batch
+        self.max_blocks = -(-max_model_len // block_size)
+        self.buckets = buckets(max_batch)
+        n, w = max_batch, self.max_blocks
+        # One pinned host buffer and its device twin: 5 columns of n, then the [n, w] block table.
+        cuda = self.device.type == "cuda"
+        self._host = torch.zeros(5 * n + n * w, dtype=torch.long, pin_memory=cuda)
+        self._host_np = self._host.numpy()
+        self._uploaded = torch.cuda.Event() if cuda else None
+        self._dev = torch.zeros(self._host.shape, dtype=torch.long, device=self.device)
+        self.tokens, self.positions, self.slots, self.context_lens, exact = (self._dev[i * n:(i + 1) * n] for i in range(5))
+        self.exact = exact
+        self.table = self._dev[5 * n:].view(n, w)
+        self.query_start = torch.arange(n + 1, dtype=torch.long, device=self.device)
+        self.rows = torch.arange(n, dtype=torch.long, device=self.device)
+        vocab = model.config.vocab_size
+        self.logits = torch.empty(n, vocab, dtype=torch.float32, device=self.device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.captured = False
+        self._pool: Any = None
+        self.replays = 0  # steps served by a graph (tests, metrics)
+
+    def supports(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]) -> bool:
+        if not 0 < len(scheduled) <= self.max_batch:
+            return False
+        for entry in scheduled:
+            if entry.num_new_tokens != 1 or entry.draft or not entry.samples:
+                return False
+            if entry.start + 1 > self.max_blocks * self.block_size:
+                return False
+            if requests[entry.request_id].sampling_params.prompt_logprobs is not None:
+                return False
+        return True
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first (they share one memory pool). Each forward runs once eagerly
+        first: kernels compile and libraries create their handles outside the capture."""
+        self._fill_padding(0, self.max_batch)
+        self._dev.copy_(self._host)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for b in reversed(self.buckets):
+                self._forward(b)
+                self._forward(b)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        for b in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._forward(b)
+            if self._pool is None:
+                self._pool = graph.pool()
+            self._graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        self.captured = True
+
+    def _forward(self, b: int) -> None:
+        meta = PagedQueries(block_table=self.table[:b], context_lens=self.context_lens[:b],
+                            query_start=self.query_start[: b + 1], num_tokens=b, max_query_len=1)
+        batch = ForwardBatch(positions=self.positions[:b], slot_mapping=self.slots[:b], logits_indices=self.rows[:b],
+                             exact_rows=self.exact[:b].bool(), paged=meta)
+        self.logits[:b].copy_(self.model.forward(self.tokens[:b], batch, self.kv))
+
+    def run(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]) -> torch.Tensor:
+        """float32 logits [len(scheduled), vocab] (a view of a static buffer: valid until the next replay)."""
+        real = len(scheduled)
+        b = next(size for size in self.buckets if size >= real)
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous step's upload has read the host buffer
+        n, w, bs = self.max_batch, self.max_blocks, self.block_size
+        host = self._host_np
+        table = host[5 * n:].reshape(n, w)
+        for i, entry in enumerate(scheduled):
+            request = requests[entry.request_id]
+            pos = entry.start
+            host[i] = request.token_ids_range(pos, pos + 1)[0]
+            host[n + i] = pos
+            blocks = entry.block_ids
+            host[2 * n + i] = blocks[pos // bs] * bs + pos % bs
+            host[3 * n + i] = pos + 1
+            params = request.sampling_params
+            host[4 * n + i] = params.temperature == 0 or params.logprobs is not None
+            used = -(-(pos + 1) // bs)
+            table[i, :used] = blocks[:used]
+        self._fill_padding(real, b)
+        rows = 5 * n + b * w  # the table's first b rows are all a bucket reads
+        self._dev[:rows].copy_(self._host[:rows], non_blocking=True)
+        self.replays += 1
+        if self._uploaded is None:  # no CUDA (tests of the buffers' bookkeeping): the same forward, eagerly
+            self._forward(b)
+            return self.logits[:real]
+        self._uploaded.record()
+        self._graphs[b].replay()
+        return self.logits[:real]
+
+    def _fill_padding(self, first: int, last: int) -> None:
+        n, w, bs = self.max_batch, self.max_blocks, self.block_size
+        host = self._host_np
+        for column, value in ((0, 0), (1, 0), (2, self.scratch_block * bs), (3, 1), (4, 0)):
+            host[column * n + first: column * n + last] = value
+        host[5 * n:].reshape(n, w)[first:last, 0] = self.scratch_block
+

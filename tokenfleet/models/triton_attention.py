@@ -1,0 +1,260 @@
+"""Paged attention in Triton (CUDA): every query row of a step read straight from the block tables.
+
+One kernel serves decode (one query row per request), speculative verification (a few rows,
+causal among themselves) and prefill chunks over a cached prefix (many rows): a program takes a
+tile of one request's query rows times the query heads of one KV head (GQA: the group's heads
+share every K/V load), walks the request's context ``BLOCK_N`` keys at a time through its block
+table (each key's block looked up, so a tile spans several cache blocks), and keeps an online
+softmax in fp32. Q.K products accumulate in fp32 from the cache's dtype; probabilities stay fp32
+and P.V runs in fp32 too (the torch reference upcasts the same way; rounding either to bf16
+moved greedy decoding within a few tokens, see models.attention). Loop bounds come from device
+tensors (context lengths, query starts), so a step captured in a CUDA graph replays for any
+context length up to the block table's width.
+
+Tested against ``TorchPagedAttention`` (the reference) in ``tests/unit/models/test_triton_attention.py``
+through Triton's interpreter on CPU, and on CUDA in ``tests/gpu``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from tokenfleet.models.attention import PagedQueries
+
+try:  # CUDA builds of torch bring triton; CPU installs have it with the dev extras (interpreter tests)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the torch reference serves
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _attend_keys(q, m_i, l_i, acc, key0, end, limit, window, sm_scale, req, kv_head, k_ptr, v_ptr, table_ptr,
+                     stride_kh, stride_kb, stride_ks, stride_table, d, d_ok,
+                     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr):
+        """One tile of BLOCK_N keys (each looked up in the request's block table) into the online softmax."""
+        pos = key0 + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        block = tl.load(table_ptr + req * stride_table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+        where = kv_head * stride_kh + block * stride_kb + (pos % BLOCK_SIZE) * stride_ks
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + where[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + where[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # bf16/fp16 products are exact in the fp32 accumulator
+        s = s * sm_scale
+        visible = (pos[None, :] < limit[:, None]) & ((pos[None, :] >= limit[:, None] - window) | (window == 0))
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        return m_new, l_i, acc
+
+    @triton.jit
+    def paged_attention_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, ctx_ptr, qstart_ptr,
+        sm_scale, window,
+        stride_qt, stride_qh, stride_kh, stride_kb, stride_ks, stride_ot, stride_oh, stride_table,
+        part_m_ptr, part_l_ptr, part_acc_ptr, num_kv_heads,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
+        INTERPRETED: tl.constexpr, PARTITION: tl.constexpr, PARTS: tl.constexpr,
+    ):
+        """PARTITION > 0 (split-K, "flash decoding"): program_id(0) is a partition of PARTITION keys instead of a
+        tile of query rows (TOKENS then covers every row); each writes its softmax state to the part_* buffers
+        and ``_merge_partitions`` combines them."""
+        if PARTITION > 0:
+            part = tl.program_id(0)
+            tile = 0
+        else:
+            part = 0
+            tile = tl.program_id(0)
+        req = tl.program_id(1)
+        kv_head = tl.program_id(2)
+        q_first = tl.load(qstart_ptr + req)
+        count = tl.load(qstart_ptr + req + 1) - q_first
+        first_row = tile * TOKENS
+        if first_row < count:
+            context = tl.load(ctx_ptr + req)
+            m = tl.arange(0, TOKENS * GROUP_PAD)
+            row = first_row + m // GROUP_PAD  # the query row of this request
+            head = kv_head * GROUP + m % GROUP_PAD
+            live = (row < count) & (m % GROUP_PAD < GROUP)
+            d = tl.arange(0, HEAD_PAD)
+            d_ok = d < HEAD_DIM
+            q = tl.load(q_ptr + (q_first + row)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                        mask=live[:, None] & d_ok[None, :], other=0.0)
+            limit = context - count + row + 1  # keys this row sees: [limit - window, limit)
+            last_row = tl.minimum(first_row + TOKENS, count) - 1
+            end = context - count + last_row + 1
+            start = tl.maximum(context - count + first_row + 1 - window, 0) * (window > 0)  # sliding window
+            start = (start // BLOCK_N) * BLOCK_N
+            if PARTITION > 0:
+                start = tl.maximum(start, part * PARTITION)
+                end = tl.minimum(end, (part + 1) * PARTITION)
+            m_i = tl.full([TOKENS * GROUP_PAD], -1.0e30, tl.float32)
+            l_i = tl.zeros([TOKENS * GROUP_PAD], tl.float32)
+            acc = tl.zeros([TOKENS * GROUP_PAD, HEAD_PAD], tl.float32)
+            if INTERPRETED:  # the interpreter cannot take tensor bounds in range(); compiled, range() pipelines loads
+                key0 = start
+                while key0 < end:
+                    m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, key0, end, limit, window, sm_scale, req, kv_head,
+                                                 k_ptr, v_ptr, table_ptr, stride_kh, stride_kb, stride_ks,
+                                                 stride_table, d, d_ok, BLOCK_SIZE, BLOCK_N, FP32_DOT)
+                    key0 += BLOCK_N
+            else:
+                for key0 in range(start, end, BLOCK_N):
+                    m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, key0, end, limit, window, sm_scale, req, kv_head,
+                                                 k_ptr, v_ptr, table_ptr, stride_kh, stride_kb, stride_ks,
+                                                 stride_table, d, d_ok, BLOCK_SIZE, BLOCK_N, FP32_DOT)
+            if PARTITION > 0:
+                at = ((req * num_kv_heads + kv_head) * PARTS + part) * (TOKENS * GROUP_PAD) + m
+                tl.store(part_m_ptr + at, m_i)
+                tl.store(part_l_ptr + at, l_i)
+                tl.store(part_acc_ptr + at[:, None] * HEAD_PAD + d[None, :], acc)
+            else:
+                l_i = tl.where(l_i == 0.0, 1.0, l_i)
+                out = acc / l_i[:, None]
+                tl.store(out_ptr + (q_first + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _merge_partitions(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, qstart_ptr, num_kv_heads, stride_ot, stride_oh,
+                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          HEAD_PAD: tl.constexpr, PARTS: tl.constexpr):
+        """One request x KV head: the partitions' (max, sum, accumulator) rescaled to the global max and summed."""
+        req = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        q_first = tl.load(qstart_ptr + req)
+        count = tl.load(qstart_ptr + req + 1) - q_first
+        m = tl.arange(0, TOKENS * GROUP_PAD)
+        row = m // GROUP_PAD
+        head = kv_head * GROUP + m % GROUP_PAD
+        live = (row < count) & (m % GROUP_PAD < GROUP)
+        d = tl.arange(0, HEAD_PAD)
+        d_ok = d < HEAD_DIM
+        p = tl.arange(0, PARTS)
+        base = (req * num_kv_heads + kv_head) * PARTS
+        at = (base + p)[:, None] * (TOKENS * GROUP_PAD) + m[None, :]  # [PARTS, M]
+        m_p = tl.load(part_m_ptr + at)
+        l_p = tl.load(part_l_ptr + at)
+        top = tl.max(m_p, axis=0)
+        w = tl.exp(m_p - top[None, :])  # an empty partition (m = -1e30, l = 0) weighs nothing
+        total = tl.sum(l_p * w, axis=0)
+        acc = tl.zeros([TOKENS * GROUP_PAD, HEAD_PAD], tl.float32)
+        for i in tl.static_range(PARTS):
+            w_i = tl.sum(tl.where(p[:, None] == i, w, 0.0), axis=0)
+            part_acc = tl.load(part_acc_ptr + ((base + i) * (TOKENS * GROUP_PAD) + m)[:, None] * HEAD_PAD + d[None, :])
+            acc += w_i[:, None] * part_acc
+        total = tl.where(total == 0.0, 1.0, total)
+        out = acc / total[:, None]
+        tl.store(out_ptr + (q_first + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class TritonPagedAttention:
+    """The ``PagedAttention`` interface on CUDA. Decode and verification rows go through the kernel; prefill
+    chunks without earlier context keep SDPA (flash attention, faster for a fresh causal block), and chunks
+    over a cached prefix come back here (``prefix_spans``) instead of gathering the prefix.
+
+    Few requests (requests x KV heads under ``split_below`` programs, default two per multiprocessor) leave most
+    of the GPU idle while each program walks its whole context: then the context is split in partitions of
+    ``partition`` keys, one program each, merged by a second kernel (split-K, "flash decoding"). The partition
+    count follows the block table's width (static in a captured graph), rounded up to a power of two; partitions
+    past a request's context exit at once."""
+
+    handles_prefill = False
+    prefix_spans = True
+
+    def __init__(self, block_n: int = 0, prefill_tokens: int = 32, partition: int = 0, split_below: int | None = None,
+                 num_warps: int = 0, num_stages: int = 0):
+        """Zeros take TOKENFLEET_ATTN_TUNING ("block_n,partition,num_warps,num_stages", benchmarks/attention_sweep.py)
+        or the defaults 64, 256, 4, 3."""
+        tuned = [int(v) for v in os.environ.get("TOKENFLEET_ATTN_TUNING", "64,256,4,3").split(",")]
+        self.block_n = block_n or tuned[0]
+        self.partition = partition or tuned[1]
+        self.num_warps = num_warps or tuned[2]
+        self.num_stages = num_stages or tuned[3]
+        if self.partition % self.block_n:
+            raise ValueError("partition must be a multiple of block_n")
+        self.prefill_tokens = prefill_tokens
+        self.split_below = split_below
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedQueries) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads, _, block_size, _ = k_cache.shape
+        group = num_heads // num_kv_heads
+        group_pad = _pow2(group)
+        if meta.max_query_len <= 4:  # decode / verification: every row of a request in one program
+            tokens = _pow2(meta.max_query_len)
+        else:
+            tokens = max(1, self.prefill_tokens * 4 // group_pad)
+        tokens = max(tokens, -(-16 // group_pad))  # tl.dot wants 16 rows at least
+        out = torch.empty_like(q)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        table = meta.block_table
+        rows = tokens * group_pad
+        head_pad = _pow2(max(head_dim, 16))
+        parts = 1
+        if meta.max_query_len <= 4 and meta.num_requests * num_kv_heads < self._split_below(q.device):
+            parts = _pow2(-(-table.shape[1] * block_size // self.partition))
+        if parts > 1:
+            partition = self.partition
+            grid = (parts, meta.num_requests, num_kv_heads)
+            part_m = torch.empty(meta.num_requests * num_kv_heads * parts * rows, dtype=torch.float32, device=q.device)
+            part_l = torch.empty_like(part_m)
+            part_acc = torch.empty(part_m.shape[0] * head_pad, dtype=torch.float32, device=q.device)
+        else:
+            partition = 0
+            grid = (-(-meta.max_query_len // tokens), meta.num_requests, num_kv_heads)
+            part_m = part_l = part_acc = out  # unused
+        constants = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens, HEAD_DIM=head_dim, HEAD_PAD=head_pad)
+        paged_attention_kernel[grid](
+            q, k_cache, v_cache, out, table, meta.context_lens, meta.query_start,
+            head_dim**-0.5, meta.window,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
+            out.stride(1), table.stride(0), part_m, part_l, part_acc, num_kv_heads, **constants,
+            BLOCK_SIZE=block_size, BLOCK_N=self.block_n,
+            # the interpreter runs bf16 dots wrong (numpy has no bf16): there, upcast as fp32 runs do
+            FP32_DOT=q.dtype == torch.float32 or _interpreted(),
+            INTERPRETED=_interpreted(), PARTITION=partition, PARTS=parts, num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
+        if parts > 1:
+            _merge_partitions[(meta.num_requests, num_kv_heads)](
+                part_m, part_l, part_acc, out, meta.query_start, num_kv_heads, out.stride(0), out.stride(1), **constants,
+                PARTS=parts)
+        return out
+
+    def _split_below(self, device: torch.device) -> int:
+        if self.split_below is not None:
+            return self.split_below
+        if device.type != "cuda":
+            return 0
+        return 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
