@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     reg.add_argument("--version", default="v1")
     reg.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     reg.add_argument("--backend", default="torch", choices=["torch", "trtllm"])
+    reg.add_argument("--quantization", default="", choices=["", "fp8"],
+                     help="fp8: FP8 (e4m3) weights with per-channel scales (torch engine: torch._scaled_mm; trtllm: the "
+                     "engine's own)")
     reg.add_argument("--tensor-parallel-size", type=int, default=1)
     reg.add_argument("--max-model-len", type=int, default=0, help="0 = the model config's context length")
     reg.add_argument("--tokenizer", default="", help="tokenizer/chat-template folder (default: --path)")
@@ -264,6 +267,7 @@ def _cmd_register(args: argparse.Namespace) -> int:
     path = Path(args.path or ensure_default_model()).resolve()
     ModelConfig.from_dir(path)  # fail here, not in every worker, when the folder is not a model
     record = ModelRecord(name=args.name, version=args.version, path=str(path), dtype=args.dtype, backend=args.backend,
+                         quantization=args.quantization,
                          tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
                          tokenizer=args.tokenizer, description=args.description,
                          tool_format=args.tool_format, speculative_config=args.speculative_config)

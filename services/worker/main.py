@@ -121,6 +121,7 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
         kv_tier_key_file=args.kv_tier_key_file,
         speculative_config=args.speculative_config or (record.speculative_config if record is not None else ""),
         lora_adapters=tuple(_lora(spec) for spec in args.lora),
+        quantization=record.quantization if record is not None else "",
     )
 
 

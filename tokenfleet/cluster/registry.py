@@ -63,7 +63,7 @@ class ModelRecord:
     path: str  # artifact location: an HF-style folder (config.json, safetensors, tokenizer)
     architecture: str = "llama"
     dtype: str = "bfloat16"
-    quantization: str = ""  # "" (none) | "fp8" (TensorRT-LLM engines)
+    quantization: str = ""  # "" (none) | "fp8": FP8 weights (torch engine: models.linear.Fp8Linear; trtllm: its engine)
     backend: str = "torch"  # torch | trtllm
     tensor_parallel_size: int = 1
     tokenizer: str = ""  # folder with the tokenizer and chat template; "" = path
@@ -84,6 +84,10 @@ class ModelRecord:
             raise ValueError("a model record needs a path")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.quantization not in ("", "fp8"):
+            raise ValueError(f"quantization {self.quantization!r} is not one of '', fp8")
+        if self.quantization and self.dtype == "float32":
+            raise ValueError("fp8 weights run with bfloat16 or float16 activations, not float32")
         if self.status not in STATUSES:
             raise ValueError(f"status {self.status!r} is not one of {', '.join(STATUSES)}")
         if self.tool_format and self.tool_format not in TOOL_FORMATS:

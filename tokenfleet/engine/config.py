@@ -37,6 +37,9 @@ class EngineConfig:
     # e.g. {"decoding_type": "NGram", "max_draft_len": 5}; "" = off
     speculative_config: str = ""
     lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) loaded at start
+    quantization: str = ""  # the registry record's: "" or "fp8" (FP8 weights, per-channel scales: models.linear)
+    # CUDA: decode steps of up to this many requests replay captured graphs; 0 = min(max_num_running, 256)
+    cuda_graph_max_batch: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -47,6 +50,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.dtype not in ("bfloat16", "float32", "float16"):
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.quantization not in ("", "fp8"):
+            raise ValueError(f"quantization must be '' or 'fp8', got {self.quantization!r}")
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
         self.spec_config()  # a bad speculative_config fails here, before any weight is loaded
 
     def spec_config(self) -> SpecConfig | None:
@@ -79,4 +86,5 @@ class EngineConfig:
 
     def hash_salt(self) -> str:
         """Prefix hashes differ across models and KV layouts, never across processes."""
-        return f"{Path(self.model).name}|{self.dtype}|{self.block_size}"
+        quantized = f"|{self.quantization}" if self.quantization else ""  # other weights, other K/V
+        return f"{Path(self.model).name}|{self.dtype}|{self.block_size}{quantized}"

@@ -4,21 +4,31 @@ On CPU in bf16, oneDNN weights packed ahead of time ("prepacked", as torch's ind
 skip the per-call weight reorder of ``F.linear``: measured here 2x faster at M=1 and 1.3x at
 M=32 (one 3072x576 layer), with bit-identical results. fp32 keeps ``F.linear``: packed fp32
 sums in another order, and fp32 is the dtype of our exact-equality tests against HF.
+
+``quantization="fp8"`` (the registry record's field): FP8 e4m3 weights with one scale per output
+channel, activations quantized per token at run time, one ``torch._scaled_mm`` per layer (Hopper's
+FP8 tensor cores on CUDA; it runs on CPU too, slowly, which is where its accuracy is tested). Half
+the weight bytes of bf16: a batch-1 decode step, which reads every weight once, is bound by them.
+The embedding and the LM head stay in the model's dtype.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
+QUANTIZATIONS = ("", "fp8")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
 
 class LinearKernel(Protocol):
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+    def prepare(self, weight: torch.Tensor) -> Any:
         """Turn a [out, in] weight into whatever ``__call__`` takes."""
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: Any) -> torch.Tensor:
         """x: [tokens, in] -> [tokens, out]."""
 
 
@@ -38,7 +48,63 @@ class PackedOneDNNLinear:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-def select_linear(dtype: torch.dtype, device: torch.device) -> LinearKernel:
+@dataclass(frozen=True)
+class Fp8Weight:
+    data: torch.Tensor  # [out, in] float8_e4m3fn
+    scale: torch.Tensor  # [1, out] float32: row i of the weight is data[i] * scale[0, i]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.data.float() * self.scale.t()).to(dtype)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` [rows, cols] as e4m3 with one fp32 scale per row ([rows, 1]): amax maps to 448."""
+    x32 = x.float()
+    scale = x32.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+class Fp8Linear:
+    """y = (x quantized per token) @ (W quantized per output channel)^T, rescaled, in the activations' dtype."""
+
+    def prepare(self, weight: torch.Tensor) -> Fp8Weight:
+        if weight.shape[0] % 16 or weight.shape[1] % 16:
+            raise ValueError(f"fp8 weights need both dimensions divisible by 16, got {tuple(weight.shape)}")
+        data, scale = quantize_fp8(weight)
+        return Fp8Weight(data.contiguous(), scale.view(1, -1).contiguous())
+
+    def __call__(self, x: torch.Tensor, weight: Fp8Weight | torch.Tensor) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor):  # a layer kept in the model's dtype (the LM head)
+            return F.linear(x, weight)
+        if x.is_cuda and _triton_quantize is not None:
+            xq, scale = _triton_quantize(x)  # one kernel instead of ~8
+        else:
+            xq, scale = quantize_fp8(x)
+        return torch._scaled_mm(xq, weight.data.t(), scale_a=scale, scale_b=weight.scale, out_dtype=x.dtype)
+
+
+def _load_triton_quantize() -> Any:
+    if not torch.cuda.is_available():
+        return None
+    from tokenfleet.models import triton_ops
+
+    return triton_ops.quantize_fp8 if triton_ops.available() else None
+
+
+_triton_quantize = _load_triton_quantize()
+
+
+def select_linear(dtype: torch.dtype, device: torch.device, quantization: str = "") -> LinearKernel:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r}: the torch engine supports {QUANTIZATIONS[1:]} (or none)")
+    if quantization == "fp8":
+        if dtype == torch.float32:
+            raise ValueError("fp8 weights run with bfloat16 or float16 activations, not float32")
+        return Fp8Linear()
     if device.type == "cpu" and dtype == torch.bfloat16 and _packed_available():
         return PackedOneDNNLinear()
     return DenseLinear()

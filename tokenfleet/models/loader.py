@@ -12,7 +12,7 @@ from tokenfleet.models.attention import select_attention
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.gemma3 import Gemma3LayerWeights, Gemma3Model, Gemma3Weights
 from tokenfleet.models.layer_ops import select_layer_ops
-from tokenfleet.models.linear import LinearKernel, select_linear
+from tokenfleet.models.linear import Fp8Linear, LinearKernel, select_linear
 from tokenfleet.models.llama import LayerWeights, LlamaModel, LlamaWeights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -24,10 +24,12 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaModel | Gemma3Model:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, quantization: str = ""
+               ) -> LlamaModel | Gemma3Model:
+    """``quantization``: "" or "fp8" (models.linear: FP8 weights with per-channel scales)."""
     config = ModelConfig.from_dir(model_dir)
     tensors = read_safetensors(Path(model_dir))
-    linear = select_linear(dtype, device)
+    linear = select_linear(dtype, device, quantization)
     if config.is_gemma3:
         return Gemma3Model(config, _gemma3_weights(config, tensors, dtype, device, linear), dtype, device, linear,
                            select_attention(dtype, device))
@@ -48,6 +50,11 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
             for name in f.keys():
                 tensors[name.removeprefix("model.")] = f.get_tensor(name)
     return tensors
+
+
+def _head(linear: LinearKernel, lm_head: torch.Tensor) -> torch.Tensor:
+    """The LM head as ``linear`` takes it; quantized models keep it in the model's dtype (its logits pick tokens)."""
+    return lm_head if isinstance(linear, Fp8Linear) else linear.prepare(lm_head)
 
 
 def _build_weights(
@@ -78,7 +85,7 @@ def _build_weights(
         lm_head = embed
     else:
         lm_head = take("lm_head.weight")
-    return LlamaWeights(embed=embed, layers=layers, norm=take("norm.weight"), lm_head=linear.prepare(lm_head),
+    return LlamaWeights(embed=embed, layers=layers, norm=take("norm.weight"), lm_head=_head(linear, lm_head),
                         lm_head_rows=lm_head)
 
 
@@ -112,5 +119,34 @@ def _gemma3_weights(config: ModelConfig, t: dict[str, torch.Tensor], dtype: torc
         ))
     embed = take("embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings or "lm_head.weight" not in t else take("lm_head.weight")
-    return Gemma3Weights(embed=embed, layers=layers, norm=scale("norm.weight"), lm_head=linear.prepare(lm_head),
+    return Gemma3Weights(embed=embed, layers=layers, norm=scale("norm.weight"), lm_head=_head(linear, lm_head),
                          lm_head_rows=lm_head)
+
+
+def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, quantization: str = "",
+                 seed: int = 0) -> LlamaModel:
+    """A Llama of ``config``'s geometry with random weights (N(0, 0.02), unit norms), built on ``device`` one
+    matrix at a time (an 8B model never exists twice, quantized or not): speed runs need no checkpoint."""
+    if config.is_gemma3:
+        raise ValueError("random_model builds Llama-family geometries only")
+    linear = select_linear(dtype, device, quantization)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    c = config
+
+    def rand(rows: int, cols: int) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
+
+    def ones() -> torch.Tensor:
+        return torch.ones(c.hidden_size, dtype=dtype, device=device)
+
+    q_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    layers = [LayerWeights(input_norm=ones(), qkv=linear.prepare(rand(q_rows, c.hidden_size)),
+                           o_proj=linear.prepare(rand(c.hidden_size, c.num_heads * c.head_dim)), post_norm=ones(),
+                           gate_up=linear.prepare(rand(2 * c.intermediate_size, c.hidden_size)),
+                           down=linear.prepare(rand(c.hidden_size, c.intermediate_size)))
+              for _ in range(c.num_layers)]
+    embed = rand(c.vocab_size, c.hidden_size)
+    lm_head = embed if c.tie_word_embeddings else rand(c.vocab_size, c.hidden_size)
+    weights = LlamaWeights(embed=embed, layers=layers, norm=ones(), lm_head=_head(linear, lm_head), lm_head_rows=lm_head)
+    return LlamaModel(config, weights, dtype, device, linear, select_attention(dtype, device),
+                      select_layer_ops(config, dtype, device))

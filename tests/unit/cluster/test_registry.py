@@ -68,7 +68,8 @@ def test_partial_reset_keeps_the_other_prefix():
 @pytest.mark.parametrize("kwargs, needle", [
     ({"name": "a/b"}, "model name"), ({"name": "a@b"}, "model name"), ({"version": "v 1"}, "version"),
     ({"dtype": "int3"}, "dtype"), ({"status": "gone"}, "status"), ({"path": ""}, "path"),
-    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"), ({"quantization": "int4"}, "quantization"),
+    ({"quantization": "fp8", "dtype": "float32"}, "float32"),
 ])
 def test_invalid_records_are_rejected(kwargs, needle):
     fields = {"name": "m", "version": "v1", "path": "/x", **kwargs}
@@ -134,3 +135,11 @@ def test_a_canary_split_survives_the_registry_snapshot():
     view.canaries["prod"] = ("m@v2", 0.25)
     again = view_from_snapshot(snapshot_to_proto(view))
     assert again.aliases == {"prod": "m@v1"} and again.canaries == {"prod": ("m@v2", 0.25)}
+
+
+def test_a_workers_engine_takes_the_records_quantization():
+    from tokenfleet.services.worker.main import engine_config, parse_args
+
+    args = parse_args([], "decode")
+    assert engine_config(args, rec(quantization="fp8")).quantization == "fp8"
+    assert engine_config(args, rec()).quantization == ""
