@@ -1,0 +1,329 @@
+"""GPU data plane: full engine steps next to the H100 roofline (issue 25). One script, under 10 minutes.
+
+Measures the card first (HBM bandwidth from a large device-to-device copy, counting bytes read and
+written; the bf16 matmul peak from 8192^3 products), then for each model geometry (random weights:
+SmolLM2-135M's and Llama-3.1-8B's) and each mode:
+
+- eager:        the engine with CUDA graphs off (the Triton attention kernel either way)
+- eager-torch:  graphs off and the torch reference attention: the engine as it was before this issue
+- graphs:       decode steps replayed from captured CUDA graphs
+- graphs-fp8:   graphs with FP8 (e4m3) weights, per-channel scales, through torch._scaled_mm
+
+decode: B requests with distinct 1,024-token prompts are prefilled (not timed), then >= --steps full
+engine steps (scheduler, runner, sampler, output processing: ``EngineCore.step``) are timed one by one
+on the host clock; the figure is the median. The GPU time of the forward inside each step (CUDA events
+around it) gives the host's share: step - forward is time the GPU waits for Python.
+prefill: one fresh 4,096-token prompt in one step, median of 3.
+
+Roofline per row: bytes a step must read (every weight once + the batch's K/V) / measured bandwidth,
+and FLOPs / measured matmul peak; the larger is the floor, and floor / step is the efficiency.
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu_step.py --out DIR      # on the GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tokenfleet.models.config import ModelConfig
+
+GEOMETRIES = {
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+                         tie_word_embeddings=True, rms_norm_eps=1e-5),
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                         rope_theta=500000.0, tie_word_embeddings=False, rms_norm_eps=1e-5,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)),
+}
+MODES = ("eager-torch", "eager", "graphs", "graphs-fp8")
+
+
+def measure_card() -> dict:
+    dev = torch.device("cuda")
+    n = 1 << 30  # 2 GiB of bf16 per buffer
+    src = torch.randn(n, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    bw = 2 * src.numel() * 2 / statistics.median(times[2:])
+    del src, dst
+    m = 8192
+    x = torch.randn(m, m, dtype=torch.bfloat16, device=dev)
+    y = torch.randn(m, m, dtype=torch.bfloat16, device=dev)
+    times = []
+    for _ in range(13):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.mm(x, y)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    peak = 2 * m**3 / statistics.median(times[3:])
+    del x, y
+    torch.cuda.empty_cache()
+    return {"hbm_bytes_per_s": bw, "bf16_matmul_flops": peak, "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__}
+
+
+def linear_params(c) -> int:
+    per_layer = ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size + c.hidden_size * c.num_heads * c.head_dim
+                 + 3 * c.hidden_size * c.intermediate_size)
+    return c.num_layers * per_layer
+
+
+def step_roofline(c, batch: int, context: float, fp8: bool, card: dict) -> dict:
+    weight_bytes = linear_params(c) * (1 if fp8 else 2) + c.vocab_size * c.hidden_size * 2  # + the bf16 LM head
+    kv_bytes = batch * context * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+    flops = (2 * (linear_params(c) + c.vocab_size * c.hidden_size) * batch
+             + 4 * batch * context * c.num_layers * c.num_heads * c.head_dim)
+    floor = max((weight_bytes + kv_bytes) / card["hbm_bytes_per_s"], flops / card["bf16_matmul_flops"])
+    return {"bytes": weight_bytes + kv_bytes, "flops": flops, "floor_ms": 1000 * floor}
+
+
+def build(geometry: str, mode: str, batch_cap: int, num_blocks: int, max_model_len: int):
+    import os
+
+    from tokenfleet.backends.torch.runner import TorchModelRunner
+    from tokenfleet.engine.block_manager import BlockManager
+    from tokenfleet.engine.core import EngineCore
+    from tokenfleet.engine.runner import ModelInfo
+    from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig
+    from tokenfleet.models.loader import random_model
+
+    os.environ["TOKENFLEET_KERNELS"] = "torch" if mode == "eager-torch" else "auto"
+    os.environ["TOKENFLEET_CUDA_GRAPHS"] = "1" if mode.startswith("graphs") else "0"
+    config = ModelConfig.from_dict(GEOMETRIES[geometry])
+    model = random_model(config, torch.bfloat16, torch.device("cuda"), "fp8" if mode.endswith("fp8") else "")
+    runner = TorchModelRunner(model, num_blocks, 16, cuda_graph_batch=batch_cap, max_model_len=max_model_len)
+    t0 = time.perf_counter()
+    runner.capture_graphs()
+    capture_s = time.perf_counter() - t0
+    sched = SchedulerConfig(max_model_len=max_model_len, max_num_batched_tokens=8192, max_num_running=batch_cap,
+                            max_num_waiting=4096)
+    core = EngineCore(Scheduler(sched, BlockManager(num_blocks, 16), hash_salt=f"{geometry}|{mode}"), runner, None,
+                      ModelInfo(vocab_size=config.vocab_size, max_model_len=max_model_len, eos_token_ids=()))
+    return config, runner, core, capture_s
+
+
+def timed_forward(runner):
+    """Wrap the runner's forward with CUDA events: each call's GPU time lands in the returned list."""
+    spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    inner = runner.compute_logits
+
+    def compute_logits(output, requests):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        logits = inner(output, requests)
+        b.record()
+        spans.append((a, b))
+        return logits
+
+    runner.compute_logits = compute_logits
+    return spans
+
+
+def decode_run(core, runner, config, batch: int, context: int, steps: int, seed: int) -> dict:
+    from tokenfleet.engine.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=steps + 4096, temperature=0.0, ignore_eos=True)  # aborted after the run
+    ids = []
+    for i in range(batch):
+        prompt = [rng.randrange(100, config.vocab_size) for _ in range(context)]
+        ids.append(core.add_request(prompt, params, request_id=f"s{seed}-{i}"))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) or core.scheduler.waiting:
+        core.step()  # prefill, not timed
+    spans = timed_forward(runner)
+    replays = runner.graphs.replays if runner.graphs is not None else 0
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    gpu = [a.elapsed_time(b) / 1000 for a, b in spans]
+    del runner.compute_logits  # back to the class's method
+    for rid in ids:
+        core.abort(rid)
+    while core.has_unfinished():
+        core.step()
+    step = statistics.median(times)
+    return {"batch": batch, "steps": steps, "step_ms": 1000 * step, "p90_step_ms": 1000 * sorted(times)[int(0.9 * len(times))],
+            "forward_gpu_ms": 1000 * statistics.median(gpu), "tok_s": batch / step,
+            "graph_replays": (runner.graphs.replays - replays) if runner.graphs is not None else 0,
+            "context_mid": context + steps / 2}
+
+
+def prefill_run(core, config, tokens: int, seed: int) -> dict:
+    from tokenfleet.engine.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    times = []
+    for k in range(3):
+        prompt = [rng.randrange(100, config.vocab_size) for _ in range(tokens)]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        core.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), request_id=f"p{seed}-{k}")
+        while core.has_unfinished():
+            core.step()
+        times.append(time.perf_counter() - t)
+    c = config
+    flops = 2 * linear_params(c) * tokens + 2 * tokens**2 * c.num_layers * c.num_heads * c.head_dim  # causal attention
+    t = statistics.median(times)
+    return {"tokens": tokens, "seconds": t, "runs_s": times, "tok_s": tokens / t, "flops_per_s": flops / t}
+
+
+def profile_run(geometry: str, mode: str, batch: int, context: int, out: Path) -> str:
+    """Kernel-level breakdown of ``batch``-request decode steps (torch profiler; kernels inside graph replays are
+    listed one by one): where the step's GPU time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tokenfleet.engine.sampling_params import SamplingParams
+
+    config = ModelConfig.from_dict(GEOMETRIES[geometry])
+    blocks = batch * -(-(context + 128) // 16) + 64
+    config, runner, core, _ = build(geometry, mode, max(batch, 8), blocks, context + 256)
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        core.add_request([rng.randrange(100, config.vocab_size) for _ in range(context)], params, request_id=f"prof{i}")
+    for _ in range(40):
+        core.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            core.step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70)
+    (out / f"profile-{geometry}-{mode}-b{batch}.txt").write_text(table)
+    del runner, core
+    gc.collect()
+    torch.cuda.empty_cache()
+    return table
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="benchmarks/reports")
+    p.add_argument("--geometries", default=",".join(GEOMETRIES))
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--batches", default="1,8,64,256")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=256)
+    p.add_argument("--prefill", type=int, default=4096)
+    p.add_argument("--torch-batches", default="1", help="batches for eager-torch (the old path is slow)")
+    p.add_argument("--name", default="gpu-step")
+    p.add_argument("--profile", default="", help="GEOMETRY:MODE:BATCH,...: torch-profiler kernel tables, 20 steps each")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    card = measure_card()
+    print(f"card: {card['device']}  HBM {card['hbm_bytes_per_s'] / 1e12:.2f} TB/s  bf16 matmul "
+          f"{card['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s  torch {card['torch']}", flush=True)
+    results: dict = {"card": card, "args": vars(args), "rows": [], "prefill": [], "errors": []}
+    batches = [int(b) for b in args.batches.split(",")]
+    for geometry in args.geometries.split(","):
+        config_probe = ModelConfig.from_dict(GEOMETRIES[geometry])
+        max_model_len = args.context + args.steps + 64
+        if args.prefill:
+            max_model_len = max(max_model_len, args.prefill + 16)
+        per_block = 16 * 2 * config_probe.num_layers * config_probe.num_kv_heads * config_probe.head_dim * 2
+        want = max(batches) * -(-(args.context + args.steps + 16) // 16) + 64
+        free = torch.cuda.mem_get_info()[0]
+        weights = (linear_params(config_probe) + 2 * config_probe.vocab_size * config_probe.hidden_size) * 2
+        num_blocks = int(min(want, (free - weights - (6 << 30)) // per_block))
+        for mode in args.modes.split(","):
+            mode_batches = [b for b in batches if mode != "eager-torch" or str(b) in args.torch_batches.split(",")]
+            try:
+                config, runner, core, capture_s = build(geometry, mode, max(batches), num_blocks, max_model_len)
+            except Exception as e:  # one mode failing must not cost the others' figures
+                results["errors"].append(f"{geometry} {mode} build: {type(e).__name__}: {e}")
+                print(results["errors"][-1], flush=True)
+                continue
+            for b in mode_batches:
+                if b * -(-(args.context + args.steps + 16) // 16) > num_blocks:
+                    results["errors"].append(f"{geometry} {mode} b={b}: {num_blocks} blocks are too few")
+                    continue
+                try:
+                    row = decode_run(core, runner, config, b, args.context, args.steps, seed=b)
+                except Exception as e:
+                    results["errors"].append(f"{geometry} {mode} b={b}: {type(e).__name__}: {e}")
+                    print(results["errors"][-1], flush=True)
+                    continue
+                roof = step_roofline(config, b, row["context_mid"], mode.endswith("fp8"), card)
+                row.update(geometry=geometry, mode=mode, capture_s=capture_s, roofline_ms=roof["floor_ms"],
+                           bytes=roof["bytes"], flops=roof["flops"], efficiency=roof["floor_ms"] / row["step_ms"],
+                           hbm_share=roof["bytes"] / card["hbm_bytes_per_s"] * 1000 / row["step_ms"])
+                results["rows"].append(row)
+                print(f"{geometry:13s} {mode:11s} b={b:3d} step {row['step_ms']:8.3f} ms (p90 {row['p90_step_ms']:.3f}) "
+                      f"fwd-gpu {row['forward_gpu_ms']:7.3f} ms  floor {roof['floor_ms']:7.3f} ms  "
+                      f"eff {row['efficiency']:.0%}  replays {row['graph_replays']}", flush=True)
+            if args.prefill and mode in ("eager", "graphs-fp8"):
+                try:
+                    pre = prefill_run(core, config, args.prefill, seed=7)
+                    pre.update(geometry=geometry, mode=mode, peak_share=pre["flops_per_s"] / card["bf16_matmul_flops"])
+                    results["prefill"].append(pre)
+                    print(f"{geometry:13s} {mode:11s} prefill {args.prefill}: {pre['seconds'] * 1000:.1f} ms "
+                          f"{pre['tok_s']:.0f} tok/s {pre['flops_per_s'] / 1e12:.0f} TFLOP/s = {pre['peak_share']:.0%} of peak",
+                          flush=True)
+                except Exception as e:
+                    results["errors"].append(f"{geometry} {mode} prefill: {type(e).__name__}: {e}")
+                    print(results["errors"][-1], flush=True)
+            del config, runner, core
+            (out / f"{time.strftime('%Y-%m-%d')}-{args.name}.json").write_text(json.dumps(results, indent=1))  # so far
+            gc.collect()
+            torch.cuda.empty_cache()
+    stamp = time.strftime("%Y-%m-%d")
+    (out / f"{stamp}-{args.name}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{stamp}-{args.name}.md").write_text(report(results))
+    print(report(results))
+    for spec in filter(None, args.profile.split(",")):
+        geometry, mode, batch = spec.split(":")
+        try:
+            print(f"profile {spec}:\n" + profile_run(geometry, mode, int(batch), args.context, out), flush=True)
+        except Exception as e:
+            print(f"profile {spec}: {type(e).__name__}: {e}", flush=True)
+    if results["errors"]:
+        print("ERRORS:", *results["errors"], sep="\n  ", file=sys.stderr)
+
+
+def report(results: dict) -> str:
+    card = results["card"]
+    lines = [f"## GPU engine steps vs the roofline ({card['device']}, torch {card['torch']})", "",
+             f"Measured: HBM {card['hbm_bytes_per_s'] / 1e12:.2f} TB/s (device copy, read + write), bf16 matmul "
+             f"{card['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s (8192^3).", "",
+             "| geometry | mode | batch | step ms (median) | p90 | forward GPU ms | roofline ms | efficiency | tok/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        lines.append(f"| {r['geometry']} | {r['mode']} | {r['batch']} | {r['step_ms']:.3f} | {r['p90_step_ms']:.3f} | "
+                     f"{r['forward_gpu_ms']:.3f} | {r['roofline_ms']:.3f} | {r['efficiency']:.0%} | {r['tok_s']:.0f} |")
+    if results["prefill"]:
+        lines += ["", "| geometry | mode | prefill tokens | ms (median of 3) | tok/s | TFLOP/s | share of matmul peak |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in results["prefill"]:
+            lines.append(f"| {r['geometry']} | {r['mode']} | {r['tokens']} | {r['seconds'] * 1000:.1f} | {r['tok_s']:.0f} | "
+                         f"{r['flops_per_s'] / 1e12:.0f} | {r['peak_share']:.0%} |")
+    if results["errors"]:
+        lines += ["", "Errors:", *[f"- {e}" for e in results["errors"]]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
