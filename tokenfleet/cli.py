@@ -86,7 +86,16 @@ def _parser() -> argparse.ArgumentParser:
                      "(sticky per conversation: the request's user, else its tenant)")
     ali.add_argument("--weight", type=float, default=0.0, help="the canary's share, 0-1")
     ali.set_defaults(func=_cmd_alias)
-    for p in (reg, lst, ali):
+    rte = models.add_parser("route", help="make ALIAS a routing alias (the model router): each request goes to the "
+                            "policy's small or big model by its classifier (benchmarks/model_router.py trains one)")
+    rte.add_argument("alias", help='the name clients send, e.g. "auto"')
+    rte.add_argument("--policy", required=True, help="the policy's JSON file (small, big, weights, scale, threshold)")
+    rte.add_argument("--small", default="", help="override the policy's small model (NAME or NAME@VERSION)")
+    rte.add_argument("--big", default="", help="override the policy's big model")
+    rte.add_argument("--threshold", type=float, default=None, help="override the policy's threshold (0-1): the "
+                     "classifier's probability that the small model agrees at or above which it serves")
+    rte.set_defaults(func=_cmd_route)
+    for p in (reg, lst, ali, rte):
         p.add_argument("--registry", help="registry address host:port (default: the `tokenfleet up` cluster's)")
         add_operator_arguments(p)
 
@@ -284,12 +293,22 @@ def _cmd_list(args: argparse.Namespace) -> int:
     for m in snapshot.models:
         status = registry_pb2.ModelStatus.Name(m.status).removeprefix("MODEL_STATUS_").lower()
         rows.append((f"{m.name}@{m.version}", m.dtype, m.backend, status, m.path))
-    rows += [(f"{a.alias} -> {a.target}" + (f" ({a.canary} {a.canary_weight:.0%})" if a.canary else ""), "", "",
-              "alias", "") for a in snapshot.aliases]
+    rows += [(f"{a.alias} -> {a.target}" + (f" ({a.canary} {a.canary_weight:.0%})" if a.canary else "")
+              + (f" (routed: {_route_summary(a.route)})" if a.route else ""), "", "", "alias", "") for a in snapshot.aliases]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     return 0
+
+
+def _route_summary(raw: str) -> str:
+    from tokenfleet.routing.model_router import RoutePolicy
+
+    try:
+        policy = RoutePolicy.from_json(raw)
+    except ValueError:
+        return "unreadable policy"
+    return f"{policy.small} at p >= {policy.threshold:.2f}, else {policy.big}"
 
 
 def _cmd_alias(args: argparse.Namespace) -> int:
@@ -306,6 +325,25 @@ def _cmd_alias(args: argparse.Namespace) -> int:
                                            canary_weight=args.weight)
     _registry_call(lambda: stub.SetAlias(request, timeout=30))
     print(f"{args.alias} -> {args.target}" + (f" ({args.canary}: {args.weight:.0%})" if args.canary else ""))
+    return 0
+
+
+def _cmd_route(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from tokenfleet.routing.model_router import RoutePolicy
+    from tokenfleet.v1 import registry_pb2
+
+    policy = RoutePolicy.from_json(json.loads(Path(args.policy).read_text()))
+    policy.small = args.small or policy.small
+    policy.big = args.big or policy.big
+    if args.threshold is not None:
+        policy.threshold = args.threshold
+    policy = RoutePolicy.from_json(policy.to_json())  # the overrides checked too
+    request = registry_pb2.SetAliasRequest(alias=args.alias, target=policy.big, route=policy.to_json())
+    _registry_call(lambda: _registry_stub(args).SetAlias(request, timeout=30))
+    print(f"{args.alias} -> {policy.small} when P(small agrees) >= {policy.threshold:.2f}, else {policy.big}")
     return 0
 
 

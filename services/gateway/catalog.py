@@ -9,10 +9,15 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import structlog
+
 from tokenfleet.api.openai_schema import APIError
 from tokenfleet.cluster.registry import RegistryView, UnknownModelError
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.tokenizer import Tokenizer
+from tokenfleet.routing.model_router import RoutePolicy
+
+log = structlog.get_logger("tokenfleet.gateway")
 
 ADAPTER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -40,6 +45,7 @@ class ModelCatalog:
     static: dict[str, ServedModel] = field(default_factory=dict)
     view: RegistryView | None = None  # None: no registry; only static models
     _loaded: dict[str, ServedModel] = field(default_factory=dict)  # by record ref (name@version)
+    _policies: dict[str, RoutePolicy] = field(default_factory=dict)  # parsed route policies by their JSON
 
     synced: bool = False  # a registry snapshot has arrived
 
@@ -56,6 +62,25 @@ class ModelCatalog:
                 except UnknownModelError:
                     continue  # a name whose versions are all disabled
         return sorted(names.items())
+
+    def route_policy(self, name: str) -> RoutePolicy | None:
+        """The routing policy when ``name`` is a routing alias (the model router), else None."""
+        if self.view is None or name in self.static:
+            return None
+        raw = self.view.routes.get(name)
+        if raw is None:
+            return None
+        policy = self._policies.get(raw)
+        if policy is None:
+            try:
+                policy = RoutePolicy.from_json(raw)
+            except ValueError:  # the registry validates what it stores; a bad one serves the big model
+                log.warning("unreadable route policy", alias=name)
+                return None
+            if len(self._policies) > 64:  # replaced policies linger until here
+                self._policies.clear()
+            self._policies[raw] = policy
+        return policy
 
     async def get(self, name: str, sticky: str = "") -> ServedModel:
         """The model ``name`` serves now; ``sticky`` (the conversation's key) picks a side of a canary split."""

@@ -23,6 +23,7 @@ from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, Comple
 from tokenfleet.telemetry.metrics import RequestTimer
 from tokenfleet.telemetry.request_id import from_metadata, new_request_id
 from tokenfleet.tenancy.admission import Caller
+from tokenfleet.tenancy.tenants import Tenant
 from tokenfleet.v1 import inference_pb2, inference_pb2_grpc
 
 log = structlog.get_logger()
@@ -109,7 +110,7 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
         return self.gateway.admission.authenticate(metadata.get("authorization"), context.peer())
 
     async def _serve(self, context: grpc.aio.ServicerContext, endpoint: str,
-                     prepare: Callable[[str], Awaitable[Prepared]], chat: bool) -> AsyncIterator[Message]:
+                     prepare: Callable[[Tenant], Awaitable[Prepared]], chat: bool) -> AsyncIterator[Message]:
         """What both streaming calls share: the request id, the caller, metrics, the pipeline, the encoder."""
         request_id = new_request_id(from_metadata(context.invocation_metadata()))
         with structlog.contextvars.bound_contextvars(request_id=request_id):
@@ -118,7 +119,7 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
             try:
                 call.caller = self.authenticate(context)
                 self.gateway.admission.precheck(call.caller, call.request_id, call.endpoint, call.headers)
-                prepared = await prepare(call.caller.tenant.name)  # the tenant: a canary split's fallback key
+                prepared = await prepare(call.caller.tenant)  # its name: a canary split's fallback key; its tier
                 run = await self.gateway.open(call, prepared)
             except APIError as e:  # becomes a status in map_errors
                 self.gateway.metrics.requests.labels(endpoint, str(e.status)).inc()
@@ -135,7 +136,8 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
     @map_errors
     async def ChatCompletion(self, request: inference_pb2.ChatCompletionRequest, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[Message]:
-        async for chunk in self._serve(context, CHAT, lambda tenant: self.gateway.prepare_chat(chat_request(request), tenant),
+        async for chunk in self._serve(context, CHAT, lambda tenant: self.gateway.prepare_chat(chat_request(request), tenant.name,
+                                                                                 tenant.tier),
                                        chat=True):
             yield chunk
 
@@ -143,7 +145,8 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
     async def Completion(self, request: inference_pb2.CompletionRequest, context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[Message]:
         async for chunk in self._serve(context, COMPLETION,
-                                       lambda tenant: self.gateway.prepare_completion(completion_request(request), tenant),
+                                       lambda tenant: self.gateway.prepare_completion(completion_request(request), tenant.name,
+                                                                                      tenant.tier),
                                        chat=False):
             yield chunk
 

@@ -29,6 +29,7 @@ from tokenfleet.api.tools import CallStarted, ContentText, ToolCallParser, ToolE
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.kvcache.salt import request_scope
 from tokenfleet.models.tokenizer import Tokenizer
+from tokenfleet.routing.model_router import RouteInput
 from tokenfleet.security.plane import Channels, Plane
 from tokenfleet.telemetry.metrics import GatewayMetrics, RequestTimer
 from tokenfleet.tenancy.admission import ANONYMOUS_CALLER, Admission, Caller, Ticket
@@ -67,6 +68,7 @@ class Prepared:
     echo: str = ""  # completions with echo: the prompt's text, sent before each choice's text
     chat: bool = True
     cache_salt: str = ""  # the request's own prefix-cache isolation (tokenfleet.kvcache.salt)
+    requested_model: str = ""  # the routing alias the client named, when the model router chose ``model``
 
 
 @dataclass
@@ -124,14 +126,37 @@ class Gateway:
         if self.ttft_objectives is not None:
             self.dispatcher.ttft_objectives = dict(self.ttft_objectives)
 
-    async def prepare_chat(self, body: ChatCompletionRequest, tenant: str = "") -> Prepared:
-        """``tenant``: with the body's ``user``, the conversation's key for an alias's canary split."""
-        model = await self.models.get(body.model, body.user or tenant)
-        return await self.preparer.run(self._prepare_chat, model, body)
+    async def prepare_chat(self, body: ChatCompletionRequest, tenant: str = "", tier: str = "interactive") -> Prepared:
+        """``tenant``: with the body's ``user``, the conversation's key for an alias's canary split. ``tier``: the
+        tenant's, a feature of the model router's when ``body.model`` is a routing alias."""
+        fmt = body.response_format.type if body.response_format is not None else "text"
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        name = self._route(body.model, RouteInput(
+            [(m.role, m.text()) for m in body.messages], tools=body.tool_choice_name != "none",
+            json_mode=fmt != "text", tier=tier, max_tokens=limit or 0))
+        model = await self.models.get(name, body.user or tenant)
+        prepared = await self.preparer.run(self._prepare_chat, model, body)
+        prepared.requested_model = body.model if name != body.model else ""
+        return prepared
 
-    async def prepare_completion(self, body: CompletionRequest, tenant: str = "") -> Prepared:
-        model = await self.models.get(body.model, body.user or tenant)
-        return await self.preparer.run(self._prepare_completion, model, body)
+    async def prepare_completion(self, body: CompletionRequest, tenant: str = "", tier: str = "interactive") -> Prepared:
+        text = body.prompt if isinstance(body.prompt, str) else ""
+        name = self._route(body.model, RouteInput([("user", text)], tier=tier, max_tokens=body.max_tokens or 0))
+        model = await self.models.get(name, body.user or tenant)
+        prepared = await self.preparer.run(self._prepare_completion, model, body)
+        prepared.requested_model = body.model if name != body.model else ""
+        return prepared
+
+    def _route(self, name: str, request: RouteInput) -> str:
+        """The model router: a routing alias's choice for this request (counted in metrics, logged); other names
+        as they are."""
+        policy = self.models.route_policy(name)
+        if policy is None:
+            return name
+        target, p = policy.choose(request)
+        self.metrics.routed.labels(name, target).inc()
+        log.info("routed", alias=name, model=target, p_small_agrees=round(p, 3))
+        return target
 
     def _prepare_chat(self, model: ServedModel, body: ChatCompletionRequest) -> Prepared:
         """In a preparer thread: parameters and grammar, the chat template, the tokens."""
@@ -167,8 +192,11 @@ class Gateway:
         model, params, prompt = prepared.model, prepared.params, prepared.prompt
         limit = params.output_limit(model.max_model_len, len(prompt))
         call.admitted = True
-        ticket = self.admission.admit(call.caller, model.name, call.endpoint, prepared.request_id, len(prompt),
-                                      len(prompt) + params.n * limit, call.headers)
+        # a routed request is allowed by the alias the tenant asked for; its ledger record names both
+        ticket = self.admission.admit(call.caller, prepared.requested_model or model.name, call.endpoint,
+                                      prepared.request_id, len(prompt), len(prompt) + params.n * limit, call.headers)
+        if prepared.requested_model:
+            ticket.model, ticket.requested_model = model.name, prepared.requested_model
         tenant = call.caller.tenant
         scope = request_scope(tenant.cache_group or tenant.name, prepared.cache_salt)
         job = Job(model.ref, prepared.request_id, prompt, params, limit, tenant, call.placement, scope, model.adapter)

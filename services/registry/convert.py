@@ -42,7 +42,7 @@ def snapshot_to_proto(view: RegistryView) -> registry_pb2.RegistrySnapshot:
     return registry_pb2.RegistrySnapshot(
         models=[record_to_proto(r) for r in records],
         aliases=[registry_pb2.Alias(alias=a, target=t, canary=view.canaries.get(a, ("", 0.0))[0],
-                                    canary_weight=view.canaries.get(a, ("", 0.0))[1])
+                                    canary_weight=view.canaries.get(a, ("", 0.0))[1], route=view.routes.get(a, ""))
                  for a, t in sorted(view.aliases.items())],
     )
 
@@ -54,4 +54,5 @@ def view_from_snapshot(snapshot: registry_pb2.RegistrySnapshot) -> RegistryView:
         view.models[(record.name, record.version)] = record
     view.aliases = {a.alias: a.target for a in snapshot.aliases}
     view.canaries = {a.alias: (a.canary, a.canary_weight) for a in snapshot.aliases if a.canary}
+    view.routes = {a.alias: a.route for a in snapshot.aliases if a.route}
     return view

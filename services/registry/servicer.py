@@ -88,7 +88,7 @@ class Registry(registry_pb2_grpc.RegistryServiceServicer):
 
     @map_errors
     async def SetAlias(self, request, context) -> registry_pb2.SetAliasResponse:  # type: ignore[no-untyped-def]
-        await self.store.set_alias(request.alias, request.target, request.canary, request.canary_weight)
+        await self.store.set_alias(request.alias, request.target, request.canary, request.canary_weight, request.route)
         await self._refresh(f"{ALIASES}{request.alias}")
         return registry_pb2.SetAliasResponse()
 

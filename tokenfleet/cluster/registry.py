@@ -138,6 +138,7 @@ class RegistryView:
     models: dict[tuple[str, str], ModelRecord] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     canaries: dict[str, tuple[str, float]] = field(default_factory=dict)  # alias -> (canary ref, its weight)
+    routes: dict[str, str] = field(default_factory=dict)  # routing alias -> its RoutePolicy JSON (routing.model_router)
     revision: int = 0  # bumped on every change, so watchers can tell a new view from an old one
 
     def reset(self, listing: dict[str, bytes], prefixes: tuple[str, ...] = (MODELS, ALIASES)) -> None:
@@ -147,6 +148,7 @@ class RegistryView:
         if ALIASES in prefixes:
             self.aliases.clear()
             self.canaries.clear()
+            self.routes.clear()
         for key, raw in listing.items():
             self._apply(key, raw)
         self.revision += 1
@@ -165,6 +167,7 @@ class RegistryView:
         elif key.startswith(ALIASES):
             alias = key[len(ALIASES):]
             self.canaries.pop(alias, None)
+            self.routes.pop(alias, None)
             if raw is None:
                 self.aliases.pop(alias, None)
             else:
@@ -172,6 +175,8 @@ class RegistryView:
                 self.aliases[alias] = value["target"]
                 if value.get("canary"):
                     self.canaries[alias] = (value["canary"], float(value.get("weight", 0.0)))
+                if value.get("route"):
+                    self.routes[alias] = json.dumps(value["route"], sort_keys=True)
 
     def versions(self, name: str) -> list[ModelRecord]:
         """A model's versions, oldest first."""
@@ -247,9 +252,19 @@ class ModelRegistry:
         await self.etcd.put(record.key, record.to_json())
         return record
 
-    async def set_alias(self, alias: str, target: str, canary: str = "", weight: float = 0.0) -> None:
-        """Point ``alias`` at ``target``; with ``canary``, a share ``weight`` of its conversations goes there."""
+    async def set_alias(self, alias: str, target: str, canary: str = "", weight: float = 0.0, route: str = "") -> None:
+        """Point ``alias`` at ``target``; with ``canary``, a share ``weight`` of its conversations goes there; with
+        ``route`` (a RoutePolicy's JSON), a routing alias: each request to its small or big model (``target``)."""
         check_name("alias", alias)
+        policy = None
+        if route:
+            from tokenfleet.routing.model_router import RoutePolicy
+
+            policy = RoutePolicy.from_json(route)  # ValueError: a bad policy
+            if canary:
+                raise ValueError("a routing alias cannot also have a canary (give its models aliases with canaries)")
+            if split_ref(policy.big) != split_ref(target):
+                raise ValueError(f"a routing alias's target is its big model ({policy.big!r}), got {target!r}")
         if not 0.0 <= weight <= 1.0:  # also NaN
             raise ValueError(f"a canary weight is in [0, 1], got {weight}")
         if weight and not canary:
@@ -268,6 +283,12 @@ class ModelRegistry:
             value[key] = f"{name}@{version}" if version else name
         if canary:
             value["weight"] = weight  # type: ignore[assignment]
+        if policy is not None:
+            for ref in (policy.small, policy.big):
+                view.resolve(ref)  # both models must exist now
+                if split_ref(ref)[0] in view.aliases:
+                    raise RegistryConflictError(f"a route names {ref!r}, itself an alias; point at a model")
+            value["route"] = json.loads(policy.to_json())  # type: ignore[assignment]
         await self.etcd.put(f"{ALIASES}{alias}", json.dumps(value).encode())
 
     async def delete_alias(self, alias: str) -> bool:

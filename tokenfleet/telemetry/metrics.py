@@ -30,6 +30,9 @@ class GatewayMetrics:
                                 ["endpoint", "status"], registry=r)
         self.resumes = Counter("tokenfleet_gateway_resumes", "Streams continued on another replica after theirs was "
                                "lost (ok), or given up after --max-resumes (exhausted)", ["result"], registry=r)
+        # The model router (routing aliases such as "auto"): which model each request went to.
+        self.routed = Counter("tokenfleet_gateway_routed", "Requests a routing alias sent to one of its models",
+                              ["alias", "model"], registry=r)
         # Per model version (name@version: what a canary rollout compares): outcomes and latencies.
         self.version_requests = Counter("tokenfleet_gateway_version_requests", "Settled requests by model version and "
                                         "outcome (ok, failed, rejected, cancelled)", ["ref", "status"], registry=r)

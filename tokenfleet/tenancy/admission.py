@@ -51,6 +51,7 @@ class Ticket:
     reserved: int
     started: float = field(default_factory=time.time)
     settled: bool = False
+    requested_model: str = ""  # what the client asked for, when a routing alias chose ``model`` (ledger column)
 
     async def finish(self, status: str, prompt: int, cached: int, completion: int, ttft_ms: float | None,
                      durable: bool = True, detail: str = "") -> None:
@@ -62,7 +63,7 @@ class Ticket:
         self.admission.settle(self.caller, self.reserved, prompt + completion)
         record = UsageRecord(self.request_id, self.caller.tenant.name, self.model, self.endpoint, status,
                              self.caller.key_id, prompt, cached, completion, ttft_ms, 1000 * (now - self.started),
-                             self.started, now, detail)
+                             self.started, now, detail, self.requested_model)
         if self.admission.ledger is None:
             return
         if durable:

@@ -22,14 +22,15 @@ from pathlib import Path
 
 STATUSES = ("ok", "cancelled", "failed", "rejected")
 _COLUMNS = ("request_id", "tenant", "key_id", "model", "endpoint", "status", "prompt_tokens", "cached_tokens",
-            "completion_tokens", "ttft_ms", "duration_ms", "started_at", "finished_at", "detail")
+            "completion_tokens", "ttft_ms", "duration_ms", "started_at", "finished_at", "detail", "requested_model")
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS usage (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     request_id TEXT NOT NULL, tenant TEXT NOT NULL, key_id TEXT NOT NULL, model TEXT NOT NULL,
     endpoint TEXT NOT NULL, status TEXT NOT NULL CHECK (status IN {STATUSES}),
     prompt_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
-    ttft_ms REAL, duration_ms REAL NOT NULL, started_at REAL NOT NULL, finished_at REAL NOT NULL, detail TEXT NOT NULL
+    ttft_ms REAL, duration_ms REAL NOT NULL, started_at REAL NOT NULL, finished_at REAL NOT NULL, detail TEXT NOT NULL,
+    requested_model TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS usage_request ON usage (request_id);
 CREATE INDEX IF NOT EXISTS usage_time ON usage (finished_at);
@@ -52,6 +53,9 @@ class UsageRecord:
     started_at: float = 0.0  # unix seconds
     finished_at: float = 0.0
     detail: str = ""  # why it was rejected or failed
+    # the name the client sent when the gateway served another (a routing alias such as "auto": the model router's
+    # decision is ``model``); "" when it is ``model``
+    requested_model: str = ""
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -67,6 +71,9 @@ class Ledger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with _connect(self.path) as conn:
             conn.executescript(_SCHEMA)
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(usage)")}
+            if "requested_model" not in columns:  # a ledger written before the model router
+                conn.execute("ALTER TABLE usage ADD COLUMN requested_model TEXT NOT NULL DEFAULT ''")
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="tokenfleet-ledger", daemon=True)
         self._thread.start()

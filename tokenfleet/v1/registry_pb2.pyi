@@ -60,16 +60,18 @@ class ModelRecord(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., backend: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., max_model_len: _Optional[int] = ..., default_sampling: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[ModelStatus, str]] = ..., created_at: _Optional[float] = ..., description: _Optional[str] = ..., tool_format: _Optional[str] = ..., speculative_config: _Optional[str] = ...) -> None: ...
 
 class Alias(_message.Message):
-    __slots__ = ("alias", "target", "canary", "canary_weight")
+    __slots__ = ("alias", "target", "canary", "canary_weight", "route")
     ALIAS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     CANARY_FIELD_NUMBER: _ClassVar[int]
     CANARY_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     alias: str
     target: str
     canary: str
     canary_weight: float
-    def __init__(self, alias: _Optional[str] = ..., target: _Optional[str] = ..., canary: _Optional[str] = ..., canary_weight: _Optional[float] = ...) -> None: ...
+    route: str
+    def __init__(self, alias: _Optional[str] = ..., target: _Optional[str] = ..., canary: _Optional[str] = ..., canary_weight: _Optional[float] = ..., route: _Optional[str] = ...) -> None: ...
 
 class RegisterModelRequest(_message.Message):
     __slots__ = ("record",)
@@ -104,16 +106,18 @@ class RegistrySnapshot(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelRecord, _Mapping]]] = ..., aliases: _Optional[_Iterable[_Union[Alias, _Mapping]]] = ...) -> None: ...
 
 class SetAliasRequest(_message.Message):
-    __slots__ = ("alias", "target", "canary", "canary_weight")
+    __slots__ = ("alias", "target", "canary", "canary_weight", "route")
     ALIAS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     CANARY_FIELD_NUMBER: _ClassVar[int]
     CANARY_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     alias: str
     target: str
     canary: str
     canary_weight: float
-    def __init__(self, alias: _Optional[str] = ..., target: _Optional[str] = ..., canary: _Optional[str] = ..., canary_weight: _Optional[float] = ...) -> None: ...
+    route: str
+    def __init__(self, alias: _Optional[str] = ..., target: _Optional[str] = ..., canary: _Optional[str] = ..., canary_weight: _Optional[float] = ..., route: _Optional[str] = ...) -> None: ...
 
 class SetAliasResponse(_message.Message):
     __slots__ = ()

@@ -143,3 +143,21 @@ def test_a_workers_engine_takes_the_records_quantization():
     args = parse_args([], "decode")
     assert engine_config(args, rec(quantization="fp8")).quantization == "fp8"
     assert engine_config(args, rec()).quantization == ""
+
+
+def test_routing_aliases_survive_the_view_and_snapshots():
+    from tokenfleet.services.registry.convert import snapshot_to_proto, view_from_snapshot
+
+    from tokenfleet.routing.model_router import RoutePolicy
+
+    policy = {"small": "s", "big": "b", "weights": {"bias_one": 1.0}, "threshold": 0.4}
+    view = view_of(rec("s"), rec("b"), aliases={"plain": "b"})
+    view.reset({**{r.key: r.to_json() for r in (rec("s"), rec("b"))},
+                "aliases/auto": json.dumps({"target": "b", "route": policy}).encode(),
+                "aliases/plain": json.dumps({"target": "b"}).encode()})
+    assert view.resolve("auto").name == "b"  # without a request's features a routing alias means its big model
+    assert set(view.routes) == {"auto"} and RoutePolicy.from_json(view.routes["auto"]).threshold == 0.4
+    again = view_from_snapshot(snapshot_to_proto(view))
+    assert again.routes == view.routes and again.aliases == view.aliases
+    view.reset({"aliases/auto": json.dumps({"target": "b"}).encode()}, ("aliases/",))
+    assert view.routes == {}  # the route went with the alias's new value

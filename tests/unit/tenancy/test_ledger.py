@@ -51,3 +51,20 @@ def test_report_per_tenant_model_day_in_table_and_csv(tmp_path):
 def test_bad_status_is_refused():
     with pytest.raises(ValueError, match="status"):
         rec(1, status="great")
+
+
+def test_a_ledger_from_before_the_model_router_gains_the_requested_model_column(tmp_path):
+    path = tmp_path / "old.sqlite3"
+    with sqlite3.connect(path) as conn:  # the schema as it was: no requested_model
+        conn.execute("CREATE TABLE usage (id INTEGER PRIMARY KEY AUTOINCREMENT, request_id TEXT NOT NULL, tenant TEXT "
+                     "NOT NULL, key_id TEXT NOT NULL, model TEXT NOT NULL, endpoint TEXT NOT NULL, status TEXT NOT NULL, "
+                     "prompt_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, "
+                     "ttft_ms REAL, duration_ms REAL NOT NULL, started_at REAL NOT NULL, finished_at REAL NOT NULL, "
+                     "detail TEXT NOT NULL)")
+        conn.execute("INSERT INTO usage (request_id, tenant, key_id, model, endpoint, status, prompt_tokens, cached_tokens, "
+                     "completion_tokens, ttft_ms, duration_ms, started_at, finished_at, detail) VALUES ('old', 't', '', "
+                     "'m', 'chat', 'ok', 1, 0, 1, 1.0, 2.0, 1.0, 2.0, '')")
+    ledger = Ledger(path)
+    asyncio.run(ledger.write(UsageRecord("new", "t", "small", "chat", finished_at=3.0, requested_model="auto")))
+    ledger.close()
+    assert [(r.request_id, r.model, r.requested_model) for r in records(path)] == [("old", "m", ""), ("new", "small", "auto")]
