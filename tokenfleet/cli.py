@@ -62,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     reg.add_argument("--version", default="v1")
     reg.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     reg.add_argument("--backend", default="torch", choices=["torch", "trtllm"])
+    reg.add_argument("--base", default="", help="register a LoRA adapter of this model (NAME or NAME@VERSION): --path "
+                     "is its PEFT folder; the base's workers load it on first use")
     reg.add_argument("--quantization", default="", choices=["", "fp8"],
                      help="fp8: FP8 (e4m3) weights with per-channel scales (torch engine: torch._scaled_mm; trtllm: the "
                      "engine's own)")
@@ -274,9 +276,13 @@ def _cmd_register(args: argparse.Namespace) -> int:
     from tokenfleet.services.registry.client import register_model
 
     path = Path(args.path or ensure_default_model()).resolve()
-    ModelConfig.from_dir(path)  # fail here, not in every worker, when the folder is not a model
+    if args.base:  # a LoRA adapter: a PEFT folder, not a model
+        if not (path / "adapter_config.json").exists():
+            raise ValueError(f"{path} has no adapter_config.json: --base registers a PEFT LoRA adapter folder")
+    else:
+        ModelConfig.from_dir(path)  # fail here, not in every worker, when the folder is not a model
     record = ModelRecord(name=args.name, version=args.version, path=str(path), dtype=args.dtype, backend=args.backend,
-                         quantization=args.quantization,
+                         quantization=args.quantization, base=args.base,
                          tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
                          tokenizer=args.tokenizer, description=args.description,
                          tool_format=args.tool_format, speculative_config=args.speculative_config)

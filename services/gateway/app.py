@@ -109,8 +109,10 @@ async def _serve(gateway: Gateway, request: Request, chat: bool) -> Response:
         structlog.contextvars.bind_contextvars(tenant=call.caller.tenant.name, key_id=call.caller.key_id)
         gateway.admission.precheck(call.caller, call.request_id, call.endpoint, call.headers)  # cheap checks first
         body = await _parse(request, ChatCompletionRequest if chat else CompletionRequest)
-        tenant, tier = call.caller.tenant.name, call.caller.tenant.tier
-        prepared = await (gateway.prepare_chat(body, tenant, tier) if chat else gateway.prepare_completion(body, tenant, tier))
+        t = call.caller.tenant
+        pins = dict(t.pins)
+        prepared = await (gateway.prepare_chat(body, t.name, t.tier, pins) if chat
+                          else gateway.prepare_completion(body, t.name, t.tier, pins))
         run = await gateway.open(call, prepared)
         encoder = OpenAIEncoder(prepared.request_id, prepared.model.name, prepared.params.logprobs is not None,
                                 prepared.include_usage, tools=prepared.tools)

@@ -92,6 +92,9 @@ class ModelCatalog:
                 raise UnknownModelError(name)
             try:
                 record = self.view.resolve(name, sticky)
+                if record.base:  # a registered LoRA adapter: its base's workers serve it, loading it by its ref
+                    adapter = record.ref
+                    record = self.view.resolve(record.base, sticky)
             except UnknownModelError:
                 base, sep, adapter = name.rpartition(":")  # BASE:ADAPTER, a LoRA adapter its workers load
                 if not sep or not base or not ADAPTER_RE.match(adapter):

@@ -100,7 +100,8 @@ class Dispatcher:
         request = router_pb2.PickRequest(
             model=job.model_ref, request_id=job.request_id, num_prompt_tokens=len(job.prompt),
             prompt_token_ids=job.prompt, exclude_replica_ids=list(exclude), colocated=colocated or bool(job.adapter),
-            cache_scope=adapter_scope(job.cache_scope, job.adapter))  # the scope the worker hashes it with
+            cache_scope=adapter_scope(job.cache_scope, job.adapter),  # the scope the worker hashes it with
+            adapter=job.adapter)
         start = next(self._turn) % len(self.routers)
         error: grpc.aio.AioRpcError | None = None
         for address in [*self.routers[start:], *self.routers[:start]]:

@@ -137,7 +137,7 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
     async def ChatCompletion(self, request: inference_pb2.ChatCompletionRequest, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[Message]:
         async for chunk in self._serve(context, CHAT, lambda tenant: self.gateway.prepare_chat(chat_request(request), tenant.name,
-                                                                                 tenant.tier),
+                                                                                 tenant.tier, dict(tenant.pins)),
                                        chat=True):
             yield chunk
 
@@ -146,7 +146,7 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
                          ) -> AsyncIterator[Message]:
         async for chunk in self._serve(context, COMPLETION,
                                        lambda tenant: self.gateway.prepare_completion(completion_request(request), tenant.name,
-                                                                                      tenant.tier),
+                                                                                      tenant.tier, dict(tenant.pins)),
                                        chat=False):
             yield chunk
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,12 +126,14 @@ class Gateway:
         if self.ttft_objectives is not None:
             self.dispatcher.ttft_objectives = dict(self.ttft_objectives)
 
-    async def prepare_chat(self, body: ChatCompletionRequest, tenant: str = "", tier: str = "interactive") -> Prepared:
+    async def prepare_chat(self, body: ChatCompletionRequest, tenant: str = "", tier: str = "interactive",
+                           pins: Mapping[str, str] | None = None) -> Prepared:
         """``tenant``: with the body's ``user``, the conversation's key for an alias's canary split. ``tier``: the
-        tenant's, a feature of the model router's when ``body.model`` is a routing alias."""
+        tenant's, a feature of the model router's when ``body.model`` is a routing alias. ``pins``: the tenant's pinned
+        versions (model name -> ref), applied first."""
         fmt = body.response_format.type if body.response_format is not None else "text"
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        name = self._route(body.model, RouteInput(
+        name = self._route((pins or {}).get(body.model, body.model), RouteInput(
             [(m.role, m.text()) for m in body.messages], tools=body.tool_choice_name != "none",
             json_mode=fmt != "text", tier=tier, max_tokens=limit or 0))
         model = await self.models.get(name, body.user or tenant)
@@ -139,9 +141,11 @@ class Gateway:
         prepared.requested_model = body.model if name != body.model else ""
         return prepared
 
-    async def prepare_completion(self, body: CompletionRequest, tenant: str = "", tier: str = "interactive") -> Prepared:
+    async def prepare_completion(self, body: CompletionRequest, tenant: str = "", tier: str = "interactive",
+                                 pins: Mapping[str, str] | None = None) -> Prepared:
         text = body.prompt if isinstance(body.prompt, str) else ""
-        name = self._route(body.model, RouteInput([("user", text)], tier=tier, max_tokens=body.max_tokens or 0))
+        name = self._route((pins or {}).get(body.model, body.model),
+                           RouteInput([("user", text)], tier=tier, max_tokens=body.max_tokens or 0))
         model = await self.models.get(name, body.user or tenant)
         prepared = await self.preparer.run(self._prepare_completion, model, body)
         prepared.requested_model = body.model if name != body.model else ""

@@ -21,7 +21,7 @@ def record_to_proto(r: ModelRecord) -> registry_pb2.ModelRecord:
         quantization=r.quantization, backend=r.backend, tensor_parallel_size=r.tensor_parallel_size,
         tokenizer=r.tokenizer, max_model_len=r.max_model_len, default_sampling=r.default_sampling,
         status=_STATUS[r.status], created_at=r.created_at, description=r.description,
-        tool_format=r.tool_format, speculative_config=r.speculative_config,
+        tool_format=r.tool_format, speculative_config=r.speculative_config, base=r.base,
     )
 
 
@@ -33,7 +33,7 @@ def record_from_proto(m: registry_pb2.ModelRecord) -> ModelRecord:
         tensor_parallel_size=m.tensor_parallel_size or 1, tokenizer=m.tokenizer, max_model_len=m.max_model_len,
         default_sampling=dict(m.default_sampling),
         status=status_name(m.status) if m.status else "ready", created_at=m.created_at, description=m.description,
-        tool_format=m.tool_format, speculative_config=m.speculative_config,
+        tool_format=m.tool_format, speculative_config=m.speculative_config, base=m.base,
     )
 
 

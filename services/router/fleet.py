@@ -176,5 +176,6 @@ class FleetView:
             num_blocks_used=report.num_blocks_used,
             num_blocks_free=report.num_blocks_free,
             pending_assignments=0,  # the report reflects everything assigned before it
+            adapters=frozenset(report.adapters),
             state="draining" if draining else replica.load.state,
         )

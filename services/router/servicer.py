@@ -52,7 +52,7 @@ class Router(router_pb2_grpc.RouterServiceServicer):
         except LookupError:
             self.metrics.picks.labels("", "not_found").inc()
             raise
-        snapshot = self.fleet.snapshot(name, version).without(request.exclude_replica_ids)
+        snapshot = self.fleet.snapshot(name, version).without(request.exclude_replica_ids).preferring_adapter(request.adapter)
         layout, cached, tiered = self.fleet.prefix_view(snapshot)
         prompt = list(request.prompt_token_ids)
         salt = chain_salt(layout.hash_salt, request.cache_scope) if layout is not None else ""

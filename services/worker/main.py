@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import socket
 import time
 from collections.abc import Sequence
@@ -125,6 +126,17 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
     )
 
 
+async def registered_adapter_path(registry: str, plane: Plane, served: ModelRecord, ref: str) -> str:
+    """The PEFT folder of the registered adapter ``ref``, when it adapts the model this worker serves."""
+    adapter = await fetch_record(registry, ref, plane, wait_s=10)
+    if not adapter.base:
+        raise ValueError(f"{ref} is a model, not a LoRA adapter")
+    base = await fetch_record(registry, adapter.base, plane, wait_s=10)
+    if (base.name, base.version) != (served.name, served.version):
+        raise ValueError(f"{adapter.ref} adapts {base.ref}; this worker serves {served.ref}")
+    return adapter.path
+
+
 def _lora(spec: str) -> tuple[str, str]:
     name, sep, path = spec.partition("=")
     if not sep or not name or not path:
@@ -174,6 +186,8 @@ async def serve(args: argparse.Namespace) -> None:
         server.stop_requested.set()
 
     worker = EngineWorker(engine, args.role, plane, sources, on_draining=mark_draining, on_drained=request_exit)
+    if args.registry and record is not None:
+        worker.adapter_source = functools.partial(registered_adapter_path, args.registry, plane, record)
     if args.fail_fraction:
         log.warning("chaos testing: failing a share of requests", fail_fraction=args.fail_fraction)
         worker.fail_fraction = args.fail_fraction

@@ -68,6 +68,10 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         self.num_early_rejections = 0
         self.fail_fraction = 0.0  # chaos testing (--fail-fraction): this share of Generate calls fails
         self.channels = Channels(plane, KV_CHANNEL_OPTIONS)  # prefill replicas this worker pulls KV from
+        # A registered adapter's PEFT folder by its ref (main wires the registry in): requests that name a registry
+        # adapter this worker has not loaded load it first (once, however many arrive together).
+        self.adapter_source: Callable[[str], Awaitable[str]] | None = None
+        self._adapter_loads: dict[str, asyncio.Task] = {}
 
     async def close(self) -> None:
         await self.channels.close()
@@ -107,6 +111,7 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         request_id = self._admit(request.request_id)
         start, first, last, count = time.monotonic(), None, None, 0
         try:
+            await self._ensure_adapter(request.adapter)
             if kv_source is None and not request.adapter and request.HasField("prefix_source") \
                     and request.prefix_source.address:
                 await self._fetch_from_peer(request, request_id)  # in the try: a cancel here still clears in_flight
@@ -214,6 +219,39 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.AbortResponse()
 
     @map_errors
+    async def LoadAdapter(self, request: engine_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
+                          ) -> engine_pb2.LoadAdapterResponse:
+        if not request.name or not request.path:
+            raise ValueError("LoadAdapter needs the adapter's name and its PEFT folder's path")
+        return engine_pb2.LoadAdapterResponse(adapters=await self._load_adapter(request.name, request.path))
+
+    async def _load_adapter(self, name: str, path: str) -> tuple[str, ...]:
+        load = getattr(self.engine, "load_adapter", None)
+        if load is None:
+            raise ValueError("this worker's engine does not serve LoRA adapters")
+        names = await load(name, path)
+        log.info("adapter loaded", adapter=name, path=path)
+        return names
+
+    def adapters(self) -> tuple[str, ...]:
+        names = getattr(self.engine, "adapters", None)
+        return names() if names is not None else ()
+
+    async def _ensure_adapter(self, name: str) -> None:
+        """A registered adapter (``name@version``) this worker lacks is loaded from the registry first."""
+        if not name or "@" not in name or self.adapter_source is None or name in self.adapters():
+            return  # a plain name must have been loaded (--lora, LoadAdapter): the engine refuses it otherwise
+        task = self._adapter_loads.get(name)
+        if task is None:
+            source = self.adapter_source
+            task = self._adapter_loads[name] = asyncio.ensure_future(self._load_registered(name, source))
+            task.add_done_callback(lambda _: self._adapter_loads.pop(name, None))
+        await asyncio.shield(task)
+
+    async def _load_registered(self, name: str, source: Callable[[str], Awaitable[str]]) -> None:
+        await self._load_adapter(name, await source(name))
+
+    @map_errors
     async def Load(
         self, request: engine_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.LoadReport]:
@@ -284,6 +322,7 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             tpot_ms_recent=self.latencies.tpot_ms,
             step_ms_mean=1000 * stats.mean_step_seconds,
             layout=convert.layout_to_proto(layout) if layout is not None else None,
+            adapters=self.adapters(),
             num_prompt_tokens_computed=stats.num_prompt_tokens_computed,
             num_kv_blocks_sent=stats.num_kv_blocks_sent,
             num_kv_blocks_received=stats.num_kv_blocks_received,

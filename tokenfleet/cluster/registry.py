@@ -76,6 +76,9 @@ class ModelRecord:
     # JSON in TensorRT-LLM's speculative_config schema ({"decoding_type": ...}): passed to that library (trtllm), or
     # read by the torch engine (decoding_type NGram: engine.spec_decode.SpecConfig.parse)
     speculative_config: str = ""
+    # A LoRA adapter (PEFT folder at ``path``) of the model ``base`` (a ref: name or name@version); "" = a model. Its
+    # requests run on the base's workers, which load it on first use; it has versions and aliases like any model.
+    base: str = ""
 
     def __post_init__(self) -> None:
         check_name("model name", self.name)
@@ -105,6 +108,13 @@ class ModelRecord:
                 SpecConfig.parse(spec)
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        if self.base:
+            base_name, base_version = split_ref(self.base)
+            check_name("base model", base_name)
+            if base_version:
+                check_name("base version", base_version)
+            if self.backend != "torch" or self.quantization:
+                raise ValueError("LoRA adapters are served by the torch engine on unquantized base weights")
 
     @property
     def ref(self) -> str:
@@ -234,7 +244,15 @@ class ModelRegistry:
         return view
 
     async def register(self, record: ModelRecord) -> tuple[ModelRecord, bool]:
-        """Store a new version; returns (stored record, created). Same content again is a no-op."""
+        """Store a new version; returns (stored record, created). Same content again is a no-op. An adapter's base
+        must be registered, and be a model (not itself an adapter)."""
+        if record.base:
+            view = await self.load()
+            base = view.resolve(record.base)  # UnknownModelError: no such base
+            if base.base:
+                raise ValueError(f"{record.base!r} is itself an adapter; an adapter's base is a model")
+            if split_ref(record.base)[0] == record.name:
+                raise ValueError("an adapter cannot be its own base")
         if not record.created_at:
             record = dataclasses.replace(record, created_at=time.time())
         if await self.etcd.put_if_absent(record.key, record.to_json()):

@@ -98,6 +98,7 @@ class AsyncEngine:
         self._check_invariants = envs.check_invariants()
         self._core: EngineCore | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._adapter_names: tuple[str, ...] = ()
         self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
         self._thread: threading.Thread | None = None
         self._accepting = False
@@ -278,6 +279,26 @@ class AsyncEngine:
                                         held_block_hashes, layout, cache_scope)
 
     # ---- the engine thread, for the KV streams (kv_streams.EngineLoop) ------------------------
+    def adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters loaded on this engine (as of the last load)."""
+        return self._adapter_names
+
+    async def load_adapter(self, name: str, path: str) -> tuple[str, ...]:
+        """Load a PEFT LoRA adapter on the engine thread, between steps (ValueError: it cannot be served here).
+        Returns every adapter loaded now."""
+        def load(core: EngineCore) -> tuple[str, ...]:
+            runner = core.runner
+            if not hasattr(runner, "load_adapter"):
+                raise ValueError("this engine does not serve LoRA adapters")
+            try:
+                runner.load_adapter(name, path)
+            except OSError as e:  # a missing or unreadable folder is the caller's mistake
+                raise ValueError(f"cannot read the LoRA adapter at {path!r}: {e}") from e
+            return _adapter_names(core)
+
+        self._adapter_names = await self.call(load)
+        return self._adapter_names
+
     def post(self, fn: Callable[[EngineCore], object]) -> None:
         """Run ``fn(core)`` on the engine thread; nobody waits for it."""
         self._commands.put(_Call(fn, Future()))
@@ -311,6 +332,7 @@ class AsyncEngine:
             return
         core = self._core
         core.kv.hold_seconds = self.transfer_timeout
+        self._adapter_names = _adapter_names(core)
         self._snapshot(core)  # a restarted worker's second tier is reported from its first Load report
         ready.set_result(None)
         while True:
@@ -404,6 +426,11 @@ class AsyncEngine:
                 log.warning("request's consumer is gone; aborting it", engine_request_id=out.request_id, error=str(e))
                 self._sinks.pop(out.request_id, None)
                 self._commands.put(_Abort(out.request_id))
+
+
+def _adapter_names(core: EngineCore) -> tuple[str, ...]:
+    loaded = getattr(core.runner, "adapters", None)
+    return tuple(sorted(getattr(loaded, "adapters", ()) or ()))
 
 
 def _forget(_: object) -> None:

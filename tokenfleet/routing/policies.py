@@ -31,6 +31,7 @@ class ReplicaLoad:
     num_blocks_used: int = 0
     num_blocks_free: int = 0
     pending_assignments: int = 0  # picks since this replica's last load report
+    adapters: frozenset[str] = frozenset()  # LoRA adapters loaded on it (its load reports)
 
     @property
     def kv_utilization(self) -> float:
@@ -50,6 +51,13 @@ class FleetSnapshot:
         """The snapshot minus replicas a caller already failed on (retry elsewhere)."""
         excluded = set(replica_ids)
         return FleetSnapshot(tuple(r for r in self.replicas if r.replica_id not in excluded)) if excluded else self
+
+    def preferring_adapter(self, adapter: str) -> FleetSnapshot:
+        """The replicas that have ``adapter`` loaded, when any serving one has; else every replica (one loads it)."""
+        if not adapter:
+            return self
+        warm = tuple(r for r in self.replicas if adapter in r.adapters and r.state == SERVING)
+        return FleetSnapshot(warm) if warm else self
 
     def candidates(self, role: str = "decode") -> list[ReplicaLoad]:
         """Serving replicas with ``role``, in a stable order (by id)."""

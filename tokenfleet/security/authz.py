@@ -38,6 +38,7 @@ POLICY: Mapping[str, frozenset[str]] = {
     "/tokenfleet.v1.EngineService/Load": frozenset({"router"}) | OPERATORS,
     "/tokenfleet.v1.EngineService/Abort": OPERATORS,
     "/tokenfleet.v1.EngineService/Drain": OPERATORS,
+    "/tokenfleet.v1.EngineService/LoadAdapter": OPERATORS,
     "/tokenfleet.v1.RouterService/Pick": frozenset({"gateway"}),
     # the registry: everyone who serves reads it; only operators change it
     "/tokenfleet.v1.RegistryService/GetModel": READERS,

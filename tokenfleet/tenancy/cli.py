@@ -21,6 +21,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add.add_argument("--models", default="", help="comma-separated models it may use (default: all)")
     add.add_argument("--cache-group", default="", help="tenants of one group share cached prompt prefixes (e.g. one "
                      "company's keys); default: the tenant alone")
+    add.add_argument("--pin", action="append", default=[], metavar="NAME=REF",
+                     help="pin a model or adapter version: requests for NAME get REF (e.g. support-bot=support-bot@v3); "
+                     "repeat for several")
     add.add_argument("--internal", action="store_true",
                      help="an operator's tenant: responses name the replica that served them (x-tokenfleet-replica)")
     add.add_argument("--update", action="store_true", help="change an existing tenant's settings (no new key)")
@@ -56,8 +59,14 @@ def _tenant(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from tokenfleet.tenancy.tenants import Tenant
 
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    pins = {}
+    for spec in args.pin:
+        name, sep, ref = spec.partition("=")
+        if not sep:
+            raise ValueError(f"--pin takes NAME=REF, got {spec!r}")
+        pins[name.strip()] = ref.strip()
     return Tenant(args.name, args.tier, args.tokens_per_minute, args.requests_per_minute, args.max_concurrent, models,
-                  cache_group=args.cache_group, internal=args.internal)
+                  cache_group=args.cache_group, internal=args.internal, pins=tuple(pins.items()))
 
 
 def _run(args: argparse.Namespace, operation):  # type: ignore[no-untyped-def]

@@ -33,6 +33,9 @@ class Tenant:
     cache_group: str = ""
     # An operator's or the platform's own tenant: responses name the replica that served them.
     internal: bool = False
+    # Pinned versions: a model name or alias it sends -> the ref it gets instead (e.g. a fine-tune's adapter version:
+    # ("support-bot", "support-bot@v3")); given as a mapping, kept as sorted pairs.
+    pins: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -45,12 +48,21 @@ class Tenant:
             if getattr(self, field) < 0:
                 raise ValueError(f"{field} must be >= 0")
         object.__setattr__(self, "models", tuple(self.models))
+        pins = self.pins.items() if isinstance(self.pins, dict) else self.pins
+        object.__setattr__(self, "pins", tuple(sorted((str(k), str(v)) for k, v in pins)))
+        for name, ref in self.pins:
+            if not name or not ref or "@" in name:
+                raise ValueError(f"a pin maps a model name to a ref (NAME=NAME@VERSION), got {name!r} -> {ref!r}")
+
+    def pinned(self, model: str) -> str:
+        """The ref this tenant gets when it sends ``model``."""
+        return dict(self.pins).get(model, model)
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
 
     def to_json(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        return json.dumps({**dataclasses.asdict(self), "pins": dict(self.pins)}, sort_keys=True).encode()
 
     @classmethod
     def from_dict(cls, data: dict) -> Tenant:

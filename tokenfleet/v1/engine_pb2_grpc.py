@@ -65,6 +65,11 @@ class EngineServiceStub:
                 request_serializer=tokenfleet_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
                 response_deserializer=tokenfleet_dot_v1_dot_engine__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/tokenfleet.v1.EngineService/LoadAdapter',
+                request_serializer=tokenfleet_dot_v1_dot_engine__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=tokenfleet_dot_v1_dot_engine__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -123,6 +128,14 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Load a LoRA adapter (PEFT folder on the worker's disk) into the running engine, between steps;
+        requests name it as their adapter from then on. Operators only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +168,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=tokenfleet_dot_v1_dot_engine__pb2.DrainRequest.FromString,
                     response_serializer=tokenfleet_dot_v1_dot_engine__pb2.DrainResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=tokenfleet_dot_v1_dot_engine__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=tokenfleet_dot_v1_dot_engine__pb2.LoadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -320,6 +338,33 @@ class EngineService:
             '/tokenfleet.v1.EngineService/Drain',
             tokenfleet_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
             tokenfleet_dot_v1_dot_engine__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenfleet.v1.EngineService/LoadAdapter',
+            tokenfleet_dot_v1_dot_engine__pb2.LoadAdapterRequest.SerializeToString,
+            tokenfleet_dot_v1_dot_engine__pb2.LoadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,7 +17,7 @@ MODEL_STATUS_READY: ModelStatus
 MODEL_STATUS_DISABLED: ModelStatus
 
 class ModelRecord(_message.Message):
-    __slots__ = ("name", "version", "path", "architecture", "dtype", "quantization", "backend", "tensor_parallel_size", "tokenizer", "max_model_len", "default_sampling", "status", "created_at", "description", "tool_format", "speculative_config")
+    __slots__ = ("name", "version", "path", "architecture", "dtype", "quantization", "backend", "tensor_parallel_size", "tokenizer", "max_model_len", "default_sampling", "status", "created_at", "description", "tool_format", "speculative_config", "base")
     class DefaultSamplingEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class ModelRecord(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     path: str
@@ -57,7 +58,8 @@ class ModelRecord(_message.Message):
     description: str
     tool_format: str
     speculative_config: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., backend: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., max_model_len: _Optional[int] = ..., default_sampling: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[ModelStatus, str]] = ..., created_at: _Optional[float] = ..., description: _Optional[str] = ..., tool_format: _Optional[str] = ..., speculative_config: _Optional[str] = ...) -> None: ...
+    base: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., backend: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., max_model_len: _Optional[int] = ..., default_sampling: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[ModelStatus, str]] = ..., created_at: _Optional[float] = ..., description: _Optional[str] = ..., tool_format: _Optional[str] = ..., speculative_config: _Optional[str] = ..., base: _Optional[str] = ...) -> None: ...
 
 class Alias(_message.Message):
     __slots__ = ("alias", "target", "canary", "canary_weight", "route")

@@ -25,3 +25,30 @@ def test_the_catalog_picks_a_canary_side_per_conversation(default_model_dir):
     first, again = asyncio.run(refs(keys)), asyncio.run(refs(keys))
     assert first == again and set(first) == {"m@v1", "m@v2"}
     assert asyncio.run(catalog.get("prod", "x")).name == "prod"
+
+
+def test_a_registered_adapter_is_served_by_its_base_with_its_ref_as_the_adapter(default_model_dir):
+    base = ModelRecord(name="m", version="v1", path=str(default_model_dir), created_at=1)
+    bots = [ModelRecord(name="bot", version=v, path=f"/adapters/{v}", base="m", created_at=t) for v, t in (("v1", 2), ("v2", 3))]
+    view = RegistryView()
+    view.reset({r.key: r.to_json() for r in (base, *bots)})
+    catalog = ModelCatalog(view=view, synced=True)
+    served = asyncio.run(catalog.get("bot"))
+    assert (served.ref, served.adapter, served.name) == ("m@v1", "bot@v2", "bot")  # the newest adapter version
+    assert asyncio.run(catalog.get("bot@v1")).adapter == "bot@v1"
+    assert asyncio.run(catalog.get("m")).adapter == ""
+
+
+def test_a_tenants_pin_picks_the_version_before_anything_else(default_model_dir):
+    from tokenfleet.services.gateway.pipeline import Gateway
+
+    from tokenfleet.api.openai_schema import ChatCompletionRequest
+
+    records = [ModelRecord(name="m", version=v, path=str(default_model_dir), created_at=t) for v, t in (("v1", 1), ("v2", 2))]
+    view = RegistryView()
+    view.reset({r.key: r.to_json() for r in records})
+    gateway = Gateway([], ModelCatalog(view=view, synced=True))
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert asyncio.run(gateway.prepare_chat(body, "t")).model.ref == "m@v2"
+    pinned = asyncio.run(gateway.prepare_chat(body, "t", pins={"m": "m@v1"}))
+    assert pinned.model.ref == "m@v1" and pinned.requested_model == "m"  # the ledger names both

@@ -61,3 +61,15 @@ def test_excluded_replicas_are_not_picked_again():
     assert snapshot.without([]) is snapshot
     with pytest.raises(NoReplicaError):
         least_loaded(snapshot.without(["a", "b"]))
+
+
+def test_replicas_holding_a_requests_adapter_are_preferred_else_any():
+    from tokenfleet.routing.policies import FleetSnapshot, ReplicaLoad
+
+    warm = ReplicaLoad("r1", "a:1", adapters=frozenset({"bot@v1"}))
+    cold = ReplicaLoad("r2", "a:2")
+    draining_warm = ReplicaLoad("r3", "a:3", state="draining", adapters=frozenset({"bot@v2"}))
+    snapshot = FleetSnapshot((warm, cold, draining_warm))
+    assert [r.replica_id for r in snapshot.preferring_adapter("bot@v1").replicas] == ["r1"]
+    assert snapshot.preferring_adapter("bot@v2") is snapshot  # only a draining replica has it: anyone loads it
+    assert snapshot.preferring_adapter("") is snapshot

@@ -62,3 +62,14 @@ def test_concurrent_editors_of_a_tenants_file_lose_no_change(tmp_path):
     assert [k.revoked for k in directory.keys.values() if k.tenant == "acme"] == [True]
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert not list(tmp_path.glob(".tenants.yaml.*.tmp"))
+
+
+def test_pins_map_names_to_refs_and_survive_json():
+    import json
+
+    t = Tenant("acme", pins={"bot": "bot@v3", "m": "m@v1"})
+    assert t.pinned("bot") == "bot@v3" and t.pinned("other") == "other"
+    assert Tenant.from_json(t.to_json()) == t
+    assert json.loads(t.to_json())["pins"] == {"bot": "bot@v3", "m": "m@v1"}
+    with pytest.raises(ValueError, match="pin"):
+        Tenant("acme", pins={"bot@v1": "bot@v2"})
