@@ -2,7 +2,8 @@
 
 etcd -> registry (the model is registered there) -> N engine workers (load the model as its
 registry record says, register in etcd) -> router -> gateway. Ctrl-C, SIGTERM or
-`tokenfleet down` stops everything in reverse order; workers drain their streams first.
+`tokenfleet down` stops everything in reverse order; workers drain their streams first. While it runs,
+a service that dies is started again on its address, with backoff (tokenfleet.supervise).
 
 The internal plane is mutual TLS by default: the certificates in ``envs.certs_dir()`` (created on
 first use, ``tokenfleet certs``), etcd with client-certificate auth, every administrative call
@@ -29,6 +30,7 @@ from tokenfleet.cluster.etcd_server import EtcdServer
 from tokenfleet.security import certs as certs_lib
 from tokenfleet.security.identity import Identity
 from tokenfleet.security.plane import INSECURE_WARNING, Plane
+from tokenfleet.supervise import Supervisor
 
 
 def state_file() -> Path:
@@ -44,11 +46,41 @@ class Cluster:
     announced: dict[str, list[str]] = field(default_factory=dict)  # lines each service printed before LISTENING
     owns_state: bool = True  # `tokenfleet up`'s cluster: its state file goes with it
     addresses: dict[str, str] = field(default_factory=dict)  # service name -> the address it listens on
+    # how each service was started (module and flags, torch threads): a restart repeats it on the same addresses
+    specs: dict[str, tuple[tuple[str, ...], int]] = field(default_factory=dict)
 
     def spawn(self, name: str, *args: str, threads: int = 1) -> str:
-        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, text=True,
-                                env={**os.environ, "TOKENFLEET_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
+        self.specs[name] = (tuple(args), threads)
+        proc = self._start(name)
         self.processes.append((name, proc))
+        address = self._listening(name, proc)
+        # a restart binds the same ports: everyone else knows this service by them
+        host, _, port = address.rpartition(":")
+        pinned = ["--host", host, "--port", port]
+        metrics = next((line.split()[1] for line in self.announced[name] if line.startswith("METRICS ")), "")
+        if metrics:
+            pinned += ["--metrics-port", metrics.rpartition(":")[2]]
+        self.specs[name] = (tuple(args) + tuple(pinned), threads)
+        return address
+
+    def restart(self, name: str) -> str:
+        """Start ``name`` again as it was started, on its address (Supervisor; RuntimeError if it fails to start)."""
+        proc = self._start(name)
+        self.processes = [(n, proc if n == name else p) for n, p in self.processes]
+        try:
+            return self._listening(name, proc)
+        except RuntimeError:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            raise
+
+    def _start(self, name: str) -> subprocess.Popen:
+        args, threads = self.specs[name]
+        return subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "TOKENFLEET_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
+
+    def _listening(self, name: str, proc: subprocess.Popen) -> str:
         lines = self.announced[name] = []
         self.addresses[name] = wait_listening(name, proc, lines)
         return self.addresses[name]
@@ -290,14 +322,15 @@ def ask(url: str, model: str, message: str, api_key: str | None = None) -> str:
         return json.loads(response.read())["choices"][0]["message"]["content"]
 
 
-def wait_for_signal(cluster: Cluster) -> None:
+def wait_for_signal(cluster: Cluster, supervisor: Supervisor | None = None) -> None:
+    """Until SIGINT or SIGTERM, supervising: a service that exits is started again with backoff (supervise.py);
+    the cluster stays up."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    supervisor = supervisor or Supervisor(cluster)
     while not stop.is_set():
-        if any(proc.poll() is not None for _, proc in cluster.processes):
-            print("a service exited; stopping the cluster", file=sys.stderr)
-            break
+        supervisor.poll()
         stop.wait(0.5)
 
 
