@@ -149,6 +149,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="require API keys (tenants in the cluster's etcd: `tokenfleet tenants add NAME`)")
     up_cmd.add_argument("--insecure-no-auth", action="store_true",
                         help="serve a non-loopback --host without API keys (anyone who reaches it may use it)")
+    up_cmd.add_argument("--autoscale", action="store_true", help="grow and shrink the workers with the load "
+                        "(the autoscaler service on this cluster's own processes; starts from --workers)")
+    up_cmd.add_argument("--max-workers", type=int, default=2, help="with --autoscale: at most this many workers")
+    up_cmd.add_argument("--autoscale-metrics-port", type=int, help="with --autoscale: serve the autoscaler's "
+                        "Prometheus /metrics on this port (0 = any free port; printed)")
+    up_cmd.add_argument("--target-concurrency", type=float, default=4.0, help="with --autoscale: requests (running + "
+                        "waiting) one worker serves within its objectives; `tokenfleet plan` sizes it for a GPU")
     up_cmd.add_argument("--ask", help="send this chat message through the cluster once it is up and print the reply")
     up_cmd.add_argument("--detach", action="store_true", help="return once up (stop later with `tokenfleet down`)")
     up_cmd.add_argument("--certs", help="the internal plane's certificates (default $TOKENFLEET_CERTS, else "
@@ -170,6 +177,9 @@ def _parser() -> argparse.ArgumentParser:
     from tokenfleet.tenancy.cli import add_commands
 
     add_commands(sub)
+    from tokenfleet.cluster import autoscale_cli
+
+    autoscale_cli.add_parser(sub)
     from tokenfleet.cli_engines import add_commands as add_engine_commands  # imports no tensorrt_llm
 
     add_engine_commands(sub)
@@ -365,6 +375,9 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--kv-tier", args.kv_tier, "--kv-tier-bytes", str(args.kv_tier_bytes)] if args.kv_tier else []
     argv += ["--speculative-config", args.speculative_config] if args.speculative_config else []
     argv += [w for spec in args.lora for w in ("--lora", spec)]
+    argv += ["--autoscale", "--max-workers", str(args.max_workers), "--target-concurrency",
+             str(args.target_concurrency)] if args.autoscale else []
+    argv += ["--autoscale-metrics-port", str(args.autoscale_metrics_port)] if args.autoscale_metrics_port is not None else []
     return argv
 
 
@@ -412,6 +425,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     more = [launcher.resolve_model(spec) for spec in specs[1:]]
 
     auth = args.auth == "on"
+    scaler = None
     cluster = launcher.up(args.workers, model_dir, name, args.threads, args.port, args.role, args.dtype,
                           args.prefill_workers, insecure=args.insecure, certs=Path(args.certs) if args.certs else None,
                           host=args.host, auth=auth, no_auth=args.insecure_no_auth, more_models=more,
@@ -431,8 +445,20 @@ def _cmd_up(args: argparse.Namespace) -> int:
                   flush=True)
         if args.ask and not auth:
             print(launcher.ask(cluster.gateway_url, name, args.ask), flush=True)
+        if args.autoscale:
+            from tokenfleet.cluster.autoscale import ScalePolicy
+
+            policy = ScalePolicy(target_concurrency=args.target_concurrency, min_replicas=args.workers,
+                                 max_replicas=max(args.max_workers, args.workers))
+            scaler = launcher.LocalAutoscaler(cluster, name, policy, launcher.operator_plane(args.certs, args.insecure),
+                                              metrics_port=args.autoscale_metrics_port)
+            scaler.start()
+            print(f"autoscaling {name}: {policy.min_replicas}-{policy.max_replicas} workers, "
+                  f"{policy.target_concurrency:g} requests each", flush=True)
         launcher.wait_for_signal(cluster)
     finally:
+        if scaler is not None:
+            scaler.stop()
         cluster.stop()
     return 0
 

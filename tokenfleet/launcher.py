@@ -24,6 +24,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tokenfleet import envs
 from tokenfleet.cluster.etcd_server import EtcdServer
@@ -74,6 +75,15 @@ class Cluster:
                 proc.kill()
                 proc.wait()
             raise
+
+    def retire(self, name: str) -> subprocess.Popen | None:
+        """Take ``name`` out of the cluster (and of supervision) without stopping it: the caller drains and stops it
+        (the autoscaler's scale-down). Its process, or None if there is no such service."""
+        proc = next((p for n, p in self.processes if n == name), None)
+        self.processes = [(n, p) for n, p in self.processes if n != name]
+        self.specs.pop(name, None)
+        self.addresses.pop(name, None)
+        return proc
 
     def _start(self, name: str) -> subprocess.Popen:
         args, threads = self.specs[name]
@@ -375,3 +385,68 @@ def down() -> bool:
             return True
         time.sleep(0.1)
     return True
+
+
+class LocalAutoscaler:
+    """`tokenfleet up --autoscale`: the autoscaler service (cluster.autoscale_service) on this process's own workers,
+    in a thread with its own event loop, until ``stop``."""
+
+    def __init__(self, cluster: Cluster, model_name: str, policy: Any, plane: Plane, interval: float = 2.0,
+                 metrics_port: int | None = None):
+        self.cluster, self.model_name, self.policy, self.plane, self.interval = cluster, model_name, policy, plane, interval
+        self.metrics_port = metrics_port
+        self.service: Any = None
+        self._loop: Any = None
+        self._stop: Any = None
+        self._thread = threading.Thread(target=self._run, name="tokenfleet-autoscaler", daemon=True)
+        self._ready = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait(30)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        import asyncio
+
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        import asyncio
+
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        from tokenfleet.cluster.autoscale import Autoscaler
+        from tokenfleet.cluster.autoscale_service import AutoscaleMetrics, AutoscaleService, LocalDriver
+        from tokenfleet.cluster.etcd import EtcdClient
+        from tokenfleet.services.router.fleet import FleetView
+        from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
+
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        etcd = EtcdClient(self.cluster.etcd.endpoint, identity=self.plane.identity)
+        fleet = FleetView(etcd, self.plane, self.cluster.addresses.get("registry"))
+        await fleet.start()
+
+        async def drain(address: str) -> None:
+            async with self.plane.channel(address, "worker") as channel:
+                await engine_pb2_grpc.EngineServiceStub(channel).Drain(engine_pb2.DrainRequest(), timeout=600)
+
+        registry = CollectorRegistry()
+        metrics = AutoscaleMetrics(registry)
+        if self.metrics_port is not None:
+            server, _ = start_http_server(self.metrics_port, "127.0.0.1", registry=registry)
+            print(f"autoscaler metrics: http://127.0.0.1:{server.server_port}/metrics", flush=True)
+        workers = sorted(n for n, _ in self.cluster.processes if n.startswith("worker-"))
+        driver = LocalDriver(self.cluster, workers[0], drain)
+        self.service = AutoscaleService(etcd, fleet, Autoscaler(default=self.policy), driver, self.interval,
+                                        pools=(f"{self.model_name}/both",), name="tokenfleet-up", metrics=metrics)
+        self._ready.set()
+        try:
+            await self.service.run(self._stop)
+        finally:
+            await fleet.stop()
+            await etcd.close()

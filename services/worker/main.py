@@ -126,6 +126,17 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
     )
 
 
+async def warm_up(engine: AsyncEngine) -> None:
+    """One one-token generation before the worker says it serves: kernels built, caches touched, the first real
+    request's latency not a cold start's."""
+    from tokenfleet.engine.sampling_params import SamplingParams
+
+    start = time.monotonic()
+    async for _ in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=1, temperature=0.0), "warm-up"):
+        pass
+    log.info("warmed up", seconds=round(time.monotonic() - start, 3))
+
+
 async def registered_adapter_path(registry: str, plane: Plane, served: ModelRecord, ref: str) -> str:
     """The PEFT folder of the registered adapter ``ref``, when it adapts the model this worker serves."""
     adapter = await fetch_record(registry, ref, plane, wait_s=10)
@@ -166,6 +177,8 @@ async def serve(args: argparse.Namespace) -> None:
         config = engine_config(args, record)
         engine = AsyncEngine(lambda: build_engine_core(config), transfer_timeout=args.transfer_timeout)
     await engine.start()
+    if isinstance(engine, AsyncEngine):
+        await warm_up(engine)  # ready (health, etcd) only once a real generation has run
     server = GrpcServer([engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name], args.host, args.port,
                         plane=plane, audit=AuditLog(args.audit_log, f"worker-{args.role}"),
                         max_message_bytes=MAX_MESSAGE_BYTES)

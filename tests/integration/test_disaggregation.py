@@ -260,14 +260,15 @@ def test_through_the_gateway_the_router_disaggregates_long_prompts(default_model
         wait_for(lambda: len(replicas(etcd.endpoint)) == 2, "both workers registered")
         client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0, timeout=120)
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Do you sell nails?"}]
+        warmed = load_report(decode.address).num_prompt_tokens_computed  # the worker's warm-up generation
         reply = wait_for(lambda: _chat(client, messages), "a reply through the disaggregated fleet")
         assert reply.usage.completion_tokens == 8 and reply.choices[0].message.content
         report = load_report(decode.address)
-        assert report.num_remote_prefills >= 1 and report.num_prompt_tokens_computed == 0
+        assert report.num_remote_prefills >= 1 and report.num_prompt_tokens_computed == warmed
         assert load_report(prefill.address).num_kv_blocks_sent >= -(-reply.usage.prompt_tokens // 16)
         short = client.completions.create(model="smol", prompt="Hi", max_tokens=2, temperature=0)
         assert short.usage.completion_tokens == 2
-        assert load_report(decode.address).num_prompt_tokens_computed > 0  # short prompts prefill locally
+        assert load_report(decode.address).num_prompt_tokens_computed > warmed  # short prompts prefill locally
     finally:
         for service in reversed(services):
             service.stop()

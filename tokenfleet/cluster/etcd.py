@@ -126,12 +126,14 @@ class EtcdClient:
     async def put(self, key: str, value: bytes, lease_id: int | None = None) -> None:
         await asyncio.wait_for(self._client.put(self._key(key), value, lease=lease_id), self.timeout)
 
-    async def put_if_absent(self, key: str, value: bytes) -> bool:
-        """Create ``key`` only if it does not exist (one etcd transaction); False if it did."""
+    async def put_if_absent(self, key: str, value: bytes, lease_id: int | None = None) -> bool:
+        """Create ``key`` only if it does not exist (one etcd transaction); False if it did. With ``lease_id`` the key
+        goes when the lease does (an election: the holder keeps its lease alive)."""
         k = self._key(key)
         tx = self._client.transactions
+        put = tx.put(k, value, lease=lease_id) if lease_id is not None else tx.put(k, value)
         succeeded, _ = await asyncio.wait_for(
-            self._client.transaction(compare=[tx.version(k) == 0], success=[tx.put(k, value)], failure=[]), self.timeout)
+            self._client.transaction(compare=[tx.version(k) == 0], success=[put], failure=[]), self.timeout)
         return bool(succeeded)
 
     async def get(self, key: str) -> bytes | None:

@@ -1,0 +1,217 @@
+"""Autoscaling under a load ramp (issue 23): real processes, `tokenfleet up` with and without --autoscale.
+
+A ramp of concurrent streaming chat requests, 1 -> --peak over --up seconds, held --hold seconds, back to 0 over
+--down seconds; each user sends requests back to back while it is active. Per run: every request's TTFT,
+whether it completed with exactly --max-tokens tokens (nothing failed or truncated), and the serving worker count
+over time (the autoscaler's gauge; 1 for the fixed fleet). Runs alternate autoscaled / fixed; the figure is the
+median over runs of each run's TTFT p99, and the report lists every run and plots the replica count of the
+first autoscaled run.
+
+    .venv/bin/python benchmarks/autoscale_ramp.py --runs 3      # ~20 min here
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+
+REPORTS = Path(__file__).parent / "reports"
+
+
+def start_cluster(autoscale: bool, args: argparse.Namespace, cache: Path) -> tuple[subprocess.Popen, str, str]:
+    env = {**os.environ, "TOKENFLEET_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "tokenfleet.cli", "up", "--workers", "1", "--threads", "1", "--port", "0"]
+    if autoscale:
+        cmd += ["--autoscale", "--max-workers", str(args.max_workers), "--target-concurrency",
+                str(args.target_concurrency), "--autoscale-metrics-port", "0"]
+    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(cache / "up.stderr", "w"), text=True, env=env)
+    assert up.stdout is not None
+    gateway = metrics = ""
+    while not gateway or (autoscale and not metrics):
+        line = up.stdout.readline()
+        if not line:
+            raise RuntimeError(f"tokenfleet up exited: {(cache / 'up.stderr').read_text()[-2000:]}")
+        if line.startswith("gateway:"):
+            gateway = line.split()[1]
+        if line.startswith("autoscaler metrics:"):
+            metrics = line.split()[2]
+    threading.Thread(target=up.stdout.read, daemon=True).start()
+    return up, gateway, metrics
+
+
+def serving_replicas(metrics: str) -> float | None:
+    try:
+        text = urllib.request.urlopen(metrics, timeout=5).read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("tokenfleet_autoscaler_serving_replicas{"):
+            return float(line.split()[-1])
+    return None
+
+
+def concurrency_at(t: float, args: argparse.Namespace) -> int:
+    if t < args.up:
+        return 1 + int((args.peak - 1) * t / args.up)
+    if t < args.up + args.hold:
+        return args.peak
+    if t < args.up + args.hold + args.down:
+        return max(0, int(args.peak * (1 - (t - args.up - args.hold) / args.down)))
+    return 0
+
+
+def ramp(gateway: str, metrics: str, args: argparse.Namespace) -> dict:
+    client = openai.OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=300)
+    start = time.monotonic()
+    results: list[dict] = []
+    lock = threading.Lock()
+    total = args.up + args.hold + args.down
+
+    def user(i: int) -> None:
+        while True:
+            t = time.monotonic() - start
+            if t >= total:
+                return
+            if i >= concurrency_at(t, args):
+                time.sleep(0.2)
+                continue
+            sent = time.monotonic()
+            first, tokens, error = None, 0, ""
+            try:
+                stream = client.chat.completions.create(
+                    model="smollm2-135m-instruct", messages=[{"role": "user", "content": f"Tell story number {i}."}],
+                    max_tokens=args.max_tokens, stream=True, extra_body={"ignore_eos": True},
+                    stream_options={"include_usage": True})
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content and first is None:
+                        first = time.monotonic()
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+            except openai.APIError as e:
+                error = f"{type(e).__name__}: {e}"
+            with lock:
+                results.append({"user": i, "sent": sent - start, "ttft": (first - sent) if first else None,
+                                "tokens": tokens, "error": error})
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(args.peak)]
+    for th in threads:
+        th.start()
+    timeline = []
+    while any(th.is_alive() for th in threads):
+        t = time.monotonic() - start
+        timeline.append((t, concurrency_at(t, args), serving_replicas(metrics) if metrics else 1.0))
+        time.sleep(1.0)
+    for th in threads:
+        th.join()
+    after = []  # the scale-down after the ramp
+    while metrics and time.monotonic() - start < total + args.tail:
+        t = time.monotonic() - start
+        after.append((t, 0, serving_replicas(metrics)))
+        time.sleep(1.0)
+    ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
+    bad = [r for r in results if r["error"] or r["tokens"] != args.max_tokens]
+    return {"requests": len(results), "failed_or_truncated": len(bad), "bad": bad[:5],
+            "ttft_p50": statistics.median(ttfts) if ttfts else None,
+            "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
+            "timeline": timeline + after}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--peak", type=int, default=16)
+    p.add_argument("--up", type=float, default=60)
+    p.add_argument("--hold", type=float, default=40)
+    p.add_argument("--down", type=float, default=60)
+    p.add_argument("--tail", type=float, default=60, help="seconds watched after the ramp (the scale-down)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-workers", type=int, default=2)
+    p.add_argument("--target-concurrency", type=float, default=4.0)
+    p.add_argument("--name", default="cpu-autoscale-ramp")
+    args = p.parse_args()
+    runs: dict[str, list[dict]] = {"autoscale": [], "fixed": []}
+    for k in range(args.runs):
+        for mode in ("autoscale", "fixed"):
+            with tempfile.TemporaryDirectory() as cache:
+                up, gateway, metrics = start_cluster(mode == "autoscale", args, Path(cache))
+                try:
+                    result = ramp(gateway, metrics, args)
+                finally:
+                    up.terminate()
+                    up.wait(timeout=120)
+                    log = (Path(cache) / "up.stderr").read_text()
+                result["scale_events"] = [line for line in log.splitlines() if '"autoscale' in line][:40]
+            runs[mode].append(result)
+            print(f"run {k} {mode}: {result['requests']} requests, {result['failed_or_truncated']} failed/truncated, "
+                  f"TTFT p50 {result['ttft_p50']:.2f} s p99 {result['ttft_p99']:.2f} s, max workers "
+                  f"{max(r for _, _, r in result['timeline'] if r is not None):.0f}", flush=True)
+    summary = {mode: {"ttft_p99_median": statistics.median(r["ttft_p99"] for r in rs),
+                      "failed_or_truncated": sum(r["failed_or_truncated"] for r in rs),
+                      "requests": sum(r["requests"] for r in rs)} for mode, rs in runs.items()}
+    stamp = time.strftime("%Y-%m-%d")
+    out = {"args": vars(args), "summary": summary, "runs": runs}
+    (REPORTS / f"{stamp}-{args.name}.json").write_text(json.dumps(out, indent=1))
+    plot(runs["autoscale"][0]["timeline"], REPORTS / f"{stamp}-{args.name}.png")
+    (REPORTS / f"{stamp}-{args.name}.md").write_text(report(out, f"{stamp}-{args.name}.png"))
+    print(report(out, ""))
+
+
+def plot(timeline: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [x[0] for x in timeline]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot(t, [x[1] for x in timeline], label="concurrent streams (load)", color="tab:gray")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("streams")
+    ax2 = ax.twinx()
+    ax2.step(t, [x[2] if x[2] is not None else float("nan") for x in timeline], where="post", color="tab:blue",
+             label="serving workers")
+    ax2.set_ylabel("workers")
+    ax2.set_ylim(0, 3)
+    fig.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def report(out: dict, png: str) -> str:
+    s, a = out["summary"], out["args"]
+    lines = ["## Autoscaling under a load ramp (issue 23)", "",
+             f"`tokenfleet up --workers 1 --threads 1` with `--autoscale --max-workers {a['max_workers']} "
+             f"--target-concurrency {a['target_concurrency']:g}` vs the same fleet fixed at one worker. The ramp: "
+             f"1 -> {a['peak']} concurrent streams over {a['up']:.0f} s, held {a['hold']:.0f} s, down to 0 over "
+             f"{a['down']:.0f} s; each request streams exactly {a['max_tokens']} tokens. The runs alternate, on one "
+             f"2-core machine.", "",
+             "| mode | TTFT p99 (median of runs) | requests | failed or truncated |", "|---|---|---|---|"]
+    for mode in ("autoscale", "fixed"):
+        lines.append(f"| {mode} | {s[mode]['ttft_p99_median']:.2f} s | {s[mode]['requests']} | "
+                     f"{s[mode]['failed_or_truncated']} |")
+    lines += ["", "Every run:", "", "| run | mode | requests | failed/truncated | TTFT p50 | TTFT p99 | max workers |",
+              "|---|---|---|---|---|---|---|"]
+    for mode, rs in out["runs"].items():
+        for k, r in enumerate(rs):
+            top = max((x[2] for x in r["timeline"] if x[2] is not None), default=1)
+            end = next((x[2] for x in reversed(r["timeline"]) if x[2] is not None), None)
+            lines.append(f"| {k} | {mode} | {r['requests']} | {r['failed_or_truncated']} | {r['ttft_p50']:.2f} s | "
+                         f"{r['ttft_p99']:.2f} s | {top:.0f} (at the end: {end if end is not None else '-'}) |")
+    if png:
+        lines += ["", f"![workers over time, first autoscaled run]({png})"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
