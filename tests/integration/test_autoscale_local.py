@@ -1,0 +1,75 @@
+"""`tokenfleet up --autoscale` on real processes: load makes it start a second worker; when the load is gone it
+drains and stops that worker. No request fails or comes back short, across both changes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import openai
+
+from tests.integration.conftest import wait_for
+
+
+def serving(metrics: str) -> float:
+    for line in urllib.request.urlopen(metrics, timeout=10).read().decode().splitlines():
+        if line.startswith("tokenfleet_autoscaler_serving_replicas{"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_up_autoscale_adds_a_worker_under_load_and_drains_it_after(default_model_dir, tmp_path):
+    env = {**os.environ, "TOKENFLEET_CACHE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    log = tmp_path / "up.stderr"
+    with open(log, "w") as err:
+        up = subprocess.Popen([sys.executable, "-m", "tokenfleet.cli", "up", "--workers", "1", "--threads", "1",
+                               "--port", "0", "--model", str(default_model_dir), "--model-name", "smol", "--autoscale",
+                               "--max-workers", "2", "--target-concurrency", "2", "--autoscale-metrics-port", "0"],
+                              stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    try:
+        assert up.stdout is not None
+        gateway = metrics = ""
+        while not (gateway and metrics):
+            line = up.stdout.readline()
+            assert line, log.read_text()[-3000:]
+            if line.startswith("gateway:"):
+                gateway = line.split()[1]
+            if line.startswith("autoscaler metrics:"):
+                metrics = line.split()[2]
+        client = openai.OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=300)
+        stop = threading.Event()
+        outcomes: list[tuple[int, str]] = []
+
+        def user(i: int) -> None:
+            while not stop.is_set():
+                try:
+                    out = client.completions.create(model="smol", prompt=f"Story {i}:", max_tokens=24,
+                                                    extra_body={"ignore_eos": True})
+                    outcomes.append((out.usage.completion_tokens, ""))
+                except openai.APIError as e:
+                    outcomes.append((0, str(e)))
+
+        users = [threading.Thread(target=user, args=(i,)) for i in range(6)]
+        for u in users:
+            u.start()
+        try:
+            wait_for(lambda: serving(metrics) >= 2, "a second worker under load", 180)
+        finally:
+            stop.set()
+            for u in users:
+                u.join(timeout=300)
+        wait_for(lambda: serving(metrics) == 1, "back to one worker once idle", 240)
+        assert outcomes and all(o == (24, "") for o in outcomes), [o for o in outcomes if o != (24, "")][:3]
+        changes = {line.split("{")[1].split("}")[0]: float(line.split()[-1])
+                   for line in urllib.request.urlopen(metrics, timeout=10).read().decode().splitlines()
+                   if line.startswith("tokenfleet_autoscaler_changes_total{")}
+        assert changes['direction="up",pool="smol/both"'] >= 1 and changes['direction="down",pool="smol/both"'] >= 1
+        assert "[supervisor] worker-1" not in log.read_text()  # a drained worker is retired, not restarted
+        reply = client.completions.create(model="smol", prompt="Hi", max_tokens=3)
+        assert reply.usage.completion_tokens == 3
+    finally:
+        up.terminate()
+        up.wait(timeout=120)
