@@ -52,8 +52,11 @@ def summarize(sim: Simulator, objectives: Objectives = Objectives(), dollars_per
     started_prompt_tokens = sum(len(t.arrival.prompt) for t in started)
     cached_tokens = sum(t.num_cached for t in started)
     output_tokens = sim.output_tokens_in_window
-    replicas = list(sim.replicas.values())
-    dollars = sim.fleet.num_gpus * dollars_per_gpu_hour * seconds / 3600
+    replicas = list(sim.replicas.values()) + sim.retired
+    gpu_hours = sim.replica_seconds * sim.fleet.gpus_per_replica / 3600  # a fixed fleet: every replica, all window
+    if sim.fleet.prefill_replicas:
+        gpu_hours = sim.fleet.num_gpus * seconds / 3600
+    dollars = gpu_hours * dollars_per_gpu_hour
     gaps = np.frombuffer(sim.gaps, dtype=np.float64) if len(sim.gaps) else np.array([])
     meets = (not sim.overloaded and len(measured) > 0 and float(np.percentile(ttft, 99)) <= objectives.ttft_s
              and (not len(tpot) or float(np.percentile(tpot, 99)) <= objectives.tpot_s))
@@ -73,13 +76,14 @@ def summarize(sim: Simulator, objectives: Objectives = Objectives(), dollars_per
         "mean_prompt_tokens": prompt_tokens / len(measured) if measured else None,
         "prefix_hit_rate": cached_tokens / started_prompt_tokens if started_prompt_tokens else None,
         "preemptions": sum(r.scheduler.num_preemptions for r in replicas),
-        "utilization": float(np.mean([r.busy_seconds / seconds for r in replicas])),
+        "utilization": sum(r.busy_seconds for r in replicas) / sim.replica_seconds if sim.replica_seconds else 0.0,
         "kv_utilization": float(np.mean([np.mean(r.kv_samples) if r.kv_samples else 0.0 for r in replicas])),
         "mean_batch": sum(r.rows for r in replicas) / max(1, sum(r.steps for r in replicas)),
         "mfu": _mfu(sim, seconds),
         "remote_prefills": sim.num_remote, "transfer_gb": sim.transfer_bytes / 1e9,
         "peer_blocks": sim.num_peer_blocks, "tier_restored_blocks": sim.num_restored_blocks,
-        "dollars_per_gpu_hour": dollars_per_gpu_hour,
+        "dollars_per_gpu_hour": dollars_per_gpu_hour, "gpu_hours": gpu_hours,
+        "mean_replicas": sim.replica_seconds / seconds if not sim.fleet.prefill_replicas else sim.fleet.replicas,
         "usd_per_m_output_tokens": dollars / output_tokens * 1e6 if output_tokens else None,
         "usd_per_m_tokens": dollars / (output_tokens + prompt_tokens) * 1e6 if output_tokens + prompt_tokens else None,
     }
@@ -91,7 +95,7 @@ def _mfu(sim: Simulator, seconds: float) -> float | None:
     if not isinstance(cost, Roofline):
         return None
     used = sum(cost.flops(r.tokens, r.pairs, r.window_pairs) for r in sim.replicas.values())
-    return used / (len(sim.replicas) * cost.peak_flops() * seconds)
+    return used / (max(1, len(sim.replicas)) * cost.peak_flops() * seconds)
 
 
 def _finite(value: float | None) -> float | None:

@@ -32,6 +32,9 @@ class Scenario:
     objectives: Objectives = field(default_factory=Objectives)
     dollars_per_gpu_hour: float = 2.0
     label: str = ""
+    autoscale: Any = None  # a cluster.autoscale.ScalePolicy: the cell grows and shrinks (fleet.replicas to start)
+    scale_start_seconds: float = 60.0  # a new replica's time to serve (weights on the node, warm-up)
+    scale_interval_seconds: float = 5.0
 
     @property
     def nodes(self) -> int:
@@ -50,12 +53,15 @@ class Scenario:
         started = time.perf_counter()
         source = ChatTraffic(self.arrivals, self.conversations, seed=self.seed,
                              expected_turn_seconds=self.conversations.output_tokens * self.typical_step_seconds())
-        sim = Simulator(self.fleet, self.cost, source, self.warmup_seconds, self.duration_seconds,
-                        self.drain_seconds).run()
+        sim = Simulator(self.fleet, self.cost, source, self.warmup_seconds, self.duration_seconds, self.drain_seconds)
+        if self.autoscale is not None:
+            sim.enable_autoscale(self.autoscale, self.scale_interval_seconds, self.scale_start_seconds)
+        sim.run()
         summary = summarize(sim, self.objectives, self.dollars_per_gpu_hour)
         summary.update(label=self.label, pattern=self.arrivals.pattern, rate=self.arrivals.rate,
                        rate_per_node=self.arrivals.rate / self.nodes, nodes=self.nodes,
-                       simulated_s=sim.now, wall_s=time.perf_counter() - started)
+                       simulated_s=sim.now, wall_s=time.perf_counter() - started,
+                       replica_timeline=sim.replica_timeline if self.autoscale is not None else [])
         return summary
 
 

@@ -179,6 +179,7 @@ class SimReplica:
             self.scheduler.block_manager.track_evictions = True
             self.scheduler.second_tier = self.tier
         self.busy = False
+        self.state = "serving"  # "draining": the autoscaler retires it (no new picks; removed once idle)
         self.busy_seconds = 0.0  # inside the window
         self.steps = self.rows = self.tokens = self.pairs = self.window_pairs = 0  # inside the window
         self.kv_samples: list[float] = []
@@ -194,7 +195,7 @@ class SimReplica:
 
     def load(self) -> ReplicaLoad:
         s, bm = self.scheduler, self.scheduler.block_manager
-        return ReplicaLoad(self.replica_id, self.replica_id, self.roles, num_waiting=s.num_waiting,
+        return ReplicaLoad(self.replica_id, self.replica_id, self.roles, state=self.state, num_waiting=s.num_waiting,
                            num_running=s.num_running, num_blocks_used=bm.num_used_blocks,
                            num_blocks_free=bm.num_free_blocks)
 
@@ -262,14 +263,37 @@ class Simulator:
         self.output_tokens_in_window = 0
         self._held: dict[str, int] = {}  # remote request -> leading prompt blocks the decode replica had
         self._open = 0  # measured requests not finished
+        # autoscaling (``enable_autoscale``): replica-seconds paid inside the window (serving, starting, draining)
+        self.replica_seconds = float(len(self.replicas)) * (self.window[1] - self.window[0])
+        self.replica_timeline: list[tuple[float, int]] = []  # (time, replicas paid for) at each autoscaler tick
+        self._scaler: Any = None
+        self.retired: list[SimReplica] = []  # replicas the autoscaler removed (their window stats still count)
 
     # ---- the event loop (workload.Simulation) --------------------------------------------------------
     def at(self, time: float, action: Callable[[Any], None], arg: Any = None) -> None:
         heapq.heappush(self._events, (time, next(self._seq), action, arg))
 
+    def enable_autoscale(self, policy: Any, interval: float = 5.0, start_seconds: float = 60.0) -> None:
+        """Grow and shrink the (colocated) fleet with ``cluster.autoscale.Autoscaler`` under ``policy``, deciding
+        every ``interval`` seconds; a new replica serves ``start_seconds`` after it is asked for (weights loaded,
+        warmed up), a retired one drains (no new picks) and goes once idle. GPU-hours then count the replicas paid
+        for over time (``replica_seconds``) instead of a fixed fleet."""
+        from tokenfleet.cluster.autoscale import Autoscaler
+
+        if self.fleet.disaggregated:
+            raise ValueError("the simulator autoscales colocated fleets only")
+        self._scaler = Autoscaler(default=policy)
+        self._scale_interval, self._start_seconds = interval, start_seconds
+        self._scale_history: list[Any] = []
+        self._starting = 0
+        self._next_replica = itertools.count(len(self.replicas))
+        self.replica_seconds = 0.0
+
     def run(self) -> Simulator:
         self.source.start(self)
         self.at(0.0, self._report)
+        if self._scaler is not None:
+            self.at(0.0, self._autoscale)
         events = self._events
         while events:
             time, _, action, arg = heapq.heappop(events)
@@ -294,6 +318,41 @@ class Simulator:
                 r.kv_samples.append(bm.num_used_blocks / bm.num_blocks)
         if self._events:  # anything else left to happen (a closed loop ends when its last request does)
             self.at(self.now + self.fleet.report_interval_s, self._report)
+
+    def _autoscale(self, _: Any = None) -> None:
+        from tokenfleet.cluster.autoscale import Sample
+
+        for rid in [rid for rid, r in self.replicas.items() if r.state == "draining" and not r.scheduler.has_unfinished()]:
+            self.retired.append(self.replicas.pop(rid))  # drained: it goes (the next report no longer lists it)
+            self._loads.pop(rid, None)
+        paid = len(self.replicas) + self._starting
+        start, end = self.window
+        overlap = max(0.0, min(self.now + self._scale_interval, end) - max(self.now, start))
+        self.replica_seconds += paid * overlap
+        self.replica_timeline.append((self.now, paid))
+        serving = [r for r in self.replicas.values() if r.state == "serving"]
+        loads = [r.load() for r in serving]
+        sample = Sample(self.now, len(serving), sum(x.num_running for x in loads), sum(x.num_waiting for x in loads),
+                        max((x.kv_utilization for x in loads), default=0.0), self._starting)
+        self._scale_history = [s for s in self._scale_history if self.now - s.when <= 600] + [sample]
+        decision = self._scaler.decide("fleet", self._scale_history, self.now)
+        if decision.delta > 0:
+            for _ in range(decision.delta):
+                self._starting += 1
+                self.at(self.now + self._start_seconds, self._add_replica)
+        elif decision.delta < 0:
+            idle_first = sorted(serving, key=lambda r: (r.scheduler.num_running + r.scheduler.num_waiting, r.replica_id))
+            for replica in idle_first[: -decision.delta]:
+                replica.state = "draining"
+                self._loads[replica.replica_id] = replica.load()
+        if self._events:
+            self.at(self.now + self._scale_interval, self._autoscale)
+
+    def _add_replica(self, _: Any = None) -> None:
+        self._starting -= 1
+        rid = f"d{next(self._next_replica):03d}"
+        self.replicas[rid] = SimReplica(rid, ("decode", "prefill"), self.fleet, self.salt)
+        self._loads[rid] = self.replicas[rid].load()
 
     def preload(self, tokens: list[int], tenant: str = "") -> None:
         """A warm start: leave ``tokens``' KV cached (evictable) where the router would have placed

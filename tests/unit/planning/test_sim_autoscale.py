@@ -1,0 +1,38 @@
+"""The simulator with the autoscaler: a compressed day costs fewer GPU-hours than the fixed cell, the replica count
+follows the traffic, and retired replicas drain (every measured request still gets its first token)."""
+
+from __future__ import annotations
+
+from tokenfleet.cli import _parser
+
+
+def test_autoscale_day_saves_gpu_hours_and_follows_the_traffic(tmp_path):
+    from tokenfleet.planning.commands import _cmd_autoscale_day
+
+    out = tmp_path / "day.md"
+    args = _parser().parse_args(["simulate", "autoscale-day", "--replicas", "3", "--rate", "10", "--day-seconds", "60",
+                                 "--min-replicas", "1", "--target-concurrency", "64", "--out", str(out), "--jobs", "1"])
+    assert _cmd_autoscale_day(args) == 0
+    text = out.read_text()
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| fixed")
+            or line.startswith("| autoscaled")}
+    fixed_hours = float(rows["fixed"].split("|")[2])
+    scaled_hours = float(rows["autoscaled"].split("|")[2])
+    assert scaled_hours < fixed_hours
+    replicas = [int(line.split("|")[2]) for line in text.splitlines() if line.startswith("| ") and
+                line.split("|")[1].strip().isdigit()]
+    assert min(replicas) == 1 and max(replicas) >= 2  # it grew with the day's traffic
+
+
+def test_a_drained_replica_leaves_and_its_work_still_counts():
+    from tokenfleet.cluster.autoscale import ScalePolicy
+    from tokenfleet.planning.scenario import scenario_from_args
+
+    args = _parser().parse_args(["simulate", "run", "--replicas", "3", "--rate", "2", "--duration", "30", "--warmup", "0"])
+    scenario = scenario_from_args(args)
+    from dataclasses import replace
+
+    policy = ScalePolicy(target_concurrency=64, min_replicas=1, max_replicas=3, down_stable=5, down_cooldown=5)
+    result = replace(scenario, autoscale=policy, scale_start_seconds=5).run()
+    assert result["started"] == result["requests"] > 0  # nobody was lost to a retired replica
+    assert result["mean_replicas"] < 3 and result["gpu_hours"] > 0
