@@ -8,8 +8,9 @@ The model: a replica serves ``target_concurrency`` requests (running + waiting) 
 that is the capacity `tokenfleet plan` and the simulator compute for a replica (``capacity_from_plan``), or a
 measured figure. Demand is the pool's running + waiting requests. The policy scales on the trend, not only on
 breaches: a least-squares slope over ``window`` seconds projects demand ``lead_seconds`` ahead (how long a new
-replica takes to serve), and the desired count covers max(now, projected). A queue (waiting > 0) or KV usage
-over ``kv_high`` adds a replica even when the count says otherwise.
+replica takes to serve), and the desired count covers max(now, projected). A queue (requests waiting in every
+sample for ``queue_seconds``: one waiting for the next step is normal) or KV usage over ``kv_high`` adds a replica
+even when the count says otherwise.
 
 Guard rails: bounds (``min_replicas``..``max_replicas``), at most ``max_step`` replicas added or removed per
 decision, cooldowns after a scale-up and a scale-down, hysteresis (scale down only when demand fits in one replica
@@ -53,6 +54,7 @@ class ScalePolicy:
     down_stable: float = 20.0  # demand must fit one replica fewer this long before a scale-down
     down_margin: float = 0.75  # ... using at most this share of the smaller pool's capacity
     kv_high: float = 0.9
+    queue_seconds: float = 5.0  # requests waiting in every sample this long: a queue (one waiting a step is normal)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -115,9 +117,11 @@ class Autoscaler:
         reasons = [f"demand {last.demand} (running {last.running}, waiting {last.waiting}), trend {slope:+.2f}/s, "
                    f"projected {projected:.1f} in {p.lead_seconds:.0f} s: {need} replica(s) at "
                    f"{p.target_concurrency:g} each"]
-        if last.waiting > 0 and need <= current and current == last.replicas:
+        queued = [s for s in samples if now - s.when <= p.queue_seconds]
+        persistent = bool(queued) and now - queued[0].when >= p.queue_seconds * 0.8 and all(s.waiting > 0 for s in queued)
+        if last.waiting > 0 and (persistent or p.queue_seconds == 0) and need <= current and current == last.replicas:
             need = current + 1
-            reasons.append(f"{last.waiting} request(s) queued")
+            reasons.append(f"requests queued for {p.queue_seconds:.0f} s ({last.waiting} now)")
         if last.kv_usage >= p.kv_high and need <= current:
             need = current + 1
             reasons.append(f"KV usage {last.kv_usage:.0%} >= {p.kv_high:.0%}")

@@ -188,9 +188,10 @@ def _cmd_autoscale_day(args: argparse.Namespace) -> int:
     args.pattern = "diurnal"
     fixed = scenario_from_args(args)
     fixed = replace(fixed, warmup_seconds=0.0, duration_seconds=args.day_seconds, label="fixed")
+    hour = args.day_seconds / 24  # the policy's clocks run at the day's compression
     policy = ScalePolicy(target_concurrency=args.target_concurrency, min_replicas=args.min_replicas,
-                         max_replicas=fixed.fleet.replicas, lead_seconds=args.lead_seconds, window=60.0,
-                         up_cooldown=30.0, down_cooldown=120.0, down_stable=60.0)
+                         max_replicas=fixed.fleet.replicas, lead_seconds=args.lead_seconds, window=hour,
+                         up_cooldown=hour / 4, down_cooldown=hour / 2, down_stable=hour / 2)
     scaled = replace(fixed, fleet=replace(fixed.fleet, replicas=args.min_replicas), autoscale=policy,
                      scale_start_seconds=args.scale_start_seconds, label="autoscaled")
     results = run_all([fixed, scaled], args.jobs)
@@ -210,7 +211,9 @@ def _autoscale_report(args: argparse.Namespace, policy: Any, results: list[dict[
              f"{0.35:.0%} of the peak), one day compressed into {args.day_seconds:.0f} simulated seconds. Fixed: "
              f"all {fixed['replicas']} replicas all day. Autoscaled: the autoscaler's policy (`cluster.autoscale`), "
              f"{policy.min_replicas}-{policy.max_replicas} replicas at {policy.target_concurrency:g} requests each, "
-             f"trend projected {policy.lead_seconds:.0f} s ahead, new replicas serving "
+             f"trend over {policy.window:.0f} s projected {policy.lead_seconds:.0f} s ahead, cooldowns "
+             f"{policy.up_cooldown:.0f} s up / {policy.down_cooldown:.0f} s down (the clocks compressed with the day), "
+             f"new replicas serving "
              f"{args.scale_start_seconds:.0f} s after they are asked for, retired ones drained.", "",
              "| fleet | GPU-hours (the compressed day) | mean replicas | SLO attainment | TTFT p99 | TPOT p99 | "
              "requests |", "|---|---|---|---|---|---|---|"]

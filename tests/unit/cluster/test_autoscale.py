@@ -25,9 +25,11 @@ def test_a_rising_trend_scales_up_before_the_replica_is_full():
 
 def test_a_queue_or_full_kv_adds_a_replica_and_steps_are_bounded():
     scaler = Autoscaler(default=POLICY)
-    queued = series([2] * 5, waiting=1)  # 3 requests fit one replica by count, but one waits
-    d = scaler.decide("p", queued, now=4)
+    queued = series([2] * 7, waiting=1)  # 3 requests fit one replica by count, but one has waited for 6 s
+    d = scaler.decide("p", queued, now=6)
     assert d.desired == 2 and any("queued" in r for r in d.reasons)
+    blip = series([2] * 7) + [Sample(7, 1, 1, 1)]  # one request waiting for a step (same demand): no queue
+    assert Autoscaler(default=POLICY).decide("p", blip, now=7).desired == 1
     full = [Sample(0, 2, 3, 0, kv_usage=0.95)]
     assert Autoscaler(default=POLICY).decide("p", full, now=0).desired == 3
     huge = series([40] * 3)  # needs 10, capped at 4, one step at a time

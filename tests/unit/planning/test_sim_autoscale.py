@@ -11,7 +11,8 @@ def test_autoscale_day_saves_gpu_hours_and_follows_the_traffic(tmp_path):
 
     out = tmp_path / "day.md"
     args = _parser().parse_args(["simulate", "autoscale-day", "--replicas", "3", "--rate", "10", "--day-seconds", "60",
-                                 "--min-replicas", "1", "--target-concurrency", "64", "--out", str(out), "--jobs", "1"])
+                                 "--min-replicas", "1", "--target-concurrency", "4", "--scale-start-seconds", "5",
+                                 "--out", str(out), "--jobs", "1"])
     assert _cmd_autoscale_day(args) == 0
     text = out.read_text()
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| fixed")
