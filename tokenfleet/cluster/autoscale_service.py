@@ -218,7 +218,7 @@ class LocalDriver:
         if desired > current:
             await asyncio.gather(*(self._add(pool) for _ in range(desired - current)))
         elif desired < len(serving):
-            victims = sorted(serving, key=lambda r: (r.running + r.waiting, r.replica_id), reverse=False)
+            victims = sorted(serving, key=lambda r: (r.running + r.waiting, r.replica_id))  # least loaded first
             victims = [v for v in victims if v.replica_id != self.template][: len(serving) - desired]
             await asyncio.gather(*(self._remove(v) for v in victims))
 

@@ -85,7 +85,7 @@ def test_container_args_parse_with_the_services_own_parsers():
             module = {"decode": "worker", "prefill": "worker"}.get(command, command)
             main = __import__(f"tokenfleet.services.{module}.main", fromlist=["parse_args"])
             parsed = main.parse_args(args[1:], command) if module == "worker" else main.parse_args(args[1:])
-            assert parsed is not None
+            assert parsed.etcd == "etcd:2379"  # every service finds etcd by the Service the manifests define
         else:
             parsed = parser.parse_args(args)
-            assert parsed.func is not None
+            assert parsed.func.__name__ == "run_command" and parsed.driver == "kubernetes"  # `tokenfleet autoscale`
