@@ -156,6 +156,12 @@ def _parser() -> argparse.ArgumentParser:
                         "Prometheus /metrics on this port (0 = any free port; printed)")
     up_cmd.add_argument("--target-concurrency", type=float, default=4.0, help="with --autoscale: requests (running + "
                         "waiting) one worker serves within its objectives; `tokenfleet plan` sizes it for a GPU")
+    up_cmd.add_argument("--warm-pool", type=int, default=0, help="with --autoscale: keep this many extra workers "
+                        "loaded and warmed up but out of the fleet (within --max-workers); a scale-up activates one "
+                        "in about a second instead of a cold start")
+    up_cmd.add_argument("--ttft-objective", type=float, default=0.0, help="with --autoscale: seconds; add a worker "
+                        "when a newcomer's predicted wait (queued prompt tokens / prefill rate) or the recent TTFT "
+                        "while requests wait exceeds it (0: off)")
     up_cmd.add_argument("--ask", help="send this chat message through the cluster once it is up and print the reply")
     up_cmd.add_argument("--detach", action="store_true", help="return once up (stop later with `tokenfleet down`)")
     up_cmd.add_argument("--certs", help="the internal plane's certificates (default $TOKENFLEET_CERTS, else "
@@ -376,7 +382,8 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--speculative-config", args.speculative_config] if args.speculative_config else []
     argv += [w for spec in args.lora for w in ("--lora", spec)]
     argv += ["--autoscale", "--max-workers", str(args.max_workers), "--target-concurrency",
-             str(args.target_concurrency)] if args.autoscale else []
+             str(args.target_concurrency), "--warm-pool", str(args.warm_pool), "--ttft-objective",
+             str(args.ttft_objective)] if args.autoscale else []
     argv += ["--autoscale-metrics-port", str(args.autoscale_metrics_port)] if args.autoscale_metrics_port is not None else []
     return argv
 
@@ -449,12 +456,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
             from tokenfleet.cluster.autoscale import ScalePolicy
 
             policy = ScalePolicy(target_concurrency=args.target_concurrency, min_replicas=args.workers,
-                                 max_replicas=max(args.max_workers, args.workers))
+                                 max_replicas=max(args.max_workers, args.workers), ttft_objective=args.ttft_objective)
             scaler = launcher.LocalAutoscaler(cluster, name, policy, launcher.operator_plane(args.certs, args.insecure),
-                                              metrics_port=args.autoscale_metrics_port)
+                                              metrics_port=args.autoscale_metrics_port, warm_pool=args.warm_pool)
             scaler.start()
             print(f"autoscaling {name}: {policy.min_replicas}-{policy.max_replicas} workers, "
-                  f"{policy.target_concurrency:g} requests each", flush=True)
+                  f"{policy.target_concurrency:g} requests each, warm pool {args.warm_pool}", flush=True)
         launcher.wait_for_signal(cluster)
     finally:
         if scaler is not None:

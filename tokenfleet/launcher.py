@@ -392,9 +392,10 @@ class LocalAutoscaler:
     in a thread with its own event loop, until ``stop``."""
 
     def __init__(self, cluster: Cluster, model_name: str, policy: Any, plane: Plane, interval: float = 2.0,
-                 metrics_port: int | None = None):
+                 metrics_port: int | None = None, warm_pool: int = 0):
         self.cluster, self.model_name, self.policy, self.plane, self.interval = cluster, model_name, policy, plane, interval
         self.metrics_port = metrics_port
+        self.warm_pool = warm_pool
         self.service: Any = None
         self._loop: Any = None
         self._stop: Any = None
@@ -441,12 +442,19 @@ class LocalAutoscaler:
             server, _ = start_http_server(self.metrics_port, "127.0.0.1", registry=registry)
             print(f"autoscaler metrics: http://127.0.0.1:{server.server_port}/metrics", flush=True)
         workers = sorted(n for n, _ in self.cluster.processes if n.startswith("worker-"))
-        driver = LocalDriver(self.cluster, workers[0], drain)
+
+        def visible(replica_id: str) -> bool:
+            return any(r.load.replica_id == replica_id and r.load.state == "serving" for r in fleet.replicas.values())
+
+        driver = LocalDriver(self.cluster, workers[0], drain, warm_pool=self.warm_pool,
+                             max_replicas=self.policy.max_replicas, visible=visible)
+        filling = asyncio.ensure_future(driver.fill())
         self.service = AutoscaleService(etcd, fleet, Autoscaler(default=self.policy), driver, self.interval,
                                         pools=(f"{self.model_name}/both",), name="tokenfleet-up", metrics=metrics)
         self._ready.set()
         try:
             await self.service.run(self._stop)
         finally:
+            filling.cancel()
             await fleet.stop()
             await etcd.close()

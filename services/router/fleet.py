@@ -178,4 +178,7 @@ class FleetView:
             pending_assignments=0,  # the report reflects everything assigned before it
             adapters=frozenset(report.adapters),
             state="draining" if draining else replica.load.state,
+            ttft_ms_recent=report.ttft_ms_recent,
+            prefill_wait_s=report.num_queued_prompt_tokens / report.prefill_tokens_per_s
+            if report.prefill_tokens_per_s > 0 else 0.0,
         )

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import signal
 import socket
 import time
 from collections.abc import Sequence
@@ -76,6 +77,8 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
                    "(INTERNAL) to exercise retries and canary rollbacks; never in production")
     p.add_argument("--etcd", help="etcd endpoint host:port; register in replicas/<model>/<id> (omit: standalone)")
     p.add_argument("--etcd-root", default="/tokenfleet/v1/")
+    p.add_argument("--standby", action="store_true", help="load and warm up, then wait for SIGUSR1 before joining "
+                   "the fleet (registering in etcd): a warm-pool replica the autoscaler activates")
     p.add_argument("--lease-ttl", type=int, default=10, help="seconds a dead worker stays registered")
     p.add_argument("--model-name", help="registered model name (default: the model folder's name)")
     p.add_argument("--replica-id", help="default: <hostname>-<port>")
@@ -275,7 +278,18 @@ async def register(args: argparse.Namespace, etcd: EtcdClient, config: EngineCon
         kv_layout=layout_key,
     )
     registration = ReplicaRegistration(etcd, record, ttl=args.lease_ttl)
-    await registration.start()
+    if args.standby:  # a warm-pool replica: loaded and warmed up, joins the fleet on SIGUSR1
+        loop = asyncio.get_running_loop()
+
+        def activate() -> None:
+            loop.remove_signal_handler(signal.SIGUSR1)
+            log.info("standby worker activated", replica=record.replica_id)
+            loop.create_task(registration.start())
+
+        loop.add_signal_handler(signal.SIGUSR1, activate)
+        log.info("standby: serving no fleet traffic until SIGUSR1", replica=record.replica_id)
+    else:
+        await registration.start()
     return registration
 
 

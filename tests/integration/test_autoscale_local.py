@@ -73,3 +73,62 @@ def test_up_autoscale_adds_a_worker_under_load_and_drains_it_after(default_model
     finally:
         up.terminate()
         up.wait(timeout=120)
+
+
+def test_up_autoscale_with_a_warm_pool_activates_the_standby_worker(default_model_dir, tmp_path):
+    """--warm-pool 1: a second worker is loaded and warmed up but out of the fleet until a scale-up activates it."""
+    env = {**os.environ, "TOKENFLEET_CACHE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    log = tmp_path / "up.stderr"
+    with open(log, "w") as err:
+        up = subprocess.Popen([sys.executable, "-m", "tokenfleet.cli", "up", "--workers", "1", "--threads", "1",
+                               "--port", "0", "--model", str(default_model_dir), "--model-name", "smol", "--autoscale",
+                               "--max-workers", "2", "--target-concurrency", "2", "--warm-pool", "1",
+                               "--autoscale-metrics-port", "0"], stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    try:
+        assert up.stdout is not None
+        gateway = metrics = ""
+        while not (gateway and metrics):
+            line = up.stdout.readline()
+            assert line, log.read_text()[-3000:]
+            if line.startswith("gateway:"):
+                gateway = line.split()[1]
+            if line.startswith("autoscaler metrics:"):
+                metrics = line.split()[2]
+        wait_for(lambda: gauge(metrics, "tokenfleet_autoscaler_standby_replicas") == 1, "a standby worker", 180)
+        assert serving(metrics) == 1  # loaded, but the fleet does not see it
+        client = openai.OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=300)
+        stop = threading.Event()
+        outcomes: list[tuple[int, str]] = []
+
+        def user(i: int) -> None:
+            while not stop.is_set():
+                try:
+                    out = client.completions.create(model="smol", prompt=f"Story {i}:", max_tokens=24,
+                                                    extra_body={"ignore_eos": True})
+                    outcomes.append((out.usage.completion_tokens, ""))
+                except openai.APIError as e:
+                    outcomes.append((0, str(e)))
+
+        users = [threading.Thread(target=user, args=(i,)) for i in range(6)]
+        for u in users:
+            u.start()
+        try:
+            wait_for(lambda: serving(metrics) >= 2, "the standby worker serving under load", 180)
+        finally:
+            stop.set()
+            for u in users:
+                u.join(timeout=300)
+        assert outcomes and all(o == (24, "") for o in outcomes), [o for o in outcomes if o != (24, "")][:3]
+        assert gauge(metrics, "tokenfleet_autoscaler_standby_replicas") == 0  # no room left at --max-workers 2
+    finally:
+        up.terminate()
+        up.wait(timeout=120)
+    said = up.stdout.read() + log.read_text()  # the launcher's own log lines
+    assert "autoscale activated a standby worker" in said and "autoscale started a worker" not in said
+
+
+def gauge(metrics: str, name: str) -> float:
+    for line in urllib.request.urlopen(metrics, timeout=10).read().decode().splitlines():
+        if line.startswith(name + "{"):
+            return float(line.split()[-1])
+    return -1.0

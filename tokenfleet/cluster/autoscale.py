@@ -9,8 +9,9 @@ that is the capacity `tokenfleet plan` and the simulator compute for a replica (
 measured figure. Demand is the pool's running + waiting requests. The policy scales on the trend, not only on
 breaches: a least-squares slope over ``window`` seconds projects demand ``lead_seconds`` ahead (how long a new
 replica takes to serve), and the desired count covers max(now, projected). A queue (requests waiting in every
-sample for ``queue_seconds``: one waiting for the next step is normal) or KV usage over ``kv_high`` adds a replica
-even when the count says otherwise.
+sample for ``queue_seconds``: one waiting for the next step is normal), a TTFT over ``ttft_objective`` (predicted:
+the queued prompt tokens over the replica's prefill rate; or measured, while requests wait) or KV usage over
+``kv_high`` adds a replica even when the count says otherwise.
 
 Guard rails: bounds (``min_replicas``..``max_replicas``), at most ``max_step`` replicas added or removed per
 decision, cooldowns after a scale-up and a scale-down, hysteresis (scale down only when demand fits in one replica
@@ -35,6 +36,8 @@ class Sample:
     waiting: int
     kv_usage: float = 0.0  # the fullest replica's share of KV blocks in use
     starting: int = 0  # replicas started but not serving yet
+    ttft_recent: float = 0.0  # seconds: the slowest replica's recent TTFT (over its last completed requests)
+    prefill_wait: float = 0.0  # seconds: the longest predicted wait before a newcomer's prefill starts
 
     @property
     def demand(self) -> int:
@@ -55,6 +58,7 @@ class ScalePolicy:
     down_margin: float = 0.75  # ... using at most this share of the smaller pool's capacity
     kv_high: float = 0.9
     queue_seconds: float = 5.0  # requests waiting in every sample this long: a queue (one waiting a step is normal)
+    ttft_objective: float = 0.0  # seconds; > 0: a replica whose requests wait for it (predicted or recent) adds one
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -122,6 +126,11 @@ class Autoscaler:
         if last.waiting > 0 and (persistent or p.queue_seconds == 0) and need <= current and current == last.replicas:
             need = current + 1
             reasons.append(f"requests queued for {p.queue_seconds:.0f} s ({last.waiting} now)")
+        late = max(last.prefill_wait, last.ttft_recent if last.waiting else 0.0)
+        if p.ttft_objective > 0 and late > p.ttft_objective and need <= current and current == last.replicas:
+            need = current + 1
+            reasons.append(f"TTFT {late:.2f} s (predicted from queued prompt tokens, or recent while requests wait) "
+                           f"> objective {p.ttft_objective:g} s")
         if last.kv_usage >= p.kv_high and need <= current:
             need = current + 1
             reasons.append(f"KV usage {last.kv_usage:.0%} >= {p.kv_high:.0%}")

@@ -25,6 +25,8 @@ import collections
 import contextlib
 import itertools
 import json
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -50,6 +52,9 @@ class PoolReplica:
     address: str
     running: int
     waiting: int
+    ttft_recent: float = 0.0
+    prefill_wait: float = 0.0
+    kv_usage: float = 0.0
 
 
 class Driver(Protocol):
@@ -78,7 +83,6 @@ class AutoscaleService:
         self.decisions: list[tuple[float, Decision]] = []  # (when, decision) of every change, for reports
         self.timeline: list[tuple[float, str, int, int]] = []  # (when, pool, serving, starting) every tick
         self._scaling: dict[str, asyncio.Task] = {}
-        self._kv: dict[str, float] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         """Campaign for leadership, then scale until ``stop``; leadership lost (lease gone) -> campaign again."""
@@ -124,15 +128,13 @@ class AutoscaleService:
 
     def pool_replicas(self) -> dict[str, list[PoolReplica]]:
         pools: dict[str, list[PoolReplica]] = collections.defaultdict(list)
-        kv: dict[str, float] = collections.defaultdict(float)
         for replica in list(self.fleet.replicas.values()):
             load = replica.load
             if load.state != "serving":
                 continue
-            pool = pool_of(replica.model, load.roles)
-            pools[pool].append(PoolReplica(load.replica_id, load.address, load.num_running, load.num_waiting))
-            kv[pool] = max(kv[pool], load.kv_utilization)
-        self._kv = kv
+            pools[pool_of(replica.model, load.roles)].append(PoolReplica(
+                load.replica_id, load.address, load.num_running, load.num_waiting, load.ttft_ms_recent / 1000,
+                load.prefill_wait_s, load.kv_utilization))
         return pools
 
     async def tick(self) -> list[Decision]:
@@ -144,7 +146,9 @@ class AutoscaleService:
             replicas = serving.get(pool, [])
             await self._control(pool)
             sample = Sample(now, len(replicas), sum(r.running for r in replicas), sum(r.waiting for r in replicas),
-                            self._kv.get(pool, 0.0), self.driver.starting(pool))
+                            max((r.kv_usage for r in replicas), default=0.0), self.driver.starting(pool),
+                            max((r.ttft_recent for r in replicas), default=0.0),
+                            max((r.prefill_wait for r in replicas), default=0.0))
             self.history[pool].append(sample)
             self.timeline.append((now, pool, sample.replicas, sample.starting))
             if pool in self._scaling and not self._scaling[pool].done():
@@ -152,7 +156,7 @@ class AutoscaleService:
             decision = self.scaler.decide(pool, list(self.history[pool]), now)
             out.append(decision)
             if self.metrics is not None:
-                self.metrics.observe(decision, sample)
+                self.metrics.observe(decision, sample, len(getattr(self.driver, "standby", ())))
             if decision.delta:
                 self.decisions.append((now, decision))
                 log.info("autoscale", pool=pool, current=decision.current, desired=decision.desired,
@@ -186,11 +190,14 @@ class AutoscaleMetrics:
         self.serving = Gauge("tokenfleet_autoscaler_serving_replicas", "Serving replicas it sees", ["pool"],
                              registry=registry)
         self.demand = Gauge("tokenfleet_autoscaler_demand", "Running + waiting requests", ["pool"], registry=registry)
+        self.standby = Gauge("tokenfleet_autoscaler_standby_replicas", "Warm-pool replicas (loaded, not serving)",
+                             ["pool"], registry=registry)
         self.changes = Counter("tokenfleet_autoscaler_changes", "Scale decisions by direction", ["pool", "direction"],
                                registry=registry)
 
-    def observe(self, decision: Decision, sample: Sample) -> None:
+    def observe(self, decision: Decision, sample: Sample, standby: int = 0) -> None:
         self.desired.labels(decision.pool).set(decision.desired)
+        self.standby.labels(decision.pool).set(standby)
         self.serving.labels(decision.pool).set(sample.replicas)
         self.demand.labels(decision.pool).set(sample.demand)
         if decision.delta:
@@ -199,13 +206,24 @@ class AutoscaleMetrics:
 
 class LocalDriver:
     """`tokenfleet up --autoscale`: starts workers like the first one (each on its own port, its own replica id) and
-    drains then stops them. ``cluster``: the launcher's ``Cluster``; ``template``: the worker name to copy."""
+    drains then stops them. ``cluster``: the launcher's ``Cluster``; ``template``: the worker name to copy.
 
-    def __init__(self, cluster: Any, template: str, drain: Any, prefix: str = "worker-"):
+    Warm pool (``warm_pool`` > 0): that many extra workers are kept loaded and warmed up but out of the fleet
+    (``--standby``: not registered in etcd), within ``max_replicas`` together with the serving ones. A scale-up
+    activates one (SIGUSR1: it registers and serves within a second) instead of a cold start of several seconds of
+    weight loading and warm-up, then the pool is refilled while there is room. ``visible(replica_id)`` says whether
+    the fleet sees a replica serving; an activation waits for it, so the next decision counts it."""
+
+    def __init__(self, cluster: Any, template: str, drain: Any, prefix: str = "worker-", warm_pool: int = 0,
+                 max_replicas: int = 1, visible: Any = None):
         self.cluster = cluster
         self.template = template
         self.drain = drain  # async (address) -> None: the Drain RPC
         self.prefix = prefix
+        self.warm_pool, self.max_replicas = warm_pool, max_replicas
+        self.visible = visible
+        self.standby: list[str] = []  # warm-pool workers, oldest first
+        self._filling = 0
         self._starting: dict[str, int] = collections.defaultdict(int)
         self._ids = itertools.count(1 + max(int(n[len(prefix):]) for n, _ in cluster.processes
                                             if n.startswith(prefix) and n[len(prefix):].isdigit()))
@@ -213,28 +231,67 @@ class LocalDriver:
     def starting(self, pool: str) -> int:
         return self._starting[pool]
 
+    def _workers(self) -> int:
+        return sum(1 for n, _ in self.cluster.processes if n.startswith(self.prefix))
+
+    async def fill(self) -> None:
+        """Start standby workers until the warm pool is full or serving + standby reach ``max_replicas``."""
+        while self.warm_pool and len(self.standby) + self._filling < self.warm_pool \
+                and self._workers() + self._filling < self.max_replicas:
+            self._filling += 1
+            name = f"{self.prefix}{next(self._ids)}"
+            try:
+                args = (*self._args(name), "--standby")
+                await asyncio.to_thread(self.cluster.spawn, name, *args, threads=self.cluster.specs[self.template][1])
+                self.standby.append(name)
+                log.info("warm pool: a standby worker is ready", worker=name)
+            except Exception as e:  # noqa: BLE001 - tried again after the next scale change
+                log.warning("warm pool: could not start a standby worker", worker=name, error=str(e))
+                return
+            finally:
+                self._filling -= 1
+
     async def scale(self, pool: str, desired: int, serving: Sequence[PoolReplica]) -> None:
         current = len(serving) + self._starting[pool]
         if desired > current:
             await asyncio.gather(*(self._add(pool) for _ in range(desired - current)))
         elif desired < len(serving):
+            ours = {n for n, _ in self.cluster.processes}
             victims = sorted(serving, key=lambda r: (r.running + r.waiting, r.replica_id))  # least loaded first
-            victims = [v for v in victims if v.replica_id != self.template][: len(serving) - desired]
-            await asyncio.gather(*(self._remove(v) for v in victims))
+            victims = [v for v in victims if v.replica_id != self.template and v.replica_id in ours]
+            await asyncio.gather(*(self._remove(v) for v in victims[: len(serving) - desired]))
+        asyncio.ensure_future(self.fill())  # room may have opened (or closed) for the warm pool
+
+    def _args(self, name: str) -> tuple[str, ...]:
+        args = _without(self.cluster.specs[self.template][0], ("--port", "--metrics-port", "--host"))
+        return _replaced(args, "--replica-id", name)
 
     async def _add(self, pool: str) -> None:
-        name = f"{self.prefix}{next(self._ids)}"
-        args, threads = self.cluster.specs[self.template]
-        args = _without(args, ("--port", "--metrics-port", "--host"))
-        args = _replaced(args, "--replica-id", name)
         self._starting[pool] += 1
         try:
-            address = await asyncio.to_thread(self.cluster.spawn, name, *args, threads=threads)
+            if self.standby:
+                await self._activate(self.standby.pop(0))
+                return
+            name = f"{self.prefix}{next(self._ids)}"
+            address = await asyncio.to_thread(self.cluster.spawn, name, *self._args(name),
+                                              threads=self.cluster.specs[self.template][1])
             log.info("autoscale started a worker", worker=name, address=address)
         except Exception as e:  # noqa: BLE001 - the next tick sees the count unchanged and decides again
-            log.warning("autoscale could not start a worker", worker=name, error=str(e))
+            log.warning("autoscale could not start a worker", error=str(e))
         finally:
             self._starting[pool] -= 1
+
+    async def _activate(self, name: str) -> None:
+        proc = next((p for n, p in self.cluster.processes if n == name), None)
+        if proc is None or proc.poll() is not None:
+            raise RuntimeError(f"standby worker {name} is gone")
+        args, threads = self.cluster.specs[name]
+        self.cluster.specs[name] = (tuple(a for a in args if a != "--standby"), threads)  # a restart serves at once
+        os.kill(proc.pid, signal.SIGUSR1)
+        log.info("autoscale activated a standby worker", worker=name)
+        deadline = time.monotonic() + 30
+        while self.visible is not None and not self.visible(name) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
 
     async def _remove(self, replica: PoolReplica) -> None:
         name = replica.replica_id

@@ -32,6 +32,8 @@ class ReplicaLoad:
     num_blocks_free: int = 0
     pending_assignments: int = 0  # picks since this replica's last load report
     adapters: frozenset[str] = frozenset()  # LoRA adapters loaded on it (its load reports)
+    ttft_ms_recent: float = 0.0  # over its last completed requests (stale when idle)
+    prefill_wait_s: float = 0.0  # prompt tokens queued / its recent prefill rate: a newcomer's wait to start
 
     @property
     def kv_utilization(self) -> float:

@@ -37,6 +37,22 @@ def test_a_queue_or_full_kv_adds_a_replica_and_steps_are_bounded():
     assert d.desired == 2 and any("per step" in r for r in d.reasons)
 
 
+def test_a_ttft_objective_adds_a_replica_on_predicted_or_measured_lateness():
+    policy = ScalePolicy(target_concurrency=8, ttft_objective=0.5)
+    # 3 requests fit one replica by count, but the prompt tokens queued on it take 1.2 s to start: late already
+    predicted = [Sample(0, 1, 2, 1, prefill_wait=1.2)]
+    d = Autoscaler(default=policy).decide("p", predicted, now=0)
+    assert d.desired == 2 and any("TTFT 1.20 s" in r for r in d.reasons)
+    # a recent TTFT over the objective counts only while requests wait (it is stale once the replica idles)
+    assert Autoscaler(default=policy).decide("p", [Sample(0, 1, 2, 1, ttft_recent=0.9)], now=0).desired == 2
+    assert Autoscaler(default=policy).decide("p", [Sample(0, 1, 2, 0, ttft_recent=0.9)], now=0).desired == 1
+    assert Autoscaler(default=policy).decide("p", [Sample(0, 1, 2, 1, prefill_wait=0.4)], now=0).desired == 1
+    off = ScalePolicy(target_concurrency=8)  # no objective: no TTFT trigger
+    assert Autoscaler(default=off).decide("p", predicted, now=0).desired == 1
+    # a replica still starting counts: no second one for the same lateness
+    assert Autoscaler(default=policy).decide("p", [Sample(0, 1, 2, 1, starting=1, prefill_wait=1.2)], now=0).desired == 2
+
+
 def test_cooldown_after_a_scale_up():
     scaler = Autoscaler(default=POLICY)
     assert scaler.decide("p", series([12] * 3), now=2).desired == 2

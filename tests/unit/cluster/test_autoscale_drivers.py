@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from tokenfleet.cluster.autoscale import Autoscaler, ScalePolicy
-from tokenfleet.cluster.autoscale_service import AutoscaleService, ComposeDriver, KubernetesDriver, PoolReplica, pool_of
+from tokenfleet.cluster.autoscale_service import (
+    AutoscaleService,
+    ComposeDriver,
+    KubernetesDriver,
+    LocalDriver,
+    PoolReplica,
+    pool_of,
+)
 from tokenfleet.routing.policies import ReplicaLoad
 
 
@@ -159,4 +168,72 @@ def test_the_service_decides_per_pool_records_and_obeys_operator_controls():
     etcd.data["autoscale/control/m/both"] = json.dumps({"replicas": 3}).encode()
     (d,) = asyncio.run(tick())
     assert d.desired == 2 and any("override" in r for r in d.reasons)  # one step toward 3
-    assert [PoolReplica("w0", "h:w0", 7, 2)] == service.pool_replicas()["m/both"]
+    assert [PoolReplica("w0", "h:w0", 7, 2, kv_usage=0.1)] == service.pool_replicas()["m/both"]
+
+
+class SpawningCluster:
+    """The launcher's Cluster as LocalDriver uses it; each spawn runs a real ``sleep`` (SIGUSR1 ends it, which
+    shows which process the driver signalled)."""
+
+    def __init__(self):
+        self.processes = [("worker-0", subprocess.Popen(["sleep", "60"]))]
+        self.specs = {"worker-0": (("tokenfleet.services.decode", "--replica-id", "worker-0", "--port", "7000"), 1)}
+
+    def spawn(self, name, *args, threads=1):
+        self.specs[name] = (args, threads)
+        self.processes.append((name, subprocess.Popen(["sleep", "60"])))
+        return f"127.0.0.1:{7000 + len(self.processes)}"
+
+    def retire(self, name):
+        proc = next((p for n, p in self.processes if n == name), None)
+        self.processes = [(n, p) for n, p in self.processes if n != name]
+        return proc
+
+    def close(self):
+        for _, p in self.processes:
+            p.kill()
+            p.wait()
+
+
+def test_the_local_driver_keeps_a_warm_pool_and_activates_it_on_scale_up():
+    cluster = SpawningCluster()
+    seen: set[str] = set()
+    drained: list[str] = []
+
+    async def drain(address):
+        drained.append(address)
+
+    driver = LocalDriver(cluster, "worker-0", drain, warm_pool=1, max_replicas=2, visible=seen.__contains__)
+
+    async def scenario():
+        await driver.fill()
+        assert driver.standby == ["worker-1"]
+        args = cluster.specs["worker-1"][0]
+        assert "--standby" in args and args[args.index("--replica-id") + 1] == "worker-1" and "--port" not in args
+        await driver.fill()  # full: nothing more
+        assert [n for n, _ in cluster.processes] == ["worker-0", "worker-1"]
+        standby = cluster.processes[1][1]
+        seen.add("worker-1")  # the fleet sees it once it registers
+        await driver.scale("m/both", 2, [PoolReplica("worker-0", "a0", 3, 2)])
+        assert standby.wait(timeout=10) == -signal.SIGUSR1  # activated by signal, not a cold start
+        assert driver.standby == [] and "--standby" not in cluster.specs["worker-1"][0]  # a restart serves at once
+        await asyncio.sleep(0.05)  # the refill after a change: no room at max_replicas 2
+        assert [n for n, _ in cluster.processes] == ["worker-0", "worker-1"]
+        # scale down: the least loaded worker other than the template is drained and stopped; the pool refills
+        await driver.scale("m/both", 1, [PoolReplica("worker-0", "a0", 3, 0), PoolReplica("worker-1", "a1", 0, 0)])
+        assert drained == ["a1"]
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if driver.standby:
+                break
+        assert driver.standby == ["worker-2"] and [n for n, _ in cluster.processes] == ["worker-0", "worker-2"]
+        # no standby left: a scale-up starts a worker cold
+        driver.warm_pool = 0
+        driver.standby.clear()
+        await driver.scale("m/both", 2, [PoolReplica("worker-0", "a0", 3, 2)])
+        assert cluster.processes[-1][0] == "worker-3" and "--standby" not in cluster.specs["worker-3"][0]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        cluster.close()
