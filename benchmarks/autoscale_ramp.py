@@ -7,7 +7,7 @@ over time (the autoscaler's gauge; 1 for the fixed fleet). Runs alternate autosc
 median over runs of each run's TTFT p99, and the report lists every run and plots the replica count of the
 first autoscaled run.
 
-    .venv/bin/python benchmarks/autoscale_ramp.py --runs 3      # ~20 min here
+    .venv/bin/python benchmarks/autoscale_ramp.py --runs 3      # ~25 min here
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from pathlib import Path
 import openai
 
 REPORTS = Path(__file__).parent / "reports"
+FILLER = ("The harbour town woke before the sun. Fishing boats slid out past the breakwater while the baker lit his "
+          "ovens and the gulls argued over the night's scraps. By the time the church bell rang six, the market "
+          "square was full of carts, crates of lemons, nets to mend and people trading the news of the coast.")
 
 
 def start_cluster(autoscale: bool, args: argparse.Namespace, cache: Path) -> tuple[subprocess.Popen, str, str]:
@@ -34,7 +37,8 @@ def start_cluster(autoscale: bool, args: argparse.Namespace, cache: Path) -> tup
     cmd = [sys.executable, "-m", "tokenfleet.cli", "up", "--workers", "1", "--threads", "1", "--port", "0"]
     if autoscale:
         cmd += ["--autoscale", "--max-workers", str(args.max_workers), "--target-concurrency",
-                str(args.target_concurrency), "--autoscale-metrics-port", "0"]
+                str(args.target_concurrency), "--autoscale-metrics-port", "0", "--warm-pool", str(args.warm_pool),
+                "--ttft-objective", str(args.ttft_objective)]
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(cache / "up.stderr", "w"), text=True, env=env)
     assert up.stdout is not None
     gateway = metrics = ""
@@ -46,19 +50,30 @@ def start_cluster(autoscale: bool, args: argparse.Namespace, cache: Path) -> tup
             gateway = line.split()[1]
         if line.startswith("autoscaler metrics:"):
             metrics = line.split()[2]
-    threading.Thread(target=up.stdout.read, daemon=True).start()
+    said: list[str] = []
+    threading.Thread(target=lambda: said.extend(up.stdout), daemon=True).start()  # the launcher's log (JSON lines)
+    up.said = said  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 300
+    while autoscale and args.warm_pool and time.monotonic() < deadline:  # a warm pool is filled before traffic
+        if (gauge(metrics, "tokenfleet_autoscaler_standby_replicas") or 0) >= args.warm_pool:
+            break
+        time.sleep(1.0)
     return up, gateway, metrics
 
 
-def serving_replicas(metrics: str) -> float | None:
+def gauge(metrics: str, name: str) -> float | None:
     try:
         text = urllib.request.urlopen(metrics, timeout=5).read().decode()
     except OSError:
         return None
     for line in text.splitlines():
-        if line.startswith("tokenfleet_autoscaler_serving_replicas{"):
+        if line.startswith(name + "{"):
             return float(line.split()[-1])
     return None
+
+
+def serving_replicas(metrics: str) -> float | None:
+    return gauge(metrics, "tokenfleet_autoscaler_serving_replicas")
 
 
 def concurrency_at(t: float, args: argparse.Namespace) -> int:
@@ -78,7 +93,10 @@ def ramp(gateway: str, metrics: str, args: argparse.Namespace) -> dict:
     lock = threading.Lock()
     total = args.up + args.hold + args.down
 
+    filler = " ".join(FILLER.split() * 40)[: args.prompt_chars]
+
     def user(i: int) -> None:
+        k = 0
         while True:
             t = time.monotonic() - start
             if t >= total:
@@ -88,9 +106,11 @@ def ramp(gateway: str, metrics: str, args: argparse.Namespace) -> dict:
                 continue
             sent = time.monotonic()
             first, tokens, error = None, 0, ""
+            k += 1  # the unique part first: no prefix-cache hits, every prompt is computed
+            content = f"Request {i}-{k}. {filler} Now tell story number {i}." if filler else f"Tell story number {i}."
             try:
                 stream = client.chat.completions.create(
-                    model="smollm2-135m-instruct", messages=[{"role": "user", "content": f"Tell story number {i}."}],
+                    model="smollm2-135m-instruct", messages=[{"role": "user", "content": content}],
                     max_tokens=args.max_tokens, stream=True, extra_body={"ignore_eos": True},
                     stream_options={"include_usage": True})
                 for chunk in stream:
@@ -122,6 +142,8 @@ def ramp(gateway: str, metrics: str, args: argparse.Namespace) -> dict:
     ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
     bad = [r for r in results if r["error"] or r["tokens"] != args.max_tokens]
     return {"requests": len(results), "failed_or_truncated": len(bad), "bad": bad[:5],
+            "per_request": [(round(r["sent"], 2), None if r["ttft"] is None else round(r["ttft"], 3))
+                            for r in sorted(results, key=lambda r: r["sent"])],
             "ttft_p50": statistics.median(ttfts) if ttfts else None,
             "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
             "timeline": timeline + after}
@@ -136,6 +158,10 @@ def main() -> None:
     p.add_argument("--down", type=float, default=60)
     p.add_argument("--tail", type=float, default=60, help="seconds watched after the ramp (the scale-down)")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-chars", type=int, default=1000, help="filler text per prompt (about 4 characters a "
+                   "token): enough prefill that one worker queues at the peak; 0: a one-line prompt")
+    p.add_argument("--warm-pool", type=int, default=1)
+    p.add_argument("--ttft-objective", type=float, default=1.0)
     p.add_argument("--max-workers", type=int, default=2)
     p.add_argument("--target-concurrency", type=float, default=4.0)
     p.add_argument("--name", default="cpu-autoscale-ramp")
@@ -150,8 +176,8 @@ def main() -> None:
                 finally:
                     up.terminate()
                     up.wait(timeout=120)
-                    log = (Path(cache) / "up.stderr").read_text()
-                result["scale_events"] = [line for line in log.splitlines() if '"autoscale' in line][:40]
+                result["scale_events"] = [line.strip() for line in up.said  # type: ignore[attr-defined]
+                                          if "autoscale" in line or "warm pool" in line][:40]
             runs[mode].append(result)
             print(f"run {k} {mode}: {result['requests']} requests, {result['failed_or_truncated']} failed/truncated, "
                   f"TTFT p50 {result['ttft_p50']:.2f} s p99 {result['ttft_p99']:.2f} s, max workers "
@@ -192,10 +218,12 @@ def report(out: dict, png: str) -> str:
     s, a = out["summary"], out["args"]
     lines = ["## Autoscaling under a load ramp (issue 23)", "",
              f"`tokenfleet up --workers 1 --threads 1` with `--autoscale --max-workers {a['max_workers']} "
-             f"--target-concurrency {a['target_concurrency']:g}` vs the same fleet fixed at one worker. The ramp: "
+             f"--target-concurrency {a['target_concurrency']:g} --warm-pool {a.get('warm_pool', 0)} --ttft-objective "
+             f"{a.get('ttft_objective', 0):g}` vs the same fleet fixed at one worker. The ramp: "
              f"1 -> {a['peak']} concurrent streams over {a['up']:.0f} s, held {a['hold']:.0f} s, down to 0 over "
-             f"{a['down']:.0f} s; each request streams exactly {a['max_tokens']} tokens. The runs alternate, on one "
-             f"2-core machine.", "",
+             f"{a['down']:.0f} s; each request sends a prompt of about {a.get('prompt_chars', 0) // 4 + 20} tokens "
+             f"(unique from its first block: no prefix-cache hits) and streams exactly {a['max_tokens']} tokens. "
+             f"The runs alternate, on one 2-core machine.", "",
              "| mode | TTFT p99 (median of runs) | requests | failed or truncated |", "|---|---|---|---|"]
     for mode in ("autoscale", "fixed"):
         lines.append(f"| {mode} | {s[mode]['ttft_p99_median']:.2f} s | {s[mode]['requests']} | "

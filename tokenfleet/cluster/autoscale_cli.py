@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import signal
 from typing import Any
@@ -43,6 +44,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--target-concurrency", type=float, default=16.0,
                    help="requests (running + waiting) one replica serves within its objectives (`tokenfleet plan`)")
     p.add_argument("--lead-seconds", type=float, default=60.0, help="how far ahead the trend is projected")
+    p.add_argument("--ttft-objective", type=float, default=0.0, help="seconds; a replica whose newcomers would wait "
+                   "longer (queued prompt tokens / its prefill rate) adds one (0: off)")
+    p.add_argument("--pool-policy", action="append", default=[], metavar="POOL:KEY=VALUE,...",
+                   help="a pool's own policy over the defaults above, e.g. prefill and decode pools against their own "
+                   "objectives: smol/prefill:ttft_objective=0.5,target_concurrency=8 smol/decode:target_concurrency=64,"
+                   "max_replicas=16 (keys: the fields of cluster.autoscale.ScalePolicy)")
     p.add_argument("--interval", type=float, default=5.0)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     p.add_argument("--certs", help="certificates folder (default: $TOKENFLEET_CERTS, else the `tokenfleet up` cluster's)")
@@ -54,6 +61,25 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--clear", metavar="POOL", help="drop POOL's pause or override")
     g.add_argument("--status", metavar="POOL", help="print POOL's last decision and its controls")
     p.set_defaults(func=run_command)
+
+
+def pool_policies(specs: list[str], default: ScalePolicy) -> dict[str, ScalePolicy]:
+    """``--pool-policy POOL:KEY=VALUE,...`` -> each pool's policy: the default with those fields replaced (ValueError
+    for an unknown field or a bad value)."""
+    fields = {f.name: f.type for f in dataclasses.fields(ScalePolicy)}
+    out: dict[str, ScalePolicy] = {}
+    for spec in specs:
+        pool, sep, settings = spec.partition(":")
+        if not sep or "/" not in pool or not settings:
+            raise ValueError(f"--pool-policy takes MODEL/ROLE:KEY=VALUE,..., got {spec!r}")
+        changes: dict[str, Any] = {}
+        for item in settings.split(","):
+            key, eq, value = item.partition("=")
+            if not eq or key not in fields:
+                raise ValueError(f"--pool-policy {pool}: {item!r} is not KEY=VALUE with KEY one of {', '.join(fields)}")
+            changes[key] = int(value) if fields[key] in ("int", int) else float(value)
+        out[pool] = dataclasses.replace(out.get(pool, default), **changes)
+    return out
 
 
 def targets(specs: list[str]) -> dict[str, str]:
@@ -94,8 +120,10 @@ def run_command(args: argparse.Namespace) -> int:
             kinds[pool] = (kind, name)
         driver = KubernetesDriver(kinds, args.namespace)
     policy = ScalePolicy(target_concurrency=args.target_concurrency, min_replicas=args.min_replicas,
-                         max_replicas=args.max_replicas, max_step=args.max_step, lead_seconds=args.lead_seconds)
-    return asyncio.run(_serve(args, endpoint, identity, plane, driver, policy, tuple(pools)))
+                         max_replicas=args.max_replicas, max_step=args.max_step, lead_seconds=args.lead_seconds,
+                         ttft_objective=args.ttft_objective)
+    scaler = Autoscaler(pool_policies(args.pool_policy, policy), default=policy)
+    return asyncio.run(_serve(args, endpoint, identity, plane, driver, scaler, tuple(pools)))
 
 
 async def _control(endpoint: str, root: str, identity: Any, control: tuple[str, dict] | None, status: str | None) -> int:
@@ -121,7 +149,7 @@ async def _control(endpoint: str, root: str, identity: Any, control: tuple[str, 
         await etcd.close()
 
 
-async def _serve(args: argparse.Namespace, endpoint: str, identity: Any, plane: Any, driver: Any, policy: ScalePolicy,
+async def _serve(args: argparse.Namespace, endpoint: str, identity: Any, plane: Any, driver: Any, scaler: Autoscaler,
                  pools: tuple[str, ...]) -> int:
     from prometheus_client import CollectorRegistry, start_http_server
 
@@ -138,7 +166,7 @@ async def _serve(args: argparse.Namespace, endpoint: str, identity: Any, plane: 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    service = AutoscaleService(etcd, fleet, Autoscaler(default=policy), driver, args.interval, pools,
+    service = AutoscaleService(etcd, fleet, scaler, driver, args.interval, pools,
                                metrics=AutoscaleMetrics(registry))
     try:
         await service.run(stop)

@@ -264,11 +264,14 @@ class LocalDriver:
 
     def _args(self, name: str) -> tuple[str, ...]:
         args = _without(self.cluster.specs[self.template][0], ("--port", "--metrics-port", "--host"))
+        args = (*args, "--metrics-port", "0") if "--metrics-port" in self.cluster.specs[self.template][0] else args
         return _replaced(args, "--replica-id", name)
 
     async def _add(self, pool: str) -> None:
         self._starting[pool] += 1
         try:
+            while self._filling and not self.standby:  # one is loading: sooner ready than a cold start begun now
+                await asyncio.sleep(0.1)
             if self.standby:
                 await self._activate(self.standby.pop(0))
                 return

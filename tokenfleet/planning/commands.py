@@ -71,7 +71,12 @@ def add_command(sub: Any) -> None:
                           "writes docs/sizing-autoscale.md")
     add_scenario_flags(day)
     day.add_argument("--min-replicas", type=int, default=1)
-    day.add_argument("--target-concurrency", type=float, default=64.0, help="requests one replica serves")
+    day.add_argument("--target-concurrency", type=float, default=0.0, help="requests one replica serves "
+                     "(0: measured, one replica at the peak's share of the load)")
+    day.add_argument("--down-margin", type=float, default=0.75, help="scale down only when demand fits one replica "
+                     "fewer at this share of its capacity")
+    day.add_argument("--sensitivity", type=float, nargs="*", default=[], help="further troughs (trough / peak) to "
+                     "run the same policy on")
     day.add_argument("--lead-seconds", type=float, default=60.0)
     day.add_argument("--scale-start-seconds", type=float, default=60.0, help="a new replica's time to serve")
     day.add_argument("--out", default="docs/sizing-autoscale.md")
@@ -179,8 +184,10 @@ def _cmd_sizing(args: argparse.Namespace) -> int:
 
 
 def _cmd_autoscale_day(args: argparse.Namespace) -> int:
-    """Two runs of one compressed diurnal day: the cell fixed at --replicas, and autoscaled between --min-replicas and
-    --replicas with the autoscaler's own policy (cluster.autoscale). GPU-hours and SLO attainment of each."""
+    """One compressed diurnal day, the cell fixed at --replicas (sized for the peak) against the cell autoscaled between
+    --min-replicas and --replicas by the autoscaler's own policy (cluster.autoscale); then the same at each
+    --sensitivity trough. A replica's capacity (--target-concurrency 0) is measured at the SLO: one replica under
+    the peak's share of the load, its mean running + waiting requests."""
     from dataclasses import replace
 
     from tokenfleet.cluster.autoscale import ScalePolicy
@@ -188,48 +195,81 @@ def _cmd_autoscale_day(args: argparse.Namespace) -> int:
     args.pattern = "diurnal"
     fixed = scenario_from_args(args)
     fixed = replace(fixed, warmup_seconds=0.0, duration_seconds=args.day_seconds, label="fixed")
+    calibration = None
+    if args.target_concurrency <= 0:
+        one = replace(fixed, fleet=replace(fixed.fleet, replicas=1), warmup_seconds=20.0, duration_seconds=60.0,
+                      arrivals=replace(fixed.arrivals, pattern="poisson", rate=fixed.arrivals.rate / fixed.nodes),
+                      label="calibration")
+        calibration = one.run()
+        args.target_concurrency = calibration["mean_demand_per_replica"]
+        print(f"capacity: one replica at {one.arrivals.rate:.2f} requests/s holds {args.target_concurrency:.0f} "
+              f"requests (SLO attainment {calibration['slo_attainment']:.1%})")
     hour = args.day_seconds / 24  # the policy's clocks run at the day's compression
     policy = ScalePolicy(target_concurrency=args.target_concurrency, min_replicas=args.min_replicas,
                          max_replicas=fixed.fleet.replicas, lead_seconds=args.lead_seconds, window=hour,
-                         up_cooldown=hour / 4, down_cooldown=hour / 2, down_stable=hour / 2)
-    scaled = replace(fixed, fleet=replace(fixed.fleet, replicas=args.min_replicas), autoscale=policy,
-                     scale_start_seconds=args.scale_start_seconds, label="autoscaled")
-    results = run_all([fixed, scaled], args.jobs)
+                         up_cooldown=hour / 4, down_cooldown=hour / 2, down_stable=hour / 2,
+                         down_margin=args.down_margin)
+    days = []
+    for trough in [args.trough_ratio, *(t for t in args.sensitivity if t != args.trough_ratio)]:
+        day = replace(fixed, arrivals=replace(fixed.arrivals, trough_ratio=trough), label=f"fixed@{trough:g}")
+        days += [day, replace(day, fleet=replace(day.fleet, replicas=args.min_replicas), autoscale=policy,
+                              scale_start_seconds=args.scale_start_seconds, label=f"autoscaled@{trough:g}")]
+    results = run_all(days, args.jobs)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(_autoscale_report(args, policy, results))
+    Path(args.out).write_text(_autoscale_report(args, policy, results, calibration))
     for r in results:
         print(f"{r['label']}: {r['gpu_hours']:.1f} GPU-hours, mean {r['mean_replicas']:.1f} replicas, SLO attainment "
               f"{r['slo_attainment']:.1%}, TTFT p99 {r['ttft_p99_s']}, TPOT p99 {r['tpot_p99_s']}")
     return 0
 
 
-def _autoscale_report(args: argparse.Namespace, policy: Any, results: list[dict[str, Any]]) -> str:
-    fixed, scaled = results
+def _autoscale_report(args: argparse.Namespace, policy: Any, results: list[dict[str, Any]],
+                      calibration: dict[str, Any] | None) -> str:
+    fixed, scaled = results[:2]
+    capacity = (f"{policy.target_concurrency:.0f} requests each (measured: one replica at the peak's share, "
+                f"{fixed['rate'] / fixed['replicas']:.2f} requests/s, held a mean of that many running + waiting, at "
+                f"{calibration['slo_attainment']:.1%} SLO attainment)" if calibration else
+                f"{policy.target_concurrency:g} requests each (given)")
     lines = ["# Autoscaling over a compressed day (generated by `tokenfleet simulate autoscale-day`)", "",
              f"One cell of {fixed['replicas']} replicas ({args.gpu} x{args.tp} per replica, model "
-             f"{args.model}) under diurnal traffic peaking at {fixed['rate']:.1f} requests/s (trough "
-             f"{0.35:.0%} of the peak), one day compressed into {args.day_seconds:.0f} simulated seconds. Fixed: "
-             f"all {fixed['replicas']} replicas all day. Autoscaled: the autoscaler's policy (`cluster.autoscale`), "
-             f"{policy.min_replicas}-{policy.max_replicas} replicas at {policy.target_concurrency:g} requests each, "
+             f"{args.model}) under diurnal traffic peaking at {fixed['rate']:.1f} requests/s (a raised cosine; trough "
+             f"{args.trough_ratio:.0%} of the peak, so the day's mean is {(1 + args.trough_ratio) / 2:.0%} of it), one "
+             f"day compressed into {args.day_seconds:.0f} simulated seconds. Fixed: all {fixed['replicas']} replicas "
+             f"all day, sized for the peak. Autoscaled: the autoscaler's policy (`cluster.autoscale`), "
+             f"{policy.min_replicas}-{policy.max_replicas} replicas at {capacity}, "
              f"trend over {policy.window:.0f} s projected {policy.lead_seconds:.0f} s ahead, cooldowns "
              f"{policy.up_cooldown:.0f} s up / {policy.down_cooldown:.0f} s down (the clocks compressed with the day), "
-             f"new replicas serving "
+             f"scale-down only with {1 - policy.down_margin:.0%} to spare, new replicas serving "
              f"{args.scale_start_seconds:.0f} s after they are asked for, retired ones drained.", "",
              "| fleet | GPU-hours (the compressed day) | mean replicas | SLO attainment | TTFT p99 | TPOT p99 | "
              "requests |", "|---|---|---|---|---|---|---|"]
-    for r in results:
+    for r in results[:2]:
         ttft = "-" if r["ttft_p99_s"] is None else f"{r['ttft_p99_s'] * 1000:.0f} ms"
         tpot = "-" if r["tpot_p99_s"] is None else f"{r['tpot_p99_s'] * 1000:.1f} ms"
-        lines.append(f"| {r['label']} | {r['gpu_hours']:.2f} | {r['mean_replicas']:.2f} | {r['slo_attainment']:.1%} | "
-                     f"{ttft} | {tpot} | {r['requests']} |")
-    saved = 1 - scaled["gpu_hours"] / fixed["gpu_hours"] if fixed["gpu_hours"] else 0.0
-    lines += ["", f"The autoscaled cell used {saved:.0%} fewer GPU-hours. Replicas over the day (autoscaled):", "",
+        lines.append(f"| {r['label'].split('@')[0]} | {r['gpu_hours']:.2f} | {r['mean_replicas']:.2f} | "
+                     f"{r['slo_attainment']:.1%} | {ttft} | {tpot} | {r['requests']} |")
+    ratio = scaled["gpu_hours"] / fixed["gpu_hours"] if fixed["gpu_hours"] else 0.0
+    lines += ["", f"The autoscaled cell used **{ratio:.2f}x** the fixed cell's GPU-hours at "
+              f"**{scaled['slo_attainment']:.1%}** SLO attainment (TTFT p99 <= {args.ttft_slo_ms:g} ms and TPOT p99 <= "
+              f"{args.tpot_slo_ms:g} ms per request). Replicas over the day (autoscaled):", "",
               "| simulated s | replicas paid for |", "|---|---|"]
     timeline = scaled.get("replica_timeline") or []
     step = max(1, len(timeline) // 24)
     for t, n in timeline[::step]:
         lines.append(f"| {t:.0f} | {n} |")
-    lines += ["", f"Command: `tokenfleet simulate autoscale-day --replicas {fixed['replicas']} "
-              f"--min-replicas {policy.min_replicas} --target-concurrency {policy.target_concurrency:g} "
-              f"--day-seconds {args.day_seconds:g} ...` (see the flags of `tokenfleet simulate run`)."]
+    if len(results) > 2:
+        lines += ["", "## The same policy on other days", "", "The trough decides how much there is to save: a "
+                  "fleet that followed the curve exactly would pay (1 + trough) / 2 of the fixed cell.", "",
+                  "| trough / peak | fixed GPU-hours | fixed SLO | autoscaled GPU-hours | ratio | autoscaled SLO | "
+                  "mean replicas |", "|---|---|---|---|---|---|---|"]
+        for f, a in zip(results[::2], results[1::2], strict=True):
+            lines.append(f"| {f['label'].split('@')[1]} | {f['gpu_hours']:.2f} | {f['slo_attainment']:.1%} | "
+                         f"{a['gpu_hours']:.2f} | {a['gpu_hours'] / f['gpu_hours']:.2f}x | {a['slo_attainment']:.1%} | "
+                         f"{a['mean_replicas']:.2f} |")
+    lines += ["", f"Command: `tokenfleet simulate autoscale-day --replicas {fixed['replicas']} --rate {fixed['rate']:g} "
+              f"--min-replicas {policy.min_replicas} --trough-ratio {args.trough_ratio:g} --day-seconds "
+              f"{args.day_seconds:g} --scale-start-seconds {args.scale_start_seconds:g} --lead-seconds "
+              f"{args.lead_seconds:g} --down-margin {policy.down_margin:g}"
+              + (f" --sensitivity {' '.join(f'{t:g}' for t in args.sensitivity)}" if args.sensitivity else "")
+              + "` (target concurrency measured unless given; see the flags of `tokenfleet simulate run`)."]
     return "\n".join(lines) + "\n"

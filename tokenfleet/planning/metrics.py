@@ -79,6 +79,7 @@ def summarize(sim: Simulator, objectives: Objectives = Objectives(), dollars_per
         "utilization": sum(r.busy_seconds for r in replicas) / sim.replica_seconds if sim.replica_seconds else 0.0,
         "kv_utilization": float(np.mean([np.mean(r.kv_samples) if r.kv_samples else 0.0 for r in replicas])),
         "mean_batch": sum(r.rows for r in replicas) / max(1, sum(r.steps for r in replicas)),
+        "mean_demand_per_replica": float(np.mean(sim.demand_samples)) if sim.demand_samples else 0.0,
         "mfu": _mfu(sim, seconds),
         "remote_prefills": sim.num_remote, "transfer_gb": sim.transfer_bytes / 1e9,
         "peer_blocks": sim.num_peer_blocks, "tier_restored_blocks": sim.num_restored_blocks,

@@ -119,6 +119,8 @@ def add_traffic_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pattern", default="poisson", choices=["poisson", "bursty", "diurnal"])
     g.add_argument("--burst-cv", type=float, default=3.0)
     g.add_argument("--day-seconds", type=float, default=600.0, help="diurnal: one compressed day")
+    g.add_argument("--trough-ratio", type=float, default=0.35, help="diurnal: the quietest hour's rate / the peak's "
+                   "(a raised cosine between them: the day's mean is (1 + this) / 2 of the peak)")
     g.add_argument("--tenants", type=int, default=32)
     g.add_argument("--system-tokens", type=int, default=1000)
     g.add_argument("--user-tokens", type=int, default=120)
@@ -195,7 +197,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
         rate = fleet_peak * nodes / args.fleet_nodes
     else:
         raise SystemExit("name the cell's load: --fleet-nodes N (its share of the peak) or --rate R")
-    arrivals = Arrivals(args.pattern, rate, args.burst_cv, args.day_seconds)
+    arrivals = Arrivals(args.pattern, rate, args.burst_cv, args.day_seconds, args.trough_ratio)
     return Scenario(fleet, cost, arrivals, conversations, args.warmup, args.duration, args.drain, args.seed,
                     Objectives(args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000), args.usd_per_gpu_hour)
 

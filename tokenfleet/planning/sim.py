@@ -268,6 +268,7 @@ class Simulator:
         self.replica_timeline: list[tuple[float, int]] = []  # (time, replicas paid for) at each autoscaler tick
         self._scaler: Any = None
         self.retired: list[SimReplica] = []  # replicas the autoscaler removed (their window stats still count)
+        self.demand_samples: list[float] = []  # running + waiting per serving replica, at each report in the window
 
     # ---- the event loop (workload.Simulation) --------------------------------------------------------
     def at(self, time: float, action: Callable[[Any], None], arg: Any = None) -> None:
@@ -316,6 +317,9 @@ class Simulator:
             for r in self.replicas.values():
                 bm = r.scheduler.block_manager
                 r.kv_samples.append(bm.num_used_blocks / bm.num_blocks)
+            serving = [x for x in self._loads.values() if x.state == "serving"]
+            if serving:  # requests (running + waiting) per serving replica: the autoscaler's demand signal
+                self.demand_samples.append(sum(x.num_running + x.num_waiting for x in serving) / len(serving))
         if self._events:  # anything else left to happen (a closed loop ends when its last request does)
             self.at(self.now + self.fleet.report_interval_s, self._report)
 

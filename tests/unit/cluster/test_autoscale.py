@@ -92,3 +92,20 @@ def test_helpers():
     assert capacity_from_plan(10, 0.01, 8) == 8
     with pytest.raises(ValueError):
         ScalePolicy(min_replicas=3, max_replicas=2)
+
+
+def test_prefill_and_decode_pools_get_their_own_policies():
+    from tokenfleet.cluster.autoscale_cli import pool_policies
+
+    default = ScalePolicy(target_concurrency=16, max_replicas=4)
+    policies = pool_policies(["m/prefill:ttft_objective=0.5,target_concurrency=8", "m/decode:max_replicas=16",
+                              "m/decode:target_concurrency=64"], default)
+    assert policies["m/prefill"] == ScalePolicy(target_concurrency=8, max_replicas=4, ttft_objective=0.5)
+    assert policies["m/decode"] == ScalePolicy(target_concurrency=64, max_replicas=16)
+    scaler = Autoscaler(policies, default=default)
+    late = [Sample(0, 1, 2, 1, prefill_wait=0.8)]  # 3 requests: few by count, but newcomers wait 0.8 s
+    assert scaler.decide("m/prefill", late, now=0).desired == 2  # the prefill pool answers to its TTFT objective
+    assert scaler.decide("m/decode", late, now=0).desired == 1  # the decode pool to its concurrency
+    for bad in ("m/prefill", "m/prefill:nope=1", "m/prefill:max_replicas=x", "prefill:max_replicas=2"):
+        with pytest.raises(ValueError):
+            pool_policies([bad], default)

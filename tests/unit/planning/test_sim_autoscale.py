@@ -11,10 +11,16 @@ def test_autoscale_day_saves_gpu_hours_and_follows_the_traffic(tmp_path):
 
     out = tmp_path / "day.md"
     args = _parser().parse_args(["simulate", "autoscale-day", "--replicas", "3", "--rate", "10", "--day-seconds", "60",
-                                 "--min-replicas", "1", "--target-concurrency", "4", "--scale-start-seconds", "5",
+                                 "--min-replicas", "1", "--scale-start-seconds", "5", "--sensitivity", "0.8",
                                  "--out", str(out), "--jobs", "1"])
     assert _cmd_autoscale_day(args) == 0
+    assert args.target_concurrency > 0  # measured: one replica under the peak's share of the load
     text = out.read_text()
+    assert f"{args.target_concurrency:.0f} requests each (measured" in text
+    days = [line.split("|") for line in text.splitlines() if line.startswith("| 0.")]
+    assert [d[1].strip() for d in days] == ["0.35", "0.8"]  # the day itself, then the sensitivity trough
+    ratios = [float(d[5].strip().rstrip("x")) for d in days]
+    assert ratios[0] < 1 and ratios[0] < ratios[1]  # a deeper trough leaves more to save
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| fixed")
             or line.startswith("| autoscaled")}
     fixed_hours = float(rows["fixed"].split("|")[2])
