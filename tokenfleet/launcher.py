@@ -64,6 +64,20 @@ class Cluster:
         self.specs[name] = (tuple(args) + tuple(pinned), threads)
         return address
 
+    def metrics(self) -> dict[str, dict[str, str]]:
+        """Each service's Prometheus endpoint and what it is: {name: {"address": host:port, "job": ..., "role": ...}}
+        (what `tokenfleet scrape-config` turns into a Prometheus scrape configuration)."""
+        out = {}
+        for name, lines in self.announced.items():
+            address = next((line.split()[1] for line in lines if line.startswith("METRICS ")), "")
+            if not address:
+                continue
+            args = self.specs.get(name, ((), 1))[0]
+            job = "worker" if name.startswith(("worker", "prefill")) else name
+            role = args[args.index("--role") + 1] if "--role" in args else ""
+            out[name] = {"address": address, "job": job, **({"role": role} if role else {})}
+        return out
+
     def restart(self, name: str) -> str:
         """Start ``name`` again as it was started, on its address (Supervisor; RuntimeError if it fails to start)."""
         proc = self._start(name)
@@ -106,6 +120,9 @@ class Cluster:
         self.etcd.cleanup()
         if self.owns_state:
             state_file().unlink(missing_ok=True)
+
+
+METRICS = ("--metrics-port", "0")  # every service serves Prometheus /metrics on a free port (the state file lists them)
 
 
 def wait_listening(name: str, proc: subprocess.Popen, before: list[str] | None = None, timeout: float = 300) -> str:
@@ -218,22 +235,23 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
     cluster = Cluster(EtcdServer.create(certs=folder).start(), owns_state=record)
     try:
         etcd = cluster.etcd.endpoint
-        registry = cluster.spawn("registry", "tokenfleet.services.registry", "--etcd", etcd, *audit)
+        registry = cluster.spawn("registry", "tokenfleet.services.registry", "--etcd", etcd, *audit, *METRICS)
         register_model(registry, model_name, model_dir, plane, dtype, speculative_config=speculative_config)
         decode_role = "decode" if prefill_workers and role == "both" else role
         roles = [(f"worker-{i}", decode_role) for i in range(num_workers)]
         roles += [(f"prefill-{i}", "prefill") for i in range(prefill_workers)]
         for name, worker_role in roles:
             cluster.spawn(name, "tokenfleet.services.decode", "--registry", registry, "--model-name",
-                          model_name, "--etcd", etcd, "--replica-id", name, "--role", worker_role, *audit,
+                          model_name, "--etcd", etcd, "--replica-id", name, "--role", worker_role, *audit, *METRICS,
                           *tier_args(kv_tier, kv_tier_bytes, name), *[w for spec in lora for w in ("--lora", spec)],
                           threads=threads)
         for extra, folder_of_extra in more_models:
             register_model(registry, extra, folder_of_extra, plane, dtype)
             cluster.spawn(f"worker-{extra}", "tokenfleet.services.decode", "--registry", registry, "--model-name",
-                          extra, "--etcd", etcd, "--replica-id", f"{extra}-0", "--role", "both", *audit,
+                          extra, "--etcd", etcd, "--replica-id", f"{extra}-0", "--role", "both", *audit, *METRICS,
                           *tier_args(kv_tier, kv_tier_bytes, f"{extra}-0"), threads=threads)
-        router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", etcd, "--registry", registry, *audit)
+        router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", etcd, "--registry", registry, *audit,
+                               *METRICS)
         keys = ["--auth", "on", "--etcd", etcd] if auth else []
         gateway = cluster.spawn("gateway", "tokenfleet.services.gateway", "--router", router, "--registry", registry,
                                 "--host", host, "--port", str(gateway_port), "--metrics-port", "0", *keys, *tls)
@@ -254,11 +272,23 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
     if record:
         state = {"pid": os.getpid(), "gateway": cluster.gateway_url, "etcd": etcd, "registry": registry,
                  "certs": str(folder or ""), "insecure": folder is None, "auth": auth,
-                 "gateway_metrics": cluster.gateway_metrics,
+                 "gateway_metrics": cluster.gateway_metrics, "metrics": cluster.metrics(),
                  "started": _process_start(os.getpid())}
         state_file().parent.mkdir(parents=True, exist_ok=True)
         state_file().write_text(json.dumps(state))
     return cluster
+
+
+def scrape_config(state: dict, interval: str = "5s") -> dict:
+    """A Prometheus configuration scraping every service of a `tokenfleet up` cluster (its state file), with the jobs
+    and role labels compose/prometheus/prometheus.yml uses: the Grafana dashboard works on either."""
+    jobs: dict[str, list[dict]] = {}
+    for name, m in sorted(state.get("metrics", {}).items()):
+        labels = {"service": name, **({"role": m["role"]} if m.get("role") else {})}
+        jobs.setdefault(m["job"], []).append({"targets": [m["address"]], "labels": labels})
+    return {"global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "scrape_configs": [{"job_name": job, "metrics_path": "/metrics", "static_configs": targets}
+                               for job, targets in jobs.items()]}
 
 
 def worker_threads(num_workers: int) -> int:
@@ -273,7 +303,7 @@ def worker_threads(num_workers: int) -> int:
     return max(1, cores // max(1, num_workers))
 
 
-def cluster_state() -> dict[str, str]:
+def cluster_state() -> dict[str, Any]:
     """Addresses of the running `tokenfleet up` cluster ({} when none)."""
     path = state_file()
     return json.loads(path.read_text()) if path.exists() else {}

@@ -14,6 +14,7 @@ from tokenfleet.api.openai_schema import APIError
 from tokenfleet.cluster.registry import RegistryConflictError
 from tokenfleet.engine.interface import EngineOverloadedError, EngineStoppedError
 from tokenfleet.engine.kv_transfer import KVLayoutError, KVTransferError
+from tokenfleet.telemetry import tracing
 from tokenfleet.telemetry.request_id import from_metadata
 
 log = structlog.get_logger()
@@ -59,6 +60,23 @@ def _log_context(request: Any, context: grpc.aio.ServicerContext) -> dict[str, s
     return {"request_id": request_id} if request_id else {}
 
 
+def _service(servicer: Any) -> str:
+    """The proto service a servicer implements (its generated base class: ``EngineServiceServicer`` ->
+    ``tokenfleet.v1.EngineService``)."""
+    for base in type(servicer).__mro__:
+        if base.__name__.endswith("Servicer") and base.__module__.endswith("_pb2_grpc"):
+            return f"tokenfleet.v1.{base.__name__[: -len('Servicer')]}"
+    return type(servicer).__name__
+
+
+def _rpc_name(servicer: Any, method: str) -> str:
+    return f"{_service(servicer)}/{method}"  # the gRPC semantic conventions' span name
+
+
+def _rpc_attributes(servicer: Any, method: str) -> dict[str, str]:
+    return {"rpc.system": "grpc", "rpc.service": _service(servicer), "rpc.method": method}
+
+
 def map_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate a servicer method (coroutine or async generator) so exceptions become statuses
     and every log line of the call carries the request id."""
@@ -67,21 +85,27 @@ def map_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
 
         @functools.wraps(handler)
         async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            with structlog.contextvars.bound_contextvars(**_log_context(request, context)):
+            with structlog.contextvars.bound_contextvars(**_log_context(request, context)), \
+                    tracing.server_span(_rpc_name(self, name), context.invocation_metadata(),
+                                        _rpc_attributes(self, name)) as span:
                 try:
                     async for item in handler(self, request, context):
                         yield item
                 except Exception as exc:  # noqa: BLE001 - mapped to a status, INTERNAL is logged
+                    tracing.record_error(span, exc)
                     await _abort(context, exc, name)
 
         return stream
 
     @functools.wraps(handler)
     async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        with structlog.contextvars.bound_contextvars(**_log_context(request, context)):
+        with structlog.contextvars.bound_contextvars(**_log_context(request, context)), \
+                tracing.server_span(_rpc_name(self, name), context.invocation_metadata(),
+                                    _rpc_attributes(self, name)) as span:
             try:
                 return await handler(self, request, context)
             except Exception as exc:  # noqa: BLE001
+                tracing.record_error(span, exc)
                 await _abort(context, exc, name)
 
     return unary

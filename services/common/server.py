@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from tokenfleet.security.authz import AuditLog, Authorizer
 from tokenfleet.security.identity import IdentityError
 from tokenfleet.security.plane import Plane
+from tokenfleet.telemetry import tracing
 from tokenfleet.telemetry.logging import configure_logging
 
 log = structlog.get_logger()
@@ -102,8 +103,10 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> N
 
 
 def run_service(name: str, serve: Callable[[argparse.Namespace], Awaitable[None]], args: argparse.Namespace) -> int:
-    """A service process's main: JSON logs, uvloop when installed, ``serve(args)`` until it returns."""
+    """A service process's main: JSON logs, traces when turned on (telemetry.tracing), uvloop when installed,
+    ``serve(args)`` until it returns."""
     configure_logging(name)
+    tracing.setup(name)
     try:
         import uvloop
 

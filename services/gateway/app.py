@@ -12,12 +12,14 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from tokenfleet.services.gateway.openai_encoder import OpenAIEncoder
-from tokenfleet.services.gateway.pipeline import Call, Gateway, validate_body
+from tokenfleet.services.gateway.pipeline import Call, Gateway, Prepared, validate_body
 
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
+from tokenfleet.telemetry import tracing
 from tokenfleet.telemetry.metrics import RequestTimer
 from tokenfleet.telemetry.request_id import HEADER as REQUEST_ID_HEADER
 from tokenfleet.telemetry.request_id import new_request_id
+from tokenfleet.telemetry.tracing import Trace
 
 log = structlog.get_logger()
 MAX_BODY_BYTES = 4 << 20
@@ -100,7 +102,12 @@ async def _serve(gateway: Gateway, request: Request, chat: bool) -> Response:
     """One API request: caller, body, pipeline, encoder. An error before the response starts is an
     OpenAI error body (and, before admission, a `rejected` ledger record); one after it, inside a
     stream, is the stream's last event."""
-    call = request.state.call = Call(request.state.request_id, request.url.path)
+    operation = "chat" if chat else "text_completion"  # gen_ai.operation.name
+    call = request.state.call = Call(request.state.request_id, request.url.path,
+                                     trace=Trace.start(operation, "server", {
+                                         "gen_ai.operation.name": operation, "gen_ai.system": "tokenfleet",
+                                         "http.request.method": "POST", "url.path": request.url.path,
+                                         "tokenfleet.request_id": request.state.request_id}))
     timer = RequestTimer(gateway.metrics)
     authenticated = False
     try:
@@ -113,6 +120,7 @@ async def _serve(gateway: Gateway, request: Request, chat: bool) -> Response:
         pins = dict(t.pins)
         prepared = await (gateway.prepare_chat(body, t.name, t.tier, pins) if chat
                           else gateway.prepare_completion(body, t.name, t.tier, pins))
+        trace_request(call.trace, operation, t.name, t.tier, prepared, body if tracing.record_content() else None)
         run = await gateway.open(call, prepared)
         encoder = OpenAIEncoder(prepared.request_id, prepared.model.name, prepared.params.logprobs is not None,
                                 prepared.include_usage, tools=prepared.tools)
@@ -126,7 +134,26 @@ async def _serve(gateway: Gateway, request: Request, chat: bool) -> Response:
     except APIError as e:
         if authenticated and not call.admitted:
             gateway.admission.refused(call.caller, call.request_id, call.endpoint, e.status)
+        call.trace.set(**{"http.response.status_code": e.status, "error.type": e.code or e.type})
+        call.trace.end(e)
         return JSONResponse(e.body(), status_code=e.status, headers=_headers(call, e.headers))
+    except BaseException as e:
+        call.trace.end(e)
+        raise
+
+
+def trace_request(trace: Trace, operation: str, tenant: str, tier: str, prepared: Prepared, body: Any) -> None:
+    """The request span's GenAI attributes (and, only when TOKENFLEET_TRACE_CONTENT is on, the prompt)."""
+    params = prepared.params
+    trace.rename(f"{operation} {prepared.model.name}")
+    trace.set(**{"gen_ai.request.model": prepared.requested_model or prepared.model.name,
+                 "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
+                 "gen_ai.request.top_p": params.top_p, "gen_ai.request.choice.count": params.n,
+                 "tokenfleet.tenant": tenant, "tokenfleet.tier": tier, "tokenfleet.model_version": prepared.model.ref,
+                 "tokenfleet.prompt_tokens": len(prepared.prompt)})
+    if body is not None:
+        trace.event("gen_ai.prompt", content=json.dumps(body.model_dump(exclude_none=True).get(
+            "messages", body.model_dump(exclude_none=True).get("prompt")), default=str))
 
 
 def _peer(request: Request) -> str:

@@ -20,6 +20,7 @@ from tokenfleet.kvcache.salt import adapter_scope
 from tokenfleet.security.plane import Channels
 from tokenfleet.telemetry.metrics import GatewayMetrics
 from tokenfleet.telemetry.request_id import metadata as request_id_metadata
+from tokenfleet.telemetry.tracing import Trace
 from tokenfleet.tenancy.tenants import Tenant
 from tokenfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
@@ -69,6 +70,7 @@ class Job:
     placement: Placement = field(default_factory=Placement)
     cache_scope: str = ""  # who may share its cached prefix (tokenfleet.kvcache.salt), for Pick and Generate
     adapter: str = ""  # a LoRA adapter on the workers ("" = the base model)
+    trace: Trace = field(default_factory=Trace)  # the request's span: router and worker calls are its children
 
 
 @dataclass
@@ -106,9 +108,16 @@ class Dispatcher:
         error: grpc.aio.AioRpcError | None = None
         for address in [*self.routers[start:], *self.routers[:start]]:
             stub = router_pb2_grpc.RouterServiceStub(self.channels.get(address, "router"))
+            span = job.trace.child("router.pick", "client", {"rpc.system": "grpc", "server.address": address,
+                                                             "tokenfleet.excluded": list(exclude)})
             try:
-                picked = await stub.Pick(request, metadata=trace_metadata(), timeout=PICK_TIMEOUT_S)
+                picked = await stub.Pick(request, metadata=trace_metadata() + span.metadata(), timeout=PICK_TIMEOUT_S)
+                span.set(**{"tokenfleet.replica": picked.replica_id,
+                            "tokenfleet.prefill_replica": picked.prefill_replica_id or None,
+                            "tokenfleet.prefix_blocks": picked.prefix_blocks or None})
+                span.end()
             except grpc.aio.AioRpcError as e:
+                span.end(f"{e.code().name}: {e.details()}")
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     raise APIError(404, f"The model `{job.model_ref}` has no replica.", code="model_not_found",
                                    param="model") from e
@@ -173,9 +182,13 @@ class Dispatcher:
         while True:
             picked = await self._place(job, progress)
             stub = engine_pb2_grpc.EngineServiceStub(self.channels.get(picked.address, "worker"))
-            call = stub.Generate(self._request(job, picked, progress), metadata=trace_metadata())
+            span = job.trace.child("worker.generate", "client", {
+                "rpc.system": "grpc", "server.address": picked.address, "tokenfleet.replica": picked.replica_id,
+                "tokenfleet.resumed_tokens": len(progress.delivered) or None})
+            call = stub.Generate(self._request(job, picked, progress), metadata=trace_metadata() + span.metadata())
             responded = finished = False
             finals = 0
+            failure: BaseException | None = None
             try:
                 async for response in self._with_first_deadline(call, job):
                     if response.HasField("error"):
@@ -196,9 +209,14 @@ class Dispatcher:
                 # Our own cancel (client gone) surfaces as CancelledError/GeneratorExit, never here.
                 if finished:  # the result arrived; only the call's end was lost
                     return
+                failure = e
                 self._after_failure(job, picked.replica_id, progress, e, responded)
+            except BaseException as e:
+                failure = e
+                raise
             finally:
                 call.cancel()  # no-op when finished; aborts the request when the client went away
+                span.end(None if finished else failure or "the stream ended early")
 
     async def _with_first_deadline(self, call: grpc.aio.UnaryStreamCall, job: Job
                                    ) -> AsyncIterator[engine_pb2.GenerateResponse]:

@@ -30,6 +30,7 @@ from tokenfleet.security.plane import Plane
 from tokenfleet.telemetry.metrics import GatewayMetrics
 from tokenfleet.tenancy.admission import Admission
 from tokenfleet.tenancy.ledger import Ledger
+from tokenfleet.tenancy.pricing import Pricing
 from tokenfleet.tenancy.store import follow_directory, load_file
 from tokenfleet.tenancy.tenants import TIERS, Directory
 from tokenfleet.v1 import inference_pb2, inference_pb2_grpc
@@ -56,6 +57,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--auth", choices=["off", "on"], default="off",
                    help="require API keys (Authorization: Bearer tfk_...): tenants and keys from --tenants-file, "
                    "else from etcd (--etcd). off: every caller is the anonymous, unlimited tenant")
+    p.add_argument("--pricing", help="what tokens cost (tokenfleet.tenancy.pricing: price per GPU-hour, each model's "
+                   "throughput; YAML or JSON); default $TOKENFLEET_PRICING, else $2/GPU-hour at placeholder throughputs")
     p.add_argument("--tenants-file", help="YAML file of tenants and hashed keys (`tokenfleet tenants add --file`)")
     p.add_argument("--etcd", help="etcd host:port: tenants and keys (with --auth on), and the gateway membership "
                    "that splits each tenant's budget between gateways")
@@ -114,7 +117,7 @@ class _Server(uvicorn.Server):
 
 
 async def serve(args: argparse.Namespace) -> None:
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(pricing=Pricing.load(args.pricing))
     plane = Plane.from_args(args, "gateway", metrics.registry)
     plane_watch = plane.watch()
     catalog = ModelCatalog(static_models(args.model, use_default=not args.registry),

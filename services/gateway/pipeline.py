@@ -31,7 +31,9 @@ from tokenfleet.kvcache.salt import request_scope
 from tokenfleet.models.tokenizer import Tokenizer
 from tokenfleet.routing.model_router import RouteInput
 from tokenfleet.security.plane import Channels, Plane
+from tokenfleet.telemetry import tracing
 from tokenfleet.telemetry.metrics import GatewayMetrics, RequestTimer
+from tokenfleet.telemetry.tracing import Trace
 from tokenfleet.tenancy.admission import ANONYMOUS_CALLER, Admission, Caller, Ticket
 from tokenfleet.v1 import common_pb2, engine_pb2
 
@@ -53,6 +55,7 @@ class Call:
     placement: Placement = field(default_factory=Placement)
     headers: dict[str, str] = field(default_factory=dict)  # response headers earned (rate-limit state)
     admitted: bool = False  # past admission: from here the ticket (or admission's 429) writes the ledger record
+    trace: Trace = field(default_factory=Trace)  # the request's span (telemetry.tracing), ended with its stream
 
 
 @dataclass
@@ -80,6 +83,7 @@ class Run:
     stream: AsyncGenerator[engine_pb2.GenerateResponse, None]
     ticket: Ticket | None = None  # the admitted request's budget reservation, settled when it ends
     usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)  # totals over the samples so far
+    trace: Trace = field(default_factory=Trace)
 
     @property
     def model(self) -> ServedModel:
@@ -102,6 +106,7 @@ class Run:
         the first byte): cancel the worker's request and settle the reservation. A no-op after a
         complete run."""
         await self.stream.aclose()
+        self.trace.end("the client went away before the stream was read")  # a no-op after a complete run
         if self.ticket is not None and not self.ticket.settled:
             await self.ticket.finish("cancelled", self.ticket.prompt_tokens, 0, 0, None, durable=False,
                                      detail="the client went away before the stream was read")
@@ -202,12 +207,15 @@ class Gateway:
         if prepared.requested_model:
             ticket.model, ticket.requested_model = model.name, prepared.requested_model
         tenant = call.caller.tenant
+        call.trace.event("admitted")
         scope = request_scope(tenant.cache_group or tenant.name, prepared.cache_salt)
-        job = Job(model.ref, prepared.request_id, prompt, params, limit, tenant, call.placement, scope, model.adapter)
+        job = Job(model.ref, prepared.request_id, prompt, params, limit, tenant, call.placement, scope, model.adapter,
+                  trace=call.trace)
         stream = self.dispatcher.generate(job)
         try:
             first = await _first(stream)
         except BaseException as e:
+            call.trace.end(e)
             status = ("cancelled" if isinstance(e, asyncio.CancelledError) else
                       "rejected" if isinstance(e, APIError) and e.code == "overloaded" else "failed")
             await ticket.finish(status, len(prompt), 0, 0, None, durable=False, detail=str(e))
@@ -215,7 +223,7 @@ class Gateway:
             client_error = isinstance(e, APIError) and e.status < 500 and e.code != "overloaded"
             self.metrics.settled(model.ref, "client_error" if client_error else status)
             raise
-        return Run(prepared, first, stream, ticket)
+        return Run(prepared, first, stream, ticket, trace=call.trace)
 
     async def events(self, run: Run, timer: RequestTimer) -> AsyncIterator[ev.ChoiceEvent]:
         """The run's typed choice events (events.py), ending with ``Ended``; leaving early (client
@@ -365,14 +373,23 @@ async def responses_of(run: Run, timer: RequestTimer, metrics: GatewayMetrics | 
     def ttft_ms() -> float | None:
         return 1000 * (timer.first - timer.start) if timer.first is not None else None
 
+    reasons: list[str] = []
+    content = tracing.record_content()
+    text: list[str] = []
+
     async def timed() -> AsyncIterator[engine_pb2.GenerateResponse]:
         nonlocal produced, finals
         pending: list[engine_pb2.GenerateResponse] = [run.first]
         async for response in _chain(pending, run.stream):
             if response.HasField("chunk"):
+                if not produced and response.chunk.token_ids:
+                    run.trace.event("first_token")
                 timer.on_chunk(len(response.chunk.token_ids))
                 produced += len(response.chunk.token_ids)
+                if content:
+                    text.append(response.chunk.text)
             elif response.HasField("final"):
+                reasons.append(FINISH.get(response.final.finish_reason, "unknown"))
                 finals += 1  # the prompt is counted once: the samples share it
                 usage.prompt_tokens = response.final.usage.prompt_tokens
                 usage.cached_prompt_tokens = response.final.usage.cached_prompt_tokens
@@ -394,9 +411,19 @@ async def responses_of(run: Run, timer: RequestTimer, metrics: GatewayMetrics | 
     finally:
         await run.stream.aclose()
         timer.finish(usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens)
+        run.trace.set(**{"gen_ai.usage.input_tokens": usage.prompt_tokens, "gen_ai.usage.output_tokens": produced,
+                         "gen_ai.response.finish_reasons": reasons, "gen_ai.response.model": run.model.name,
+                         "tokenfleet.cached_tokens": usage.cached_prompt_tokens})
+        if content:
+            run.trace.event("gen_ai.choice", content="".join(text))
+        run.trace.end(None if finals == run.n else detail)
         if metrics is not None:
             ok = finals == run.n
             metrics.settled(run.model.ref, "ok" if ok else status, timer.ttft_s, timer.tpot_s if ok else None)
+            if run.ticket is not None:  # what the ledger bills: the whole usage, or what was produced before the cut
+                metrics.charge(run.ticket.caller.tenant.name, run.model.name,
+                               usage.prompt_tokens or run.ticket.prompt_tokens, usage.cached_prompt_tokens,
+                               usage.completion_tokens if ok else produced)
         if run.ticket is not None and not run.ticket.settled:  # cancelled or failed: bill what was produced
             await run.ticket.finish(status, run.ticket.prompt_tokens, 0, produced, ttft_ms(), durable=False,
                                     detail=detail)

@@ -207,12 +207,18 @@ async def serve(args: argparse.Namespace) -> None:
     if args.fail_fraction:
         log.warning("chaos testing: failing a share of requests", fail_fraction=args.fail_fraction)
         worker.fail_fraction = args.fail_fraction
+    runner = getattr(getattr(engine, "core", None), "runner", None)
+    if hasattr(runner, "peaks"):  # MFU/MBU's denominators: a known card's, else measured now (~0.1 s)
+        flops, read, source = await asyncio.to_thread(runner.peaks)
+        worker.peaks = (flops, read)
+        log.info("device peaks", peak_tflops=round(flops / 1e12, 3), peak_gbytes_per_s=round(read / 1e9, 1),
+                 source=source)
     engine_pb2_grpc.add_EngineServiceServicer_to_server(worker, server.server)
     await server.start()
     log.info("worker serving", address=server.address, role=args.role, model=config.model)
-    print(f"LISTENING {server.address}", flush=True)  # machine-readable line for launchers and tests
     metrics.register(WorkerCollector(worker.report))
-    serve_metrics(metrics, args.host, args.metrics_port)
+    serve_metrics(metrics, args.host, args.metrics_port)  # its METRICS line before LISTENING: launchers read both
+    print(f"LISTENING {server.address}", flush=True)  # machine-readable line for launchers and tests
 
     async def on_drain() -> None:
         if getattr(engine, "error", None) is not None:

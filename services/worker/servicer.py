@@ -18,6 +18,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 import structlog
@@ -31,8 +32,10 @@ from tokenfleet.kvcache.block_hash import hash_blocks
 from tokenfleet.kvcache.layout import KVLayout
 from tokenfleet.kvcache.salt import chain_salt
 from tokenfleet.security.plane import Channels, Plane
+from tokenfleet.telemetry import tracing
 from tokenfleet.telemetry.latency import RecentLatencies
 from tokenfleet.telemetry.request_id import metadata as request_id_metadata
+from tokenfleet.telemetry.tracing import Trace
 from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger()
@@ -57,6 +60,7 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         self.engine = engine
         self.sources = sources
         self.role = role
+        self.peaks = (0.0, 0.0)  # the device's peak FLOP/s and bytes/s (telemetry.utilization), set at start
         self.on_draining = on_draining
         self.on_drained = on_drained
         self.draining = False
@@ -104,12 +108,14 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         if self.fail_fraction and random.random() < self.fail_fraction:
             raise RuntimeError("injected failure (--fail-fraction: a chaos test of rollouts and retries)")
         self._check_objective(request)
+        span = tracing.current()  # this call's server span (map_errors), when the request is traced
         kv_source = None
         if request.HasField("prefill") and request.prefill.address and not request.adapter:
             await self.sources.check(request.prefill.replica_id, request.prefill.address)
-            kv_source = RemotePrefill(self.channels.get(request.prefill.address, "worker"), request, context)
+            kv_source = RemotePrefill(self.channels.get(request.prefill.address, "worker"), request, context, span)
         request_id = self._admit(request.request_id)
         start, first, last, count = time.monotonic(), None, None, 0
+        final: Any = None
         try:
             await self._ensure_adapter(request.adapter)
             if kv_source is None and not request.adapter and request.HasField("prefix_source") \
@@ -125,13 +131,17 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
                 async for out in outputs:
                     if out.new_token_ids:
                         last = time.monotonic()
+                        if first is None:
+                            span.add_event("first_token")
                         first = first or last
                         count += len(out.new_token_ids)
+                    final = out if out.finished else final
                     for message in convert.responses(out):
                         yield message
         finally:
             self.in_flight.discard(request_id)
             self.latencies.record(start, first, last, count)
+            trace_generate(span, self.role, request, final, first - start if first else None)
             log.info("generate finished", engine_request_id=request_id, prompt_tokens=len(request.prompt_token_ids),
                      completion_tokens=count, ttft_ms=round(1000 * (first - start), 1) if first else None,
                      duration_ms=round(1000 * (time.monotonic() - start), 1))
@@ -143,6 +153,9 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         params = convert.sampling_params(request.sampling)
         layout = convert.layout_from_proto(request.layout) if request.HasField("layout") else None
         request_id = self._admit(request.request_id)
+        span = tracing.current()
+        span.set_attribute("tokenfleet.prompt_tokens", len(request.prompt_token_ids))
+        span.set_attribute("tokenfleet.held_blocks", len(request.held_block_hashes))
         try:
             if request.HasField("prefix_source") and request.prefix_source.address:
                 await self._fetch_from_peer(request, request_id)  # e.g. the replies the decode replica generated
@@ -151,8 +164,14 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
                                          cache_scope=convert.cache_scope(request.cache_scope))
             # A cancelled call (the decode side went away) closes the stream: the held blocks are freed.
             async with contextlib.aclosing(stream) as events:
+                sent = 0
                 async for event in events:
-                    yield convert.prefill_response(event)
+                    message = convert.prefill_response(event)
+                    if sent == 0:
+                        span.add_event("prefill_computed")  # the first message: the first token, KV follows
+                    sent += 1
+                    yield message
+                span.set_attribute("tokenfleet.kv_messages_sent", sent)
         finally:
             self.in_flight.discard(request_id)
 
@@ -351,12 +370,34 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             spec_step_seconds=stats.spec_step_seconds,
             num_plain_decode_steps=stats.num_plain_decode_steps,
             plain_decode_step_seconds=stats.plain_decode_step_seconds,
+            busy_seconds=stats.total_step_seconds,
+            model_flops=stats.model_flops,
+            model_bytes=stats.model_bytes,
+            peak_flops=self.peaks[0],
+            peak_bytes_per_s=self.peaks[1],
         )
 
 
 # The KV stream's own limit: a chunk is at most MAX_CHUNK_BYTES of K and V plus a few header bytes.
 KV_MAX_MESSAGE_BYTES = 2 * MAX_CHUNK_BYTES
 KV_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", KV_MAX_MESSAGE_BYTES)]
+def trace_generate(span: Any, role: str, request: engine_pb2.GenerateRequest, final: Any, ttft: float | None) -> None:
+    """A Generate call's span attributes: usage (GenAI conventions), queue wait, cache hits, preemptions."""
+    if not span.is_recording():
+        return
+    tracing.set_attributes(span, {
+        "tokenfleet.role": role, "tokenfleet.tenant": request.tenant or None,
+        "tokenfleet.remote_prefill": request.HasField("prefill") and bool(request.prefill.address),
+        "tokenfleet.resumed_tokens": len(request.resume.output_token_ids) or None,
+        "tokenfleet.ttft_s": ttft,
+        "gen_ai.usage.input_tokens": final.num_prompt_tokens if final else len(request.prompt_token_ids),
+        "gen_ai.usage.output_tokens": final.num_output_tokens if final else None,
+        "gen_ai.response.finish_reasons": [final.finish_reason.value] if final and final.finish_reason else None,
+        "tokenfleet.cached_tokens": final.num_cached_tokens if final else None,
+        "tokenfleet.preemptions": final.num_preemptions if final else None,
+        "tokenfleet.queue_wait_s": final.queued_seconds if final else None})
+
+
 # Generate / Prefill requests: prompt token ids (at most 5 bytes each), sampling parameters and a grammar.
 MAX_MESSAGE_BYTES = 8 << 20
 
@@ -365,23 +406,36 @@ class RemotePrefill:
     """A KV source over gRPC: calls the prefill replica's Prefill for one Generate request."""
 
     def __init__(self, channel: grpc.aio.Channel, request: engine_pb2.GenerateRequest,
-                 context: grpc.aio.ServicerContext):
+                 context: grpc.aio.ServicerContext, parent_span: Any = None):
         self.stub = engine_pb2_grpc.EngineServiceStub(channel)
         self.request = request
         self.replica = request.prefill.replica_id or request.prefill.address
         self.metadata = request_id_metadata(request.request_id) if request.request_id else ()
+        self.parent_span = parent_span  # the Generate call's span: the transfer is its child, whichever task pulls it
 
     async def __call__(self, held_block_hashes: Sequence[bytes], layout: KVLayout) -> AsyncGenerator[PrefillEvent, None]:
         r = self.request
+        span = Trace.start("kv.transfer", "client", {"rpc.system": "grpc", "tokenfleet.prefill_replica": self.replica,
+                                                     "tokenfleet.held_blocks": len(held_block_hashes)},
+                           parent=self.parent_span) if self.parent_span is not None else Trace()
         call = self.stub.Prefill(engine_pb2.PrefillRequest(
             request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, sampling=r.sampling, priority=r.priority,
             held_block_hashes=list(held_block_hashes), layout=convert.layout_to_proto(layout),
             cache_scope=r.cache_scope, prefix_source=r.prefix_source if r.HasField("prefix_source") else None),
-            metadata=self.metadata)
+            metadata=self.metadata + span.metadata())
+        messages = size = 0
+        error: BaseException | None = None
         try:
             async for message in call:
+                if messages == 0:
+                    span.event("first_token")  # the prefill replica's first message: its first token
+                messages += 1
+                size += message.ByteSize()
                 yield convert.prefill_event(message)
         except grpc.aio.AioRpcError as e:
+            error = e
             raise KVTransferError(f"prefill replica {self.replica}: {e.code().name}: {e.details()}") from e
         finally:
             call.cancel()  # no-op when finished; frees the prefill side's held blocks when we stop early
+            span.set(**{"tokenfleet.kv_messages": messages, "tokenfleet.kv_bytes": size})
+            span.end(error)

@@ -35,6 +35,7 @@ class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Decoder | None, model: ModelInfo):
         self.scheduler = scheduler
         self.runner = runner
+        self._step_cost = getattr(runner, "step_cost", None)  # (SchedulerOutput) -> (model FLOPs, bytes read)
         self.tokenizer = tokenizer
         self.model = model
         self._states: dict[str, OutputState] = {}
@@ -332,6 +333,10 @@ class EngineCore:
                 outputs.append(self._process(entry.request_id, result, finished))
                 outputs.extend(self._process(fork_id, result, finished) for fork_id in entry.forks)
         self.stats.record_step(self._timer.last, output.num_scheduled_tokens)
+        if self._step_cost is not None:
+            flops, read = self._step_cost(output)
+            self.stats.model_flops += flops
+            self.stats.model_bytes += read
         if any(s.num_new_tokens > 1 and not s.draft for s in output.scheduled):  # a verification is no prefill
             self.stats.record_prefill_rate(output.num_scheduled_tokens, self._timer.last)
         return outputs

@@ -41,6 +41,8 @@ class RequestOutput:
     error: str | None = None  # set when the engine failed the request (not a user error)
     index: int = 0  # which of the request's n samples
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.., on the first output
+    num_preemptions: int = 0
+    queued_seconds: float | None = None  # arrival -> first scheduled (None: not scheduled yet)
 
 
 class OutputState:
@@ -103,6 +105,8 @@ class OutputState:
             num_cached_tokens=r.num_cached_tokens,
             num_output_tokens=len(r.output_token_ids),
             index=r.index,
+            num_preemptions=r.num_preemptions,
+            queued_seconds=None if r.first_scheduled_time is None else max(0.0, r.first_scheduled_time - r.arrival_time),
         )
 
     def empty_output(self) -> RequestOutput:

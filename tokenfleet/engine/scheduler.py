@@ -28,6 +28,7 @@ pieces that stand alone already live apart (``BlockManager``, ``FairQueue``, ``R
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -215,6 +216,8 @@ class Scheduler:
                                             request.tenant)
         self._lift(request.tenant)
         request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:  # its wait: until the prompt's KV arrived
+            request.first_scheduled_time = time.monotonic()
         self.running.append(request)
 
     def fallback_to_local(self, request_id: str) -> None:
@@ -392,6 +395,8 @@ class Scheduler:
             self.waiting.remove(request)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = min(computed, request.num_prompt_tokens)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.num_computed_tokens = computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -34,6 +34,8 @@ class EngineStats:
     num_peer_blocks_served: int = 0  # blocks this replica sent to peers
     num_peer_fetch_failures: int = 0  # peer fetches that failed or timed out (the blocks were recomputed)
     total_step_seconds: float = 0.0
+    model_flops: float = 0.0  # the steps' model FLOPs and bytes read (the runner's step_cost estimate; MFU/MBU)
+    model_bytes: float = 0.0
     # speculative decoding (engine.spec_decode): proposed and accepted tokens, verifications (a request's
     # proposals verified in one step), and decode-only steps' time with and without verifications
     num_spec_proposed_tokens: int = 0

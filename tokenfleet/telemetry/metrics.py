@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -13,8 +14,11 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    """``pricing`` (tenancy.pricing.Pricing): what each settled request's tokens cost, charged per tenant and model."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, pricing: Any = None):
         self.registry = registry or CollectorRegistry()
+        self.pricing = pricing
         r = self.registry
         self.ttft = Histogram("tokenfleet_gateway_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("tokenfleet_gateway_tpot_seconds", "Mean time per output token after the first",
@@ -40,6 +44,25 @@ class GatewayMetrics:
                                       ["ref"], buckets=LATENCY_BUCKETS, registry=r)
         self.version_tpot = Histogram("tokenfleet_gateway_version_tpot_seconds", "Mean time per output token by model "
                                       "version", ["ref"], buckets=LATENCY_BUCKETS, registry=r)
+
+        # Cost and usage per tenant and model (tokenfleet.tenancy.pricing: GPU time at a price per GPU-hour)
+        self.tenant_tokens = Counter("tokenfleet_gateway_tenant_tokens", "Tokens by tenant, model and kind (input: "
+                                     "prompt tokens, cached: of those from the prefix cache, output)",
+                                     ["tenant", "model", "kind"], registry=r)
+        self.tenant_cost = Counter("tokenfleet_gateway_tenant_cost_usd", "What the tenant's tokens cost: GPU time at "
+                                   "the model's configured throughput and the price per GPU-hour", ["tenant", "model"],
+                                   registry=r)
+        self.tenant_gpu_seconds = Counter("tokenfleet_gateway_tenant_gpu_seconds", "GPU time the tenant's tokens "
+                                          "take at the model's configured throughput", ["tenant", "model"], registry=r)
+
+    def charge(self, tenant: str, model: str, prompt: int, cached: int, output: int) -> None:
+        """One settled request's tokens, and (with pricing) their GPU time and cost."""
+        self.tenant_tokens.labels(tenant, model, "input").inc(prompt)
+        self.tenant_tokens.labels(tenant, model, "cached").inc(cached)
+        self.tenant_tokens.labels(tenant, model, "output").inc(output)
+        if self.pricing is not None:
+            self.tenant_gpu_seconds.labels(tenant, model).inc(self.pricing.gpu_seconds(model, prompt, cached, output))
+            self.tenant_cost.labels(tenant, model).inc(self.pricing.cost(model, prompt, cached, output))
 
     def settled(self, ref: str, status: str, ttft_s: float | None = None, tpot_s: float | None = None) -> None:
         """One request to model version ``ref`` ended with ``status``."""
@@ -108,6 +131,17 @@ class WorkerCollector(Collector):
         used, free = r.num_blocks_used, r.num_blocks_free  # type: ignore[attr-defined]
         yield GaugeMetricFamily("tokenfleet_worker_kv_usage", "Fraction of KV blocks in use",
                                 value=used / (used + free) if used + free else 0.0)
+        for name, field, what in (("busy_seconds", "busy_seconds", "Seconds the engine loop spent in steps (its busy "
+                                   "share is the rate)"),
+                                  ("model_flops", "model_flops", "Model FLOPs of the steps (estimated from their shapes)"),
+                                  ("model_bytes", "model_bytes", "Bytes the steps read: weights and KV (estimated)")):
+            yield CounterMetricFamily(f"tokenfleet_worker_{name}", what, value=getattr(r, field))
+        for name, field, what in (("peak_flops", "peak_flops", "The device's peak FLOP/s at the model's dtype (datasheet "
+                                   "or measured at start): MFU = rate(model_flops) / this"),
+                                  ("peak_bytes_per_second", "peak_bytes_per_s", "The device's peak memory bytes/s: "
+                                   "MBU = rate(model_bytes) / this")):
+            if getattr(r, field):
+                yield GaugeMetricFamily(f"tokenfleet_worker_{name}", what, value=getattr(r, field))
         counters = {"prefix_hit_tokens": "num_prefix_hit_tokens", "preemptions": "num_preemptions",
                     "aborted_requests": "num_aborted", "steps": "num_steps",
                     "prompt_tokens_computed": "num_prompt_tokens_computed", "remote_prefills": "num_remote_prefills",

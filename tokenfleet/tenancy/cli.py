@@ -52,6 +52,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     usage.add_argument("--since", help="YYYY-MM-DD (UTC); default: everything")
     usage.add_argument("--tenant")
     usage.add_argument("--format", choices=["table", "csv"], default="table")
+    usage.add_argument("--pricing", help="pricing file for the usd column (tokenfleet.tenancy.pricing; default "
+                       "$TOKENFLEET_PRICING, else $2/GPU-hour at placeholder throughputs)")
     usage.set_defaults(func=_cmd_usage)
 
 
@@ -138,12 +140,13 @@ def _cmd_usage(args: argparse.Namespace) -> int:
 
     from tokenfleet import envs
     from tokenfleet.tenancy.ledger import format_report, report
+    from tokenfleet.tenancy.pricing import Pricing
 
     path = Path(args.ledger or envs.cache_dir() / "ledger.sqlite3")
     if not path.exists():
         raise FileNotFoundError(f"no ledger at {path}")
     since = datetime.strptime(args.since, "%Y-%m-%d").replace(tzinfo=UTC).timestamp() if args.since else 0.0
-    print(format_report(report(path, since, args.tenant), args.format), end="")
+    print(format_report(report(path, since, args.tenant, Pricing.load(args.pricing)), args.format), end="")
     return 0
 
 

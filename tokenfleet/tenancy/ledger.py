@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 STATUSES = ("ok", "cancelled", "failed", "rejected")
 _COLUMNS = ("request_id", "tenant", "key_id", "model", "endpoint", "status", "prompt_tokens", "cached_tokens",
@@ -145,27 +146,33 @@ REPORT_COLUMNS = ("day", "tenant", "model", "requests", "ok", "rejected", "cance
                   "cached_tokens", "completion_tokens")
 
 
-def report(path: str | Path, since: float = 0.0, tenant: str | None = None) -> list[dict]:
-    """Per tenant, model and UTC day: request counts by status and token sums."""
+def report(path: str | Path, since: float = 0.0, tenant: str | None = None, pricing: Any = None) -> list[dict]:
+    """Per tenant, model and UTC day: request counts by status and token sums; with ``pricing``
+    (tenancy.pricing.Pricing) their cost in US dollars too (``usd``)."""
     sql = """SELECT date(finished_at, 'unixepoch') AS day, tenant, model, count(*),
                     sum(status = 'ok'), sum(status = 'rejected'), sum(status = 'cancelled'), sum(status = 'failed'),
                     sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens)
              FROM usage WHERE finished_at >= ? AND (? IS NULL OR tenant = ?)
              GROUP BY day, tenant, model ORDER BY day, tenant, model"""
     with _connect(Path(path)) as conn:
-        rows = conn.execute(sql, (since, tenant, tenant)).fetchall()
-    return [dict(zip(REPORT_COLUMNS, row)) for row in rows]
+        rows = [dict(zip(REPORT_COLUMNS, row)) for row in conn.execute(sql, (since, tenant, tenant)).fetchall()]
+    if pricing is not None:  # the cost is linear in the token sums: the sum's cost is the sum of the costs
+        for r in rows:
+            r["usd"] = round(pricing.cost(r["model"], r["prompt_tokens"] or 0, r["cached_tokens"] or 0,
+                                          r["completion_tokens"] or 0), 6)
+    return rows
 
 
 def format_report(rows: Sequence[dict], fmt: str = "table") -> str:
+    columns = REPORT_COLUMNS + (("usd",) if rows and "usd" in rows[0] else ())
     if fmt == "csv":
         out = io.StringIO()
-        writer = csv.DictWriter(out, REPORT_COLUMNS)
+        writer = csv.DictWriter(out, columns)
         writer.writeheader()
         writer.writerows(rows)
         return out.getvalue()
-    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) if rows else len(c) for c in REPORT_COLUMNS}
-    lines = ["  ".join(c.ljust(widths[c]) for c in REPORT_COLUMNS)]
-    lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in REPORT_COLUMNS) for r in rows]
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) if rows else len(c) for c in columns}
+    lines = ["  ".join(c.ljust(widths[c]) for c in columns)]
+    lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in columns) for r in rows]
     return "\n".join(lines) + "\n"
 

@@ -100,8 +100,10 @@ def exported_metrics() -> tuple[frozenset[str], frozenset[str]]:
     from prometheus_client import CollectorRegistry
 
     from tokenfleet.telemetry.metrics import GatewayMetrics, RequestTimer, WorkerCollector
+    from tokenfleet.tenancy.pricing import Pricing
 
-    gateway = GatewayMetrics()
+    gateway = GatewayMetrics(pricing=Pricing())
+    gateway.charge("acme", "smol", 10, 4, 5)
     timer = RequestTimer(gateway)
     timer.on_chunk(1)
     timer.on_chunk(1)
@@ -184,6 +186,32 @@ def test_dashboard_queries_exported_metrics() -> None:
         assert f"tokenfleet_gateway_{name}_seconds_bucket" in quantiles, f"no {name.upper()} quantiles"
     wanted = {"tokenfleet_gateway_prompt_tokens_total", "tokenfleet_gateway_completion_tokens_total",
               "tokenfleet_gateway_requests_total", "tokenfleet_worker_waiting", "tokenfleet_worker_running",
-              "tokenfleet_worker_kv_usage"}
+              "tokenfleet_worker_kv_usage", "tokenfleet_gateway_tenant_cost_usd_total",
+              "tokenfleet_gateway_tenant_tokens_total", "tokenfleet_worker_busy_seconds_total",
+              "tokenfleet_worker_model_flops_total", "tokenfleet_worker_peak_flops", "tokenfleet_worker_model_bytes_total",
+              "tokenfleet_worker_peak_bytes_per_second"}
     assert wanted <= queried, f"the dashboard does not show {sorted(wanted - queried)}"
 
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# (d) Traces: every tokenfleet service -> the OTLP collector -> Jaeger
+
+
+def test_every_service_exports_traces_to_the_collector_which_feeds_jaeger() -> None:
+    collector = services()["otel-collector"]
+    for name in tokenfleet_services():
+        env = services()[name].get("environment", {})
+        assert env.get("TOKENFLEET_TRACING", "").startswith("${TOKENFLEET_TRACING:-"), name  # off unless asked
+        host, port = split_address(env["OTEL_EXPORTER_OTLP_ENDPOINT"].removeprefix("http://"))
+        assert host == "otel-collector" and port in exposed_ports(collector), name
+    mounted = {target: source for source, target in mounts(collector)}
+    config_path = flag(_words(collector["command"]), "--config")
+    config = yaml.safe_load((COMPOSE_DIR / mounted[config_path]).read_text())
+    http = config["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
+    assert split_address(http)[1] == 4318
+    (exporter,) = config["service"]["pipelines"]["traces"]["exporters"]
+    host, port = split_address(config["exporters"][exporter]["endpoint"])
+    assert host == "jaeger" and port in exposed_ports(services()["jaeger"])
+    assert services()["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    assert 16686 in exposed_ports(services()["jaeger"])  # the UI

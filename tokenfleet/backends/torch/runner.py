@@ -25,6 +25,7 @@ from tokenfleet.models.gemma3 import Gemma3Model
 from tokenfleet.models.linear import Fp8Linear
 from tokenfleet.models.llama import KVCache, LlamaModel
 from tokenfleet.models.lora import LoraBatch, LoraSet, fused_base_weights, load_peft_adapter
+from tokenfleet.telemetry.utilization import StepCost, peaks
 
 
 class TorchModelRunner:
@@ -48,6 +49,17 @@ class TorchModelRunner:
         # LoRA adapters (models.lora), many per batch; None until the first is loaded
         self.adapters: LoraSet | None = None
         self._draft_probs: dict[str, torch.Tensor] = {}  # this step's: sampled requests' draft distributions
+        _, kv_heads, _, _, head_dim = self.kv.k.shape
+        kv_per_token = 2 * len(self.kv.layer_slots) * kv_heads * head_dim * self.kv.k.element_size()
+        self.cost = StepCost.of_model(model, kv_per_token)  # MFU/MBU accounting (telemetry.utilization)
+
+    def step_cost(self, output: SchedulerOutput) -> tuple[float, float]:
+        """The step's model FLOPs and bytes read (weights + KV), estimated from its shape."""
+        return self.cost.of_scheduled(output.scheduled)
+
+    def peaks(self) -> tuple[float, float, str]:
+        """The device's peak FLOP/s (at the weights' dtype) and bytes/s, and where they come from."""
+        return peaks(self.device, self.model.dtype)
 
     def execute(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> ExecuteResult:
         if self.drafter is not None and any(s.draft for s in output.scheduled):
