@@ -156,9 +156,7 @@ def test_worker_metrics_endpoint(default_model_dir, prompt):
         "--num-blocks", "64", "--metrics-port", "0",
     )
     try:
-        metrics_address = next(
-            line.split()[1] for line in iter(service.proc.stdout.readline, "") if line.startswith("METRICS ")
-        )
+        metrics_address = service.announced("METRICS")  # printed before LISTENING
         list(stub_for(service.address).Generate(engine_pb2.GenerateRequest(
             prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=3, temperature=0.0))))
         with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=30) as response:
@@ -167,5 +165,9 @@ def test_worker_metrics_endpoint(default_model_dir, prompt):
         assert samples["tokenfleet_worker_kv_blocks_used"] + samples["tokenfleet_worker_kv_blocks_free"] == 64
         assert samples["tokenfleet_worker_steps_total"] >= 3
         assert samples["tokenfleet_worker_running"] == 0
+        # utilization: busy seconds, the steps' model FLOPs and bytes, and the measured peaks they are shares of
+        assert samples["tokenfleet_worker_busy_seconds_total"] > 0 and samples["tokenfleet_worker_model_flops_total"] > 0
+        assert samples["tokenfleet_worker_peak_flops"] > 0 and samples["tokenfleet_worker_peak_bytes_per_second"] > 0
+        assert samples["tokenfleet_worker_model_bytes_total"] >= 3 * 0.5e9  # 3 steps, each reading ~0.5 GB of fp32 weights
     finally:
         service.stop()
