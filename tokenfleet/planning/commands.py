@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -212,7 +213,9 @@ def _cmd_autoscale_day(args: argparse.Namespace) -> int:
     days = []
     for trough in [args.trough_ratio, *(t for t in args.sensitivity if t != args.trough_ratio)]:
         day = replace(fixed, arrivals=replace(fixed.arrivals, trough_ratio=trough), label=f"fixed@{trough:g}")
-        days += [day, replace(day, fleet=replace(day.fleet, replicas=args.min_replicas), autoscale=policy,
+        # the day starts at its trough, with the cell the previous night left: the trough's share of the peak's size
+        start = min(fixed.fleet.replicas, max(args.min_replicas, math.ceil(trough * fixed.fleet.replicas)))
+        days += [day, replace(day, fleet=replace(day.fleet, replicas=start), autoscale=policy,
                               scale_start_seconds=args.scale_start_seconds, label=f"autoscaled@{trough:g}")]
     results = run_all(days, args.jobs)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -239,7 +242,8 @@ def _autoscale_report(args: argparse.Namespace, policy: Any, results: list[dict[
              f"{policy.min_replicas}-{policy.max_replicas} replicas at {capacity}, "
              f"trend over {policy.window:.0f} s projected {policy.lead_seconds:.0f} s ahead, cooldowns "
              f"{policy.up_cooldown:.0f} s up / {policy.down_cooldown:.0f} s down (the clocks compressed with the day), "
-             f"scale-down only with {1 - policy.down_margin:.0%} to spare, new replicas serving "
+             f"scale-down only with {1 - policy.down_margin:.0%} to spare, starting the day at the trough's share of the "
+             f"cell, new replicas serving "
              f"{args.scale_start_seconds:.0f} s after they are asked for, retired ones drained.", "",
              "| fleet | GPU-hours (the compressed day) | mean replicas | SLO attainment | TTFT p99 | TPOT p99 | "
              "requests |", "|---|---|---|---|---|---|---|"]

@@ -10,8 +10,8 @@ Off by default. ``TOKENFLEET_TRACING=1`` turns it on in every process that inher
 - The OTLP/HTTP exporter's own variables: ``OTEL_EXPORTER_OTLP_ENDPOINT`` (default ``http://localhost:4318``),
   ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``OTEL_BSP_SCHEDULE_DELAY``...
 
-Context crosses hops in gRPC metadata as W3C ``traceparent`` (``inject()`` on the client side, beside the request id;
-``server_span()`` on the server side, in ``services.common.errors.map_errors``, which every handler has). Span
+Context crosses hops in gRPC metadata as W3C ``traceparent`` (``Trace.metadata()`` on the client side, beside the request
+id; ``server_span()`` on the server side, in ``services.common.errors.map_errors``, which every handler has). Span
 attributes follow the OpenTelemetry GenAI semantic conventions (``gen_ai.*``) plus ours (``tokenfleet.*``).
 
 With tracing off every function here is a cheap no-op: ``span()`` yields ``NO_SPAN``.
@@ -125,15 +125,6 @@ def current() -> Any:
     from opentelemetry import trace
 
     return trace.get_current_span()
-
-
-def inject() -> tuple[tuple[str, str], ...]:
-    """The active span's trace context as gRPC metadata (``traceparent``, ``tracestate``); () with tracing off."""
-    if _tracer is None:
-        return ()
-    carrier: dict[str, str] = {}
-    _propagator.inject(carrier)
-    return tuple((k, v) for k, v in carrier.items() if k in (TRACEPARENT, TRACESTATE))
 
 
 def _extract(metadata: Sequence[tuple[str, Any]]) -> Any:
