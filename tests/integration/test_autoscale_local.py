@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 
 import openai
@@ -132,3 +133,68 @@ def gauge(metrics: str, name: str) -> float:
         if line.startswith(name + "{"):
             return float(line.split()[-1])
     return -1.0
+
+
+def test_a_scale_down_under_load_finishes_every_stream_of_the_removed_worker_unchanged(default_model_dir, tmp_path):
+    """fp32, greedy: streams open on the worker an operator's override removes finish there (drain), each with the
+    same text as the same request undisturbed on the remaining worker afterwards."""
+    env = {**os.environ, "TOKENFLEET_CACHE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    log = tmp_path / "up.stderr"
+    with open(log, "w") as err:
+        up = subprocess.Popen([sys.executable, "-m", "tokenfleet.cli", "up", "--workers", "1", "--threads", "1",
+                               "--port", "0", "--model", str(default_model_dir), "--model-name", "smol", "--dtype",
+                               "float32", "--autoscale", "--max-workers", "2", "--autoscale-metrics-port", "0"],
+                              stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    pool = "smol/both"
+
+    def autoscale(*words: str) -> None:
+        subprocess.run([sys.executable, "-m", "tokenfleet.cli", "autoscale", *words], env=env, check=True,
+                       capture_output=True, timeout=60)
+
+    try:
+        assert up.stdout is not None
+        gateway = metrics = ""
+        while not (gateway and metrics):
+            line = up.stdout.readline()
+            assert line, log.read_text()[-3000:]
+            if line.startswith("gateway:"):
+                gateway = line.split()[1]
+            if line.startswith("autoscaler metrics:"):
+                metrics = line.split()[2]
+        threading.Thread(target=up.stdout.read, daemon=True).start()
+        autoscale("--set", pool, "2")  # the operator holds two workers...
+        wait_for(lambda: serving(metrics) == 2, "two workers", 180)
+        client = openai.OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=300)
+        prompts = [f"Write a long story about lighthouse keeper number {i}." for i in range(6)]
+        results: dict[int, tuple[str, str, int]] = {}
+
+        def stream(i: int) -> None:
+            raw = client.completions.with_raw_response.create(model="smol", prompt=prompts[i], max_tokens=80,
+                                                              temperature=0, stream=True,
+                                                              extra_body={"ignore_eos": True},
+                                                              stream_options={"include_usage": True})
+            text, tokens = "", 0
+            for chunk in raw.parse():
+                text += "".join(c.text for c in chunk.choices)
+                tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+            results[i] = (raw.headers.get("x-tokenfleet-replica", ""), text, tokens)
+
+        users = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+        for u in users:
+            u.start()
+        time.sleep(1.0)  # every stream placed and generating
+        autoscale("--set", pool, "1")  # ...then takes one away while the streams run
+        wait_for(lambda: serving(metrics) == 1, "the scale-down", 180)
+        for u in users:
+            u.join(timeout=300)
+        removed = [i for i, (replica, _, _) in results.items() if replica == "worker-1"]
+        assert len(results) == len(prompts) and removed, results  # some streams were on the removed worker
+        assert all(tokens == 80 for _, _, tokens in results.values()), results
+        for i in range(len(prompts)):  # undisturbed, now on the one worker left
+            alone = client.completions.create(model="smol", prompt=prompts[i], max_tokens=80, temperature=0,
+                                              extra_body={"ignore_eos": True})
+            assert alone.choices[0].text == results[i][1], (i, results[i][0])
+        autoscale("--clear", pool)
+    finally:
+        up.terminate()
+        up.wait(timeout=120)
