@@ -75,7 +75,8 @@ def test_generate_without_prompt_exits_2():
 
 
 def test_a_detached_up_passes_every_option_to_the_cluster_process():
-    from tokenfleet.cli import _parser, detached_up_argv
+    from tokenfleet.cli import _parser
+    from tokenfleet.cli_up import detached_up_argv
 
     given = ["up", "--workers", "2", "--prefill-workers", "1", "--threads", "3", "--port", "0", "--role", "decode",
              "--dtype", "float32", "--model", "/m", "--model", "g=/g", "--model-name", "smol", "--detach", "--ask", "hi",
