@@ -9,6 +9,8 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, cast
 
 import grpc
 import pytest
@@ -17,6 +19,42 @@ from tokenfleet import envs
 from tokenfleet.security.identity import Identity
 from tokenfleet.security.plane import Plane
 from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
+
+
+@dataclass
+class UpCluster:
+    """A `tokenfleet up` process (``start_up``): what it announced, its environment, and its stdout after that."""
+
+    proc: subprocess.Popen
+    announced: dict[str, str]  # "gateway:" -> its URL, "autoscaler metrics:" -> ...
+    env: dict[str, str]
+    log: Path  # its stderr
+    said: list[str] = field(default_factory=list)  # stdout lines after the announcements (the launcher's own log)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=120)
+
+
+def start_up(tmp_path: Path, *args: str, wait: tuple[str, ...] = ("gateway:",), env: dict[str, str] | None = None
+             ) -> UpCluster:
+    """`tokenfleet up --port 0 ARGS` with its own cache folder, once it has printed every ``wait`` line."""
+    env = {**os.environ, "TOKENFLEET_CACHE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1", **(env or {})}
+    log = tmp_path / "up.stderr"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "tokenfleet.cli", "up", "--port", "0", *args],
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    stdout = cast("IO[str]", proc.stdout)  # stdout=PIPE
+    announced: dict[str, str] = {}
+    while not all(w in announced for w in wait):
+        line = stdout.readline()
+        if not line:
+            proc.kill()
+            raise AssertionError(f"tokenfleet up exited: {log.read_text()[-3000:]}")
+        announced.update({w: line[len(w):].split()[0] for w in wait if line.startswith(w)})
+    up = UpCluster(proc, announced, env, log)
+    threading.Thread(target=lambda: up.said.extend(stdout), daemon=True).start()
+    return up
 
 
 @dataclass

@@ -3,129 +3,21 @@ drains and stops that worker. No request fails or comes back short, across both 
 
 from __future__ import annotations
 
-import os
+import contextlib
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import openai
 
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import UpCluster, start_up, wait_for
 
-
-def serving(metrics: str) -> float:
-    for line in urllib.request.urlopen(metrics, timeout=10).read().decode().splitlines():
-        if line.startswith("tokenfleet_autoscaler_serving_replicas{"):
-            return float(line.split()[-1])
-    return 0.0
-
-
-def test_up_autoscale_adds_a_worker_under_load_and_drains_it_after(default_model_dir, tmp_path):
-    env = {**os.environ, "TOKENFLEET_CACHE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    log = tmp_path / "up.stderr"
-    with open(log, "w") as err:
-        up = subprocess.Popen([sys.executable, "-m", "tokenfleet.cli", "up", "--workers", "1", "--threads", "1",
-                               "--port", "0", "--model", str(default_model_dir), "--model-name", "smol", "--autoscale",
-                               "--max-workers", "2", "--target-concurrency", "2", "--autoscale-metrics-port", "0"],
-                              stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    try:
-        assert up.stdout is not None
-        gateway = metrics = ""
-        while not (gateway and metrics):
-            line = up.stdout.readline()
-            assert line, log.read_text()[-3000:]
-            if line.startswith("gateway:"):
-                gateway = line.split()[1]
-            if line.startswith("autoscaler metrics:"):
-                metrics = line.split()[2]
-        client = openai.OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=300)
-        stop = threading.Event()
-        outcomes: list[tuple[int, str]] = []
-
-        def user(i: int) -> None:
-            while not stop.is_set():
-                try:
-                    out = client.completions.create(model="smol", prompt=f"Story {i}:", max_tokens=24,
-                                                    extra_body={"ignore_eos": True})
-                    outcomes.append((out.usage.completion_tokens, ""))
-                except openai.APIError as e:
-                    outcomes.append((0, str(e)))
-
-        users = [threading.Thread(target=user, args=(i,)) for i in range(6)]
-        for u in users:
-            u.start()
-        try:
-            wait_for(lambda: serving(metrics) >= 2, "a second worker under load", 180)
-        finally:
-            stop.set()
-            for u in users:
-                u.join(timeout=300)
-        wait_for(lambda: serving(metrics) == 1, "back to one worker once idle", 240)
-        assert outcomes and all(o == (24, "") for o in outcomes), [o for o in outcomes if o != (24, "")][:3]
-        changes = {line.split("{")[1].split("}")[0]: float(line.split()[-1])
-                   for line in urllib.request.urlopen(metrics, timeout=10).read().decode().splitlines()
-                   if line.startswith("tokenfleet_autoscaler_changes_total{")}
-        assert changes['direction="up",pool="smol/both"'] >= 1 and changes['direction="down",pool="smol/both"'] >= 1
-        assert "[supervisor] worker-1" not in log.read_text()  # a drained worker is retired, not restarted
-        reply = client.completions.create(model="smol", prompt="Hi", max_tokens=3)
-        assert reply.usage.completion_tokens == 3
-    finally:
-        up.terminate()
-        up.wait(timeout=120)
-
-
-def test_up_autoscale_with_a_warm_pool_activates_the_standby_worker(default_model_dir, tmp_path):
-    """--warm-pool 1: a second worker is loaded and warmed up but out of the fleet until a scale-up activates it."""
-    env = {**os.environ, "TOKENFLEET_CACHE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    log = tmp_path / "up.stderr"
-    with open(log, "w") as err:
-        up = subprocess.Popen([sys.executable, "-m", "tokenfleet.cli", "up", "--workers", "1", "--threads", "1",
-                               "--port", "0", "--model", str(default_model_dir), "--model-name", "smol", "--autoscale",
-                               "--max-workers", "2", "--target-concurrency", "2", "--warm-pool", "1",
-                               "--autoscale-metrics-port", "0"], stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    try:
-        assert up.stdout is not None
-        gateway = metrics = ""
-        while not (gateway and metrics):
-            line = up.stdout.readline()
-            assert line, log.read_text()[-3000:]
-            if line.startswith("gateway:"):
-                gateway = line.split()[1]
-            if line.startswith("autoscaler metrics:"):
-                metrics = line.split()[2]
-        wait_for(lambda: gauge(metrics, "tokenfleet_autoscaler_standby_replicas") == 1, "a standby worker", 180)
-        assert serving(metrics) == 1  # loaded, but the fleet does not see it
-        client = openai.OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=300)
-        stop = threading.Event()
-        outcomes: list[tuple[int, str]] = []
-
-        def user(i: int) -> None:
-            while not stop.is_set():
-                try:
-                    out = client.completions.create(model="smol", prompt=f"Story {i}:", max_tokens=24,
-                                                    extra_body={"ignore_eos": True})
-                    outcomes.append((out.usage.completion_tokens, ""))
-                except openai.APIError as e:
-                    outcomes.append((0, str(e)))
-
-        users = [threading.Thread(target=user, args=(i,)) for i in range(6)]
-        for u in users:
-            u.start()
-        try:
-            wait_for(lambda: serving(metrics) >= 2, "the standby worker serving under load", 180)
-        finally:
-            stop.set()
-            for u in users:
-                u.join(timeout=300)
-        assert outcomes and all(o == (24, "") for o in outcomes), [o for o in outcomes if o != (24, "")][:3]
-        assert gauge(metrics, "tokenfleet_autoscaler_standby_replicas") == 0  # no room left at --max-workers 2
-    finally:
-        up.terminate()
-        up.wait(timeout=120)
-    said = up.stdout.read() + log.read_text()  # the launcher's own log lines
-    assert "autoscale activated a standby worker" in said and "autoscale started a worker" not in said
+AUTOSCALED = ("--workers", "1", "--threads", "1", "--model-name", "smol", "--autoscale", "--max-workers", "2",
+              "--autoscale-metrics-port", "0")
+ANNOUNCED = ("gateway:", "autoscaler metrics:")
 
 
 def gauge(metrics: str, name: str) -> float:
@@ -135,36 +27,95 @@ def gauge(metrics: str, name: str) -> float:
     return -1.0
 
 
+def serving(metrics: str) -> float:
+    return max(gauge(metrics, "tokenfleet_autoscaler_serving_replicas"), 0.0)
+
+
+@contextlib.contextmanager
+def busy(client: openai.OpenAI, users: int = 6) -> Iterator[list[tuple[int, str]]]:
+    """``users`` clients sending 24-token completions back to back while the block runs; yields their outcomes
+    ((completion tokens, error) per request), complete once the block has left."""
+    stop = threading.Event()
+    outcomes: list[tuple[int, str]] = []
+
+    def user(i: int) -> None:
+        while not stop.is_set():
+            try:
+                out = client.completions.create(model="smol", prompt=f"Story {i}:", max_tokens=24,
+                                                extra_body={"ignore_eos": True})
+                outcomes.append((out.usage.completion_tokens, ""))
+            except openai.APIError as e:
+                outcomes.append((0, str(e)))
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(users)]
+    for t in threads:
+        t.start()
+    try:
+        yield outcomes
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=300)
+
+
+def client_of(up: UpCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=up.announced["gateway:"], api_key="unused", max_retries=0, timeout=300)
+
+
+def test_up_autoscale_adds_a_worker_under_load_and_drains_it_after(default_model_dir, tmp_path):
+    up = start_up(tmp_path, *AUTOSCALED, "--model", str(default_model_dir), "--target-concurrency", "2",
+                  wait=ANNOUNCED)
+    metrics = up.announced["autoscaler metrics:"]
+    try:
+        client = client_of(up)
+        with busy(client) as outcomes:
+            wait_for(lambda: serving(metrics) >= 2, "a second worker under load", 180)
+        wait_for(lambda: serving(metrics) == 1, "back to one worker once idle", 240)
+        assert outcomes and all(o == (24, "") for o in outcomes), [o for o in outcomes if o != (24, "")][:3]
+        changes = {line.split("{")[1].split("}")[0]: float(line.split()[-1])
+                   for line in urllib.request.urlopen(metrics, timeout=10).read().decode().splitlines()
+                   if line.startswith("tokenfleet_autoscaler_changes_total{")}
+        assert changes['direction="up",pool="smol/both"'] >= 1 and changes['direction="down",pool="smol/both"'] >= 1
+        assert "[supervisor] worker-1" not in up.log.read_text()  # a drained worker is retired, not restarted
+        reply = client.completions.create(model="smol", prompt="Hi", max_tokens=3)
+        assert reply.usage.completion_tokens == 3
+    finally:
+        up.stop()
+
+
+def test_up_autoscale_with_a_warm_pool_activates_the_standby_worker(default_model_dir, tmp_path):
+    """--warm-pool 1: a second worker is loaded and warmed up but out of the fleet until a scale-up activates it."""
+    up = start_up(tmp_path, *AUTOSCALED, "--model", str(default_model_dir), "--target-concurrency", "2",
+                  "--warm-pool", "1", wait=ANNOUNCED)
+    metrics = up.announced["autoscaler metrics:"]
+    try:
+        wait_for(lambda: gauge(metrics, "tokenfleet_autoscaler_standby_replicas") == 1, "a standby worker", 180)
+        assert serving(metrics) == 1  # loaded, but the fleet does not see it
+        with busy(client_of(up)) as outcomes:
+            wait_for(lambda: serving(metrics) >= 2, "the standby worker serving under load", 180)
+        assert outcomes and all(o == (24, "") for o in outcomes), [o for o in outcomes if o != (24, "")][:3]
+        assert gauge(metrics, "tokenfleet_autoscaler_standby_replicas") == 0  # no room left at --max-workers 2
+    finally:
+        up.stop()
+    said = "".join(up.said) + up.log.read_text()  # the launcher's own log lines
+    assert "autoscale activated a standby worker" in said and "autoscale started a worker" not in said
+
+
 def test_a_scale_down_under_load_finishes_every_stream_of_the_removed_worker_unchanged(default_model_dir, tmp_path):
     """fp32, greedy: streams open on the worker an operator's override removes finish there (drain), each with the
     same text as the same request undisturbed on the remaining worker afterwards."""
-    env = {**os.environ, "TOKENFLEET_CACHE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    log = tmp_path / "up.stderr"
-    with open(log, "w") as err:
-        up = subprocess.Popen([sys.executable, "-m", "tokenfleet.cli", "up", "--workers", "1", "--threads", "1",
-                               "--port", "0", "--model", str(default_model_dir), "--model-name", "smol", "--dtype",
-                               "float32", "--autoscale", "--max-workers", "2", "--autoscale-metrics-port", "0"],
-                              stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    up = start_up(tmp_path, *AUTOSCALED, "--model", str(default_model_dir), "--dtype", "float32", wait=ANNOUNCED)
+    metrics = up.announced["autoscaler metrics:"]
     pool = "smol/both"
 
     def autoscale(*words: str) -> None:
-        subprocess.run([sys.executable, "-m", "tokenfleet.cli", "autoscale", *words], env=env, check=True,
+        subprocess.run([sys.executable, "-m", "tokenfleet.cli", "autoscale", *words], env=up.env, check=True,
                        capture_output=True, timeout=60)
 
     try:
-        assert up.stdout is not None
-        gateway = metrics = ""
-        while not (gateway and metrics):
-            line = up.stdout.readline()
-            assert line, log.read_text()[-3000:]
-            if line.startswith("gateway:"):
-                gateway = line.split()[1]
-            if line.startswith("autoscaler metrics:"):
-                metrics = line.split()[2]
-        threading.Thread(target=up.stdout.read, daemon=True).start()
         autoscale("--set", pool, "2")  # the operator holds two workers...
         wait_for(lambda: serving(metrics) == 2, "two workers", 180)
-        client = openai.OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=300)
+        client = client_of(up)
         prompts = [f"Write a long story about lighthouse keeper number {i}." for i in range(6)]
         results: dict[int, tuple[str, str, int]] = {}
 
@@ -196,5 +147,4 @@ def test_a_scale_down_under_load_finishes_every_stream_of_the_removed_worker_unc
             assert alone.choices[0].text == results[i][1], (i, results[i][0])
         autoscale("--clear", pool)
     finally:
-        up.terminate()
-        up.wait(timeout=120)
+        up.stop()

@@ -8,7 +8,6 @@ panel's query, with Grafana's variables filled in as "All" would, must return at
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import start_up, wait_for
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "compose" / "grafana" / "dashboards"
 GRAFANA_VARIABLES = {"$__rate_interval": "30s", "$tenant": ".*", "$model": ".*", "$instance": ".*"}
@@ -56,23 +55,13 @@ def panel_queries() -> list[tuple[str, str]]:
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus is not installed "
                     "(scripts/install.sh --dev installs it when run as root)")
 def test_every_dashboard_panel_returns_series_from_a_real_prometheus(default_model_dir, tmp_path):
-    env = {**os.environ, "TOKENFLEET_CACHE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    log = tmp_path / "up.stderr"
     prometheus = None
-    with open(log, "w") as err:
-        up = subprocess.Popen([sys.executable, "-m", "tokenfleet.cli", "up", "--workers", "1", "--threads", "1",
-                               "--port", "0", "--model", str(default_model_dir), "--model-name", "smol"],
-                              stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    up = start_up(tmp_path, "--workers", "1", "--threads", "1", "--model", str(default_model_dir), "--model-name",
+                  "smol")
     try:
-        assert up.stdout is not None
-        gateway = ""
-        while not gateway:
-            line = up.stdout.readline()
-            assert line, log.read_text()[-3000:]
-            if line.startswith("gateway:"):
-                gateway = line.split()[1]
+        gateway = up.announced["gateway:"]
         config = subprocess.run([sys.executable, "-m", "tokenfleet.cli", "scrape-config", "--interval", "1s"],
-                                capture_output=True, text=True, env=env, check=True).stdout
+                                capture_output=True, text=True, env=up.env, check=True).stdout
         assert "job_name: worker" in config and "role: both" in config and "job_name: gateway" in config
         (tmp_path / "prometheus.yml").write_text(config)
         port = _free_port()
@@ -107,8 +96,7 @@ def test_every_dashboard_panel_returns_series_from_a_real_prometheus(default_mod
         if prometheus is not None:
             prometheus.terminate()
             prometheus.wait(timeout=30)
-        up.terminate()
-        up.wait(timeout=120)
+        up.stop()
 
 
 def _ready(url: str) -> bool:

@@ -8,16 +8,13 @@ GenAI attributes set. Prompts are not in spans unless TOKENFLEET_TRACE_CONTENT i
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import start_up, wait_for
 
 LONG = ("You are the help desk of a hardware shop. Answer briefly and politely. The shop sells nails, screws, bolts, "
         "hinges, locks, paint, brushes, rollers, ladders, drills, saws, sanders, glue, tape and garden tools. It opens "
@@ -61,25 +58,12 @@ def _value(v):
 def test_one_request_is_one_trace_across_every_service(default_model_dir, tmp_path):
     receiver = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
-    env = {**os.environ, "TOKENFLEET_CACHE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1",
-           "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    env.pop("TOKENFLEET_TRACE_CONTENT", None)
-    log = tmp_path / "up.stderr"
-    with open(log, "w") as err:
-        up = subprocess.Popen([sys.executable, "-m", "tokenfleet.cli", "up", "--workers", "1", "--prefill-workers", "1",
-                               "--threads", "1", "--port", "0", "--model", str(default_model_dir), "--model-name", "smol",
-                               "--tracing", "--otlp-endpoint", f"http://127.0.0.1:{receiver.server_port}"],
-                              stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    environment = {"OTEL_BSP_SCHEDULE_DELAY": "200", "TOKENFLEET_TRACE_CONTENT": ""}  # prompts stay out of spans
+    up = start_up(tmp_path, "--workers", "1", "--prefill-workers", "1", "--threads", "1", "--model",
+                  str(default_model_dir), "--model-name", "smol", "--tracing", "--otlp-endpoint",
+                  f"http://127.0.0.1:{receiver.server_port}", env=environment)
     try:
-        assert up.stdout is not None
-        gateway = ""
-        while not gateway:
-            line = up.stdout.readline()
-            assert line, log.read_text()[-3000:]
-            if line.startswith("gateway:"):
-                gateway = line.split()[1]
-        threading.Thread(target=up.stdout.read, daemon=True).start()
-        client = openai.OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=up.announced["gateway:"], api_key="unused", max_retries=0, timeout=120)
         Receiver.spans.clear()  # the startup's own requests (warm-ups, the readiness check) are not this one
         reply = client.chat.completions.with_raw_response.create(
             model="smol", messages=[{"role": "system", "content": LONG}, {"role": "user", "content": "Do you sell nails?"}],
@@ -100,8 +84,7 @@ def test_one_request_is_one_trace_across_every_service(default_model_dir, tmp_pa
 
         trace = wait_for(ours, "the request's spans from every service", 60)
     finally:
-        up.terminate()
-        up.wait(timeout=120)
+        up.stop()
         receiver.shutdown()
     by_name = {s["name"]: s for s in trace}
     ids = {s["id"]: s for s in trace}

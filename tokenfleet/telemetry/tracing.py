@@ -99,9 +99,6 @@ def record_content() -> bool:
     return _tracer is not None and _content
 
 
-_KINDS = ("internal", "server", "client", "producer", "consumer")
-
-
 @contextlib.contextmanager
 def span(name: str, kind: str = "internal", attributes: Mapping[str, Any] | None = None,
          parent: Sequence[tuple[str, Any]] | None = None) -> Iterator[Any]:

@@ -13,7 +13,6 @@ ratios mean the same on every machine.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,17 +40,6 @@ class StepCost:
         flops = 2 * self.matmul_params * tokens + self.head_flops_per_sample * samples \
             + self.attention_flops_per_pair * pairs
         return flops, self.weight_bytes + self.kv_bytes_per_token * keys
-
-    def of_scheduled(self, scheduled: Sequence[Any]) -> tuple[float, float]:
-        """(FLOPs, bytes) of a step's scheduled entries (``num_new_tokens``, ``start``, ``samples``)."""
-        tokens = samples = pairs = keys = 0
-        for entry in scheduled:
-            n, start = entry.num_new_tokens, entry.start
-            tokens += n
-            samples += 1 + len(getattr(entry, "draft", ()) or ()) if entry.samples else 0
-            pairs += n * start + n * (n + 1) // 2
-            keys += start + n
-        return self.of(tokens, samples, pairs, keys)
 
     @classmethod
     def of_model(cls, model: Any, kv_bytes_per_token: float) -> StepCost:

@@ -25,9 +25,9 @@ def test_step_cost_counts_matmuls_head_attention_weights_and_kv(tmp_path):
     assert 4 * params <= cost.weight_bytes <= 2 * 4 * params  # fp32; a prepared copy of a matrix may be kept
     assert cost.kv_bytes_per_token == 2 * 3 * 4 * 16 * 4  # K and V, layers, KV heads, head_dim, fp32
     # a step: one request prefilling 5 tokens after 3 cached, one decoding at position 9, one chunk not sampling
-    scheduled = [SimpleNamespace(num_new_tokens=5, start=3, samples=True, draft=()),
-                 SimpleNamespace(num_new_tokens=1, start=9, samples=True, draft=()),
-                 SimpleNamespace(num_new_tokens=4, start=0, samples=False, draft=())]
+    scheduled = [SimpleNamespace(num_new_tokens=5, start=3, samples=True, forks=()),
+                 SimpleNamespace(num_new_tokens=1, start=9, samples=True, forks=()),
+                 SimpleNamespace(num_new_tokens=4, start=0, samples=False, forks=())]
     flops, read = runner.step_cost(SimpleNamespace(scheduled=scheduled))
     pairs = (5 * 3 + 15) + (9 + 1) + (0 + 10)
     assert flops == 2 * cost.matmul_params * 10 + cost.head_flops_per_sample * 2 + cost.attention_flops_per_pair * pairs

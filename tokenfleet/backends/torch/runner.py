@@ -25,6 +25,7 @@ from tokenfleet.models.gemma3 import Gemma3Model
 from tokenfleet.models.linear import Fp8Linear
 from tokenfleet.models.llama import KVCache, LlamaModel
 from tokenfleet.models.lora import LoraBatch, LoraSet, fused_base_weights, load_peft_adapter
+from tokenfleet.planning.costs import StepShape
 from tokenfleet.telemetry.utilization import StepCost, peaks
 
 
@@ -55,7 +56,8 @@ class TorchModelRunner:
 
     def step_cost(self, output: SchedulerOutput) -> tuple[float, float]:
         """The step's model FLOPs and bytes read (weights + KV), estimated from its shape."""
-        return self.cost.of_scheduled(output.scheduled)
+        shape = StepShape.of(output)  # the simulator's count of the same step (planning.costs)
+        return self.cost.of(shape.tokens, shape.samples, shape.pairs, shape.kv)
 
     def peaks(self) -> tuple[float, float, str]:
         """The device's peak FLOP/s (at the weights' dtype) and bytes/s, and where they come from."""
