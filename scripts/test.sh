@@ -6,7 +6,7 @@ scripts/install.sh --dev
 VENV=${TOKENFLEET_VENV:-.venv}
 "$VENV/bin/python" scripts/gen_protos.py --check
 "$VENV/bin/ruff" check tokenfleet services tests benchmarks compose scripts
-"$VENV/bin/mypy" tokenfleet/engine tokenfleet/routing tokenfleet/models tokenfleet/backends/trtllm tokenfleet/planning
+"$VENV/bin/mypy" tokenfleet/engine tokenfleet/routing tokenfleet/models tokenfleet/backends/trtllm tokenfleet/planning tokenfleet/batch
 "$VENV/bin/tokenfleet" models import
 set +e
 "$VENV/bin/python" -m pytest "$@"

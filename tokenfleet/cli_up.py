@@ -57,6 +57,9 @@ def add_commands(sub: Any) -> None:
     up_cmd.add_argument("--trace-sample", type=float, default=1.0, help="with --tracing: the share of requests traced")
     up_cmd.add_argument("--otlp-endpoint", help="with --tracing: the OTLP/HTTP collector (default "
                         "$OTEL_EXPORTER_OTLP_ENDPOINT, else http://localhost:4318)")
+    up_cmd.add_argument("--batch-slots", type=int, default=8, help="batch tier (/v1/batches): a worker takes batch "
+                        "lines only while nothing waits on it and it runs fewer than this many requests")
+    up_cmd.add_argument("--batch-concurrency", type=int, default=8, help="batch tier: lines the gateway runs at once")
     up_cmd.add_argument("--ask", help="send this chat message through the cluster once it is up and print the reply")
     up_cmd.add_argument("--detach", action="store_true", help="return once up (stop later with `tokenfleet down`)")
     up_cmd.add_argument("--certs", help="the internal plane's certificates (default $TOKENFLEET_CERTS, else "
@@ -89,6 +92,7 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--autoscale", "--max-workers", str(args.max_workers), "--target-concurrency",
              str(args.target_concurrency), "--warm-pool", str(args.warm_pool), "--ttft-objective",
              str(args.ttft_objective)] if args.autoscale else []
+    argv += ["--batch-slots", str(args.batch_slots), "--batch-concurrency", str(args.batch_concurrency)]
     argv += ["--autoscale-metrics-port", str(args.autoscale_metrics_port)] if args.autoscale_metrics_port is not None else []
     return argv
 
@@ -162,7 +166,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
                           args.prefill_workers, insecure=args.insecure, certs=Path(args.certs) if args.certs else None,
                           host=args.host, auth=auth, no_auth=args.insecure_no_auth, more_models=more,
                           kv_tier=args.kv_tier, kv_tier_bytes=args.kv_tier_bytes,
-                          speculative_config=args.speculative_config, lora=args.lora)
+                          speculative_config=args.speculative_config, lora=args.lora,
+                          batch_slots=args.batch_slots, batch_concurrency=args.batch_concurrency)
     try:
         prefill = f" + {args.prefill_workers} prefill worker(s)" if args.prefill_workers else ""
         served = ", ".join([name, *(m for m, _ in more)])

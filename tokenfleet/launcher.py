@@ -210,7 +210,8 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
        role: str = "both", dtype: str = "bfloat16", prefill_workers: int = 0, record: bool = True,
        insecure: bool = False, certs: Path | None = None, host: str = "127.0.0.1", auth: bool = False,
        no_auth: bool = False, more_models: Sequence[tuple[str, str]] = (), kv_tier: str = "",
-       kv_tier_bytes: int = 0, speculative_config: str = "", lora: Sequence[str] = ()) -> Cluster:
+       kv_tier_bytes: int = 0, speculative_config: str = "", lora: Sequence[str] = (), batch_slots: int = 8,
+       batch_concurrency: int = 8) -> Cluster:
     """``prefill_workers`` > 0 disaggregates: that many prefill workers, and the ``num_workers``
     others decode only (unless ``role`` says otherwise); the router sends long prompts' prefill there.
     ``record``: write the state file `tokenfleet down` reads (off for private clusters, e.g. calibration).
@@ -221,7 +222,9 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
     gateway serves every registered model. ``kv_tier``: each worker's second KV tier, ``memory`` or
     ``disk:DIR`` (a folder per worker under DIR), of ``kv_tier_bytes`` bytes. ``speculative_config``: the first
     model's record's (JSON, engine.spec_decode.SpecConfig.parse): its workers speculate. ``lora``: NAME=PATH PEFT
-    adapters every worker of the first model loads (clients ask for MODEL:NAME)."""
+    adapters every worker of the first model loads (clients ask for MODEL:NAME). ``batch_slots``: the router gives a
+    worker batch lines only while it runs fewer requests (and none waits); ``batch_concurrency``: batch lines the
+    gateway runs at once."""
     check_auth(host, auth, no_auth)
     threads = threads or worker_threads(num_workers + prefill_workers + len(more_models))
     folder = None if insecure else Path(certs or envs.certs_dir())
@@ -251,10 +254,11 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
                           extra, "--etcd", etcd, "--replica-id", f"{extra}-0", "--role", "both", *audit, *METRICS,
                           *tier_args(kv_tier, kv_tier_bytes, f"{extra}-0"), threads=threads)
         router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", etcd, "--registry", registry, *audit,
-                               *METRICS)
+                               *METRICS, "--batch-slots", str(batch_slots))
         keys = ["--auth", "on", "--etcd", etcd] if auth else []
         gateway = cluster.spawn("gateway", "tokenfleet.services.gateway", "--router", router, "--registry", registry,
-                                "--host", host, "--port", str(gateway_port), "--metrics-port", "0", *keys, *tls)
+                                "--host", host, "--port", str(gateway_port), "--metrics-port", "0", *keys, *tls,
+                                "--batch-concurrency", str(batch_concurrency))
         cluster.gateway_url = f"http://{gateway}"
         cluster.gateway_metrics = next((line.split()[1] for line in cluster.announced["gateway"]
                                         if line.startswith("METRICS ")), "")

@@ -91,6 +91,8 @@ def map_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
                 try:
                     async for item in handler(self, request, context):
                         yield item
+                except grpc.aio.AbortError:  # the handler's own context.abort: its status stands
+                    raise
                 except Exception as exc:  # noqa: BLE001 - mapped to a status, INTERNAL is logged
                     tracing.record_error(span, exc)
                     await _abort(context, exc, name)
@@ -104,6 +106,8 @@ def map_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
                                     _rpc_attributes(self, name)) as span:
             try:
                 return await handler(self, request, context)
+            except grpc.aio.AbortError:  # the handler's own context.abort: its status stands
+                raise
             except Exception as exc:  # noqa: BLE001
                 tracing.record_error(span, exc)
                 await _abort(context, exc, name)

@@ -15,6 +15,7 @@ from tokenfleet.services.gateway.openai_encoder import OpenAIEncoder
 from tokenfleet.services.gateway.pipeline import Call, Gateway, Prepared, validate_body
 
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
+from tokenfleet.batch.store import BatchStore
 from tokenfleet.telemetry import tracing
 from tokenfleet.telemetry.metrics import RequestTimer
 from tokenfleet.telemetry.request_id import HEADER as REQUEST_ID_HEADER
@@ -46,9 +47,12 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def create_app(gateway: Gateway, api_docs: bool = False) -> FastAPI:
+def create_app(gateway: Gateway, api_docs: bool = False, batches: BatchStore | None = None) -> FastAPI:
     """The API app. ``api_docs``: also serve /openapi.json, /docs and /redoc (off by default: the API
-    port is public). /metrics is not here: the gateway serves it on its own port (--metrics-port)."""
+    port is public). /metrics is not here: the gateway serves it on its own port (--metrics-port).
+    ``batches``: the batch tier's store (the Files and Batch endpoints answer 404 without one)."""
+    from tokenfleet.services.gateway.batch_api import add_batch_routes
+
     if api_docs:
         app = FastAPI(title="tokenfleet gateway")
     else:
@@ -82,7 +86,7 @@ def create_app(gateway: Gateway, api_docs: bool = False) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        gateway.admission.authenticate(request.headers.get("authorization"), _peer(request))
+        gateway.admission.authenticate(request.headers.get("authorization"), peer(request))
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "tokenfleet"}
             for name, created in gateway.models.names()]}
@@ -95,6 +99,7 @@ def create_app(gateway: Gateway, api_docs: bool = False) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await _serve(gateway, request, chat=False)
 
+    add_batch_routes(app, gateway, batches)
     return app
 
 
@@ -111,7 +116,7 @@ async def _serve(gateway: Gateway, request: Request, chat: bool) -> Response:
     timer = RequestTimer(gateway.metrics)
     authenticated = False
     try:
-        call.caller = gateway.admission.authenticate(request.headers.get("authorization"), _peer(request))
+        call.caller = gateway.admission.authenticate(request.headers.get("authorization"), peer(request))
         authenticated = True
         structlog.contextvars.bind_contextvars(tenant=call.caller.tenant.name, key_id=call.caller.key_id)
         gateway.admission.precheck(call.caller, call.request_id, call.endpoint, call.headers)  # cheap checks first
@@ -156,7 +161,7 @@ def trace_request(trace: Trace, operation: str, tenant: str, tier: str, prepared
             "messages", body.model_dump(exclude_none=True).get("prompt")), default=str))
 
 
-def _peer(request: Request) -> str:
+def peer(request: Request) -> str:
     return f"{request.client.host}:{request.client.port}" if request.client else ""
 
 

@@ -57,6 +57,9 @@ class Placement:
     replica: str | None = None
 
 
+NO_SPARE_CAPACITY = "no_spare_capacity"  # a batch line's Pick found the fleet busy: the runner tries it later
+
+
 @dataclass
 class Job:
     """One request as the dispatcher sees it."""
@@ -71,6 +74,7 @@ class Job:
     cache_scope: str = ""  # who may share its cached prefix (tokenfleet.kvcache.salt), for Pick and Generate
     adapter: str = ""  # a LoRA adapter on the workers ("" = the base model)
     trace: Trace = field(default_factory=Trace)  # the request's span: router and worker calls are its children
+    spare_only: bool = False  # a batch line: placed only where the fleet has spare capacity (PickRequest.spare_only)
 
 
 @dataclass
@@ -103,7 +107,7 @@ class Dispatcher:
             model=job.model_ref, request_id=job.request_id, num_prompt_tokens=len(job.prompt),
             prompt_token_ids=job.prompt, exclude_replica_ids=list(exclude), colocated=colocated or bool(job.adapter),
             cache_scope=adapter_scope(job.cache_scope, job.adapter),  # the scope the worker hashes it with
-            adapter=job.adapter)
+            adapter=job.adapter, spare_only=job.spare_only)
         start = next(self._turn) % len(self.routers)
         error: grpc.aio.AioRpcError | None = None
         for address in [*self.routers[start:], *self.routers[:start]]:
@@ -121,6 +125,9 @@ class Dispatcher:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     raise APIError(404, f"The model `{job.model_ref}` has no replica.", code="model_not_found",
                                    param="model") from e
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and job.spare_only:
+                    raise APIError(503, "no spare capacity for batch work now", "server_error",
+                                   code=NO_SPARE_CAPACITY) from e
                 error = e
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     continue

@@ -15,6 +15,7 @@ import structlog
 import uvicorn
 from tokenfleet.services.common.server import GrpcServer, run_service, serve_metrics
 from tokenfleet.services.gateway.app import MAX_BODY_BYTES, create_app
+from tokenfleet.services.gateway.batch_runner import BatchRunner
 from tokenfleet.services.gateway.catalog import ModelCatalog, ServedModel, load_served
 from tokenfleet.services.gateway.dispatch import DEFAULT_TTFT_OBJECTIVES
 from tokenfleet.services.gateway.grpc_api import InferenceAPI
@@ -22,6 +23,8 @@ from tokenfleet.services.gateway.http_protocol import HeadTimeoutH11Protocol
 from tokenfleet.services.gateway.pipeline import Gateway
 from tokenfleet.services.registry.client import watch_registry
 
+from tokenfleet.batch.store import BatchStore
+from tokenfleet.batch.store import Limits as BatchLimits
 from tokenfleet.cluster.etcd import EtcdClient
 from tokenfleet.cluster.gateways import GatewayPeers, GatewayRecord
 from tokenfleet.cluster.registry import RegistryView
@@ -66,6 +69,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--gateway-id", help="this gateway's id in etcd (default: <hostname>-<port>)")
     p.add_argument("--ledger", default=str(default_ledger()),
                    help="SQLite usage ledger (one record per request; 'none' turns it off)")
+    p.add_argument("--batch-concurrency", type=int, default=8, help="batch tier: lines this gateway runs at once "
+                   "(each only where the router finds spare capacity)")
+    p.add_argument("--batch-max-file-bytes", type=int, default=100 << 20, help="batch tier: an upload's size limit")
+    p.add_argument("--batch-max-lines", type=int, default=50_000, help="batch tier: requests in one batch")
+    p.add_argument("--batch-max-queued-lines", type=int, default=100_000, help="batch tier: a tenant's unfinished "
+                   "requests over all its batches (a batch past it is refused with 429)")
+    p.add_argument("--batch-lease-seconds", type=float, default=30.0, help="batch tier: a dead gateway's batches "
+                   "pass to another gateway this long after its last renewal (a restarted one takes its own at once)")
     p.add_argument("--ttft-objective", action="append", default=[], metavar="TIER=SECONDS",
                    help="early rejection: a request whose predicted wait for its first token exceeds its tier's "
                    "objective gets 503 at once (defaults: interactive=30, batch=300, for CPU clusters)")
@@ -130,8 +141,9 @@ async def serve(args: argparse.Namespace) -> None:
     etcd = EtcdClient(args.etcd, args.etcd_root, identity=plane.identity) if args.etcd else None
     directory, background = await tenant_directory(args, etcd)
     peers = None
+    gateway_id = args.gateway_id or f"{socket.gethostname()}-{port}"
     if etcd is not None:
-        peers = GatewayPeers(etcd, GatewayRecord(args.gateway_id or f"{socket.gethostname()}-{port}", f"{host}:{port}"))
+        peers = GatewayPeers(etcd, GatewayRecord(gateway_id, f"{host}:{port}"))
         await peers.start()
     ledger = Ledger(args.ledger) if args.ledger != "none" else None
     admission = Admission(directory, ledger, share=peers.share if peers is not None else lambda: 1.0)
@@ -140,8 +152,15 @@ async def serve(args: argparse.Namespace) -> None:
                       admission=admission,
                       ttft_objectives=ttft_objectives(args.ttft_objective))
     log.info("gateway admission", auth=args.auth, ledger=args.ledger)
+    store = runner = None
+    if ledger is not None:  # the batch tier lives in the ledger's database (one transaction per line and charge)
+        store = BatchStore(args.ledger, BatchLimits(max_file_bytes=args.batch_max_file_bytes,
+                                                    max_lines=args.batch_max_lines,
+                                                    max_queued_lines=args.batch_max_queued_lines))
+        runner = BatchRunner(gateway, store, ledger, gateway_id, args.batch_concurrency, args.batch_lease_seconds)
+        background.append(asyncio.create_task(runner.run()))
     serve_metrics(metrics.registry, args.host, args.metrics_port)
-    http = _Server(uvicorn.Config(create_app(gateway, api_docs=args.api_docs), log_level="warning",
+    http = _Server(uvicorn.Config(create_app(gateway, api_docs=args.api_docs, batches=store), log_level="warning",
                                   http=HeadTimeoutH11Protocol,  # slow-loris connections are closed
                                   ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key,
                                   timeout_graceful_shutdown=int(args.grace_seconds)))
@@ -170,6 +189,8 @@ async def serve(args: argparse.Namespace) -> None:
         gateway.draining = True
         http.should_exit = True  # stop accepting; open HTTP streams finish (up to the grace period)
         drains = [http_task] + ([asyncio.create_task(grpc_server.stop(args.grace_seconds))] if grpc_server else [])
+        if runner is not None:  # running lines finish, then the leases go back for another gateway to take
+            drains.append(asyncio.create_task(runner.stop(args.grace_seconds)))
         await asyncio.gather(*drains)
     finally:
         if watcher is not None:
@@ -184,6 +205,8 @@ async def serve(args: argparse.Namespace) -> None:
             await etcd.close()
         if ledger is not None:
             ledger.close()
+        if store is not None:
+            store.close()
     log.info("gateway stopped")
 
 

@@ -56,6 +56,9 @@ class Call:
     headers: dict[str, str] = field(default_factory=dict)  # response headers earned (rate-limit state)
     admitted: bool = False  # past admission: from here the ticket (or admission's 429) writes the ledger record
     trace: Trace = field(default_factory=Trace)  # the request's span (telemetry.tracing), ended with its stream
+    # a batch line (services/gateway/batch_runner.py): placed only on spare capacity, and its ledger record is kept
+    # on the ticket for the runner to write with the line's result
+    batch_line: bool = False
 
 
 @dataclass
@@ -203,14 +206,15 @@ class Gateway:
         call.admitted = True
         # a routed request is allowed by the alias the tenant asked for; its ledger record names both
         ticket = self.admission.admit(call.caller, prepared.requested_model or model.name, call.endpoint,
-                                      prepared.request_id, len(prompt), len(prompt) + params.n * limit, call.headers)
+                                      prepared.request_id, len(prompt), len(prompt) + params.n * limit, call.headers,
+                                      defer=call.batch_line)
         if prepared.requested_model:
             ticket.model, ticket.requested_model = model.name, prepared.requested_model
         tenant = call.caller.tenant
         call.trace.event("admitted")
         scope = request_scope(tenant.cache_group or tenant.name, prepared.cache_salt)
         job = Job(model.ref, prepared.request_id, prompt, params, limit, tenant, call.placement, scope, model.adapter,
-                  trace=call.trace)
+                  trace=call.trace, spare_only=call.batch_line)
         stream = self.dispatcher.generate(job)
         try:
             first = await _first(stream)

@@ -57,6 +57,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "prefix than the picked replica (that replica then recomputes it)")
     p.add_argument("--affinity-ttl", type=int, default=DEFAULT_TTL,
                    help="seconds an affinity entry lives in etcd after its last write")
+    p.add_argument("--batch-slots", type=int, default=8, help="batch work (the gateway's batch tier) goes only to "
+                   "a replica with nothing waiting and fewer than this many requests running")
     p.add_argument("--grace-seconds", type=float, default=5.0)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = any free port)")
     plane_args.add_arguments(p)
@@ -84,7 +86,7 @@ async def serve(args: argparse.Namespace) -> None:
                         plane=plane, audit=AuditLog(args.audit_log, "router"), max_message_bytes=MAX_MESSAGE_BYTES)
     metrics = RouterMetrics(fleet.metric_rows, registry)
     router = Router(fleet, POLICIES[args.policy], metrics, affinity, prefix, DisaggConfig(args.disagg_min_tokens),
-                    peer_fetch=not args.no_peer_fetch)
+                    peer_fetch=not args.no_peer_fetch, batch_slots=args.batch_slots)
     router_pb2_grpc.add_RouterServiceServicer_to_server(router, server.server)
     await server.start()
     log.info("router serving", address=server.address, policy=args.policy)

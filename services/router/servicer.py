@@ -35,7 +35,7 @@ class Router(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, fleet: FleetView, default_policy: int = router_pb2.POLICY_PREFIX_AWARE,
                  metrics: RouterMetrics | None = None, affinity: AffinityMap | None = None,
                  prefix_config: PrefixPolicyConfig = DEFAULT_PREFIX_CONFIG,
-                 disagg: DisaggConfig = DEFAULT_DISAGG_CONFIG, peer_fetch: bool = True):
+                 disagg: DisaggConfig = DEFAULT_DISAGG_CONFIG, peer_fetch: bool = True, batch_slots: int = 8):
         self.fleet = fleet
         self.metrics = metrics or RouterMetrics(fleet.metric_rows)
         self.default_policy = default_policy
@@ -44,6 +44,7 @@ class Router(router_pb2_grpc.RouterServiceServicer):
         self.prefix_config = prefix_config
         self.disagg = disagg
         self.peer_fetch = peer_fetch  # name a peer holding more of the prefix (PickResponse.prefix_*)
+        self.batch_slots = batch_slots  # a replica takes batch work (spare_only) while it runs fewer than this
 
     @map_errors
     async def Pick(self, request: router_pb2.PickRequest, context: grpc.aio.ServicerContext) -> router_pb2.PickResponse:
@@ -53,6 +54,13 @@ class Router(router_pb2_grpc.RouterServiceServicer):
             self.metrics.picks.labels("", "not_found").inc()
             raise
         snapshot = self.fleet.snapshot(name, version).without(request.exclude_replica_ids).preferring_adapter(request.adapter)
+        if request.spare_only:
+            spare = snapshot.with_spare(self.batch_slots)
+            if not spare.replicas and snapshot.replicas:
+                self.metrics.picks.labels(name, "no_spare").inc()
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: no replica has spare capacity for "
+                                    "batch work now")
+            snapshot = spare
         layout, cached, tiered = self.fleet.prefix_view(snapshot)
         prompt = list(request.prompt_token_ids)
         salt = chain_salt(layout.hash_salt, request.cache_scope) if layout is not None else ""

@@ -61,6 +61,12 @@ class FleetSnapshot:
         warm = tuple(r for r in self.replicas if adapter in r.adapters and r.state == SERVING)
         return FleetSnapshot(warm) if warm else self
 
+    def with_spare(self, slots: int) -> FleetSnapshot:
+        """The replicas with room for batch work: serving, nothing waiting, fewer than ``slots`` requests running
+        or on their way (interactive requests always come first: batch lines only fill what they leave)."""
+        return FleetSnapshot(tuple(r for r in self.replicas if r.state == SERVING and r.num_waiting == 0
+                                   and r.num_running + r.pending_assignments < slots))
+
     def candidates(self, role: str = "decode") -> list[ReplicaLoad]:
         """Serving replicas with ``role``, in a stable order (by id)."""
         live = [r for r in self.replicas if r.state == SERVING and role in r.roles]

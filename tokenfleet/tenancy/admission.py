@@ -52,6 +52,10 @@ class Ticket:
     started: float = field(default_factory=time.time)
     settled: bool = False
     requested_model: str = ""  # what the client asked for, when a routing alias chose ``model`` (ledger column)
+    # a batch line: ``finish`` keeps the record here instead of writing it; the batch runner writes it together
+    # with the line's result (one transaction, exactly once)
+    defer: bool = False
+    record: UsageRecord | None = None
 
     async def finish(self, status: str, prompt: int, cached: int, completion: int, ttft_ms: float | None,
                      durable: bool = True, detail: str = "") -> None:
@@ -64,6 +68,9 @@ class Ticket:
         record = UsageRecord(self.request_id, self.caller.tenant.name, self.model, self.endpoint, status,
                              self.caller.key_id, prompt, cached, completion, ttft_ms, 1000 * (now - self.started),
                              self.started, now, detail, self.requested_model)
+        if self.defer:
+            self.record = record
+            return
         if self.admission.ledger is None:
             return
         if durable:
@@ -140,22 +147,24 @@ class Admission:
                        code="rate_limit_exceeded", headers=state)
 
     def admit(self, caller: Caller, model: str, endpoint: str, request_id: str, prompt_tokens: int,
-              reserve: int, headers: dict[str, str] | None = None) -> Ticket:
+              reserve: int, headers: dict[str, str] | None = None, defer: bool = False) -> Ticket:
         """Reserve the request's tokens; APIError 403 (model not allowed) or 429 (over budget).
-        ``headers`` receives the tenant's rate-limit state for the response."""
+        ``headers`` receives the tenant's rate-limit state for the response. ``defer`` (a batch line): no
+        ledger record here, neither for a refusal nor at the end (the ticket keeps it: ``Ticket.defer``)."""
         tenant = caller.tenant
         if not tenant.allows(model):
-            self.refused(caller, request_id, endpoint, 403, model)
+            if not defer:
+                self.refused(caller, request_id, endpoint, 403, model)
             raise APIError(403, f"Tenant {tenant.name!r} may not use the model `{model}`.", param="model",
                            code="model_not_allowed")
         budget = self.budget(tenant)
         now = self.clock()
         denied = budget.admit(reserve, now)
         if denied is not None:
-            self._deny(caller, budget, denied, now, request_id, model, endpoint, prompt_tokens, headers)
+            self._deny(caller, budget, denied, now, request_id, model, endpoint, prompt_tokens, headers, not defer)
         if headers is not None:
             headers.update(budget.headers(now))
-        return Ticket(self, caller, model, endpoint, request_id, prompt_tokens, reserve)
+        return Ticket(self, caller, model, endpoint, request_id, prompt_tokens, reserve, defer=defer)
 
     def refused(self, caller: Caller, request_id: str, endpoint: str, status: int, model: str = "") -> None:
         """A request refused before admission (bad body, unknown model): a `rejected` ledger record."""

@@ -80,13 +80,15 @@ class Ledger:
         self._thread.start()
         self.num_commits = 0
 
-    async def write(self, record: UsageRecord) -> None:
-        """Returns when the record is on disk."""
-        await asyncio.wrap_future(self.submit(record))
+    async def write(self, record: UsageRecord, guard: tuple[str, tuple] | None = None) -> bool:
+        """Returns when the record is on disk. ``guard``: a statement (SQL, parameters) run in the same
+        transaction first; the record is written only if it changed exactly one row (a batch line's result:
+        tokenfleet.batch.store.BatchStore.line_guard), and the return says whether it did."""
+        return await asyncio.wrap_future(self.submit(record, guard))
 
-    def submit(self, record: UsageRecord) -> Future:
+    def submit(self, record: UsageRecord, guard: tuple[str, tuple] | None = None) -> Future:
         done: Future = Future()
-        self._queue.put((record, done))
+        self._queue.put((record, done, guard))
         return done
 
     def close(self) -> None:
@@ -113,18 +115,22 @@ class Ledger:
         finally:
             conn.close()
 
-    def _commit(self, conn: sqlite3.Connection, items: list[tuple[UsageRecord, Future]]) -> None:
+    def _commit(self, conn: sqlite3.Connection, items: list[tuple[UsageRecord, Future, tuple[str, tuple] | None]]
+                ) -> None:
+        written = []
         try:
             with conn:
+                for _, _, guard in items:
+                    written.append(guard is None or conn.execute(*guard).rowcount == 1)
                 conn.executemany(f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
-                                 [record.row() for record, _ in items])
+                                 [record.row() for (record, _, _), ok in zip(items, written, strict=True) if ok])
             self.num_commits += 1
         except sqlite3.Error as e:
-            for _, done in items:
+            for _, done, _ in items:
                 done.set_exception(e)
             return
-        for _, done in items:
-            done.set_result(None)
+        for (_, done, _), ok in zip(items, written, strict=True):
+            done.set_result(ok)
 
 
 def _connect(path: Path) -> sqlite3.Connection:

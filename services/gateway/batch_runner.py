@@ -1,0 +1,242 @@
+"""The batch tier's executor: each gateway runs the batches it holds the lease of, line by line, through its own
+pipeline at the batch tier's priority and only on spare capacity.
+
+- Claims: every ``poll`` seconds the runner takes the active batches whose lease lapsed (at start, also the ones an
+  earlier life of this gateway held: a gateway killed and restarted resumes its batches at once), and renews the
+  leases it holds; a batch whose lease it lost is left to its new owner.
+- Lines run as the batch tenant's requests with tier ``batch`` (the engine schedules them after interactive ones)
+  and ``spare_only`` placement (the router places one only on a replica with nothing waiting and fewer than its
+  ``--batch-slots`` running; otherwise the line waits and is tried again). At most ``concurrency`` lines run at
+  once on this gateway, shared by its batches in turn.
+- A line's result and its ledger record land in one transaction, only while the line is pending and the batch is
+  this gateway's (``BatchStore.line_guard``): exactly one output line and one charge per line, whatever died when.
+- A request the server refuses for now (no spare capacity, the tenant's rate limit, no replica) is tried again,
+  not failed; a server error is tried ``MAX_ATTEMPTS`` times; a client error (bad body, unknown model, context
+  too long) fails the line with its status and OpenAI error body, as the endpoint would have answered.
+- The completion window: lines not finished when it passes go to the error file (``batch_expired``), the batch
+  ends ``expired``. Cancel: the lines running are stopped, the batch ends ``cancelled`` with what finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import secrets
+import time
+from collections import deque
+
+import structlog
+from prometheus_client import Counter, Gauge
+from tokenfleet.services.gateway.dispatch import NO_SPARE_CAPACITY
+from tokenfleet.services.gateway.openai_encoder import OpenAIEncoder
+from tokenfleet.services.gateway.pipeline import Call, Gateway, validate_body
+
+from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
+from tokenfleet.batch.store import BatchStore, line_id
+from tokenfleet.telemetry.metrics import RequestTimer
+from tokenfleet.tenancy.admission import ANONYMOUS, Caller
+from tokenfleet.tenancy.ledger import Ledger, UsageRecord
+
+log = structlog.get_logger()
+MAX_ATTEMPTS = 3  # a line failing with a server error is tried this many times
+SPARE_BACKOFF_S = 0.25  # no spare capacity: the next line is tried after this (load reports refresh about as often)
+
+
+@dataclasses.dataclass
+class _Line:
+    batch_id: str
+    index: int
+    custom_id: str
+    body: str
+    attempts: int
+
+
+class _Retry(Exception):
+    def __init__(self, delay: float, counts: bool):
+        self.delay, self.counts = delay, counts
+
+
+class BatchRunner:
+    def __init__(self, gateway: Gateway, store: BatchStore, ledger: Ledger, gateway_id: str, concurrency: int = 8,
+                 lease_seconds: float = 30.0, poll_seconds: float = 0.5):
+        if concurrency < 1:
+            raise ValueError("the batch tier's concurrency must be >= 1")
+        self.gateway, self.store, self.ledger = gateway, store, ledger
+        self.gateway_id = gateway_id
+        self.owner = f"{gateway_id}/{secrets.token_hex(4)}"  # this life of this gateway
+        self.concurrency, self.lease_seconds, self.poll_seconds = concurrency, lease_seconds, poll_seconds
+        self.in_flight = 0
+        self.backoff_until = 0.0
+        self.drivers: dict[str, asyncio.Task] = {}
+        self.stopping = False
+        r = gateway.metrics.registry
+        self.lines = Counter("tokenfleet_batch_lines", "Batch lines finished on this gateway, by result",
+                             ["result"], registry=r)
+        self.running = Gauge("tokenfleet_batch_lines_running", "Batch lines running on this gateway", registry=r)
+        self.owned = Gauge("tokenfleet_batch_batches_owned", "Batches this gateway runs", registry=r)
+        self.retries = Counter("tokenfleet_batch_retries", "Batch lines put back to try later, by reason",
+                               ["reason"], registry=r)
+
+    async def run(self) -> None:
+        """Claim, renew and drive batches until cancelled (``stop`` first for a graceful end)."""
+        reclaim: str | None = f"{self.gateway_id}/"
+        last_renew = last_sweep = 0.0
+        while not self.stopping:
+            if not self.gateway.models.ready:  # a starting gateway: lines would find no model (404) yet
+                await asyncio.sleep(self.poll_seconds)
+                continue
+            try:
+                now = time.monotonic()
+                if now - last_renew >= self.lease_seconds / 3 and self.drivers:
+                    kept = await asyncio.to_thread(self.store.renew, self.owner, list(self.drivers), self.lease_seconds)
+                    for batch_id in set(self.drivers) - kept:  # taken over (or finished by another): stop here
+                        log.warning("batch lease lost", batch=batch_id)
+                        self.drivers.pop(batch_id).cancel()
+                    last_renew = now
+                for batch_id in await asyncio.to_thread(self.store.claim, self.owner, self.lease_seconds, reclaim):
+                    if batch_id not in self.drivers:
+                        log.info("batch claimed", batch=batch_id)
+                        self.drivers[batch_id] = asyncio.create_task(self._drive(batch_id))
+                reclaim = None
+                if now - last_sweep >= 60:
+                    await asyncio.to_thread(self.store.sweep_expired_files)
+                    last_sweep = now
+                for batch_id in [b for b, task in self.drivers.items() if task.done()]:
+                    task = self.drivers.pop(batch_id)
+                    if not task.cancelled() and task.exception() is not None:
+                        log.error("batch driver failed", batch=batch_id, error=repr(task.exception()))
+                self.owned.set(len(self.drivers))
+            except Exception as e:  # the database busy past its timeout, a disk error: try again next poll
+                log.error("batch runner poll failed", error=repr(e))
+            await asyncio.sleep(self.poll_seconds)
+
+    async def stop(self, grace: float) -> None:
+        """Start no more lines, let the running ones finish for up to ``grace`` seconds, then give the leases
+        back (another gateway takes the batches at once)."""
+        self.stopping = True
+        deadline = time.monotonic() + grace
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        for task in self.drivers.values():
+            task.cancel()
+        await asyncio.gather(*self.drivers.values(), return_exceptions=True)
+        if self.drivers:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.store.renew, self.owner, list(self.drivers), -self.lease_seconds)
+
+    async def _drive(self, batch_id: str) -> None:
+        tenant_name, key_id, endpoint = await asyncio.to_thread(self.store.owner_info, batch_id)
+        queue = deque(_Line(batch_id, *row) for row in await asyncio.to_thread(self.store.pending, batch_id))
+        running: dict[asyncio.Task, _Line] = {}
+        try:
+            while True:
+                status, expires_at, _ = await asyncio.to_thread(self.store.status, batch_id)
+                final = ("cancelled" if status == "cancelling" else "expired" if time.time() >= expires_at else
+                         "completed" if not queue and not running else None)
+                if final is not None:
+                    await self._stop_lines(running)
+                    if await asyncio.to_thread(self.store.finish, self.owner, batch_id, final):
+                        log.info("batch finished", batch=batch_id, status=final)
+                    return
+                while (queue and not self.stopping and self.in_flight < self.concurrency
+                       and time.monotonic() >= self.backoff_until):
+                    line = queue.popleft()
+                    self.in_flight += 1
+                    self.running.inc()
+                    running[asyncio.create_task(self._line(line, tenant_name, key_id, endpoint))] = line
+                if not running:
+                    await asyncio.sleep(self.poll_seconds if not queue else
+                                        max(0.02, min(self.poll_seconds, self.backoff_until - time.monotonic())))
+                    continue
+                done, _ = await asyncio.wait(running, timeout=self.poll_seconds, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    line = running.pop(task)
+                    self.in_flight -= 1
+                    self.running.dec()
+                    error = task.exception()
+                    if isinstance(error, _Retry):
+                        self.backoff_until = max(self.backoff_until, time.monotonic() + error.delay)
+                        if error.counts:
+                            line.attempts += 1
+                            await asyncio.to_thread(self.store.count_attempt, batch_id, line.index)
+                        queue.appendleft(line)
+                    elif error is not None:
+                        log.error("batch line failed unexpectedly", batch=batch_id, line=line.index, error=repr(error))
+                        queue.append(line)
+        finally:
+            await self._stop_lines(running)
+
+    async def _stop_lines(self, running: dict[asyncio.Task, _Line]) -> None:
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        self.in_flight -= len(running)
+        self.running.dec(len(running))
+        running.clear()
+
+    def _caller(self, tenant_name: str, key_id: str) -> Caller:
+        directory = self.gateway.admission.directory
+        if directory is None:
+            tenant = ANONYMOUS
+        else:
+            found = directory.tenants.get(tenant_name)
+            if found is None:
+                raise APIError(403, f"tenant {tenant_name!r} no longer exists", code="tenant_not_found")
+            tenant = found
+        return Caller(dataclasses.replace(tenant, tier="batch"), key_id)  # the batch tier's priority
+
+    async def _line(self, line: _Line, tenant_name: str, key_id: str, endpoint: str) -> None:
+        """Run one line and land its result with its ledger record; ``_Retry`` to put it back."""
+        chat = endpoint == "/v1/chat/completions"
+        rid = line_id(line.batch_id, line.index)
+        model = ""
+        try:
+            raw = json.loads(line.body)
+            model = str(raw.get("model", ""))
+            caller = self._caller(tenant_name, key_id)
+            body = validate_body(ChatCompletionRequest if chat else CompletionRequest, raw)
+            call = Call(rid, f"batch:{endpoint}", caller, batch_line=True)
+            t = caller.tenant
+            prepared = await (self.gateway.prepare_chat(body, t.name, t.tier, dict(t.pins)) if chat
+                              else self.gateway.prepare_completion(body, t.name, t.tier, dict(t.pins)))
+            run = await self.gateway.open(call, prepared)
+            encoder = OpenAIEncoder(prepared.request_id, prepared.model.name, prepared.params.logprobs is not None,
+                                    prepared.include_usage, tools=prepared.tools)
+            events = self.gateway.events(run, RequestTimer(self.gateway.metrics))
+            whole = await (encoder.chat_body(events) if chat else encoder.completion_body(events))
+            record = run.ticket.record if run.ticket is not None else None
+            if record is None:
+                raise APIError(500, "the line finished without its usage", "server_error")
+            record.request_id, record.endpoint = rid, f"batch:{endpoint}"
+            state, code, response = "done", 200, whole
+        except (APIError, Exception) as caught:
+            e = caught if isinstance(caught, APIError) else APIError(500, f"{type(caught).__name__}: {caught}",
+                                                                     "server_error")
+            if not isinstance(caught, APIError):
+                log.warning("batch line error", batch=line.batch_id, line=line.index, error=repr(caught))
+            retry = self._retry(e, line)
+            if retry is not None:
+                raise retry from e
+            now = time.time()
+            record = UsageRecord(rid, tenant_name, model, f"batch:{endpoint}", "rejected" if e.status < 500 else "failed",
+                                 key_id, started_at=now, finished_at=now, detail=f"HTTP {e.status}: {e.message}")
+            state, code, response = "failed", e.status, e.body()
+        guard = BatchStore.line_guard(self.owner, line.batch_id, line.index, state, code, response, None, rid)
+        landed = await self.ledger.write(record, guard)
+        self.lines.labels("ok" if state == "done" else f"http_{code}" if landed else "superseded").inc()
+
+    def _retry(self, e: APIError, line: _Line) -> _Retry | None:
+        if e.code == NO_SPARE_CAPACITY:
+            self.retries.labels("no_spare_capacity").inc()
+            return _Retry(SPARE_BACKOFF_S, counts=False)
+        if e.status == 429 or e.code in ("overloaded", "no_replica", "budget_unavailable"):
+            self.retries.labels(e.code or "rate_limited").inc()
+            after = e.headers.get("retry-after")
+            return _Retry(float(after) if after and after.replace(".", "", 1).isdigit() else 1.0, counts=False)
+        if e.status >= 500 and line.attempts + 1 < MAX_ATTEMPTS:
+            self.retries.labels("server_error").inc()
+            return _Retry(1.0, counts=True)
+        return None
+

@@ -1,0 +1,490 @@
+"""The batch tier's durable state: files, batches and their lines, in the usage ledger's SQLite database.
+
+One database holds the ledger and the batch tables, so a line's result and its ledger charge commit in one
+transaction (``line_guard``): a line is charged exactly once, whichever gateway ran it and however often it was
+started (a gateway killed mid-line leaves the line pending; the next owner runs it again and only one result
+lands). Gateways that open the same database file see the same files and batches.
+
+Ownership: a gateway runs a batch while it holds the batch's lease (``claim``/``renew``); a result is written only
+while the lease is its own (the guard checks ``owner``), so a gateway that lost its lease (paused, partitioned)
+cannot land a result after another took over. A restarted gateway (same gateway id) takes its own batches back at
+once; another gateway takes them when their lease lapses.
+
+Pure storage: the OpenAI object shapes (``file_object``, ``batch_object``) and the line checks live here; the HTTP
+routes (services/gateway/batch_api.py) and the executor (services/gateway/batch_runner.py) use them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS batch_files (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, purpose TEXT NOT NULL, filename TEXT NOT NULL,
+    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, expires_at INTEGER, content BLOB
+);
+CREATE INDEX IF NOT EXISTS batch_files_tenant ON batch_files (tenant, created_at);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, key_id TEXT NOT NULL, endpoint TEXT NOT NULL,
+    input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL, status TEXT NOT NULL, created_at INTEGER NOT NULL,
+    expires_at INTEGER NOT NULL, in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER,
+    failed_at INTEGER, expired_at INTEGER, cancelling_at INTEGER, cancelled_at INTEGER,
+    output_file_id TEXT, error_file_id TEXT, errors TEXT, metadata TEXT, total INTEGER NOT NULL,
+    output_expires_seconds INTEGER, owner TEXT, lease_until REAL NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS batches_tenant ON batches (tenant, created_at);
+CREATE INDEX IF NOT EXISTS batches_status ON batches (status);
+CREATE TABLE IF NOT EXISTS batch_lines (
+    batch_id TEXT NOT NULL, idx INTEGER NOT NULL, custom_id TEXT NOT NULL, body TEXT NOT NULL,
+    state TEXT NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'done', 'failed')),
+    status_code INTEGER, response TEXT, error TEXT, request_id TEXT, attempts INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (batch_id, idx)
+);
+"""
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")  # a runner still has work to do
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+MAX_ERRORS = 100  # validation errors reported per batch
+_WINDOW = re.compile(r"^(\d+)([smhd])$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class BatchError(Exception):
+    """A request the batch tier refuses: ``status`` and an OpenAI error ``code`` (the routes render it)."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_file_bytes: int = 100 << 20  # an upload's size
+    max_lines: int = 50_000  # lines in one batch's input file
+    max_queued_lines: int = 100_000  # a tenant's lines not yet finished, over all its active batches
+    max_window_seconds: int = 7 * 86400
+    default_output_expiry: int = 30 * 86400  # an output or error file's life unless the batch asks otherwise
+
+
+def window_seconds(window: str) -> int:
+    """"24h", "30m", "90s", "2d" -> seconds (ValueError otherwise)."""
+    match = _WINDOW.match(window.strip()) if isinstance(window, str) else None
+    if match is None or int(match.group(1)) <= 0:
+        raise ValueError(f"completion_window must be a duration such as '24h', got {window!r}")
+    return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def line_id(batch_id: str, index: int) -> str:
+    """A line's id: its output line's ``id``, its response's ``request_id`` and its ledger record's."""
+    return f"batch_req_{batch_id.removeprefix('batch_')}_{index}"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def parse_lines(content: bytes, endpoint: str, max_lines: int) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
+    """An input file's lines as (custom_id, body JSON), and the errors found (OpenAI's batch error objects, with
+    the 1-based line number): not UTF-8 JSON objects, a custom_id missing or repeated, a method other than POST, a
+    url other than the batch's endpoint, a body that is not an object or asks to stream."""
+    lines: list[tuple[str, str]] = []
+    errors: list[dict[str, Any]] = []
+    seen: set[str] = set()
+
+    def bad(number: int, code: str, message: str, param: str | None = None) -> None:
+        if len(errors) < MAX_ERRORS:
+            errors.append({"code": code, "message": message, "param": param, "line": number})
+
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return [], [{"code": "invalid_json_line", "message": f"the file is not UTF-8 (byte {e.start})",
+                     "param": None, "line": None}]
+    number = 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError as e:
+            bad(number, "invalid_json_line", f"line {number} is not valid JSON: {e.msg}")
+            continue
+        if not isinstance(line, dict):
+            bad(number, "invalid_json_line", f"line {number} is not a JSON object")
+            continue
+        custom_id = line.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            bad(number, "missing_required_parameter", "custom_id is required (a non-empty string)", "custom_id")
+            continue
+        if custom_id in seen:
+            bad(number, "duplicate_custom_id", f"custom_id {custom_id!r} is not unique in the file", "custom_id")
+            continue
+        seen.add(custom_id)
+        if line.get("method", "POST") != "POST":
+            bad(number, "invalid_method", f"method must be POST, got {line.get('method')!r}", "method")
+            continue
+        if line.get("url") != endpoint:
+            bad(number, "invalid_url", f"url must be the batch's endpoint {endpoint}, got {line.get('url')!r}", "url")
+            continue
+        body = line.get("body")
+        if not isinstance(body, dict):
+            bad(number, "invalid_request", "body must be a JSON object", "body")
+            continue
+        if body.get("stream"):
+            bad(number, "invalid_request", "stream is not supported in a batch", "body.stream")
+            continue
+        lines.append((custom_id, json.dumps(body, separators=(",", ":"))))
+    if not lines and not errors:
+        errors.append({"code": "empty_file", "message": "the input file has no requests", "param": None,
+                       "line": None})
+    if len(lines) > max_lines:
+        errors.append({"code": "too_many_lines", "message": f"the input file has {len(lines)} requests; a batch "
+                       f"takes at most {max_lines}", "param": None, "line": None})
+    return lines, errors
+
+
+def _locked(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def run(self: BatchStore, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
+class BatchStore:
+    """The batch tables of the ledger's database. Every method opens a short transaction of its own; concurrent
+    gateways (processes) serialize on SQLite's write lock, and threads of one process (callers use
+    ``asyncio.to_thread``: an upload or a finalization is too big for the event loop) on the store's lock."""
+
+    def __init__(self, path: str | Path, limits: Limits = Limits(), clock: Any = time.time):
+        self.path = Path(path)
+        self.limits = limits
+        self.clock = clock
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(self.path, timeout=30, check_same_thread=False, isolation_level=None)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.executescript(SCHEMA)
+        self._lock = threading.RLock()
+
+    @_locked
+    def close(self) -> None:
+        self._conn.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (BEGIN IMMEDIATE: the write lock from the start, so a read-then-write cannot be
+        overtaken by another gateway)."""
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def _now(self) -> int:
+        return int(self.clock())
+
+    # ---- files ----------------------------------------------------------------------------------------
+    @_locked
+    def add_file(self, tenant: str, purpose: str, filename: str, content: bytes,
+                 expires_after: int | None = None) -> dict[str, Any]:
+        if purpose not in ("batch", "batch_output"):
+            raise BatchError(400, f"purpose must be 'batch' (the only purpose this server stores), got {purpose!r}",
+                             "invalid_request_error", "purpose")
+        if len(content) > self.limits.max_file_bytes:
+            raise BatchError(413, f"the file is {len(content)} bytes; at most {self.limits.max_file_bytes} are "
+                             "accepted", "file_too_large", "file")
+        if purpose == "batch" and not filename.endswith(".jsonl"):
+            raise BatchError(400, "a batch input file must be JSONL (a .jsonl filename)", "invalid_file_format",
+                             "file")
+        now = self._now()
+        file_id = new_id("file-")
+        with self._tx() as conn:
+            conn.execute("INSERT INTO batch_files VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                         (file_id, tenant, purpose, filename, len(content), now,
+                          now + expires_after if expires_after else None, content))
+        return self.file(tenant, file_id)
+
+    @_locked
+    def file(self, tenant: str, file_id: str) -> dict[str, Any]:
+        row = self._conn.execute("SELECT id, purpose, filename, bytes, created_at, expires_at FROM batch_files "
+                                 "WHERE id = ? AND tenant = ? AND (expires_at IS NULL OR expires_at > ?)",
+                                 (file_id, tenant, self._now())).fetchone()
+        if row is None:
+            raise BatchError(404, f"No such File object: {file_id}", "file_not_found", "file_id")
+        return file_object(row)
+
+    @_locked
+    def file_content(self, tenant: str, file_id: str) -> bytes:
+        self.file(tenant, file_id)  # 404 unless it is the tenant's and not expired
+        (content,) = self._conn.execute("SELECT content FROM batch_files WHERE id = ?", (file_id,)).fetchone()
+        return bytes(content)
+
+    @_locked
+    def files(self, tenant: str, purpose: str | None = None, limit: int = 10000, after: str | None = None,
+              order: str = "desc") -> dict[str, Any]:
+        if order not in ("asc", "desc"):
+            raise BatchError(400, "order must be 'asc' or 'desc'", "invalid_request_error", "order")
+        rows = self._conn.execute(
+            "SELECT id, purpose, filename, bytes, created_at, expires_at FROM batch_files WHERE tenant = ? AND "
+            "(? IS NULL OR purpose = ?) AND (expires_at IS NULL OR expires_at > ?) "
+            f"ORDER BY created_at {order}, rowid {order}", (tenant, purpose, purpose, self._now())).fetchall()
+        return _page([file_object(r) for r in rows], limit, after)
+
+    @_locked
+    def delete_file(self, tenant: str, file_id: str) -> dict[str, Any]:
+        self.file(tenant, file_id)
+        with self._tx() as conn:
+            conn.execute("DELETE FROM batch_files WHERE id = ? AND tenant = ?", (file_id, tenant))
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    @_locked
+    def sweep_expired_files(self) -> int:
+        """Drop expired files' content (they already read as gone); the number dropped."""
+        with self._tx() as conn:
+            return conn.execute("DELETE FROM batch_files WHERE expires_at IS NOT NULL AND expires_at <= ?",
+                                (self._now(),)).rowcount
+
+    # ---- batches --------------------------------------------------------------------------------------
+    @_locked
+    def create(self, tenant: str, key_id: str, input_file_id: str, endpoint: str, completion_window: str,
+               metadata: dict[str, str] | None = None, output_expires_after: int | None = None) -> dict[str, Any]:
+        """A new batch over the tenant's input file. Its lines are checked now: a file with bad lines gives a
+        batch in status ``failed`` with the errors (as OpenAI's validation does); a tenant whose unfinished lines
+        would pass its quota is refused (429)."""
+        if endpoint not in ENDPOINTS:
+            raise BatchError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}",
+                             "invalid_request_error", "endpoint")
+        try:
+            window = window_seconds(completion_window)
+        except ValueError as e:
+            raise BatchError(400, str(e), "invalid_request_error", "completion_window") from e
+        if window > self.limits.max_window_seconds:
+            raise BatchError(400, f"completion_window is at most {self.limits.max_window_seconds} s",
+                             "invalid_request_error", "completion_window")
+        if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in metadata.items())):
+            raise BatchError(400, "metadata is at most 16 string pairs (keys <= 64, values <= 512 characters)",
+                             "invalid_request_error", "metadata")
+        info = self.file(tenant, input_file_id)
+        if info["purpose"] != "batch":
+            raise BatchError(400, f"file {input_file_id} has purpose {info['purpose']!r}, not 'batch'",
+                             "invalid_request_error", "input_file_id")
+        lines, errors = parse_lines(self.file_content(tenant, input_file_id), endpoint, self.limits.max_lines)
+        now = self._now()
+        batch_id = new_id("batch_")
+        with self._tx() as conn:
+            if not errors:
+                (queued,) = conn.execute(
+                    "SELECT count(*) FROM batch_lines l JOIN batches b ON b.id = l.batch_id WHERE b.tenant = ? AND "
+                    f"b.status IN {ACTIVE} AND l.state = 'pending'", (tenant,)).fetchone()
+                if queued + len(lines) > self.limits.max_queued_lines:
+                    raise BatchError(429, f"the tenant has {queued} batch requests unfinished; this batch's "
+                                     f"{len(lines)} would pass its quota of {self.limits.max_queued_lines}",
+                                     "batch_quota_exceeded")
+            status = "failed" if errors else "validating"
+            conn.execute("INSERT INTO batches (id, tenant, key_id, endpoint, input_file_id, completion_window, status, "
+                         "created_at, expires_at, failed_at, errors, metadata, total, output_expires_seconds) "
+                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         (batch_id, tenant, key_id, endpoint, input_file_id, completion_window, status, now,
+                          now + window, now if errors else None, json.dumps(errors) if errors else None,
+                          json.dumps(metadata) if metadata else None, 0 if errors else len(lines),
+                          output_expires_after))
+            if not errors:
+                conn.executemany("INSERT INTO batch_lines (batch_id, idx, custom_id, body) VALUES (?, ?, ?, ?)",
+                                 [(batch_id, i, custom_id, body) for i, (custom_id, body) in enumerate(lines)])
+        return self.batch(tenant, batch_id)
+
+    @_locked
+    def batch(self, tenant: str | None, batch_id: str) -> dict[str, Any]:
+        """The batch as OpenAI's Batch object (``tenant`` None: whoever owns it, for the runner)."""
+        row = self._conn.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id = ? AND (? IS NULL OR tenant = ?)",
+                                 (batch_id, tenant, tenant)).fetchone()
+        if row is None:
+            raise BatchError(404, f"No such Batch object: {batch_id}", "batch_not_found", "batch_id")
+        return self._batch_object(row)
+
+    @_locked
+    def batches(self, tenant: str, limit: int = 20, after: str | None = None) -> dict[str, Any]:
+        rows = self._conn.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE tenant = ? "
+                                  "ORDER BY created_at DESC, rowid DESC", (tenant,)).fetchall()
+        return _page([self._batch_object(r) for r in rows], limit, after)
+
+    @_locked
+    def cancel(self, tenant: str, batch_id: str) -> dict[str, Any]:
+        """Ask to cancel: ``cancelling`` now (its runner stops starting lines, aborts the ones running, and
+        writes what finished), ``cancelled`` once that is done. A finished batch is refused (409)."""
+        current = self.batch(tenant, batch_id)
+        if current["status"] in TERMINAL:
+            raise BatchError(409, f"Cannot cancel a batch with status '{current['status']}'.", "invalid_request_error")
+        with self._tx() as conn:
+            conn.execute("UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE id = ? AND status IN "
+                         "('validating', 'in_progress')", (self._now(), batch_id))
+        return self.batch(tenant, batch_id)
+
+    def _batch_object(self, row: tuple) -> dict[str, Any]:
+        b = dict(zip(_BATCH_FIELDS, row))
+        counts = dict(self._conn.execute("SELECT state, count(*) FROM batch_lines WHERE batch_id = ? GROUP BY state",
+                                         (b["id"],)).fetchall())
+        expired = b["status"] == "expired"  # its unfinished lines failed with batch_expired
+        return {"id": b["id"], "object": "batch", "endpoint": b["endpoint"],
+                "errors": {"object": "list", "data": json.loads(b["errors"])} if b["errors"] else None,
+                "input_file_id": b["input_file_id"], "completion_window": b["completion_window"],
+                "status": b["status"], "output_file_id": b["output_file_id"], "error_file_id": b["error_file_id"],
+                "created_at": b["created_at"], "in_progress_at": b["in_progress_at"], "expires_at": b["expires_at"],
+                "finalizing_at": b["finalizing_at"], "completed_at": b["completed_at"], "failed_at": b["failed_at"],
+                "expired_at": b["expired_at"], "cancelling_at": b["cancelling_at"], "cancelled_at": b["cancelled_at"],
+                "request_counts": {"total": b["total"], "completed": counts.get("done", 0),
+                                   "failed": counts.get("failed", 0) + (counts.get("pending", 0) if expired else 0)},
+                "metadata": json.loads(b["metadata"]) if b["metadata"] else None}
+
+    # ---- the runner's side ----------------------------------------------------------------------------
+    @_locked
+    def claim(self, owner: str, lease_seconds: float, reclaim_prefix: str | None = None) -> list[str]:
+        """Take every active batch whose lease has lapsed (or whose owner starts with ``reclaim_prefix``: this
+        gateway's earlier life), oldest first; their ids. A claimed ``validating`` batch is now in progress."""
+        now = self.clock()
+        with self._tx() as conn:
+            ids = [r[0] for r in conn.execute(
+                f"SELECT id FROM batches WHERE status IN {ACTIVE} AND (owner IS NULL OR lease_until < ? OR "
+                "(? IS NOT NULL AND owner != ? AND substr(owner, 1, length(?)) = ?)) ORDER BY created_at, rowid",
+                (now, reclaim_prefix, owner, reclaim_prefix or "", reclaim_prefix or "")).fetchall()]
+            for batch_id in ids:
+                conn.execute("UPDATE batches SET owner = ?, lease_until = ? WHERE id = ?",
+                             (owner, now + lease_seconds, batch_id))
+                conn.execute("UPDATE batches SET status = 'in_progress', in_progress_at = ? WHERE id = ? AND "
+                             "status = 'validating'", (int(now), batch_id))
+        return ids
+
+    @_locked
+    def renew(self, owner: str, batch_ids: list[str], lease_seconds: float) -> set[str]:
+        """Extend the leases still ours; the ids kept (a batch missing from it was taken over or finished)."""
+        kept = set()
+        with self._tx() as conn:
+            for batch_id in batch_ids:
+                if conn.execute(f"UPDATE batches SET lease_until = ? WHERE id = ? AND owner = ? AND status IN {ACTIVE}",
+                                (self.clock() + lease_seconds, batch_id, owner)).rowcount:
+                    kept.add(batch_id)
+        return kept
+
+    @_locked
+    def status(self, batch_id: str) -> tuple[str, int, str]:
+        """(status, expires_at, tenant) of a batch."""
+        row = self._conn.execute("SELECT status, expires_at, tenant FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        if row is None:
+            raise BatchError(404, f"No such Batch object: {batch_id}", "batch_not_found")
+        return row
+
+    @_locked
+    def owner_info(self, batch_id: str) -> tuple[str, str, str]:
+        """(tenant, key_id, endpoint) of a batch."""
+        return self._conn.execute("SELECT tenant, key_id, endpoint FROM batches WHERE id = ?", (batch_id,)).fetchone()
+
+    @_locked
+    def pending(self, batch_id: str) -> list[tuple[int, str, str, int]]:
+        """The lines still to run: (index, custom_id, body, attempts so far), in file order."""
+        return self._conn.execute("SELECT idx, custom_id, body, attempts FROM batch_lines WHERE batch_id = ? AND "
+                                  "state = 'pending' ORDER BY idx", (batch_id,)).fetchall()
+
+    @_locked
+    def count_attempt(self, batch_id: str, index: int) -> None:
+        with self._tx() as conn:
+            conn.execute("UPDATE batch_lines SET attempts = attempts + 1 WHERE batch_id = ? AND idx = ?",
+                         (batch_id, index))
+
+    @staticmethod
+    def line_guard(owner: str, batch_id: str, index: int, state: str, status_code: int | None,
+                   response: dict[str, Any] | None, error: dict[str, Any] | None, request_id: str
+                   ) -> tuple[str, tuple]:
+        """The statement that lands one line's result: it changes a row only while the line is pending and the
+        batch is ``owner``'s, so run in the transaction of the line's ledger record it makes that record land
+        exactly once (Ledger.write(record, guard=...))."""
+        return ("UPDATE batch_lines SET state = ?, status_code = ?, response = ?, error = ?, request_id = ? "
+                "WHERE batch_id = ? AND idx = ? AND state = 'pending' AND "
+                "EXISTS (SELECT 1 FROM batches WHERE id = ? AND owner = ?)",
+                (state, status_code, json.dumps(response) if response is not None else None,
+                 json.dumps(error) if error is not None else None, request_id, batch_id, index, batch_id, owner))
+
+    @_locked
+    def finish(self, owner: str, batch_id: str, final: str) -> bool:
+        """Write the output and error files and end the batch in ``final`` (completed, expired or cancelled);
+        False when the batch is no longer ours. Expired: the lines not run go to the error file as batch_expired;
+        cancelled: they are left out."""
+        if final not in ("completed", "expired", "cancelled"):
+            raise ValueError(f"not a final status: {final}")
+        now = self._now()
+        with self._tx() as conn:
+            row = conn.execute("SELECT tenant, output_expires_seconds FROM batches WHERE id = ? AND owner = ? AND "
+                               f"status IN {ACTIVE}", (batch_id, owner)).fetchone()
+            if row is None:
+                return False
+            tenant, output_expiry = row
+            if final != "cancelled":
+                conn.execute("UPDATE batches SET status = 'finalizing', finalizing_at = ? WHERE id = ?", (now, batch_id))
+            output: list[str] = []
+            errors: list[str] = []
+            for idx, custom_id, state, code, response, error, request_id in conn.execute(
+                    "SELECT idx, custom_id, state, status_code, response, error, request_id FROM batch_lines "
+                    "WHERE batch_id = ? ORDER BY idx", (batch_id,)):
+                if state == "pending":
+                    if final != "expired":
+                        continue
+                    error = json.dumps({"code": "batch_expired", "message": "This request could not be executed "
+                                        "before the completion window expired."})
+                line = {"id": line_id(batch_id, idx), "custom_id": custom_id,
+                        "response": ({"status_code": code, "request_id": request_id or line_id(batch_id, idx),
+                                      "body": json.loads(response)}
+                                     if response is not None else None),
+                        "error": json.loads(error) if error is not None else None}
+                (output if state == "done" and code == 200 else errors).append(json.dumps(line, separators=(",", ":")))
+            expires = now + (output_expiry or self.limits.default_output_expiry)
+            file_ids: list[str | None] = []
+            for kind, lines in (("output", output), ("error", errors)):
+                if not lines:
+                    file_ids.append(None)
+                    continue
+                content = ("\n".join(lines) + "\n").encode()
+                file_id = new_id("file-")
+                conn.execute("INSERT INTO batch_files VALUES (?, ?, 'batch_output', ?, ?, ?, ?, ?)",
+                             (file_id, tenant, f"{batch_id}_{kind}.jsonl", len(content), now, expires, content))
+                file_ids.append(file_id)
+            conn.execute(f"UPDATE batches SET status = ?, {final}_at = ?, output_file_id = ?, error_file_id = ?, "
+                         "owner = NULL WHERE id = ?", (final, now, file_ids[0], file_ids[1], batch_id))
+        return True
+
+
+def file_object(row: tuple) -> dict[str, Any]:
+    file_id, purpose, filename, size, created_at, expires_at = row
+    return {"id": file_id, "object": "file", "bytes": size, "created_at": created_at, "filename": filename,
+            "purpose": purpose, "status": "processed", "expires_at": expires_at, "status_details": None}
+
+
+def _page(items: list[dict[str, Any]], limit: int, after: str | None) -> dict[str, Any]:
+    if not 1 <= limit <= 10000:
+        raise BatchError(400, "limit must be between 1 and 10000", "invalid_request_error", "limit")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+_BATCH_FIELDS = ("id", "endpoint", "errors", "input_file_id", "completion_window", "status", "output_file_id",
+                 "error_file_id", "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
+                 "failed_at", "expired_at", "cancelling_at", "cancelled_at", "total", "metadata")
+_BATCH_COLUMNS = ", ".join(_BATCH_FIELDS)
