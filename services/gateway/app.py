@@ -47,10 +47,12 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def create_app(gateway: Gateway, api_docs: bool = False, batches: BatchStore | None = None) -> FastAPI:
+def create_app(gateway: Gateway, api_docs: bool = False, batches: BatchStore | None = None,
+               batch_url: str = "") -> FastAPI:
     """The API app. ``api_docs``: also serve /openapi.json, /docs and /redoc (off by default: the API
     port is public). /metrics is not here: the gateway serves it on its own port (--metrics-port).
-    ``batches``: the batch tier's store (the Files and Batch endpoints answer 404 without one)."""
+    ``batches``: the batch tier's store (the Files and Batch endpoints answer 404 without one, naming ``batch_url``,
+    where the fleet serves it)."""
     from tokenfleet.services.gateway.batch_api import add_batch_routes
 
     if api_docs:
@@ -99,7 +101,7 @@ def create_app(gateway: Gateway, api_docs: bool = False, batches: BatchStore | N
     async def completions(request: Request) -> Response:
         return await _serve(gateway, request, chat=False)
 
-    add_batch_routes(app, gateway, batches)
+    add_batch_routes(app, gateway, batches, batch_url)
     return app
 
 

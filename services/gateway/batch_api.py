@@ -2,7 +2,8 @@
 ``files.retrieve``, ``files.list``, ``files.delete``, ``files.content``, ``batches.create``, ``batches.retrieve``,
 ``batches.list`` and ``batches.cancel`` work unchanged. Everything a tenant stores is visible only to that tenant;
 the state lives in the ledger's database (tokenfleet.batch.store), so every gateway opening the same file sees
-the same files and batches. A gateway started with ``--ledger none`` has no batch tier and says so (404)."""
+the same files and batches. A gateway started with ``--batch-tier off`` (or ``--ledger none``) has no batch tier
+and says so (404, with where the fleet serves it)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,16 @@ from tokenfleet.tenancy.admission import Caller
 MULTIPART_OVERHEAD = 64 << 10  # the form's boundaries and other fields, over the file's own limit
 
 
-def add_batch_routes(app: FastAPI, gateway: Gateway, store: BatchStore | None) -> None:
+def add_batch_routes(app: FastAPI, gateway: Gateway, store: BatchStore | None, batch_url: str = "") -> None:
+    """``store`` None: this gateway does not serve the batch tier (``--batch-tier off`` or ``--ledger none``); the
+    endpoints answer 404 naming ``batch_url``, the gateway that does (a fleet whose gateways do not share one
+    database pins the batch tier to one gateway: deploy/kubernetes/gateway-batch.yaml)."""
+    where = f" This fleet serves it at {batch_url}." if batch_url else ""
+
     def caller(request: Request) -> tuple[Caller, BatchStore]:
         who = gateway.admission.authenticate(request.headers.get("authorization"), peer(request))
         if store is None:
-            raise APIError(404, "The batch tier is off on this gateway (it runs without a ledger: --ledger none).",
+            raise APIError(404, f"The batch tier (files and batches) is not served by this gateway.{where}",
                            code="batch_tier_off")
         return who, store
 

@@ -69,6 +69,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--gateway-id", help="this gateway's id in etcd (default: <hostname>-<port>)")
     p.add_argument("--ledger", default=str(default_ledger()),
                    help="SQLite usage ledger (one record per request; 'none' turns it off)")
+    p.add_argument("--batch-tier", choices=["on", "off"], default="on", help="serve and run the batch tier "
+                   "(/v1/files, /v1/batches; its state is in the --ledger database, so every gateway that serves it "
+                   "must open the same file). off: those endpoints answer 404 naming --batch-url")
+    p.add_argument("--batch-url", default="", help="with --batch-tier off: where this fleet's batch tier is served "
+                   "(told to clients in the 404)")
     p.add_argument("--batch-concurrency", type=int, default=8, help="batch tier: lines this gateway runs at once "
                    "(each only where the router finds spare capacity)")
     p.add_argument("--batch-max-file-bytes", type=int, default=100 << 20, help="batch tier: an upload's size limit")
@@ -153,14 +158,15 @@ async def serve(args: argparse.Namespace) -> None:
                       ttft_objectives=ttft_objectives(args.ttft_objective))
     log.info("gateway admission", auth=args.auth, ledger=args.ledger)
     store = runner = None
-    if ledger is not None:  # the batch tier lives in the ledger's database (one transaction per line and charge)
+    if ledger is not None and args.batch_tier == "on":  # in the ledger's database: a line and its charge, one commit
         store = BatchStore(args.ledger, BatchLimits(max_file_bytes=args.batch_max_file_bytes,
                                                     max_lines=args.batch_max_lines,
                                                     max_queued_lines=args.batch_max_queued_lines))
         runner = BatchRunner(gateway, store, ledger, gateway_id, args.batch_concurrency, args.batch_lease_seconds)
         background.append(asyncio.create_task(runner.run()))
     serve_metrics(metrics.registry, args.host, args.metrics_port)
-    http = _Server(uvicorn.Config(create_app(gateway, api_docs=args.api_docs, batches=store), log_level="warning",
+    http = _Server(uvicorn.Config(create_app(gateway, api_docs=args.api_docs, batches=store,
+                                             batch_url=args.batch_url), log_level="warning",
                                   http=HeadTimeoutH11Protocol,  # slow-loris connections are closed
                                   ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key,
                                   timeout_graceful_shutdown=int(args.grace_seconds)))
