@@ -15,13 +15,15 @@ from typing import Any
 import grpc
 import structlog
 from google.protobuf.message import Message
-from tokenfleet.services.common.errors import map_errors
+from tokenfleet.services.common.errors import map_errors, status_for
+from tokenfleet.services.gateway.app import trace_request
 from tokenfleet.services.gateway.grpc_encoder import GrpcEncoder
 from tokenfleet.services.gateway.pipeline import Call, Gateway, Prepared, validate_body
 
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
 from tokenfleet.telemetry.metrics import RequestTimer
 from tokenfleet.telemetry.request_id import from_metadata, new_request_id
+from tokenfleet.telemetry.tracing import Trace
 from tokenfleet.tenancy.admission import Caller
 from tokenfleet.tenancy.tenants import Tenant
 from tokenfleet.v1 import inference_pb2, inference_pb2_grpc
@@ -115,14 +117,24 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
         request_id = new_request_id(from_metadata(context.invocation_metadata()))
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             timer = RequestTimer(self.gateway.metrics)
-            call = Call(request_id, endpoint)
+            operation = "chat" if chat else "text_completion"  # as the HTTP API's request span (app._serve)
+            call = Call(request_id, endpoint, trace=Trace.start(operation, "server", {
+                "gen_ai.operation.name": operation, "gen_ai.system": "tokenfleet", "rpc.system": "grpc",
+                "rpc.method": endpoint.removeprefix("grpc:"), "tokenfleet.request_id": request_id}))
             try:
                 call.caller = self.authenticate(context)
                 self.gateway.admission.precheck(call.caller, call.request_id, call.endpoint, call.headers)
                 prepared = await prepare(call.caller.tenant)  # its name: a canary split's fallback key; its tier
+                t = call.caller.tenant
+                trace_request(call.trace, operation, t.name, t.tier, prepared, None)
                 run = await self.gateway.open(call, prepared)
             except APIError as e:  # becomes a status in map_errors
                 self.gateway.metrics.requests.labels(endpoint, str(e.status)).inc()
+                call.trace.set(**{"rpc.grpc.status_code": status_for(e).value[0], "error.type": e.code or e.type})
+                call.trace.end(e)
+                raise
+            except BaseException as e:
+                call.trace.end(e)
                 raise
             encoder = GrpcEncoder(prepared.request_id, prepared.model.name, prepared.include_usage)
             encode = encoder.chat if chat else encoder.completion
