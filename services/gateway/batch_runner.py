@@ -28,14 +28,13 @@ import time
 from collections import deque
 
 import structlog
-from prometheus_client import Counter, Gauge
 from tokenfleet.services.gateway.dispatch import NO_SPARE_CAPACITY
 from tokenfleet.services.gateway.openai_encoder import OpenAIEncoder
 from tokenfleet.services.gateway.pipeline import Call, Gateway, validate_body
 
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
 from tokenfleet.batch.store import BatchStore, line_id
-from tokenfleet.telemetry.metrics import RequestTimer
+from tokenfleet.telemetry.metrics import BatchMetrics, RequestTimer
 from tokenfleet.tenancy.admission import ANONYMOUS, Caller
 from tokenfleet.tenancy.ledger import Ledger, UsageRecord
 
@@ -71,13 +70,8 @@ class BatchRunner:
         self.backoff_until = 0.0
         self.drivers: dict[str, asyncio.Task] = {}
         self.stopping = False
-        r = gateway.metrics.registry
-        self.lines = Counter("tokenfleet_batch_lines", "Batch lines finished on this gateway, by result",
-                             ["result"], registry=r)
-        self.running = Gauge("tokenfleet_batch_lines_running", "Batch lines running on this gateway", registry=r)
-        self.owned = Gauge("tokenfleet_batch_batches_owned", "Batches this gateway runs", registry=r)
-        self.retries = Counter("tokenfleet_batch_retries", "Batch lines put back to try later, by reason",
-                               ["reason"], registry=r)
+        metrics = BatchMetrics(gateway.metrics.registry)
+        self.lines, self.running, self.owned, self.retries = metrics.lines, metrics.running, metrics.owned, metrics.retries
 
     async def run(self) -> None:
         """Claim, renew and drive batches until cancelled (``stop`` first for a graceful end)."""

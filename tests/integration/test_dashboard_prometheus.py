@@ -7,6 +7,7 @@ panel's query, with Grafana's variables filled in as "All" would, must return at
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import socket
@@ -82,7 +83,15 @@ def test_every_dashboard_panel_returns_series_from_a_real_prometheus(default_mod
                                                    max_tokens=8, stream=i % 2 == 0)
             if i % 2 == 0:
                 assert sum(1 for _ in reply) > 0
+        lines = "".join(json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions", "body": {
+            "model": "smol", "max_tokens": 4, "messages": [{"role": "user", "content": f"Say {i}"}]}}) + "\n"
+            for i in range(2)).encode()
+        batch = client.batches.create(input_file_id=client.files.create(file=("b.jsonl", io.BytesIO(lines)),
+                                                                        purpose="batch").id,
+                                      endpoint="/v1/chat/completions", completion_window="24h")
+        wait_for(lambda: client.batches.retrieve(batch.id).status == "completed", "the batch panels' traffic", 120)
         wait_for(lambda: query(url, "sum(tokenfleet_gateway_completion_tokens_total) > 0"), "scraped traffic", 60)
+        wait_for(lambda: query(url, "sum(tokenfleet_batch_lines_total) > 1"), "scraped batch lines", 60)
         time.sleep(3)  # a few more scrapes: every rate() has two points after the traffic
         empty = [name for name, expr in panel_queries() if not query(url, expr)]
         assert not empty, f"panels with no series: {empty}"

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -170,6 +170,18 @@ class WorkerCollector(Collector):
         yield GaugeMetricFamily("tokenfleet_worker_spec_mean_accepted_length",
                                 "Tokens a verification yields on average (accepted + the target's own)",
                                 value=1 + accepted / verifications if verifications else 0.0)
+
+
+class BatchMetrics:
+    """The batch tier's executor on a gateway (services/gateway/batch_runner.py)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.lines = Counter("tokenfleet_batch_lines", "Batch lines finished on this gateway, by result", ["result"],
+                             registry=registry)
+        self.running = Gauge("tokenfleet_batch_lines_running", "Batch lines running on this gateway", registry=registry)
+        self.owned = Gauge("tokenfleet_batch_batches_owned", "Batches this gateway runs", registry=registry)
+        self.retries = Counter("tokenfleet_batch_retries", "Batch lines put back to try later, by reason", ["reason"],
+                               registry=registry)
 
 
 class RouterMetrics:

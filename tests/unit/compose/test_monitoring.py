@@ -99,7 +99,7 @@ def exported_metrics() -> tuple[frozenset[str], frozenset[str]]:
     """(sample names, label names) that tokenfleet/telemetry/metrics.py exports, read from real registries."""
     from prometheus_client import CollectorRegistry
 
-    from tokenfleet.telemetry.metrics import GatewayMetrics, RequestTimer, WorkerCollector
+    from tokenfleet.telemetry.metrics import BatchMetrics, GatewayMetrics, RequestTimer, RouterMetrics, WorkerCollector
     from tokenfleet.tenancy.pricing import Pricing
 
     gateway = GatewayMetrics(pricing=Pricing())
@@ -109,11 +109,16 @@ def exported_metrics() -> tuple[frozenset[str], frozenset[str]]:
     timer.on_chunk(1)
     timer.finish(prompt=3, cached=1, completion=2)
     gateway.requests.labels("/v1/chat/completions", "200").inc()
+    batch = BatchMetrics(gateway.registry)
+    batch.lines.labels("ok").inc()
+    batch.retries.labels("no_spare_capacity").inc()
+    router = RouterMetrics(lambda: [("smol", "w0", "serving", 1)])
+    router.picks.labels("smol", "ok").inc()
     worker = CollectorRegistry()
     worker.register(WorkerCollector(_AnyReport))
     names: set[str] = set()
     labels: set[str] = set()
-    for registry in (gateway.registry, worker):
+    for registry in (gateway.registry, worker, router.registry):
         for family in registry.collect():
             for sample in family.samples:
                 names.add(sample.name)
