@@ -11,7 +11,9 @@ breaches: a least-squares slope over ``window`` seconds projects demand ``lead_s
 replica takes to serve), and the desired count covers max(now, projected). A queue (requests waiting in every
 sample for ``queue_seconds``: one waiting for the next step is normal), a TTFT over ``ttft_objective`` (predicted:
 the queued prompt tokens over the replica's prefill rate; or measured, while requests wait) or KV usage over
-``kv_high`` adds a replica even when the count says otherwise.
+``kv_high`` adds a replica even when the count says otherwise. A busy chunked-prefill engine nearly always has a
+request waiting for its next chunk, so a pool with a TTFT objective can drop the queue trigger (``scale_on_queue``)
+and let the predicted wait decide whether a queue matters.
 
 Guard rails: bounds (``min_replicas``..``max_replicas``), at most ``max_step`` replicas added or removed per
 decision, cooldowns after a scale-up and a scale-down, hysteresis (scale down only when demand fits in one replica
@@ -58,6 +60,7 @@ class ScalePolicy:
     down_margin: float = 0.75  # ... using at most this share of the smaller pool's capacity
     kv_high: float = 0.9
     queue_seconds: float = 5.0  # requests waiting in every sample this long: a queue (one waiting a step is normal)
+    scale_on_queue: bool = True  # False: only the TTFT objective (predicted or recent) judges a queue
     ttft_objective: float = 0.0  # seconds; > 0: a replica whose requests wait for it (predicted or recent) adds one
 
     def __post_init__(self) -> None:
@@ -123,7 +126,8 @@ class Autoscaler:
                    f"{p.target_concurrency:g} each"]
         queued = [s for s in samples if now - s.when <= p.queue_seconds]
         persistent = bool(queued) and now - queued[0].when >= p.queue_seconds * 0.8 and all(s.waiting > 0 for s in queued)
-        if last.waiting > 0 and (persistent or p.queue_seconds == 0) and need <= current and current == last.replicas:
+        persistent = p.scale_on_queue and last.waiting > 0 and (persistent or p.queue_seconds == 0)
+        if persistent and need <= current and current == last.replicas:
             need = current + 1
             reasons.append(f"requests queued for {p.queue_seconds:.0f} s ({last.waiting} now)")
         late = max(last.prefill_wait, last.ttft_recent if last.waiting else 0.0)

@@ -77,7 +77,12 @@ def pool_policies(specs: list[str], default: ScalePolicy) -> dict[str, ScalePoli
             key, eq, value = item.partition("=")
             if not eq or key not in fields:
                 raise ValueError(f"--pool-policy {pool}: {item!r} is not KEY=VALUE with KEY one of {', '.join(fields)}")
-            changes[key] = int(value) if fields[key] in ("int", int) else float(value)
+            if fields[key] in ("bool", bool):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(f"--pool-policy {pool}: {key} takes true or false, got {value!r}")
+                changes[key] = value.lower() in ("true", "1")
+            else:
+                changes[key] = int(value) if fields[key] in ("int", int) else float(value)
         out[pool] = dataclasses.replace(out.get(pool, default), **changes)
     return out
 

@@ -78,6 +78,8 @@ def add_command(sub: Any) -> None:
                      "fewer at this share of its capacity")
     day.add_argument("--sensitivity", type=float, nargs="*", default=[], help="further troughs (trough / peak) to "
                      "run the same policy on")
+    day.add_argument("--ttft-objective", type=float, default=0.0, help="seconds (0: none); the policy adds a replica "
+                     "when a newcomer's predicted wait before its prefill exceeds it, instead of on any queue")
     day.add_argument("--lead-seconds", type=float, default=60.0)
     day.add_argument("--scale-start-seconds", type=float, default=60.0, help="a new replica's time to serve")
     day.add_argument("--out", default="docs/sizing-autoscale.md")
@@ -209,7 +211,8 @@ def _cmd_autoscale_day(args: argparse.Namespace) -> int:
     policy = ScalePolicy(target_concurrency=args.target_concurrency, min_replicas=args.min_replicas,
                          max_replicas=fixed.fleet.replicas, lead_seconds=args.lead_seconds, window=hour,
                          up_cooldown=hour / 4, down_cooldown=hour / 2, down_stable=hour / 2,
-                         down_margin=args.down_margin)
+                         down_margin=args.down_margin, ttft_objective=args.ttft_objective,
+                         scale_on_queue=args.ttft_objective <= 0)
     days = []
     for trough in [args.trough_ratio, *(t for t in args.sensitivity if t != args.trough_ratio)]:
         day = replace(fixed, arrivals=replace(fixed.arrivals, trough_ratio=trough), label=f"fixed@{trough:g}")
@@ -242,7 +245,11 @@ def _autoscale_report(args: argparse.Namespace, policy: Any, results: list[dict[
              f"{policy.min_replicas}-{policy.max_replicas} replicas at {capacity}, "
              f"trend over {policy.window:.0f} s projected {policy.lead_seconds:.0f} s ahead, cooldowns "
              f"{policy.up_cooldown:.0f} s up / {policy.down_cooldown:.0f} s down (the clocks compressed with the day), "
-             f"scale-down only with {1 - policy.down_margin:.0%} to spare, starting the day at the trough's share of the "
+             f"scale-down only with {1 - policy.down_margin:.0%} to spare, "
+             + (f"a replica added when a newcomer's predicted wait before its prefill exceeds "
+                f"{policy.ttft_objective * 1000:.0f} ms (not on any queue), " if policy.ttft_objective else
+                f"a replica added when requests queue for {policy.queue_seconds:g} s, ")
+             + "starting the day at the trough's share of the "
              f"cell, new replicas serving "
              f"{args.scale_start_seconds:.0f} s after they are asked for, retired ones drained.", "",
              "| fleet | GPU-hours (the compressed day) | mean replicas | SLO attainment | TTFT p99 | TPOT p99 | "
@@ -274,6 +281,7 @@ def _autoscale_report(args: argparse.Namespace, policy: Any, results: list[dict[
               f"--min-replicas {policy.min_replicas} --trough-ratio {args.trough_ratio:g} --day-seconds "
               f"{args.day_seconds:g} --scale-start-seconds {args.scale_start_seconds:g} --lead-seconds "
               f"{args.lead_seconds:g} --down-margin {policy.down_margin:g}"
+              + (f" --ttft-objective {policy.ttft_objective:g}" if policy.ttft_objective else "")
               + (f" --sensitivity {' '.join(f'{t:g}' for t in args.sensitivity)}" if args.sensitivity else "")
               + "` (target concurrency measured unless given; see the flags of `tokenfleet simulate run`)."]
     return "\n".join(lines) + "\n"

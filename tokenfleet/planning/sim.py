@@ -193,11 +193,17 @@ class SimReplica:
         pool = self.scheduler.block_manager.cached_hash_view()
         return pool if self.tier is None else _Held(pool, self.tier.blocks.keys())
 
-    def load(self) -> ReplicaLoad:
+    def load(self, prefill_tokens_per_s: float = 0.0) -> ReplicaLoad:
+        """Its load report; with ``prefill_tokens_per_s``, also a newcomer's predicted wait before its prefill
+        starts (prompt tokens queued over that rate, as the engine's load report counts them)."""
         s, bm = self.scheduler, self.scheduler.block_manager
+        wait = 0.0
+        if prefill_tokens_per_s > 0:
+            queued = sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in s.requests.values())
+            wait = queued / prefill_tokens_per_s
         return ReplicaLoad(self.replica_id, self.replica_id, self.roles, state=self.state, num_waiting=s.num_waiting,
                            num_running=s.num_running, num_blocks_used=bm.num_used_blocks,
-                           num_blocks_free=bm.num_free_blocks)
+                           num_blocks_free=bm.num_free_blocks, prefill_wait_s=wait)
 
 
 @dataclass(eq=False)
@@ -289,6 +295,8 @@ class Simulator:
         self._starting = 0
         self._next_replica = itertools.count(len(self.replicas))
         self.replica_seconds = 0.0
+        chunk = self.fleet.scheduler.max_num_batched_tokens  # a replica's prefill rate: one full chunk, no context
+        self._prefill_rate = chunk / self.cost.step_seconds(StepShape(chunk, 1, 1, chunk * (chunk + 1) // 2, chunk))
 
     def run(self) -> Simulator:
         self.source.start(self)
@@ -335,9 +343,10 @@ class Simulator:
         self.replica_seconds += paid * overlap
         self.replica_timeline.append((self.now, paid))
         serving = [r for r in self.replicas.values() if r.state == "serving"]
-        loads = [r.load() for r in serving]
+        loads = [r.load(self._prefill_rate) for r in serving]
         sample = Sample(self.now, len(serving), sum(x.num_running for x in loads), sum(x.num_waiting for x in loads),
-                        max((x.kv_utilization for x in loads), default=0.0), self._starting)
+                        max((x.kv_utilization for x in loads), default=0.0), self._starting,
+                        prefill_wait=max((x.prefill_wait_s for x in loads), default=0.0))
         self._scale_history = [s for s in self._scale_history if self.now - s.when <= 600] + [sample]
         decision = self._scaler.decide("fleet", self._scale_history, self.now)
         if decision.delta > 0:

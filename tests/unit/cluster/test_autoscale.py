@@ -53,6 +53,15 @@ def test_a_ttft_objective_adds_a_replica_on_predicted_or_measured_lateness():
     assert Autoscaler(default=policy).decide("p", [Sample(0, 1, 2, 1, starting=1, prefill_wait=1.2)], now=0).desired == 2
 
 
+def test_without_the_queue_trigger_only_the_ttft_objective_judges_a_queue():
+    policy = ScalePolicy(target_concurrency=4, ttft_objective=0.5, scale_on_queue=False)
+    short = [Sample(t, 1, 2, 1, prefill_wait=0.2) for t in range(7)]  # always one waiting, each briefly
+    assert Autoscaler(default=policy).decide("p", short, now=6).desired == 1
+    assert Autoscaler(default=POLICY).decide("p", short, now=6).desired == 2  # the queue trigger would add one
+    late = short[:-1] + [Sample(6, 1, 2, 1, prefill_wait=0.7)]
+    assert Autoscaler(default=policy).decide("p", late, now=6).desired == 2
+
+
 def test_cooldown_after_a_scale_up():
     scaler = Autoscaler(default=POLICY)
     assert scaler.decide("p", series([12] * 3), now=2).desired == 2
@@ -106,6 +115,8 @@ def test_prefill_and_decode_pools_get_their_own_policies():
     late = [Sample(0, 1, 2, 1, prefill_wait=0.8)]  # 3 requests: few by count, but newcomers wait 0.8 s
     assert scaler.decide("m/prefill", late, now=0).desired == 2  # the prefill pool answers to its TTFT objective
     assert scaler.decide("m/decode", late, now=0).desired == 1  # the decode pool to its concurrency
-    for bad in ("m/prefill", "m/prefill:nope=1", "m/prefill:max_replicas=x", "prefill:max_replicas=2"):
+    assert pool_policies(["m/p:scale_on_queue=false"], default)["m/p"].scale_on_queue is False
+    for bad in ("m/prefill", "m/prefill:nope=1", "m/prefill:max_replicas=x", "prefill:max_replicas=2",
+                "m/p:scale_on_queue=maybe"):
         with pytest.raises(ValueError):
             pool_policies([bad], default)

@@ -43,3 +43,17 @@ def test_a_drained_replica_leaves_and_its_work_still_counts():
     result = replace(scenario, autoscale=policy, scale_start_seconds=5).run()
     assert result["started"] == result["requests"] > 0  # nobody was lost to a retired replica
     assert result["mean_replicas"] < 3 and result["gpu_hours"] > 0
+
+
+def test_a_replica_reports_the_wait_its_queued_prompts_predict():
+    from tokenfleet.engine.request import Request
+    from tokenfleet.engine.sampling_params import SamplingParams
+    from tokenfleet.planning.sim import FleetConfig, SimReplica
+
+    replica = SimReplica("d000", ("decode", "prefill"), FleetConfig(), "sim")
+    assert replica.load(1000.0).prefill_wait_s == 0.0
+    for i in range(3):
+        replica.scheduler.add_request(Request(f"r{i}", list(range(1, 1001)), SamplingParams(max_tokens=4)))
+    # 3 prompts of 1,000 tokens, none computed (the last token of each is the first decode step's): 2,997 tokens
+    assert replica.load(1000.0).prefill_wait_s == 2.997
+    assert replica.load().prefill_wait_s == 0.0  # no rate given: no prediction
