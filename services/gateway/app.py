@@ -8,6 +8,7 @@ from typing import Any
 
 import structlog
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -64,6 +65,14 @@ def create_app(gateway: Gateway, api_docs: bool = False, batches: BatchStore | N
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_parameter(_: Request, exc: RequestValidationError) -> JSONResponse:
+        """A query or path parameter of the wrong type (e.g. ``limit=x``): 400 in OpenAI's shape, not FastAPI's 422."""
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        error = APIError(400, f"{where or 'a parameter'}: {first.get('msg', 'invalid')}", param=where)
+        return JSONResponse(error.body(), status_code=400)
 
     @app.middleware("http")
     async def observe(request: Request, call_next):  # type: ignore[no-untyped-def]

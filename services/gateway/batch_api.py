@@ -51,13 +51,18 @@ def add_batch_routes(app: FastAPI, gateway: Gateway, store: BatchStore | None, b
             form = await request.form()
         except Exception as e:  # python-multipart's parse errors, a body that is not a form
             raise APIError(400, f"the body is not a multipart form: {e}") from e
-        upload, purpose = form.get("file"), form.get("purpose")
-        if upload is None or isinstance(upload, str):
-            raise APIError(400, "file is required (a multipart file field)", param="file")
-        if not isinstance(purpose, str) or not purpose:
-            raise APIError(400, "purpose is required", param="purpose")
-        expires_after = _expiry(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"), "created_at")
-        content = await upload.read()
+        try:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if upload is None or isinstance(upload, str):
+                raise APIError(400, "file is required (a multipart file field)", param="file")
+            if not isinstance(purpose, str) or not purpose:
+                raise APIError(400, "purpose is required", param="purpose")
+            expires_after = _expiry(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"),
+                                    "created_at")
+            content = await upload.read()
+        finally:
+            await form.close()  # its spooled temporary files
+        del request._body
         return JSONResponse(await call(files.add_file, who.tenant.name, purpose, upload.filename or "upload.jsonl",
                                        content, expires_after))
 

@@ -99,7 +99,8 @@ class Dispatcher:
     ttft_objectives: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TTFT_OBJECTIVES))
     _turn: Iterator[int] = field(default_factory=itertools.count)
 
-    async def pick(self, job: Job, exclude: Sequence[str] = (), colocated: bool = False) -> router_pb2.PickResponse:
+    async def pick(self, job: Job, exclude: Sequence[str] = (), colocated: bool = False, resuming: bool = False
+                   ) -> router_pb2.PickResponse:
         """A placement from a router; it hashes the prompt to find replicas holding its prefix. A router
         that is unreachable or too slow (UNAVAILABLE, DEADLINE_EXCEEDED) is followed by the next one;
         the routers take turns as the first asked."""
@@ -107,7 +108,7 @@ class Dispatcher:
             model=job.model_ref, request_id=job.request_id, num_prompt_tokens=len(job.prompt),
             prompt_token_ids=job.prompt, exclude_replica_ids=list(exclude), colocated=colocated or bool(job.adapter),
             cache_scope=adapter_scope(job.cache_scope, job.adapter),  # the scope the worker hashes it with
-            adapter=job.adapter, spare_only=job.spare_only)
+            adapter=job.adapter, spare_only=job.spare_only and not resuming)  # a started line finishes anyway
         start = next(self._turn) % len(self.routers)
         error: grpc.aio.AioRpcError | None = None
         for address in [*self.routers[start:], *self.routers[:start]]:
@@ -146,7 +147,8 @@ class Dispatcher:
         deadline = time.monotonic() + (RESUME_PICK_WAIT_S if resuming else 0)
         while True:
             try:
-                return await self.pick(job, progress.lost if resuming else progress.failed, colocated=resuming)
+                return await self.pick(job, progress.lost if resuming else progress.failed, colocated=resuming,
+                                       resuming=resuming)
             except APIError as e:
                 if e.code == "no_replica" and time.monotonic() < deadline:
                     await asyncio.sleep(0.25)

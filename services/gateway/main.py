@@ -163,7 +163,7 @@ async def serve(args: argparse.Namespace) -> None:
                                                     max_lines=args.batch_max_lines,
                                                     max_queued_lines=args.batch_max_queued_lines))
         runner = BatchRunner(gateway, store, ledger, gateway_id, args.batch_concurrency, args.batch_lease_seconds)
-        background.append(asyncio.create_task(runner.run()))
+        background.append(runner.start())
     serve_metrics(metrics.registry, args.host, args.metrics_port)
     http = _Server(uvicorn.Config(create_app(gateway, api_docs=args.api_docs, batches=store,
                                              batch_url=args.batch_url), log_level="warning",

@@ -20,7 +20,7 @@ import structlog
 from pydantic import ValidationError
 from tokenfleet.services.gateway import events as ev
 from tokenfleet.services.gateway.catalog import ModelCatalog, ServedModel
-from tokenfleet.services.gateway.dispatch import WORKER_CHANNEL_OPTIONS, Dispatcher, Job, Placement
+from tokenfleet.services.gateway.dispatch import NO_SPARE_CAPACITY, WORKER_CHANNEL_OPTIONS, Dispatcher, Job, Placement
 from tokenfleet.services.gateway.preparer import Preparer
 
 from tokenfleet.api.chat_template import render_chat
@@ -59,6 +59,7 @@ class Call:
     # a batch line (services/gateway/batch_runner.py): placed only on spare capacity, and its ledger record is kept
     # on the ticket for the runner to write with the line's result
     batch_line: bool = False
+    ticket: Ticket | None = None  # its admission (set by Gateway.open): a batch line's record is kept on it
 
 
 @dataclass
@@ -204,10 +205,12 @@ class Gateway:
         model, params, prompt = prepared.model, prepared.params, prepared.prompt
         limit = params.output_limit(model.max_model_len, len(prompt))
         call.admitted = True
+        call.ticket = None
         # a routed request is allowed by the alias the tenant asked for; its ledger record names both
         ticket = self.admission.admit(call.caller, prepared.requested_model or model.name, call.endpoint,
                                       prepared.request_id, len(prompt), len(prompt) + params.n * limit, call.headers,
                                       defer=call.batch_line)
+        call.ticket = ticket
         if prepared.requested_model:
             ticket.model, ticket.requested_model = model.name, prepared.requested_model
         tenant = call.caller.tenant
@@ -220,6 +223,9 @@ class Gateway:
             first = await _first(stream)
         except BaseException as e:
             call.trace.end(e)
+            if isinstance(e, APIError) and e.code == NO_SPARE_CAPACITY:  # a batch line that waits: it never ran
+                ticket.release()
+                raise
             status = ("cancelled" if isinstance(e, asyncio.CancelledError) else
                       "rejected" if isinstance(e, APIError) and e.code == "overloaded" else "failed")
             await ticket.finish(status, len(prompt), 0, 0, None, durable=False, detail=str(e))

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenfleet.tenancy.ledger import INSERT, UsageRecord
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS batch_files (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, purpose TEXT NOT NULL, filename TEXT NOT NULL,
@@ -60,10 +62,18 @@ _WINDOW = re.compile(r"^(\d+)([smhd])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
+class _Again(Exception):
+    """A line landed while a batch's files were built: build them again."""
+
+
+class _NotOurs(Exception):
+    """The batch was taken over while its files were built."""
+
+
 class BatchError(Exception):
     """A request the batch tier refuses: ``status`` and an OpenAI error ``code`` (the routes render it)."""
 
-    def __init__(self, status: int, message: str, code: str, param: str | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
         super().__init__(message)
         self.status, self.code, self.param = status, code, param
 
@@ -75,6 +85,8 @@ class Limits:
     max_queued_lines: int = 100_000  # a tenant's lines not yet finished, over all its active batches
     max_window_seconds: int = 7 * 86400
     default_output_expiry: int = 30 * 86400  # an output or error file's life unless the batch asks otherwise
+    default_input_expiry: int = 30 * 86400  # an uploaded file's life unless the upload asks otherwise (OpenAI's)
+    max_tenant_bytes: int = 10 << 30  # what one tenant's files may hold together
 
 
 def window_seconds(window: str) -> int:
@@ -202,9 +214,9 @@ class BatchStore:
     @_locked
     def add_file(self, tenant: str, purpose: str, filename: str, content: bytes,
                  expires_after: int | None = None) -> dict[str, Any]:
-        if purpose not in ("batch", "batch_output"):
+        if purpose != "batch":
             raise BatchError(400, f"purpose must be 'batch' (the only purpose this server stores), got {purpose!r}",
-                             "invalid_request_error", "purpose")
+                             None, "purpose")
         if len(content) > self.limits.max_file_bytes:
             raise BatchError(413, f"the file is {len(content)} bytes; at most {self.limits.max_file_bytes} are "
                              "accepted", "file_too_large", "file")
@@ -214,9 +226,15 @@ class BatchStore:
         now = self._now()
         file_id = new_id("file-")
         with self._tx() as conn:
+            (held,) = conn.execute("SELECT coalesce(sum(bytes), 0) FROM batch_files WHERE tenant = ? AND "
+                                   "(expires_at IS NULL OR expires_at > ?)", (tenant, now)).fetchone()
+            if held + len(content) > self.limits.max_tenant_bytes:
+                raise BatchError(413, f"the tenant's files hold {held} bytes; this one would pass its quota of "
+                                 f"{self.limits.max_tenant_bytes} (delete files it no longer needs)",
+                                 "storage_quota_exceeded", "file")
             conn.execute("INSERT INTO batch_files VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                          (file_id, tenant, purpose, filename, len(content), now,
-                          now + expires_after if expires_after else None, content))
+                          now + (expires_after or self.limits.default_input_expiry), content))
         return self.file(tenant, file_id)
 
     @_locked
@@ -238,7 +256,7 @@ class BatchStore:
     def files(self, tenant: str, purpose: str | None = None, limit: int = 10000, after: str | None = None,
               order: str = "desc") -> dict[str, Any]:
         if order not in ("asc", "desc"):
-            raise BatchError(400, "order must be 'asc' or 'desc'", "invalid_request_error", "order")
+            raise BatchError(400, "order must be 'asc' or 'desc'", None, "order")
         rows = self._conn.execute(
             "SELECT id, purpose, filename, bytes, created_at, expires_at FROM batch_files WHERE tenant = ? AND "
             "(? IS NULL OR purpose = ?) AND (expires_at IS NULL OR expires_at > ?) "
@@ -268,22 +286,22 @@ class BatchStore:
         would pass its quota is refused (429)."""
         if endpoint not in ENDPOINTS:
             raise BatchError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}",
-                             "invalid_request_error", "endpoint")
+                             None, "endpoint")
         try:
             window = window_seconds(completion_window)
         except ValueError as e:
-            raise BatchError(400, str(e), "invalid_request_error", "completion_window") from e
+            raise BatchError(400, str(e), None, "completion_window") from e
         if window > self.limits.max_window_seconds:
             raise BatchError(400, f"completion_window is at most {self.limits.max_window_seconds} s",
-                             "invalid_request_error", "completion_window")
+                             None, "completion_window")
         if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or not all(
                 isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in metadata.items())):
             raise BatchError(400, "metadata is at most 16 string pairs (keys <= 64, values <= 512 characters)",
-                             "invalid_request_error", "metadata")
+                             None, "metadata")
         info = self.file(tenant, input_file_id)
         if info["purpose"] != "batch":
             raise BatchError(400, f"file {input_file_id} has purpose {info['purpose']!r}, not 'batch'",
-                             "invalid_request_error", "input_file_id")
+                             None, "input_file_id")
         lines, errors = parse_lines(self.file_content(tenant, input_file_id), endpoint, self.limits.max_lines)
         now = self._now()
         batch_id = new_id("batch_")
@@ -328,10 +346,12 @@ class BatchStore:
     def cancel(self, tenant: str, batch_id: str) -> dict[str, Any]:
         """Ask to cancel: ``cancelling`` now (its runner stops starting lines, aborts the ones running, and
         writes what finished), ``cancelled`` once that is done. A finished batch is refused (409)."""
-        current = self.batch(tenant, batch_id)
-        if current["status"] in TERMINAL:
-            raise BatchError(409, f"Cannot cancel a batch with status '{current['status']}'.", "invalid_request_error")
         with self._tx() as conn:
+            row = conn.execute("SELECT status FROM batches WHERE id = ? AND tenant = ?", (batch_id, tenant)).fetchone()
+            if row is None:
+                raise BatchError(404, f"No such Batch object: {batch_id}", "batch_not_found", "batch_id")
+            if row[0] in TERMINAL:
+                raise BatchError(409, f"Cannot cancel a batch with status '{row[0]}'.")
             conn.execute("UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE id = ? AND status IN "
                          "('validating', 'in_progress')", (self._now(), batch_id))
         return self.batch(tenant, batch_id)
@@ -423,48 +443,74 @@ class BatchStore:
     def finish(self, owner: str, batch_id: str, final: str) -> bool:
         """Write the output and error files and end the batch in ``final`` (completed, expired or cancelled);
         False when the batch is no longer ours. Expired: the lines not run go to the error file as batch_expired;
-        cancelled: they are left out."""
+        cancelled: they are left out. Either way each line not run gets a zero-token ``cancelled`` ledger record,
+        so every line has exactly one. The files are built outside the write lock (the ledger shares it); the
+        final transaction checks that no line landed meanwhile, and takes the batch from its owner, so none can."""
         if final not in ("completed", "expired", "cancelled"):
             raise ValueError(f"not a final status: {final}")
-        now = self._now()
         with self._tx() as conn:
-            row = conn.execute("SELECT tenant, output_expires_seconds FROM batches WHERE id = ? AND owner = ? AND "
-                               f"status IN {ACTIVE}", (batch_id, owner)).fetchone()
+            row = conn.execute("SELECT tenant, key_id, endpoint, output_expires_seconds FROM batches WHERE id = ? AND "
+                               f"owner = ? AND status IN {ACTIVE}", (batch_id, owner)).fetchone()
             if row is None:
                 return False
-            tenant, output_expiry = row
             if final != "cancelled":
-                conn.execute("UPDATE batches SET status = 'finalizing', finalizing_at = ? WHERE id = ?", (now, batch_id))
-            output: list[str] = []
-            errors: list[str] = []
-            for idx, custom_id, state, code, response, error, request_id in conn.execute(
-                    "SELECT idx, custom_id, state, status_code, response, error, request_id FROM batch_lines "
-                    "WHERE batch_id = ? ORDER BY idx", (batch_id,)):
-                if state == "pending":
-                    if final != "expired":
-                        continue
-                    error = json.dumps({"code": "batch_expired", "message": "This request could not be executed "
-                                        "before the completion window expired."})
-                line = {"id": line_id(batch_id, idx), "custom_id": custom_id,
-                        "response": ({"status_code": code, "request_id": request_id or line_id(batch_id, idx),
-                                      "body": json.loads(response)}
-                                     if response is not None else None),
-                        "error": json.loads(error) if error is not None else None}
-                (output if state == "done" and code == 200 else errors).append(json.dumps(line, separators=(",", ":")))
+                conn.execute("UPDATE batches SET status = 'finalizing', finalizing_at = ? WHERE id = ?",
+                             (self._now(), batch_id))
+        tenant, key_id, endpoint, output_expiry = row
+        for _ in range(10):  # again if a line landed while the files were built (a shielded write, late)
+            now = self._now()
+            files, unrun = self._outputs(batch_id, final)
             expires = now + (output_expiry or self.limits.default_output_expiry)
-            file_ids: list[str | None] = []
-            for kind, lines in (("output", output), ("error", errors)):
-                if not lines:
-                    file_ids.append(None)
+            try:
+                with self._tx() as conn:
+                    (pending,) = conn.execute("SELECT count(*) FROM batch_lines WHERE batch_id = ? AND "
+                                              "state = 'pending'", (batch_id,)).fetchone()
+                    if pending != len(unrun):
+                        raise _Again
+                    ids: list[str | None] = []
+                    for kind, content in files:
+                        ids.append(None if content is None else new_id("file-"))
+                        if content is not None:
+                            conn.execute("INSERT INTO batch_files VALUES (?, ?, 'batch_output', ?, ?, ?, ?, ?)",
+                                         (ids[-1], tenant, f"{batch_id}_{kind}.jsonl", len(content), now, expires,
+                                          content))
+                    if not conn.execute(f"UPDATE batches SET status = ?, {final}_at = ?, output_file_id = ?, "
+                                        f"error_file_id = ?, owner = NULL WHERE id = ? AND owner = ? AND status IN "
+                                        f"{ACTIVE}", (final, now, ids[0], ids[1], batch_id, owner)).rowcount:
+                        raise _NotOurs
+                    reason = "batch_expired" if final == "expired" else f"batch {final} before the line ran"
+                    conn.executemany(INSERT, [UsageRecord(line_id(batch_id, idx), tenant, model, f"batch:{endpoint}",
+                                                          "cancelled", key_id, started_at=now, finished_at=now,
+                                                          detail=reason).row() for idx, model in unrun])
+            except _Again:
+                continue
+            except _NotOurs:
+                return False
+            return True
+        raise RuntimeError(f"batch {batch_id}: lines kept landing while it was being finished")
+
+    def _outputs(self, batch_id: str, final: str) -> tuple[list[tuple[str, bytes | None]], list[tuple[int, str]]]:
+        """The output and error files' contents (None: no such lines) and the lines not run: (index, model)."""
+        output: list[str] = []
+        errors: list[str] = []
+        unrun: list[tuple[int, str]] = []
+        for idx, custom_id, body, state, code, response, error, request_id in self._conn.execute(
+                "SELECT idx, custom_id, body, state, status_code, response, error, request_id FROM batch_lines "
+                "WHERE batch_id = ? ORDER BY idx", (batch_id,)).fetchall():
+            if state == "pending":
+                unrun.append((idx, str(json.loads(body).get("model", ""))))
+                if final != "expired":
                     continue
-                content = ("\n".join(lines) + "\n").encode()
-                file_id = new_id("file-")
-                conn.execute("INSERT INTO batch_files VALUES (?, ?, 'batch_output', ?, ?, ?, ?, ?)",
-                             (file_id, tenant, f"{batch_id}_{kind}.jsonl", len(content), now, expires, content))
-                file_ids.append(file_id)
-            conn.execute(f"UPDATE batches SET status = ?, {final}_at = ?, output_file_id = ?, error_file_id = ?, "
-                         "owner = NULL WHERE id = ?", (final, now, file_ids[0], file_ids[1], batch_id))
-        return True
+                error = json.dumps({"code": "batch_expired", "message": "This request could not be executed "
+                                    "before the completion window expired."})
+            line = {"id": line_id(batch_id, idx), "custom_id": custom_id,
+                    "response": ({"status_code": code, "request_id": request_id or line_id(batch_id, idx),
+                                  "body": json.loads(response)} if response is not None else None),
+                    "error": json.loads(error) if error is not None else None}
+            (output if state == "done" and code == 200 else errors).append(json.dumps(line, separators=(",", ":")))
+        files = [(kind, ("\n".join(lines) + "\n").encode() if lines else None)
+                 for kind, lines in (("output", output), ("error", errors))]
+        return files, unrun
 
 
 def file_object(row: tuple) -> dict[str, Any]:
@@ -475,7 +521,7 @@ def file_object(row: tuple) -> dict[str, Any]:
 
 def _page(items: list[dict[str, Any]], limit: int, after: str | None) -> dict[str, Any]:
     if not 1 <= limit <= 10000:
-        raise BatchError(400, "limit must be between 1 and 10000", "invalid_request_error", "limit")
+        raise BatchError(400, "limit must be between 1 and 10000", None, "limit")
     if after is not None:
         ids = [item["id"] for item in items]
         items = items[ids.index(after) + 1:] if after in ids else []

@@ -57,6 +57,15 @@ class Ticket:
     defer: bool = False
     record: UsageRecord | None = None
 
+    def release(self) -> None:
+        """The request never ran (a batch line placed nowhere): no record, and its reservation all back."""
+        if self.settled:
+            return
+        self.settled = True
+        budget = self.admission.budgets.get(self.caller.tenant.name)
+        if budget is not None:
+            budget.cancel(self.reserved, self.admission.clock())
+
     async def finish(self, status: str, prompt: int, cached: int, completion: int, ttft_ms: float | None,
                      durable: bool = True, detail: str = "") -> None:
         """Settle the budget to what was used and write the ledger record (awaited when ``durable``)."""

@@ -16,7 +16,7 @@ import queue
 import sqlite3
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,9 @@ CREATE TABLE IF NOT EXISTS usage (
 CREATE INDEX IF NOT EXISTS usage_request ON usage (request_id);
 CREATE INDEX IF NOT EXISTS usage_time ON usage (finished_at);
 """
+
+
+INSERT = f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"  # UsageRecord.row()
 
 
 @dataclass
@@ -122,22 +125,38 @@ class Ledger:
             with conn:
                 for _, _, guard in items:
                     written.append(guard is None or conn.execute(*guard).rowcount == 1)
-                conn.executemany(f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
+                conn.executemany(INSERT,
                                  [record.row() for (record, _, _), ok in zip(items, written, strict=True) if ok])
             self.num_commits += 1
         except sqlite3.Error as e:
             for _, done, _ in items:
-                done.set_exception(e)
+                _resolve(done, error=e)
             return
         for (_, done, _), ok in zip(items, written, strict=True):
-            done.set_result(ok)
+            _resolve(done, ok)
+
+
+def _resolve(done: Future, result: bool = False, error: BaseException | None = None) -> None:
+    """Tell the writer's caller, unless it stopped waiting: an awaiting task that was cancelled (a client gone
+    mid-write) cancels its future through ``asyncio.wrap_future``, and setting a cancelled future raises, which
+    would end the writer thread and leave every later write waiting forever. The record is written either way."""
+    if done.cancelled():
+        return
+    try:
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+    except InvalidStateError:  # cancelled between the check and the set
+        pass
 
 
 def _connect(path: Path) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, timeout=10, check_same_thread=False, isolation_level=None)
+    # the batch tier writes files and finalizes batches in this database too: wait for its lock, not fail
+    conn = sqlite3.connect(path, timeout=30, check_same_thread=False, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=FULL")
-    conn.isolation_level = ""  # `with conn:` opens and commits a transaction
+    conn.isolation_level = "DEFERRED"  # `with conn:` opens and commits a transaction
     return conn
 
 

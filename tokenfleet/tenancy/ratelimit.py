@@ -137,6 +137,14 @@ class TenantBudget:
         if self.limits.tokens_per_minute and reserved > used:
             self.tokens.give_back(reserved - used, now)
 
+    def cancel(self, reserved: int, now: float) -> None:
+        """The request never ran (a batch line that found no spare capacity): its request and every token back."""
+        self.open = max(0, self.open - 1)
+        if self.limits.requests_per_minute:
+            self.requests.give_back(1, now)
+        if self.limits.tokens_per_minute:
+            self.tokens.give_back(reserved, now)
+
     def headers(self, now: float) -> dict[str, str]:
         lim, out = self.limits, {}
         for name, limit, bucket in (("tokens", lim.tokens_per_minute, self.tokens),

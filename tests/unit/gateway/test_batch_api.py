@@ -72,6 +72,8 @@ def test_bad_uploads_and_batches_get_openai_errors(app):
     missing = client.post("/v1/files", headers=auth["alpha"], data={"purpose": "batch"})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "file"
     assert client.post("/v1/files", headers=auth["alpha"], content=b"{}").status_code == 400  # not a form
+    bad_limit = client.get("/v1/batches?limit=x", headers=auth["alpha"])
+    assert bad_limit.status_code == 400 and bad_limit.json()["error"]["param"] == "limit"
     file_id = upload(client, auth["alpha"], lines(8)).json()["id"]
     for body, param in (({"endpoint": CHAT, "completion_window": "24h"}, "input_file_id"),
                         ({"input_file_id": file_id, "endpoint": "/v1/embeddings", "completion_window": "24h"},

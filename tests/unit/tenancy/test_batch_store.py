@@ -164,6 +164,10 @@ def test_expiry_and_cancel_write_what_finished(store, clock):
     assert [(e["custom_id"], (e["error"] or {}).get("code"), (e["response"] or {}).get("status_code"))
             for e in errors] == [("r0", "batch_expired", None), ("r1", None, 400), ("r2", "batch_expired", None)]
     assert store.file("alpha", expired["error_file_id"])["expires_at"] == int(clock.now) + 7200
+    # every line has one ledger record: the one that ran its own, the two never run a zero-token `cancelled` one
+    kept = {r.request_id: (r.status, r.detail) for r in records(store.path)}
+    assert kept == {line_id(b["id"], 0): ("cancelled", "batch_expired"), line_id(b["id"], 1): ("rejected", ""),
+                    line_id(b["id"], 2): ("cancelled", "batch_expired")}
     with pytest.raises(BatchError) as e:
         store.cancel("alpha", b["id"])
     assert e.value.status == 409

@@ -68,3 +68,20 @@ def test_a_ledger_from_before_the_model_router_gains_the_requested_model_column(
     asyncio.run(ledger.write(UsageRecord("new", "t", "small", "chat", finished_at=3.0, requested_model="auto")))
     ledger.close()
     assert [(r.request_id, r.model, r.requested_model) for r in records(path)] == [("old", "m", ""), ("new", "small", "auto")]
+
+
+def test_a_writer_whose_caller_stopped_waiting_keeps_writing(tmp_path):
+    """A request cancelled while its record is being written (a client gone at its last chunk) cancels the
+    future the writer will resolve: the record is still written and later writes still complete."""
+    ledger = Ledger(tmp_path / "l.sqlite3")
+
+    async def scenario() -> None:
+        first = asyncio.ensure_future(ledger.write(rec(1)))
+        await asyncio.sleep(0)
+        first.cancel()
+        await asyncio.wait_for(asyncio.gather(*(ledger.write(rec(i)) for i in range(2, 40))), 30)
+
+    asyncio.run(scenario())
+    ledger.close()
+    assert ledger._thread.is_alive() is False  # closed, not died: every record made it
+    assert sorted(r.request_id for r in records(tmp_path / "l.sqlite3")) == sorted(f"r{i}" for i in range(1, 40))

@@ -63,3 +63,13 @@ def test_shares_rescale_keeping_the_fill_fraction_and_headers():
     assert headers["x-ratelimit-limit-tokens"] == "1200" and headers["x-ratelimit-remaining-tokens"] == "300"
     assert headers["x-ratelimit-reset-tokens"] == "30.0s" and headers["x-ratelimit-limit-requests"] == "60"
     assert duration(0.25) == "250ms" and duration(75) == "1m15.0s"
+
+
+def test_a_request_that_never_ran_gives_its_whole_reservation_back():
+    budget = TenantBudget(Limits(tokens_per_minute=1000, requests_per_minute=2, max_concurrent=0), 1.0, 0.0)
+    for _ in range(5):  # a batch line refused for want of spare capacity, again and again: nothing spent
+        assert budget.admit(600, 0.0) is None
+        budget.cancel(600, 0.0)
+    assert budget.admit(600, 0.0) is None and budget.open == 1
+    budget.settle(600, 600, 0.0)  # one that ran: its tokens are spent
+    assert budget.admit(600, 0.0) is not None
