@@ -282,6 +282,7 @@ def _autoscale_report(args: argparse.Namespace, policy: Any, results: list[dict[
               f"{args.day_seconds:g} --scale-start-seconds {args.scale_start_seconds:g} --lead-seconds "
               f"{args.lead_seconds:g} --down-margin {policy.down_margin:g}"
               + (f" --ttft-objective {policy.ttft_objective:g}" if policy.ttft_objective else "")
+              + (" --peer-fetch" if args.peer_fetch else "")
               + (f" --sensitivity {' '.join(f'{t:g}' for t in args.sensitivity)}" if args.sensitivity else "")
               + "` (target concurrency measured unless given; see the flags of `tokenfleet simulate run`)."]
     return "\n".join(lines) + "\n"
