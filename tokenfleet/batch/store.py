@@ -378,6 +378,9 @@ class BatchStore:
         """Take every active batch whose lease has lapsed (or whose owner starts with ``reclaim_prefix``: this
         gateway's earlier life), oldest first; their ids. A claimed ``validating`` batch is now in progress."""
         now = self.clock()
+        if not self._conn.execute(f"SELECT 1 FROM batches WHERE status IN {ACTIVE} AND (owner IS NULL OR lease_until < ? "
+                                  "OR ? IS NOT NULL) LIMIT 1", (now, reclaim_prefix)).fetchone():
+            return []  # the usual answer, read without taking the write lock the ledger needs
         with self._tx() as conn:
             ids = [r[0] for r in conn.execute(
                 f"SELECT id FROM batches WHERE status IN {ACTIVE} AND (owner IS NULL OR lease_until < ? OR "
