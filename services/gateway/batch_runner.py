@@ -28,6 +28,7 @@ import time
 from collections import deque
 
 import structlog
+from tokenfleet.services.gateway.app import trace_request
 from tokenfleet.services.gateway.dispatch import NO_SPARE_CAPACITY
 from tokenfleet.services.gateway.openai_encoder import OpenAIEncoder
 from tokenfleet.services.gateway.pipeline import Call, Gateway, Prepared, validate_body
@@ -35,6 +36,7 @@ from tokenfleet.services.gateway.pipeline import Call, Gateway, Prepared, valida
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
 from tokenfleet.batch.store import ACTIVE, BatchStore, line_id
 from tokenfleet.telemetry.metrics import BatchMetrics, RequestTimer
+from tokenfleet.telemetry.tracing import Trace
 from tokenfleet.tenancy.admission import ANONYMOUS, Caller
 from tokenfleet.tenancy.ledger import Ledger, UsageRecord
 
@@ -229,13 +231,17 @@ class BatchRunner:
             raw = json.loads(line.body)
             model = str(raw.get("model", ""))
             caller = self._caller(tenant_name, key_id)
-            call = Call(rid, f"batch:{endpoint}", caller, batch_line=True)
+            operation = "chat" if chat else "text_completion"
+            call = Call(rid, f"batch:{endpoint}", caller, batch_line=True, trace=Trace.start(operation, "internal", {
+                "gen_ai.operation.name": operation, "gen_ai.system": "tokenfleet", "tokenfleet.request_id": rid,
+                "tokenfleet.batch_id": line.batch_id}))
             t = caller.tenant
             if line.prepared is None:  # kept while the line waits for spare capacity: tokenized once
                 body = validate_body(ChatCompletionRequest if chat else CompletionRequest, raw)
                 line.prepared = await (self.gateway.prepare_chat(body, t.name, t.tier, dict(t.pins)) if chat
                                        else self.gateway.prepare_completion(body, t.name, t.tier, dict(t.pins)))
             prepared = line.prepared
+            trace_request(call.trace, operation, t.name, t.tier, prepared, None)
             run = await self.gateway.open(call, prepared)
             encoder = OpenAIEncoder(prepared.request_id, prepared.model.name, prepared.params.logprobs is not None,
                                     prepared.include_usage, tools=prepared.tools)
@@ -250,6 +256,8 @@ class BatchRunner:
                                                                      "server_error")
             if not isinstance(caught, APIError):
                 log.warning("batch line error", batch=line.batch_id, line=line.index, error=repr(caught))
+            if call is not None:
+                call.trace.end(e)  # a no-op once the pipeline ended it
             retry = self._retry(e, line)
             if retry is not None:
                 raise retry from e

@@ -8,6 +8,8 @@ GenAI attributes set. Prompts are not in spans unless TOKENFLEET_TRACE_CONTENT i
 
 from __future__ import annotations
 
+import io
+import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -83,6 +85,21 @@ def test_one_request_is_one_trace_across_every_service(default_model_dir, tmp_pa
             return trace if wanted <= services and any(s["name"] == "kv.transfer" for s in trace) else None
 
         trace = wait_for(ours, "the request's spans from every service", 60)
+
+        # a batch line is a trace of its own, named and attributed as the endpoint's
+        line = {"custom_id": "t0", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "smol", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]}}
+        upload = client.files.create(file=("t.jsonl", io.BytesIO(json.dumps(line).encode() + b"\n")), purpose="batch")
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="1h")
+        wait_for(lambda: client.batches.retrieve(batch.id).status == "completed", "the batch", 120)
+
+        def batch_span():
+            with Receiver.lock:
+                return next((s for s in Receiver.spans if s["attributes"].get("tokenfleet.batch_id") == batch.id), None)
+
+        line_span = wait_for(batch_span, "the batch line's span", 60)
+        assert line_span["name"] == "chat smol" and line_span["attributes"]["gen_ai.usage.output_tokens"] == 3
+        assert line_span["attributes"]["tokenfleet.tier"] == "batch"
     finally:
         up.stop()
         receiver.shutdown()
