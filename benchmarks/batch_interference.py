@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import psutil
-from serving.load import RequestResult, fresh_prompts, http_load, httpx, token_timing
+from serving.load import RequestResult, fresh_prompts, http_load, httpx, stream_completion
 from serving.report import git_head, write_report
 
 REPORTS = Path(__file__).parent / "reports"
@@ -76,32 +76,7 @@ async def open_loop(base_url: str, prompts: list[list[int]], rate: float, durati
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), limits=limits) as client:
 
         async def one(prompt: list[int], at: float) -> None:
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            result = RequestResult()
-            start = time.perf_counter()
-            first = last = None
-            n_out = 0
-            try:
-                async with client.stream("POST", "/v1/completions", json=body) as response:
-                    if response.status_code != 200:
-                        result.error = f"HTTP {response.status_code}"
-                    else:
-                        async for line in response.aiter_lines():
-                            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                                continue
-                            event = json.loads(line[5:])
-                            if event.get("choices"):
-                                now = time.perf_counter()
-                                first = now if first is None else first
-                                last = now
-                            if event.get("usage"):
-                                n_out = int(event["usage"]["completion_tokens"])
-            except (httpx.HTTPError, json.JSONDecodeError) as e:
-                result.error = f"{type(e).__name__}"
-            result.latency_s = time.perf_counter() - start
-            token_timing(start, first, last, n_out, result)
-            out.append((at, result))
+            out.append((at, await stream_completion(client, MODEL, prompt, output_len)))
 
         tasks, t0, at, i = [], time.perf_counter(), 0.0, 0
         while True:

@@ -72,6 +72,43 @@ def summarize(results: list[RequestResult], wall: float, expected_tokens: int) -
 # Load generators (asyncio): OpenAI /v1/completions over SSE, and tokenfleet's gRPC Generate
 
 
+async def stream_completion(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> RequestResult:
+    """One streamed /v1/completions request of exactly ``output_len`` tokens (ignore_eos), timed."""
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    result = RequestResult()
+    start = time.perf_counter()
+    first = last = None
+    n_out = 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {text[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if event.get("choices"):  # a token chunk (or the last one, with finish_reason)
+                    now = time.perf_counter()
+                    first = now if first is None else first
+                    last = now
+                if event.get("usage"):
+                    n_out = int(event["usage"]["completion_tokens"])
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+        result.error = f"{type(e).__name__}: {e}"[:200]
+        return result
+    result.latency_s = time.perf_counter() - start
+    if n_out == 0:
+        result.error = "no usage chunk"
+    token_timing(start, first, last, n_out, result)
+    return result
+
+
 async def http_load(base_url: str, model: str, prompts: list[list[int]], concurrency: int, output_len: int
                     ) -> tuple[list[RequestResult], float]:
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -79,40 +116,8 @@ async def http_load(base_url: str, model: str, prompts: list[list[int]], concurr
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), limits=limits) as client:
 
         async def one(prompt: list[int]) -> RequestResult:
-            body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            result = RequestResult()
             async with gate:
-                start = time.perf_counter()
-                first = last = None
-                n_out = 0
-                try:
-                    async with client.stream("POST", "/v1/completions", json=body) as response:
-                        if response.status_code != 200:
-                            text = (await response.aread()).decode(errors="replace")
-                            result.error = f"HTTP {response.status_code}: {text[:200]}"
-                            return result
-                        async for line in response.aiter_lines():
-                            if not line.startswith("data:"):
-                                continue
-                            data = line[5:].strip()
-                            if data == "[DONE]":
-                                break
-                            event = json.loads(data)
-                            if event.get("choices"):  # a token chunk (or the last one, with finish_reason)
-                                now = time.perf_counter()
-                                first = now if first is None else first
-                                last = now
-                            if event.get("usage"):
-                                n_out = int(event["usage"]["completion_tokens"])
-                except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
-                    result.error = f"{type(e).__name__}: {e}"[:200]
-                    return result
-                result.latency_s = time.perf_counter() - start
-                if n_out == 0:
-                    result.error = "no usage chunk"
-                token_timing(start, first, last, n_out, result)
-                return result
+                return await stream_completion(client, model, prompt, output_len)
 
         start = time.perf_counter()
         results = await asyncio.gather(*(one(p) for p in prompts))

@@ -82,7 +82,9 @@ def test_one_request_is_one_trace_across_every_service(default_model_dir, tmp_pa
                 trace = [s for s in Receiver.spans if s["trace"] == roots[0]["trace"]]
             services = {s["service"] for s in trace}
             wanted = {"tokenfleet-gateway", "tokenfleet-router", "tokenfleet-worker-decode", "tokenfleet-worker-prefill"}
-            return trace if wanted <= services and any(s["name"] == "kv.transfer" for s in trace) else None
+            ids = {s["id"] for s in trace}
+            whole = all(not s["parent"] or s["parent"] in ids for s in trace)  # every parent exported too
+            return trace if wanted <= services and any(s["name"] == "kv.transfer" for s in trace) and whole else None
 
         trace = wait_for(ours, "the request's spans from every service", 60)
 
