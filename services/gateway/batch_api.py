@@ -17,7 +17,8 @@ from tokenfleet.services.gateway.app import peer, read_body
 from tokenfleet.services.gateway.pipeline import Gateway
 
 from tokenfleet.api.openai_schema import APIError
-from tokenfleet.batch.store import BatchError, BatchStore
+from tokenfleet.batch.formats import BatchError
+from tokenfleet.batch.store import BatchStore
 from tokenfleet.tenancy.admission import Caller
 
 MULTIPART_OVERHEAD = 64 << 10  # the form's boundaries and other fields, over the file's own limit

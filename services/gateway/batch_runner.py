@@ -34,7 +34,8 @@ from tokenfleet.services.gateway.openai_encoder import OpenAIEncoder
 from tokenfleet.services.gateway.pipeline import Call, Gateway, Prepared, validate_body
 
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
-from tokenfleet.batch.store import ACTIVE, BatchStore, line_id
+from tokenfleet.batch.formats import line_id
+from tokenfleet.batch.store import ACTIVE, BatchStore
 from tokenfleet.telemetry.metrics import BatchMetrics, RequestTimer
 from tokenfleet.telemetry.tracing import Trace
 from tokenfleet.tenancy.admission import ANONYMOUS, Caller

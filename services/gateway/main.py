@@ -23,8 +23,8 @@ from tokenfleet.services.gateway.http_protocol import HeadTimeoutH11Protocol
 from tokenfleet.services.gateway.pipeline import Gateway
 from tokenfleet.services.registry.client import watch_registry
 
+from tokenfleet.batch.formats import Limits as BatchLimits
 from tokenfleet.batch.store import BatchStore
-from tokenfleet.batch.store import Limits as BatchLimits
 from tokenfleet.cluster.etcd import EtcdClient
 from tokenfleet.cluster.gateways import GatewayPeers, GatewayRecord
 from tokenfleet.cluster.registry import RegistryView

@@ -10,25 +10,33 @@ while the lease is its own (the guard checks ``owner``), so a gateway that lost 
 cannot land a result after another took over. A restarted gateway (same gateway id) takes its own batches back at
 once; another gateway takes them when their lease lapses.
 
-Pure storage: the OpenAI object shapes (``file_object``, ``batch_object``) and the line checks live here; the HTTP
-routes (services/gateway/batch_api.py) and the executor (services/gateway/batch_runner.py) use them.
+Storage only: the formats (OpenAI's file and list objects, the line checks, ids, limits) are in formats.py; the
+HTTP routes (services/gateway/batch_api.py) and the executor (services/gateway/batch_runner.py) use both.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import re
-import secrets
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenfleet.batch.formats import (
+    ENDPOINTS,
+    BatchError,
+    Limits,
+    file_object,
+    line_id,
+    new_id,
+    page,
+    parse_lines,
+    window_seconds,
+)
 from tokenfleet.tenancy.ledger import INSERT, UsageRecord
 
 SCHEMA = """
@@ -54,12 +62,8 @@ CREATE TABLE IF NOT EXISTS batch_lines (
     PRIMARY KEY (batch_id, idx)
 );
 """
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")  # a runner still has work to do
 TERMINAL = ("completed", "failed", "expired", "cancelled")
-MAX_ERRORS = 100  # validation errors reported per batch
-_WINDOW = re.compile(r"^(\d+)([smhd])$")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 class _Again(Exception):
@@ -68,102 +72,6 @@ class _Again(Exception):
 
 class _NotOurs(Exception):
     """The batch was taken over while its files were built."""
-
-
-class BatchError(Exception):
-    """A request the batch tier refuses: ``status`` and an OpenAI error ``code`` (the routes render it)."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
-        super().__init__(message)
-        self.status, self.code, self.param = status, code, param
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_file_bytes: int = 100 << 20  # an upload's size
-    max_lines: int = 50_000  # lines in one batch's input file
-    max_queued_lines: int = 100_000  # a tenant's lines not yet finished, over all its active batches
-    max_window_seconds: int = 7 * 86400
-    default_output_expiry: int = 30 * 86400  # an output or error file's life unless the batch asks otherwise
-    default_input_expiry: int = 30 * 86400  # an uploaded file's life unless the upload asks otherwise (OpenAI's)
-    max_tenant_bytes: int = 10 << 30  # what one tenant's files may hold together
-
-
-def window_seconds(window: str) -> int:
-    """"24h", "30m", "90s", "2d" -> seconds (ValueError otherwise)."""
-    match = _WINDOW.match(window.strip()) if isinstance(window, str) else None
-    if match is None or int(match.group(1)) <= 0:
-        raise ValueError(f"completion_window must be a duration such as '24h', got {window!r}")
-    return int(match.group(1)) * _UNITS[match.group(2)]
-
-
-def line_id(batch_id: str, index: int) -> str:
-    """A line's id: its output line's ``id``, its response's ``request_id`` and its ledger record's."""
-    return f"batch_req_{batch_id.removeprefix('batch_')}_{index}"
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}{secrets.token_hex(12)}"
-
-
-def parse_lines(content: bytes, endpoint: str, max_lines: int) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
-    """An input file's lines as (custom_id, body JSON), and the errors found (OpenAI's batch error objects, with
-    the 1-based line number): not UTF-8 JSON objects, a custom_id missing or repeated, a method other than POST, a
-    url other than the batch's endpoint, a body that is not an object or asks to stream."""
-    lines: list[tuple[str, str]] = []
-    errors: list[dict[str, Any]] = []
-    seen: set[str] = set()
-
-    def bad(number: int, code: str, message: str, param: str | None = None) -> None:
-        if len(errors) < MAX_ERRORS:
-            errors.append({"code": code, "message": message, "param": param, "line": number})
-
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return [], [{"code": "invalid_json_line", "message": f"the file is not UTF-8 (byte {e.start})",
-                     "param": None, "line": None}]
-    number = 0
-    for number, raw in enumerate(text.splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            line = json.loads(raw)
-        except json.JSONDecodeError as e:
-            bad(number, "invalid_json_line", f"line {number} is not valid JSON: {e.msg}")
-            continue
-        if not isinstance(line, dict):
-            bad(number, "invalid_json_line", f"line {number} is not a JSON object")
-            continue
-        custom_id = line.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id:
-            bad(number, "missing_required_parameter", "custom_id is required (a non-empty string)", "custom_id")
-            continue
-        if custom_id in seen:
-            bad(number, "duplicate_custom_id", f"custom_id {custom_id!r} is not unique in the file", "custom_id")
-            continue
-        seen.add(custom_id)
-        if line.get("method", "POST") != "POST":
-            bad(number, "invalid_method", f"method must be POST, got {line.get('method')!r}", "method")
-            continue
-        if line.get("url") != endpoint:
-            bad(number, "invalid_url", f"url must be the batch's endpoint {endpoint}, got {line.get('url')!r}", "url")
-            continue
-        body = line.get("body")
-        if not isinstance(body, dict):
-            bad(number, "invalid_request", "body must be a JSON object", "body")
-            continue
-        if body.get("stream"):
-            bad(number, "invalid_request", "stream is not supported in a batch", "body.stream")
-            continue
-        lines.append((custom_id, json.dumps(body, separators=(",", ":"))))
-    if not lines and not errors:
-        errors.append({"code": "empty_file", "message": "the input file has no requests", "param": None,
-                       "line": None})
-    if len(lines) > max_lines:
-        errors.append({"code": "too_many_lines", "message": f"the input file has {len(lines)} requests; a batch "
-                       f"takes at most {max_lines}", "param": None, "line": None})
-    return lines, errors
 
 
 def _locked(method: Callable) -> Callable:
@@ -179,9 +87,9 @@ class BatchStore:
     gateways (processes) serialize on SQLite's write lock, and threads of one process (callers use
     ``asyncio.to_thread``: an upload or a finalization is too big for the event loop) on the store's lock."""
 
-    def __init__(self, path: str | Path, limits: Limits = Limits(), clock: Any = time.time):
+    def __init__(self, path: str | Path, limits: Limits | None = None, clock: Any = time.time):
         self.path = Path(path)
-        self.limits = limits
+        self.limits = limits or Limits()
         self.clock = clock
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = sqlite3.connect(self.path, timeout=30, check_same_thread=False, isolation_level=None)
@@ -261,7 +169,7 @@ class BatchStore:
             "SELECT id, purpose, filename, bytes, created_at, expires_at FROM batch_files WHERE tenant = ? AND "
             "(? IS NULL OR purpose = ?) AND (expires_at IS NULL OR expires_at > ?) "
             f"ORDER BY created_at {order}, rowid {order}", (tenant, purpose, purpose, self._now())).fetchall()
-        return _page([file_object(r) for r in rows], limit, after)
+        return page([file_object(r) for r in rows], limit, after)
 
     @_locked
     def delete_file(self, tenant: str, file_id: str) -> dict[str, Any]:
@@ -340,7 +248,7 @@ class BatchStore:
     def batches(self, tenant: str, limit: int = 20, after: str | None = None) -> dict[str, Any]:
         rows = self._conn.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE tenant = ? "
                                   "ORDER BY created_at DESC, rowid DESC", (tenant,)).fetchall()
-        return _page([self._batch_object(r) for r in rows], limit, after)
+        return page([self._batch_object(r) for r in rows], limit, after)
 
     @_locked
     def cancel(self, tenant: str, batch_id: str) -> dict[str, Any]:
@@ -514,23 +422,6 @@ class BatchStore:
         files = [(kind, ("\n".join(lines) + "\n").encode() if lines else None)
                  for kind, lines in (("output", output), ("error", errors))]
         return files, unrun
-
-
-def file_object(row: tuple) -> dict[str, Any]:
-    file_id, purpose, filename, size, created_at, expires_at = row
-    return {"id": file_id, "object": "file", "bytes": size, "created_at": created_at, "filename": filename,
-            "purpose": purpose, "status": "processed", "expires_at": expires_at, "status_details": None}
-
-
-def _page(items: list[dict[str, Any]], limit: int, after: str | None) -> dict[str, Any]:
-    if not 1 <= limit <= 10000:
-        raise BatchError(400, "limit must be between 1 and 10000", None, "limit")
-    if after is not None:
-        ids = [item["id"] for item in items]
-        items = items[ids.index(after) + 1:] if after in ids else []
-    page = items[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 _BATCH_FIELDS = ("id", "endpoint", "errors", "input_file_id", "completion_window", "status", "output_file_id",

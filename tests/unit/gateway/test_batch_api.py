@@ -12,7 +12,8 @@ from tokenfleet.services.gateway.app import create_app
 from tokenfleet.services.gateway.catalog import ModelCatalog
 from tokenfleet.services.gateway.pipeline import Gateway
 
-from tokenfleet.batch.store import BatchStore, Limits
+from tokenfleet.batch.formats import Limits
+from tokenfleet.batch.store import BatchStore
 from tokenfleet.tenancy.admission import Admission
 from tokenfleet.tenancy.tenants import Directory, Tenant, new_key
 

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from tokenfleet.batch.store import BatchError, BatchStore, Limits, line_id, parse_lines, window_seconds
+from tokenfleet.batch.formats import BatchError, Limits, line_id, parse_lines, window_seconds
+from tokenfleet.batch.store import BatchStore
 from tokenfleet.tenancy.ledger import Ledger, UsageRecord, records
 
 CHAT = "/v1/chat/completions"
