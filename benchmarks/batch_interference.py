@@ -111,7 +111,7 @@ def wait_batch(client: openai.OpenAI, batch_id: str, timeout: float = 1800) -> o
             batch = client.batches.retrieve(batch_id)
             if batch.status in ("completed", "failed", "expired", "cancelled"):
                 return batch
-        except (openai.APIConnectionError, openai.InternalServerError):
+        except openai.APIConnectionError:  # the gateway restarting
             pass
         time.sleep(1.0)
     raise TimeoutError(f"batch {batch_id} not finished in {timeout}s")

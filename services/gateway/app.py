@@ -13,15 +13,13 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from tokenfleet.services.gateway.openai_encoder import OpenAIEncoder
-from tokenfleet.services.gateway.pipeline import Call, Gateway, Prepared, validate_body
+from tokenfleet.services.gateway.pipeline import Call, Gateway, request_trace, trace_request, validate_body
 
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
 from tokenfleet.batch.store import BatchStore
-from tokenfleet.telemetry import tracing
 from tokenfleet.telemetry.metrics import RequestTimer
 from tokenfleet.telemetry.request_id import HEADER as REQUEST_ID_HEADER
 from tokenfleet.telemetry.request_id import new_request_id
-from tokenfleet.telemetry.tracing import Trace
 
 log = structlog.get_logger()
 MAX_BODY_BYTES = 4 << 20
@@ -119,11 +117,8 @@ async def _serve(gateway: Gateway, request: Request, chat: bool) -> Response:
     OpenAI error body (and, before admission, a `rejected` ledger record); one after it, inside a
     stream, is the stream's last event."""
     operation = "chat" if chat else "text_completion"  # gen_ai.operation.name
-    call = request.state.call = Call(request.state.request_id, request.url.path,
-                                     trace=Trace.start(operation, "server", {
-                                         "gen_ai.operation.name": operation, "gen_ai.system": "tokenfleet",
-                                         "http.request.method": "POST", "url.path": request.url.path,
-                                         "tokenfleet.request_id": request.state.request_id}))
+    call = request.state.call = Call(request.state.request_id, request.url.path, trace=request_trace(
+        operation, request.state.request_id, attributes={"http.request.method": "POST", "url.path": request.url.path}))
     timer = RequestTimer(gateway.metrics)
     authenticated = False
     try:
@@ -132,14 +127,10 @@ async def _serve(gateway: Gateway, request: Request, chat: bool) -> Response:
         structlog.contextvars.bind_contextvars(tenant=call.caller.tenant.name, key_id=call.caller.key_id)
         gateway.admission.precheck(call.caller, call.request_id, call.endpoint, call.headers)  # cheap checks first
         body = await _parse(request, ChatCompletionRequest if chat else CompletionRequest)
-        t = call.caller.tenant
-        pins = dict(t.pins)
-        prepared = await (gateway.prepare_chat(body, t.name, t.tier, pins) if chat
-                          else gateway.prepare_completion(body, t.name, t.tier, pins))
-        trace_request(call.trace, operation, t.name, t.tier, prepared, body if tracing.record_content() else None)
+        prepared = await gateway.prepare(body, call.caller.tenant)
+        trace_request(call.trace, operation, call.caller.tenant, prepared, body)
         run = await gateway.open(call, prepared)
-        encoder = OpenAIEncoder(prepared.request_id, prepared.model.name, prepared.params.logprobs is not None,
-                                prepared.include_usage, tools=prepared.tools)
+        encoder = OpenAIEncoder.of(prepared)
         events = gateway.events(run, timer)
         if body.stream:
             stream = encoder.chat_stream(events) if chat else encoder.completion_stream(events)
@@ -156,20 +147,6 @@ async def _serve(gateway: Gateway, request: Request, chat: bool) -> Response:
     except BaseException as e:
         call.trace.end(e)
         raise
-
-
-def trace_request(trace: Trace, operation: str, tenant: str, tier: str, prepared: Prepared, body: Any) -> None:
-    """The request span's GenAI attributes (and, only when TOKENFLEET_TRACE_CONTENT is on, the prompt)."""
-    params = prepared.params
-    trace.rename(f"{operation} {prepared.model.name}")
-    trace.set(**{"gen_ai.request.model": prepared.requested_model or prepared.model.name,
-                 "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
-                 "gen_ai.request.top_p": params.top_p, "gen_ai.request.choice.count": params.n,
-                 "tokenfleet.tenant": tenant, "tokenfleet.tier": tier, "tokenfleet.model_version": prepared.model.ref,
-                 "tokenfleet.prompt_tokens": len(prepared.prompt)})
-    if body is not None:
-        trace.event("gen_ai.prompt", content=json.dumps(body.model_dump(exclude_none=True).get(
-            "messages", body.model_dump(exclude_none=True).get("prompt")), default=str))
 
 
 def peer(request: Request) -> str:
@@ -211,7 +188,12 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def _parse(request: Request, schema: type) -> Any:
-    raw = await read_body(request, BODY_LIMITS.get(request.url.path, MAX_BODY_BYTES))
+    return validate_body(schema, await json_body(request, BODY_LIMITS.get(request.url.path, MAX_BODY_BYTES)))
+
+
+async def json_body(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object; 400 for one that is not UTF-8 JSON or not an object, 413 past ``limit``."""
+    raw = await read_body(request, limit)
     try:
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -220,4 +202,4 @@ async def _parse(request: Request, schema: type) -> Any:
         raise APIError(400, f"request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
-    return validate_body(schema, body)
+    return body

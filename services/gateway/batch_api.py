@@ -8,12 +8,11 @@ and says so (404, with where the fleet serves it)."""
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from tokenfleet.services.gateway.app import peer, read_body
+from tokenfleet.services.gateway.app import json_body, peer, read_body
 from tokenfleet.services.gateway.pipeline import Gateway
 
 from tokenfleet.api.openai_schema import APIError
@@ -43,6 +42,11 @@ def add_batch_routes(app: FastAPI, gateway: Gateway, store: BatchStore | None, b
         except BatchError as e:
             raise APIError(e.status, str(e), "invalid_request_error", e.param, e.code) from e
 
+    async def answer(request: Request, method: Any, *args: Any) -> JSONResponse:
+        """``method`` of the store (e.g. ``BatchStore.file``) for the caller's tenant, as JSON."""
+        who, batches = caller(request)
+        return JSONResponse(await call(method, batches, who.tenant.name, *args))
+
     @app.post("/v1/files")
     async def upload(request: Request) -> JSONResponse:
         who, files = caller(request)
@@ -70,18 +74,15 @@ def add_batch_routes(app: FastAPI, gateway: Gateway, store: BatchStore | None, b
     @app.get("/v1/files")
     async def list_files(request: Request, purpose: str | None = None, limit: int = 10000, after: str | None = None,
                          order: str = "desc") -> JSONResponse:
-        who, files = caller(request)
-        return JSONResponse(await call(files.files, who.tenant.name, purpose, limit, after, order))
+        return await answer(request, BatchStore.files, purpose, limit, after, order)
 
     @app.get("/v1/files/{file_id}")
     async def retrieve_file(request: Request, file_id: str) -> JSONResponse:
-        who, files = caller(request)
-        return JSONResponse(await call(files.file, who.tenant.name, file_id))
+        return await answer(request, BatchStore.file, file_id)
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str) -> JSONResponse:
-        who, files = caller(request)
-        return JSONResponse(await call(files.delete_file, who.tenant.name, file_id))
+        return await answer(request, BatchStore.delete_file, file_id)
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(request: Request, file_id: str) -> Response:
@@ -91,7 +92,7 @@ def add_batch_routes(app: FastAPI, gateway: Gateway, store: BatchStore | None, b
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> JSONResponse:
         who, batches = caller(request)
-        body = await _json(request)
+        body = await json_body(request, 1 << 20)
         for name in ("input_file_id", "endpoint", "completion_window"):
             if not isinstance(body.get(name), str) or not body[name]:
                 raise APIError(400, f"{name} is required (a string)", param=name)
@@ -102,18 +103,15 @@ def add_batch_routes(app: FastAPI, gateway: Gateway, store: BatchStore | None, b
 
     @app.get("/v1/batches")
     async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> JSONResponse:
-        who, batches = caller(request)
-        return JSONResponse(await call(batches.batches, who.tenant.name, limit, after))
+        return await answer(request, BatchStore.batches, limit, after)
 
     @app.get("/v1/batches/{batch_id}")
     async def retrieve_batch(request: Request, batch_id: str) -> JSONResponse:
-        who, batches = caller(request)
-        return JSONResponse(await call(batches.batch, who.tenant.name, batch_id))
+        return await answer(request, BatchStore.batch, batch_id)
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
-        who, batches = caller(request)
-        return JSONResponse(await call(batches.cancel, who.tenant.name, batch_id))
+        return await answer(request, BatchStore.cancel, batch_id)
 
 
 def _expiry(anchor: Any, seconds: Any, expected_anchor: str) -> int | None:
@@ -130,14 +128,3 @@ def _expiry(anchor: Any, seconds: Any, expected_anchor: str) -> int | None:
     if not 3600 <= value <= 30 * 86400:
         raise APIError(400, "expires_after.seconds must be between 3600 and 2592000", param="expires_after.seconds")
     return value
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    raw = await read_body(request, 1 << 20)
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object")
-    return body

@@ -28,16 +28,14 @@ import time
 from collections import deque
 
 import structlog
-from tokenfleet.services.gateway.app import trace_request
 from tokenfleet.services.gateway.dispatch import NO_SPARE_CAPACITY
 from tokenfleet.services.gateway.openai_encoder import OpenAIEncoder
-from tokenfleet.services.gateway.pipeline import Call, Gateway, Prepared, validate_body
+from tokenfleet.services.gateway.pipeline import Call, Gateway, Prepared, request_trace, trace_request, validate_body
 
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
 from tokenfleet.batch.formats import line_id
 from tokenfleet.batch.store import ACTIVE, BatchStore
 from tokenfleet.telemetry.metrics import BatchMetrics, RequestTimer
-from tokenfleet.telemetry.tracing import Trace
 from tokenfleet.tenancy.admission import ANONYMOUS, Caller
 from tokenfleet.tenancy.ledger import Ledger, UsageRecord
 
@@ -233,19 +231,15 @@ class BatchRunner:
             model = str(raw.get("model", ""))
             caller = self._caller(tenant_name, key_id)
             operation = "chat" if chat else "text_completion"
-            call = Call(rid, f"batch:{endpoint}", caller, batch_line=True, trace=Trace.start(operation, "internal", {
-                "gen_ai.operation.name": operation, "gen_ai.system": "tokenfleet", "tokenfleet.request_id": rid,
-                "tokenfleet.batch_id": line.batch_id}))
-            t = caller.tenant
+            call = Call(rid, f"batch:{endpoint}", caller, batch_line=True, trace=request_trace(
+                operation, rid, "internal", {"tokenfleet.batch_id": line.batch_id}))
             if line.prepared is None:  # kept while the line waits for spare capacity: tokenized once
                 body = validate_body(ChatCompletionRequest if chat else CompletionRequest, raw)
-                line.prepared = await (self.gateway.prepare_chat(body, t.name, t.tier, dict(t.pins)) if chat
-                                       else self.gateway.prepare_completion(body, t.name, t.tier, dict(t.pins)))
+                line.prepared = await self.gateway.prepare(body, caller.tenant)
             prepared = line.prepared
-            trace_request(call.trace, operation, t.name, t.tier, prepared, None)
+            trace_request(call.trace, operation, caller.tenant, prepared)
             run = await self.gateway.open(call, prepared)
-            encoder = OpenAIEncoder(prepared.request_id, prepared.model.name, prepared.params.logprobs is not None,
-                                    prepared.include_usage, tools=prepared.tools)
+            encoder = OpenAIEncoder.of(prepared)
             events = self.gateway.events(run, RequestTimer(self.gateway.metrics))
             whole = await (encoder.chat_body(events) if chat else encoder.completion_body(events))
             record = run.ticket.record if run.ticket is not None else None

@@ -16,14 +16,12 @@ import grpc
 import structlog
 from google.protobuf.message import Message
 from tokenfleet.services.common.errors import map_errors, status_for
-from tokenfleet.services.gateway.app import trace_request
 from tokenfleet.services.gateway.grpc_encoder import GrpcEncoder
-from tokenfleet.services.gateway.pipeline import Call, Gateway, Prepared, validate_body
+from tokenfleet.services.gateway.pipeline import Call, Gateway, Prepared, request_trace, trace_request, validate_body
 
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
 from tokenfleet.telemetry.metrics import RequestTimer
 from tokenfleet.telemetry.request_id import from_metadata, new_request_id
-from tokenfleet.telemetry.tracing import Trace
 from tokenfleet.tenancy.admission import Caller
 from tokenfleet.tenancy.tenants import Tenant
 from tokenfleet.v1 import inference_pb2, inference_pb2_grpc
@@ -118,15 +116,13 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             timer = RequestTimer(self.gateway.metrics)
             operation = "chat" if chat else "text_completion"  # as the HTTP API's request span (app._serve)
-            call = Call(request_id, endpoint, trace=Trace.start(operation, "server", {
-                "gen_ai.operation.name": operation, "gen_ai.system": "tokenfleet", "rpc.system": "grpc",
-                "rpc.method": endpoint.removeprefix("grpc:"), "tokenfleet.request_id": request_id}))
+            call = Call(request_id, endpoint, trace=request_trace(operation, request_id, attributes={
+                "rpc.system": "grpc", "rpc.method": endpoint.removeprefix("grpc:")}))
             try:
                 call.caller = self.authenticate(context)
                 self.gateway.admission.precheck(call.caller, call.request_id, call.endpoint, call.headers)
                 prepared = await prepare(call.caller.tenant)  # its name: a canary split's fallback key; its tier
-                t = call.caller.tenant
-                trace_request(call.trace, operation, t.name, t.tier, prepared, None)
+                trace_request(call.trace, operation, call.caller.tenant, prepared)
                 run = await self.gateway.open(call, prepared)
             except APIError as e:  # becomes a status in map_errors
                 self.gateway.metrics.requests.labels(endpoint, str(e.status)).inc()
@@ -148,8 +144,7 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
     @map_errors
     async def ChatCompletion(self, request: inference_pb2.ChatCompletionRequest, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[Message]:
-        async for chunk in self._serve(context, CHAT, lambda tenant: self.gateway.prepare_chat(chat_request(request), tenant.name,
-                                                                                 tenant.tier, dict(tenant.pins)),
+        async for chunk in self._serve(context, CHAT, lambda tenant: self.gateway.prepare(chat_request(request), tenant),
                                        chat=True):
             yield chunk
 
@@ -157,8 +152,7 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
     async def Completion(self, request: inference_pb2.CompletionRequest, context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[Message]:
         async for chunk in self._serve(context, COMPLETION,
-                                       lambda tenant: self.gateway.prepare_completion(completion_request(request), tenant.name,
-                                                                                      tenant.tier, dict(tenant.pins)),
+                                       lambda tenant: self.gateway.prepare(completion_request(request), tenant),
                                        chat=False):
             yield chunk
 

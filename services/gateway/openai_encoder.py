@@ -7,12 +7,15 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from tokenfleet.services.gateway import events as ev
 
 from tokenfleet.api.openai_schema import APIError
+
+if TYPE_CHECKING:
+    from tokenfleet.services.gateway.pipeline import Prepared
 
 log = structlog.get_logger()
 
@@ -92,6 +95,11 @@ class OpenAIEncoder:
     logprobs: bool
     include_usage: bool
     tools: bool = False  # chat with tools: the opening delta's content is null
+
+    @classmethod
+    def of(cls, prepared: Prepared) -> OpenAIEncoder:
+        return cls(prepared.request_id, prepared.model.name, prepared.params.logprobs is not None,
+                   prepared.include_usage, tools=prepared.tools)
 
     async def chat_body(self, events: AsyncIterator[ev.ChoiceEvent]) -> dict[str, Any]:
         choices, used = await _fold(events)

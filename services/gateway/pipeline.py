@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from tokenfleet.telemetry import tracing
 from tokenfleet.telemetry.metrics import GatewayMetrics, RequestTimer
 from tokenfleet.telemetry.tracing import Trace
 from tokenfleet.tenancy.admission import ANONYMOUS_CALLER, Admission, Caller, Ticket
+from tokenfleet.tenancy.tenants import Tenant
 from tokenfleet.v1 import common_pb2, engine_pb2
 
 log = structlog.get_logger()
@@ -160,6 +162,12 @@ class Gateway:
         prepared.requested_model = body.model if name != body.model else ""
         return prepared
 
+    async def prepare(self, body: ChatCompletionRequest | CompletionRequest, tenant: Tenant) -> Prepared:
+        """``body`` prepared for ``tenant`` (its name, tier and pinned versions): chat or completion by its type."""
+        if isinstance(body, ChatCompletionRequest):
+            return await self.prepare_chat(body, tenant.name, tenant.tier, dict(tenant.pins))
+        return await self.prepare_completion(body, tenant.name, tenant.tier, dict(tenant.pins))
+
     def _route(self, name: str, request: RouteInput) -> str:
         """The model router: a routing alias's choice for this request (counted in metrics, logged); other names
         as they are."""
@@ -247,6 +255,28 @@ class Gateway:
                     yield event
         u = run.usage
         yield ev.Ended(ev.Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens))
+
+
+def request_trace(operation: str, request_id: str, kind: str = "server", attributes: Mapping[str, Any] | None = None
+                  ) -> Trace:
+    """A request's own span (an HTTP or gRPC request, a batch line), with the attributes each of them carries."""
+    return Trace.start(operation, kind, {"gen_ai.operation.name": operation, "gen_ai.system": "tokenfleet",
+                                         "tokenfleet.request_id": request_id, **(attributes or {})})
+
+
+def trace_request(trace: Trace, operation: str, tenant: Tenant, prepared: Prepared, body: Any = None) -> None:
+    """The request span's GenAI attributes (and, only when TOKENFLEET_TRACE_CONTENT is on and ``body`` is given,
+    the prompt)."""
+    params = prepared.params
+    trace.rename(f"{operation} {prepared.model.name}")
+    trace.set(**{"gen_ai.request.model": prepared.requested_model or prepared.model.name,
+                 "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
+                 "gen_ai.request.top_p": params.top_p, "gen_ai.request.choice.count": params.n,
+                 "tokenfleet.tenant": tenant.name, "tokenfleet.tier": tenant.tier,
+                 "tokenfleet.model_version": prepared.model.ref, "tokenfleet.prompt_tokens": len(prepared.prompt)})
+    if body is not None and tracing.record_content():
+        dumped = body.model_dump(exclude_none=True)
+        trace.event("gen_ai.prompt", content=json.dumps(dumped.get("messages", dumped.get("prompt")), default=str))
 
 
 def validate_body(schema: type, body: Any) -> Any:

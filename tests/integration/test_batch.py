@@ -37,7 +37,7 @@ def finish(client: openai.OpenAI, batch_id: str, timeout: float = 300) -> openai
     while time.monotonic() < deadline:
         try:
             batch = client.batches.retrieve(batch_id)
-        except (openai.APIConnectionError, openai.InternalServerError):  # the gateway restarting
+        except openai.APIConnectionError:  # the gateway restarting (any answer it gives is checked)
             time.sleep(0.5)
             continue
         if batch.status in ("completed", "failed", "expired", "cancelled"):

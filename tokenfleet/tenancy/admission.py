@@ -62,9 +62,7 @@ class Ticket:
         if self.settled:
             return
         self.settled = True
-        budget = self.admission.budgets.get(self.caller.tenant.name)
-        if budget is not None:
-            budget.cancel(self.reserved, self.admission.clock())
+        self.admission.cancel(self.caller, self.reserved)
 
     async def finish(self, status: str, prompt: int, cached: int, completion: int, ttft_ms: float | None,
                      durable: bool = True, detail: str = "") -> None:
@@ -181,6 +179,11 @@ class Admission:
             now = time.time()
             self.ledger.submit(UsageRecord(request_id, caller.tenant.name, model, endpoint, "rejected", caller.key_id,
                                            started_at=now, finished_at=now, detail=f"HTTP {status}"))
+
+    def cancel(self, caller: Caller, reserved: int) -> None:
+        budget = self.budgets.get(caller.tenant.name)
+        if budget is not None:
+            budget.cancel(reserved, self.clock())
 
     def settle(self, caller: Caller, reserved: int, used: int) -> None:
         budget = self.budgets.get(caller.tenant.name)

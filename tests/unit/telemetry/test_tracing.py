@@ -66,9 +66,11 @@ async def main():
     api = InferenceAPI(Gateway(["127.0.0.1:1"], ModelCatalog(), admission=Admission(Directory())))
     try:
         async for _ in api._serve(Context(), CHAT, None, chat=True):
-            pass
+            print("a chunk")
     except APIError as e:
         print(e.status)
+    else:
+        print("no error")
 
 asyncio.run(main())
 for span in exporter.get_finished_spans():
