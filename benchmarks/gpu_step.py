@@ -8,6 +8,8 @@ SmolLM2-135M's and Llama-3.1-8B's) and each mode:
 - eager-torch:  graphs off and the torch reference attention: the engine as it was before this issue
 - graphs:       decode steps replayed from captured CUDA graphs
 - graphs-fp8:   graphs with FP8 (e4m3) weights, per-channel scales, through torch._scaled_mm
+- graphs-fp8kv: graphs with bf16 weights and an FP8 KV cache (e4m3, a scale per token and KV head: models.kv_fp8)
+- graphs-fp8-fp8kv: FP8 weights and the FP8 KV cache
 
 decode: B requests with distinct 1,024-token prompts are prefilled (not timed), then >= --steps full
 engine steps (scheduler, runner, sampler, output processing: ``EngineCore.step``) are timed one by one
@@ -46,7 +48,15 @@ GEOMETRIES = {
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192)),
 }
-MODES = ("eager-torch", "eager", "graphs", "graphs-fp8")
+MODES = ("eager-torch", "eager", "graphs", "graphs-fp8", "graphs-fp8kv", "graphs-fp8-fp8kv")
+
+
+def fp8_weights(mode: str) -> bool:
+    return mode.endswith("-fp8") or "-fp8-" in mode
+
+
+def fp8_kv(mode: str) -> bool:
+    return mode.endswith("fp8kv")
 
 
 def measure_card() -> dict:
@@ -88,9 +98,10 @@ def linear_params(c) -> int:
     return c.num_layers * per_layer
 
 
-def step_roofline(c, batch: int, context: float, fp8: bool, card: dict) -> dict:
+def step_roofline(c, batch: int, context: float, fp8: bool, card: dict, kv8: bool = False) -> dict:
     weight_bytes = linear_params(c) * (1 if fp8 else 2) + c.vocab_size * c.hidden_size * 2  # + the bf16 LM head
-    kv_bytes = batch * context * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+    row = c.head_dim + 4 if kv8 else c.head_dim * 2  # an FP8 row: e4m3 values and an fp32 scale
+    kv_bytes = batch * context * c.num_layers * 2 * c.num_kv_heads * row
     flops = (2 * (linear_params(c) + c.vocab_size * c.hidden_size) * batch
              + 4 * batch * context * c.num_layers * c.num_heads * c.head_dim)
     floor = max((weight_bytes + kv_bytes) / card["hbm_bytes_per_s"], flops / card["bf16_matmul_flops"])
@@ -110,7 +121,8 @@ def build(geometry: str, mode: str, batch_cap: int, num_blocks: int, max_model_l
     os.environ["TOKENFLEET_KERNELS"] = "torch" if mode == "eager-torch" else "auto"
     os.environ["TOKENFLEET_CUDA_GRAPHS"] = "1" if mode.startswith("graphs") else "0"
     config = ModelConfig.from_dict(GEOMETRIES[geometry])
-    model = random_model(config, torch.bfloat16, torch.device("cuda"), "fp8" if mode.endswith("fp8") else "")
+    model = random_model(config, torch.bfloat16, torch.device("cuda"), "fp8" if fp8_weights(mode) else "",
+                         kv_cache_dtype="fp8" if fp8_kv(mode) else "")
     runner = TorchModelRunner(model, num_blocks, 16, cuda_graph_batch=batch_cap, max_model_len=max_model_len)
     t0 = time.perf_counter()
     runner.capture_graphs()
@@ -267,7 +279,7 @@ def main() -> None:
                     results["errors"].append(f"{geometry} {mode} b={b}: {type(e).__name__}: {e}")
                     print(results["errors"][-1], flush=True)
                     continue
-                roof = step_roofline(config, b, row["context_mid"], mode.endswith("fp8"), card)
+                roof = step_roofline(config, b, row["context_mid"], fp8_weights(mode), card, fp8_kv(mode))
                 row.update(geometry=geometry, mode=mode, capture_s=capture_s, roofline_ms=roof["floor_ms"],
                            bytes=roof["bytes"], flops=roof["flops"], efficiency=roof["floor_ms"] / row["step_ms"],
                            hbm_share=roof["bytes"] / card["hbm_bytes_per_s"] * 1000 / row["step_ms"])

@@ -1,4 +1,5 @@
-"""FP8 weights (registry ``quantization: fp8``) against bf16 on the default model's real weights.
+"""FP8 weights (registry ``quantization: fp8``) and the FP8 KV cache (``kv_cache_dtype: fp8``) against bf16 on the
+default model's real weights.
 
 Teacher-forced on a fixed text: at every position, does the fp8 model's most likely next token equal the bf16
 model's, and how much does the text's perplexity move. ``torch._scaled_mm`` runs on CPU, so this is the same
@@ -64,3 +65,27 @@ def test_fp8_weights_agree_with_bf16_teacher_forced(default_model_dir):
 def test_fp8_needs_a_16_bit_activation_dtype(default_model_dir):
     with pytest.raises(ValueError, match="float32"):
         make_core(default_model_dir, dtype="float32", quantization="fp8")
+
+
+@pytest.mark.timeout(600)
+def test_fp8_kv_cache_agrees_with_bf16_teacher_forced(default_model_dir):
+    """FP8 K/V (registry ``kv_cache_dtype: fp8``), alone and with FP8 weights. The text is prefilled in chunks of 16
+    tokens, so each chunk reads the text before it from the FP8 cache."""
+    prompt = Tokenizer(default_model_dir).encode(TEXT)
+    bf16 = teacher_forced(make_core(default_model_dir, dtype="bfloat16", max_prefill_chunk=16), prompt)
+    kv8 = teacher_forced(make_core(default_model_dir, dtype="bfloat16", max_prefill_chunk=16, kv_cache_dtype="fp8"),
+                         prompt)
+    both = teacher_forced(make_core(default_model_dir, dtype="bfloat16", max_prefill_chunk=16, kv_cache_dtype="fp8",
+                                    quantization="fp8"), prompt)
+
+    def agree(a: list, b: list) -> float:
+        return sum(x.top[0][0] == y.top[0][0] for x, y in zip(a, b)) / len(a)
+
+    print(f"on {len(bf16)} positions: top-1 agreement with bf16: fp8 KV {agree(bf16, kv8):.1%}, fp8 KV + fp8 weights "
+          f"{agree(bf16, both):.1%}; perplexity bf16 {perplexity(bf16):.3f}, fp8 KV {perplexity(kv8):.3f}, both "
+          f"{perplexity(both):.3f}")
+    # measured here: 93.9 % at -0.4 % perplexity; with fp8 weights too, 89.5 % at +1.5 %
+    assert agree(bf16, kv8) >= 0.88
+    assert perplexity(kv8) <= 1.03 * perplexity(bf16)
+    assert agree(bf16, both) >= 0.80
+    assert perplexity(both) <= 1.05 * perplexity(bf16)

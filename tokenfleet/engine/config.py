@@ -38,6 +38,8 @@ class EngineConfig:
     speculative_config: str = ""
     lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) loaded at start
     quantization: str = ""  # the registry record's: "" or "fp8" (FP8 weights, per-channel scales: models.linear)
+    # the registry record's: "" (the model's dtype) or "fp8" (e4m3 with per-token, per-head scales: models.kv_fp8)
+    kv_cache_dtype: str = ""
     # CUDA: decode steps of up to this many requests replay captured graphs; 0 = min(max_num_running, 256)
     cuda_graph_max_batch: int = 0
 
@@ -52,6 +54,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.quantization not in ("", "fp8"):
             raise ValueError(f"quantization must be '' or 'fp8', got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be '' (the model's dtype) or 'fp8', got {self.kv_cache_dtype!r}")
         if self.cuda_graph_max_batch < 0:
             raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
         self.spec_config()  # a bad speculative_config fails here, before any weight is loaded
@@ -87,4 +91,5 @@ class EngineConfig:
     def hash_salt(self) -> str:
         """Prefix hashes differ across models and KV layouts, never across processes."""
         quantized = f"|{self.quantization}" if self.quantization else ""  # other weights, other K/V
-        return f"{Path(self.model).name}|{self.dtype}|{self.block_size}{quantized}"
+        kv = f"|kv-{self.kv_cache_dtype}" if self.kv_cache_dtype else ""  # other K/V bytes
+        return f"{Path(self.model).name}|{self.dtype}|{self.block_size}{quantized}{kv}"

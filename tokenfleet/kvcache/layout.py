@@ -1,8 +1,9 @@
 """The KV layout contract: what two replicas must share before one installs the other's blocks.
 
 A block's bytes are K (or V) of ``block_size`` positions of one layer, ``[num_kv_heads, block_size,
-head_dim]`` values of ``dtype``. ``hash_salt`` names model, dtype and block size, so block hashes
-(``block_hash``) of different layouts never collide.
+head_dim]`` values of ``dtype`` (``fp8_e4m3``: each head row followed by its fp32 scale, models.kv_fp8).
+``hash_salt`` names model, dtype and block size, so block hashes (``block_hash``) of different layouts
+never collide.
 
 Models with sliding-window layers (Gemma 3) keep their KV in groups of layers (``kv_groups``): a
 group's layers share one block table per request, and a sliding-window group's table keeps only the
@@ -14,7 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
+# "fp8_e4m3" (models.kv_fp8): a head row is head_dim e4m3 values and its fp32 scale
+ROW_EXTRA_BYTES = {"fp8_e4m3": 4}
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,8 @@ class KVLayout:
     @property
     def block_bytes(self) -> int:
         """Bytes of K (or of V) for one block of one layer."""
-        return self.num_kv_heads * self.block_size * self.head_dim * DTYPE_SIZES[self.dtype]
+        row = self.head_dim * DTYPE_SIZES[self.dtype] + ROW_EXTRA_BYTES.get(self.dtype, 0)
+        return self.num_kv_heads * self.block_size * row
 
     def key(self) -> str:
         """Every field in one string: replicas advertise it in etcd (equal keys, equal layouts)."""

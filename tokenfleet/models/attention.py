@@ -6,7 +6,9 @@ Layout of one forward's tokens:
       paged queries: a few    prefill chunk of      next chunk
       per request (decode 1)  request 0
 
-KV cache layout per layer: [kv_heads, num_blocks, block_size, head_dim].
+KV cache layout per layer: [kv_heads, num_blocks, block_size, head_dim] in the model's dtype, or packed FP8
+rows [kv_heads, num_blocks, block_size, head_dim + 4] (uint8: e4m3 values and an fp32 scale per token and
+head; models.kv_fp8), which the torch reference and the Triton kernel read and the native kernel does not.
 
 - paged queries (decode; several per request for speculative verification): one attention
   interface, ``PagedAttention``, over block tables and context lengths. Two implementations,
@@ -36,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenfleet import envs
-from tokenfleet.models import native
+from tokenfleet.models import kv_fp8, native
+from tokenfleet.models.kv_fp8 import gather as _gather
 
 
 @dataclass
@@ -167,9 +170,10 @@ class NativePagedAttention:
         return out
 
 
-def select_attention(dtype: torch.dtype, device: torch.device) -> PagedAttention:
-    """The native kernel where it applies (bf16 on CPU, a compiler present), the Triton kernel on CUDA (triton
-    installed), else the torch reference; TOKENFLEET_KERNELS=torch|triton overrides."""
+def select_attention(dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "") -> PagedAttention:
+    """The native kernel where it applies (bf16 on CPU, a compiler present, a bf16 cache), the Triton kernel on
+    CUDA (triton installed), else the torch reference; TOKENFLEET_KERNELS=torch|triton overrides. An FP8 cache
+    (``kv_cache_dtype`` "fp8", models.kv_fp8) is read by the Triton kernel or the torch reference."""
     choice = envs.kernels()
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"TOKENFLEET_KERNELS={choice!r}: auto, torch or triton")
@@ -182,7 +186,7 @@ def select_attention(dtype: torch.dtype, device: torch.device) -> PagedAttention
             return triton_attention.TritonPagedAttention()
         if choice == "triton":
             raise ValueError("TOKENFLEET_KERNELS=triton but triton is not installed")
-    if device.type == "cpu" and dtype == torch.bfloat16:
+    if device.type == "cpu" and dtype == torch.bfloat16 and kv_cache_dtype != "fp8":
         lib = native.load("paged_attention")
         if lib is not None:
             return NativePagedAttention(lib)
@@ -205,33 +209,35 @@ def paged_attention(
     if batch.paged is not None and not batch.prefills:  # a pure decode step: no copy of the output
         return attend(q, k_cache, v_cache, batch.paged).view(num_tokens, num_heads * head_dim)
     out = torch.empty_like(q)
+    fp8 = kv_fp8.is_fp8(k_cache)
     if batch.paged is not None:
         d = batch.paged.num_tokens
         out[:d] = attend(q[:d], k_cache, v_cache, batch.paged)
     for span in batch.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
-        if span.context_block_ids is None:  # no earlier context: attend to the chunk's own K/V
-            out[rows] = _prefill_attention(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), 0, batch.window)
+        if span.context_block_ids is None:  # no earlier context: attend to the chunk's own K/V (as the cache holds
+            # them: an FP8 cache's rounding, so a prompt reads the same keys whether its prefix was cached or not)
+            own_k, own_v = (k[rows], v[rows]) if not fp8 else (_as_stored(k[rows]), _as_stored(v[rows]))
+            out[rows] = _prefill_attention(q[rows], own_k.transpose(0, 1), own_v.transpose(0, 1), 0, batch.window)
         elif getattr(attend, "prefix_spans", False):  # the kernel reads the prefix through the block table
             meta = PagedQueries(block_table=span.context_block_ids[None], context_lens=_ints([span.context_len], q),
                                 query_start=_ints([0, span.num_tokens], q), num_tokens=span.num_tokens,
                                 max_query_len=span.num_tokens, window=batch.window)
             out[rows] = attend(q[rows], k_cache, v_cache, meta)
         else:
-            ctx_k = _gather(k_cache, span.context_block_ids)[:, : span.context_len]
-            ctx_v = _gather(v_cache, span.context_block_ids)[:, : span.context_len]
+            ctx_k = _gather(k_cache, span.context_block_ids, q.dtype)[:, : span.context_len]
+            ctx_v = _gather(v_cache, span.context_block_ids, q.dtype)[:, : span.context_len]
             out[rows] = _prefill_attention(q[rows], ctx_k, ctx_v, span.context_len - span.num_tokens, batch.window)
     return out.view(num_tokens, num_heads * head_dim)
 
 
+def _as_stored(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [tokens, kv_heads, head_dim] rounded as an FP8 cache stores it, in x's dtype."""
+    return kv_fp8.dequantize(kv_fp8.quantize(x), x.dtype)
+
+
 def _ints(values: list[int], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=like.device)
-
-
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[kv_heads, len(block_ids) * block_size, head_dim]: the blocks' tokens in order."""
-    num_kv_heads, _, block_size, head_dim = cache.shape
-    return cache.index_select(1, block_ids).view(num_kv_heads, -1, head_dim)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int, window: int = 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenfleet.models import kv_fp8
 from tokenfleet.models.attention import ForwardBatch, PagedAttention, paged_attention
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.layer_ops import apply_rope
@@ -66,6 +67,7 @@ class Gemma3Model:
                  linear: LinearKernel, attention: PagedAttention):
         self.config, self.weights, self.dtype, self.device = config, weights, dtype, device
         self.linear, self.attention = linear, attention
+        self.kv_cache_dtype = ""  # as LlamaModel.kv_cache_dtype
         n = config.max_position_embeddings
         self.rope_global = _rope_table(config.rope_theta, config.head_dim, n, dtype, device)
         self.rope_local = _rope_table(config.rope_local_theta, config.head_dim, n, dtype, device)
@@ -82,9 +84,8 @@ class Gemma3Model:
         cos, sin = self.rope_local if layer.sliding else self.rope_global
         cos_t, sin_t = cos[batch.positions].unsqueeze(1), sin[batch.positions].unsqueeze(1)
         q, k = apply_rope(q, cos_t, sin_t), apply_rope(k, cos_t, sin_t)
-        num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
-        k_cache.view(num_kv_heads, num_blocks * block_size, head_dim).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
-        v_cache.view(num_kv_heads, num_blocks * block_size, head_dim).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+        kv_fp8.store(k_cache, batch.slot_mapping, k)
+        kv_fp8.store(v_cache, batch.slot_mapping, v)
         return self.linear(paged_attention(q, k, v, k_cache, v_cache, batch, self.attention), layer.o_proj)
 
     @torch.inference_mode()

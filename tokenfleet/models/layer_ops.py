@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenfleet import envs
-from tokenfleet.models import native
+from tokenfleet.models import kv_fp8, native
 from tokenfleet.models.attention import ForwardBatch
 from tokenfleet.models.config import ModelConfig
 
@@ -54,9 +54,8 @@ class TorchLayerOps:
         q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos_t, sin_t)
         k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos_t, sin_t)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
-        k_cache.view(num_kv_heads, num_blocks * block_size, head_dim).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
-        v_cache.view(num_kv_heads, num_blocks * block_size, head_dim).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+        kv_fp8.store(k_cache, batch.slot_mapping, k)
+        kv_fp8.store(v_cache, batch.slot_mapping, v)
         return q, k, v
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -69,6 +68,7 @@ class NativeLayerOps:
 
     def __init__(self, config: ModelConfig, lib: ctypes.CDLL):
         self.config = config
+        self._torch = TorchLayerOps(config)
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         self._norm = _bind(lib.tf_add_rms_norm, [ptr] * 4 + [i64, i64, f32, i32])
         self._rope = _bind(lib.tf_rope_store_kv, [ptr] * 9 + [i64] * 5 + [i32])
@@ -86,6 +86,8 @@ class NativeLayerOps:
     def rope_store_kv(self, qkv: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.config
+        if kv_fp8.is_fp8(k_cache):  # the C kernel writes 16-bit rows; FP8 rows are quantized by torch
+            return self._torch.rope_store_kv(qkv, batch, cos, sin, k_cache, v_cache)
         qkv = qkv.contiguous()
         tokens = qkv.shape[0]
         q = qkv.new_empty(tokens, cfg.num_heads, cfg.head_dim)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from tokenfleet.kvcache.layout import layer_slots
 from tokenfleet.models.attention import ForwardBatch, PagedAttention, paged_attention
 from tokenfleet.models.config import ModelConfig, RopeScaling
+from tokenfleet.models.kv_fp8 import check_kv_cache_dtype, row_width
 from tokenfleet.models.layer_ops import LayerOps
 from tokenfleet.models.linear import LinearKernel
 
@@ -62,15 +63,24 @@ class KVCache:
     """Preallocated K and V; a token's slot is block_id * block_size + offset.
 
     A block holds one layer of each KV group (``config.kv_groups``): ``k[i]`` is the i-th layer of
-    whichever group the block belongs to. For a model of one group (a Llama) that is layer i."""
+    whichever group the block belongs to. For a model of one group (a Llama) that is layer i.
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    ``kv_cache_dtype`` "fp8": packed e4m3 rows with per-token, per-head scales (models.kv_fp8), uint8
+    ``[slots, kv_heads, blocks, block_size, head_dim + 4]``; "": values in ``dtype``."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 kv_cache_dtype: str = ""):
         self.layer_slots = layer_slots(config.layer_windows, config.num_layers)  # layer -> (group, index in k / v)
-        shape = (len(config.kv_groups[0].layers), config.num_kv_heads, num_blocks, block_size, config.head_dim)
+        fp8 = check_kv_cache_dtype(kv_cache_dtype) == "fp8"
+        width = row_width(config.head_dim) if fp8 else config.head_dim
+        shape = (len(config.kv_groups[0].layers), config.num_kv_heads, num_blocks, block_size, width)
+        dtype = torch.uint8 if fp8 else dtype
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [slots, kv_heads, blocks, block_size, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype
+        self.head_dim = config.head_dim
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every slot (copy-on-write of shared blocks)."""
@@ -113,6 +123,7 @@ class LlamaModel:
         self.weights = weights
         self.linear = linear
         self.source_dir = ""  # the checkpoint folder it was loaded from (LoRA stacks adapters under its weights)
+        self.kv_cache_dtype = ""  # "fp8": its runner keeps an FP8 KV cache (models.kv_fp8); set with the attention
         self.dtype = dtype
         self.device = device
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from tokenfleet.models.attention import select_attention
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.gemma3 import Gemma3LayerWeights, Gemma3Model, Gemma3Weights
+from tokenfleet.models.kv_fp8 import check_kv_cache_dtype
 from tokenfleet.models.layer_ops import select_layer_ops
 from tokenfleet.models.linear import Fp8Linear, LinearKernel, select_linear
 from tokenfleet.models.llama import LayerWeights, LlamaModel, LlamaWeights
@@ -24,19 +25,24 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, quantization: str = ""
-               ) -> LlamaModel | Gemma3Model:
-    """``quantization``: "" or "fp8" (models.linear: FP8 weights with per-channel scales)."""
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, quantization: str = "",
+               kv_cache_dtype: str = "") -> LlamaModel | Gemma3Model:
+    """``quantization``: "" or "fp8" (models.linear: FP8 weights with per-channel scales). ``kv_cache_dtype``: ""
+    (the model's dtype) or "fp8" (models.kv_fp8; the attention kernel is chosen to read it)."""
     config = ModelConfig.from_dir(model_dir)
+    check_kv_cache_dtype(kv_cache_dtype)
     tensors = read_safetensors(Path(model_dir))
     linear = select_linear(dtype, device, quantization)
+    model: LlamaModel | Gemma3Model
     if config.is_gemma3:
-        return Gemma3Model(config, _gemma3_weights(config, tensors, dtype, device, linear), dtype, device, linear,
-                           select_attention(dtype, device))
-    weights = _build_weights(config, tensors, dtype, device, linear)
-    model = LlamaModel(config, weights, dtype, device, linear, select_attention(dtype, device),
-                       select_layer_ops(config, dtype, device))
-    model.source_dir = str(model_dir)
+        model = Gemma3Model(config, _gemma3_weights(config, tensors, dtype, device, linear), dtype, device, linear,
+                            select_attention(dtype, device, kv_cache_dtype))
+    else:
+        weights = _build_weights(config, tensors, dtype, device, linear)
+        model = LlamaModel(config, weights, dtype, device, linear, select_attention(dtype, device, kv_cache_dtype),
+                           select_layer_ops(config, dtype, device))
+        model.source_dir = str(model_dir)
+    model.kv_cache_dtype = kv_cache_dtype
     return model
 
 
@@ -124,7 +130,7 @@ def _gemma3_weights(config: ModelConfig, t: dict[str, torch.Tensor], dtype: torc
 
 
 def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, quantization: str = "",
-                 seed: int = 0) -> LlamaModel:
+                 seed: int = 0, kv_cache_dtype: str = "") -> LlamaModel:
     """A Llama of ``config``'s geometry with random weights (N(0, 0.02), unit norms), built on ``device`` one
     matrix at a time (an 8B model never exists twice, quantized or not): speed runs need no checkpoint."""
     if config.is_gemma3:
@@ -148,5 +154,7 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, 
     embed = rand(c.vocab_size, c.hidden_size)
     lm_head = embed if c.tie_word_embeddings else rand(c.vocab_size, c.hidden_size)
     weights = LlamaWeights(embed=embed, layers=layers, norm=ones(), lm_head=_head(linear, lm_head), lm_head_rows=lm_head)
-    return LlamaModel(config, weights, dtype, device, linear, select_attention(dtype, device),
-                      select_layer_ops(config, dtype, device))
+    model = LlamaModel(config, weights, dtype, device, linear, select_attention(dtype, device, kv_cache_dtype),
+                       select_layer_ops(config, dtype, device))
+    model.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+    return model

@@ -7,7 +7,8 @@ share every K/V load), walks the request's context ``BLOCK_N`` keys at a time th
 table (each key's block looked up, so a tile spans several cache blocks), and keeps an online
 softmax in fp32. Q.K products accumulate in fp32 from the cache's dtype; probabilities stay fp32
 and P.V runs in fp32 too (the torch reference upcasts the same way; rounding either to bf16
-moved greedy decoding within a few tokens, see models.attention). Loop bounds come from device
+moved greedy decoding within a few tokens, see models.attention). FP8 caches (models.kv_fp8) are read
+as e4m3 with each key's and value's scale applied in fp32. Loop bounds come from device
 tensors (context lengths, query starts), so a step captured in a CUDA graph replays for any
 context length up to the block table's width.
 
@@ -22,6 +23,7 @@ import os
 
 import torch
 
+from tokenfleet.models import kv_fp8
 from tokenfleet.models.attention import PagedQueries
 
 try:  # CUDA builds of torch bring triton; CPU installs have it with the dev extras (interpreter tests)
@@ -37,21 +39,35 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _attend_keys(q, m_i, l_i, acc, key0, end, limit, window, sm_scale, req, kv_head, k_ptr, v_ptr, table_ptr,
-                     stride_kh, stride_kb, stride_ks, stride_table, d, d_ok,
-                     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr):
-        """One tile of BLOCK_N keys (each looked up in the request's block table) into the online softmax."""
+    def _attend_keys(q, m_i, l_i, acc, key0, end, limit, window, sm_scale, req, kv_head, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                     table_ptr, stride_kh, stride_kb, stride_ks, stride_table, d, d_ok,
+                     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, FP8_KV: tl.constexpr,
+                     HEAD_DIM: tl.constexpr):
+        """One tile of BLOCK_N keys (each looked up in the request's block table) into the online softmax.
+
+        FP8_KV: the caches hold packed rows (models.kv_fp8: e4m3 bytes, then the row's fp32 scale, which
+        ``ks_ptr``/``vs_ptr``, the caches viewed as fp32, read at column HEAD_DIM / 4). The scales stay out of the
+        dot products: an e4m3 value is exact in bf16, and a key's scale multiplies its score column (a value's, its
+        probability column)."""
         pos = key0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
         block = tl.load(table_ptr + req * stride_table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
         where = kv_head * stride_kh + block * stride_kb + (pos % BLOCK_SIZE) * stride_ks
         kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + where[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + where[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP8_KV:
+            k = tl.load(k_ptr + where[:, None] + d[None, :], mask=kv_mask, other=0).to(tl.float8e4nv, bitcast=True)
+            v = tl.load(v_ptr + where[:, None] + d[None, :], mask=kv_mask, other=0).to(tl.float8e4nv, bitcast=True)
+            k_scale = tl.load(ks_ptr + (where + HEAD_DIM) // 4, mask=pos_ok, other=0.0)
+            v_scale = tl.load(vs_ptr + (where + HEAD_DIM) // 4, mask=pos_ok, other=0.0)
+        else:
+            k = tl.load(k_ptr + where[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + where[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if FP32_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k))  # bf16/fp16 products are exact in the fp32 accumulator
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # bf16/fp16 products are exact in the fp32 accumulator
+        if FP8_KV:
+            s = s * k_scale[None, :]
         s = s * sm_scale
         visible = (pos[None, :] < limit[:, None]) & ((pos[None, :] >= limit[:, None] - window) | (window == 0))
         s = tl.where(visible, s, float("-inf"))
@@ -59,18 +75,21 @@ if triton is not None:
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        if FP8_KV:
+            acc = acc * alpha[:, None] + tl.dot(p * v_scale[None, :], v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         return m_new, l_i, acc
 
     @triton.jit
     def paged_attention_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, ctx_ptr, qstart_ptr,
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, ctx_ptr, qstart_ptr,
         sm_scale, window,
         stride_qt, stride_qh, stride_kh, stride_kb, stride_ks, stride_ot, stride_oh, stride_table,
         part_m_ptr, part_l_ptr, part_acc_ptr, num_kv_heads,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
-        INTERPRETED: tl.constexpr, PARTITION: tl.constexpr, PARTS: tl.constexpr,
+        INTERPRETED: tl.constexpr, PARTITION: tl.constexpr, PARTS: tl.constexpr, FP8_KV: tl.constexpr,
     ):
         """PARTITION > 0 (split-K, "flash decoding"): program_id(0) is a partition of PARTITION keys instead of a
         tile of query rows (TOKENS then covers every row); each writes its softmax state to the part_* buffers
@@ -111,14 +130,16 @@ if triton is not None:
                 key0 = start
                 while key0 < end:
                     m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, key0, end, limit, window, sm_scale, req, kv_head,
-                                                 k_ptr, v_ptr, table_ptr, stride_kh, stride_kb, stride_ks,
-                                                 stride_table, d, d_ok, BLOCK_SIZE, BLOCK_N, FP32_DOT)
+                                                 k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, stride_kh, stride_kb,
+                                                 stride_ks, stride_table, d, d_ok, BLOCK_SIZE, BLOCK_N, FP32_DOT,
+                                                 FP8_KV, HEAD_DIM)
                     key0 += BLOCK_N
             else:
                 for key0 in range(start, end, BLOCK_N):
                     m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, key0, end, limit, window, sm_scale, req, kv_head,
-                                                 k_ptr, v_ptr, table_ptr, stride_kh, stride_kb, stride_ks,
-                                                 stride_table, d, d_ok, BLOCK_SIZE, BLOCK_N, FP32_DOT)
+                                                 k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, stride_kh, stride_kb,
+                                                 stride_ks, stride_table, d, d_ok, BLOCK_SIZE, BLOCK_N, FP32_DOT,
+                                                 FP8_KV, HEAD_DIM)
             if PARTITION > 0:
                 at = ((req * num_kv_heads + kv_head) * PARTS + part) * (TOKENS * GROUP_PAD) + m
                 tl.store(part_m_ptr + at, m_i)
@@ -230,15 +251,17 @@ class TritonPagedAttention:
             grid = (-(-meta.max_query_len // tokens), meta.num_requests, num_kv_heads)
             part_m = part_l = part_acc = out  # unused
         constants = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens, HEAD_DIM=head_dim, HEAD_PAD=head_pad)
+        fp8 = kv_fp8.is_fp8(k_cache)  # packed rows: their scales read through fp32 views of the same memory
+        k_scales, v_scales = (k_cache.view(torch.float32), v_cache.view(torch.float32)) if fp8 else (k_cache, v_cache)
         paged_attention_kernel[grid](
-            q, k_cache, v_cache, out, table, meta.context_lens, meta.query_start,
+            q, k_cache, v_cache, k_scales, v_scales, out, table, meta.context_lens, meta.query_start,
             head_dim**-0.5, meta.window,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
             out.stride(1), table.stride(0), part_m, part_l, part_acc, num_kv_heads, **constants,
             BLOCK_SIZE=block_size, BLOCK_N=self.block_n,
             # the interpreter runs bf16 dots wrong (numpy has no bf16): there, upcast as fp32 runs do
             FP32_DOT=q.dtype == torch.float32 or _interpreted(),
-            INTERPRETED=_interpreted(), PARTITION=partition, PARTS=parts, num_warps=self.num_warps,
+            INTERPRETED=_interpreted(), PARTITION=partition, PARTS=parts, FP8_KV=fp8, num_warps=self.num_warps,
             num_stages=self.num_stages,
         )
         if parts > 1:

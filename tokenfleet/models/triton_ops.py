@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from tokenfleet.models import kv_fp8
 from tokenfleet.models.attention import ForwardBatch
 from tokenfleet.models.config import ModelConfig
 
@@ -63,8 +64,11 @@ if triton is not None:
 
     @triton.jit
     def _rope_store_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_ptr, k_cache_ptr, v_cache_ptr,
-                              stride_qkv, stride_cache_head, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                              HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr):
+                              ks_ptr, vs_ptr, stride_qkv, stride_cache_head, NUM_HEADS: tl.constexpr,
+                              NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+                              FP8_KV: tl.constexpr):
+        """FP8_KV: the caches hold packed rows (models.kv_fp8); each K and V head row is quantized with its own
+        scale, written through ``ks_ptr``/``vs_ptr`` (the caches viewed as fp32) after the row's bytes."""
         t = tl.program_id(0)
         half: tl.constexpr = HEAD_DIM // 2
         d = tl.arange(0, HEAD_DIM)
@@ -90,10 +94,25 @@ if triton is not None:
         xr = tl.load(k_base + h[:, None] * HEAD_DIM + partner[None, :], mask=kv_ok, other=0.0).to(tl.float32) * sign
         k = ((x * cos).to(dtype).to(tl.float32) + (xr * sin).to(dtype).to(tl.float32)).to(dtype)
         tl.store(k_ptr + t * NUM_KV_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :], k, mask=kv_ok)
-        cache_at = h[:, None] * stride_cache_head + slot * HEAD_DIM + d[None, :]
-        tl.store(k_cache_ptr + cache_at, k.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
         v = tl.load(k_base + NUM_KV_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0)
-        tl.store(v_cache_ptr + cache_at, v.to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
+        if FP8_KV:
+            row_at = h * stride_cache_head + slot * (HEAD_DIM + 4)  # [HEADS_PAD]: each head row's first byte
+            _store_fp8_rows(k_cache_ptr, ks_ptr, row_at, k.to(tl.float32), d, h < NUM_KV_HEADS, HEAD_DIM)
+            _store_fp8_rows(v_cache_ptr, vs_ptr, row_at, v.to(tl.float32), d, h < NUM_KV_HEADS, HEAD_DIM)
+        else:
+            cache_at = h[:, None] * stride_cache_head + slot * HEAD_DIM + d[None, :]
+            tl.store(k_cache_ptr + cache_at, k.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
+            tl.store(v_cache_ptr + cache_at, v.to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
+
+    @triton.jit
+    def _store_fp8_rows(cache_ptr, scale_ptr, row_at, x, d, head_ok, HEAD_DIM: tl.constexpr):
+        """models.kv_fp8.quantize of [heads, HEAD_DIM] fp32 rows: e4m3 of x / (amax / 448) at ``row_at``, the scale
+        after each row."""
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+        values = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
+        tl.store(cache_ptr + row_at[:, None] + d[None, :], values.to(tl.float8e4nv).to(tl.uint8, bitcast=True),
+                 mask=head_ok[:, None])
+        tl.store(scale_ptr + (row_at + HEAD_DIM) // 4, scale, mask=head_ok)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
@@ -141,12 +160,13 @@ class TritonLayerOps:
         tokens = qkv.shape[0]
         q = qkv.new_empty(tokens, cfg.num_heads, cfg.head_dim)
         k = qkv.new_empty(tokens, cfg.num_kv_heads, cfg.head_dim)
-        num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+        fp8 = kv_fp8.is_fp8(k_cache)
+        k_scales, v_scales = (k_cache.view(torch.float32), v_cache.view(torch.float32)) if fp8 else (k_cache, v_cache)
         if tokens:
             _rope_store_kv_kernel[(tokens,)](
-                qkv, batch.positions, cos, sin, batch.slot_mapping, q, k, k_cache, v_cache, qkv.stride(0),
-                k_cache.stride(0), NUM_HEADS=cfg.num_heads, NUM_KV_HEADS=cfg.num_kv_heads, HEAD_DIM=cfg.head_dim,
-                HEADS_PAD=_pow2(max(cfg.num_heads, cfg.num_kv_heads)))
+                qkv, batch.positions, cos, sin, batch.slot_mapping, q, k, k_cache, v_cache, k_scales, v_scales,
+                qkv.stride(0), k_cache.stride(0), NUM_HEADS=cfg.num_heads, NUM_KV_HEADS=cfg.num_kv_heads,
+                HEAD_DIM=cfg.head_dim, HEADS_PAD=_pow2(max(cfg.num_heads, cfg.num_kv_heads)), FP8_KV=fp8)
         v = qkv[:, (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim:].view(tokens, cfg.num_kv_heads, cfg.head_dim)
         return q, k, v
 

@@ -10,6 +10,7 @@ from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.core import EngineCore
 from tokenfleet.engine.runner import ModelInfo
 from tokenfleet.engine.scheduler import Scheduler
+from tokenfleet.models.kv_fp8 import row_bytes
 from tokenfleet.models.loader import load_model, parse_dtype
 from tokenfleet.models.tokenizer import Tokenizer
 
@@ -18,7 +19,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     configure_threads(config.num_threads)
     device = resolve_device(config.device)
     dtype = parse_dtype(config.dtype)
-    model = load_model(config.model, dtype, device, config.quantization)
+    model = load_model(config.model, dtype, device, config.quantization, config.kv_cache_dtype)
     max_model_len = config.max_model_len or model.config.max_position_embeddings
     if max_model_len > model.config.max_position_embeddings:
         raise ValueError(
@@ -26,7 +27,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
             f"({model.config.max_position_embeddings})"
         )
     groups = model.config.kv_groups  # a block holds one layer of a group: K+V of len(group.layers) layers
-    per_token = 2 * len(groups[0].layers) * model.config.num_kv_heads * model.config.head_dim * dtype.itemsize
+    per_token = 2 * len(groups[0].layers) * model.config.num_kv_heads * row_bytes(model.config.head_dim, dtype,
+                                                                                  config.kv_cache_dtype)
     spec = config.spec_config()
     draft = None
     if spec is not None and spec.method == "draft":  # its KV shares the budget: a block holds both models' K/V

@@ -30,16 +30,17 @@ from tokenfleet.telemetry.utilization import StepCost, peaks
 
 
 class TorchModelRunner:
-    def __init__(self, model: LlamaModel | Gemma3Model, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
-                 cuda_graph_batch: int = 0, max_model_len: int = 0):
+    def __init__(self, model: LlamaModel | Gemma3Model, num_blocks: int, block_size: int, cuda_graph_batch: int = 0,
+                 max_model_len: int = 0):
         """``cuda_graph_batch`` > 0 on CUDA: decode-only steps of up to that many requests replay captured graphs
-        (backends.torch.cuda_graphs; ``capture_graphs`` captures them) where the model and attention allow it."""
+        (backends.torch.cuda_graphs; ``capture_graphs`` captures them) where the model and attention allow it.
+        The KV cache is in the model's dtype, or FP8 where the model was loaded for it (``kv_cache_dtype``)."""
         self.model = model
         self.device = model.device
         self.block_size = block_size
         graphs = cuda_graph_batch > 0 and graphs_supported(model)
         # graphs: one block more than the pool, never handed out, where padding rows write their K/V
-        self.kv = KVCache(model.config, num_blocks + graphs, block_size, kv_dtype or model.dtype, model.device)
+        self.kv = KVCache(model.config, num_blocks + graphs, block_size, model.dtype, model.device, model.kv_cache_dtype)
         self.graphs = DecodeGraphs(model, self.kv, block_size, num_blocks, cuda_graph_batch,
                                    max_model_len or model.config.max_position_embeddings) if graphs else None
         self.windows = tuple(group.window for group in model.config.kv_groups)
@@ -50,8 +51,8 @@ class TorchModelRunner:
         # LoRA adapters (models.lora), many per batch; None until the first is loaded
         self.adapters: LoraSet | None = None
         self._draft_probs: dict[str, torch.Tensor] = {}  # this step's: sampled requests' draft distributions
-        _, kv_heads, _, _, head_dim = self.kv.k.shape
-        kv_per_token = 2 * len(self.kv.layer_slots) * kv_heads * head_dim * self.kv.k.element_size()
+        _, kv_heads, _, _, width = self.kv.k.shape  # width: head_dim, or an FP8 row's bytes
+        kv_per_token = 2 * len(self.kv.layer_slots) * kv_heads * width * self.kv.k.element_size()
         self.cost = StepCost.of_model(model, kv_per_token)  # MFU/MBU accounting (telemetry.utilization)
 
     def step_cost(self, output: SchedulerOutput) -> tuple[float, float]:
@@ -192,22 +193,23 @@ class TorchModelRunner:
 
     # ---- KV transfer (disaggregated prefill) --------------------------------------------------
     def kv_geometry(self) -> tuple[int, int, int, str]:
-        """(num_layers, num_kv_heads, head_dim, dtype name) of the cache."""
-        _, kv_heads, _, _, head_dim = self.kv.k.shape
-        return len(self.kv.layer_slots), kv_heads, head_dim, str(self.kv.k.dtype).removeprefix("torch.")
+        """(num_layers, num_kv_heads, head_dim, dtype name) of the cache ("fp8_e4m3": models.kv_fp8's rows)."""
+        kv_heads = self.kv.k.shape[1]
+        dtype = "fp8_e4m3" if self.kv.kv_cache_dtype == "fp8" else str(self.kv.k.dtype).removeprefix("torch.")
+        return len(self.kv.layer_slots), kv_heads, self.kv.head_dim, dtype
 
     def export_kv(self, layer: int, block_ids: Sequence[int]) -> tuple[bytes, bytes]:
         """K and V of ``block_ids`` (of the layer's group) in one layer as raw [kv_heads, n, block_size,
-        head_dim] bytes. Safe off the engine thread for blocks nobody writes (held, full or owned by a
-        finished request)."""
+        head_dim] values (an FP8 cache: its packed rows, scales included). Safe off the engine thread for blocks
+        nobody writes (held, full or owned by a finished request)."""
         index, slot = self._tensor(list(block_ids)), self.kv.layer_slots[layer][1]
         return tuple(_raw(cache[slot].index_select(1, index)) for cache in (self.kv.k, self.kv.v))  # type: ignore[return-value]
 
     def import_kv(self, layer: int, block_ids: Sequence[int], k: bytes, v: bytes) -> None:
         """Write received blocks into the cache (engine thread: the blocks are reserved, not yet read)."""
         index, slot = self._tensor(list(block_ids)), self.kv.layer_slots[layer][1]
-        _, kv_heads, _, block_size, head_dim = self.kv.k.shape
-        shape = (kv_heads, len(block_ids), block_size, head_dim)
+        _, kv_heads, _, block_size, width = self.kv.k.shape
+        shape = (kv_heads, len(block_ids), block_size, width)
         for cache, raw in ((self.kv.k, k), (self.kv.v, v)):
             values = torch.frombuffer(bytearray(raw), dtype=cache.dtype).view(shape)
             cache[slot].index_copy_(1, index, values.to(self.device))
@@ -243,15 +245,15 @@ class TorchModelRunner:
 
     def block_bytes(self) -> int:
         """Size of one ``export_blocks`` value."""
-        slots, kv_heads, _, block_size, head_dim = self.kv.k.shape
-        return self.kv.k.dtype.itemsize * 2 * slots * kv_heads * block_size * head_dim
+        slots, kv_heads, _, block_size, width = self.kv.k.shape
+        return self.kv.k.dtype.itemsize * 2 * slots * kv_heads * block_size * width
 
     def import_blocks(self, pairs: Sequence[tuple[int, bytes]]) -> None:
         """Write blocks ``export_blocks`` produced back into the pool (before the forward reads them)."""
         if not pairs:
             return
-        slots, kv_heads, _, block_size, head_dim = self.kv.k.shape
-        shape = (len(pairs), 2, slots, kv_heads, block_size, head_dim)
+        slots, kv_heads, _, block_size, width = self.kv.k.shape
+        shape = (len(pairs), 2, slots, kv_heads, block_size, width)
         size = self.block_bytes()
         if any(len(data) != size for _, data in pairs):
             raise ValueError(f"a stored KV block is not {size} bytes: another layout")
