@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     reg.add_argument("--quantization", default="", choices=["", "fp8"],
                      help="fp8: FP8 (e4m3) weights with per-channel scales (torch engine: torch._scaled_mm; trtllm: the "
                      "engine's own)")
+    reg.add_argument("--kv-cache-dtype", default="", choices=["", "fp8"],
+                     help="fp8: an FP8 (e4m3) KV cache with a scale per token and KV head: about twice the tokens in "
+                     "the same memory (default: the weights' dtype)")
     reg.add_argument("--tensor-parallel-size", type=int, default=1)
     reg.add_argument("--max-model-len", type=int, default=0, help="0 = the model config's context length")
     reg.add_argument("--tokenizer", default="", help="tokenizer/chat-template folder (default: --path)")
@@ -250,7 +253,7 @@ def _cmd_register(args: argparse.Namespace) -> int:
     else:
         ModelConfig.from_dir(path)  # fail here, not in every worker, when the folder is not a model
     record = ModelRecord(name=args.name, version=args.version, path=str(path), dtype=args.dtype, backend=args.backend,
-                         quantization=args.quantization, base=args.base,
+                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, base=args.base,
                          tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
                          tokenizer=args.tokenizer, description=args.description,
                          tool_format=args.tool_format, speculative_config=args.speculative_config)

@@ -24,6 +24,9 @@ def add_commands(sub: Any) -> None:
     up_cmd.add_argument("--kv-tier-bytes", type=int, default=0, help="each worker's second-tier budget (default 4 GiB)")
     up_cmd.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                         help="dtype in the model's registry record")
+    up_cmd.add_argument("--kv-cache-dtype", default="", choices=["", "fp8"],
+                        help="the first model's record's KV cache dtype: fp8 keeps K/V as e4m3 with a scale per token "
+                        "and KV head, about twice the tokens per byte (default: the weights' dtype)")
     up_cmd.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                         help="a PEFT LoRA adapter the first model's workers load (repeat); ask for it as MODEL:NAME")
     up_cmd.add_argument("--speculative-config", default="", help="speculative decoding for the first model (its "
@@ -86,6 +89,7 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--host", args.host, "--auth", args.auth] + (["--insecure-no-auth"] if args.insecure_no_auth else [])
     argv += ["--kv-tier", args.kv_tier, "--kv-tier-bytes", str(args.kv_tier_bytes)] if args.kv_tier else []
     argv += ["--speculative-config", args.speculative_config] if args.speculative_config else []
+    argv += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
     argv += [w for spec in args.lora for w in ("--lora", spec)]
     argv += ["--tracing", "--trace-sample", str(args.trace_sample)] if args.tracing else []
     argv += ["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []
@@ -167,7 +171,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
                           host=args.host, auth=auth, no_auth=args.insecure_no_auth, more_models=more,
                           kv_tier=args.kv_tier, kv_tier_bytes=args.kv_tier_bytes,
                           speculative_config=args.speculative_config, lora=args.lora,
-                          batch_slots=args.batch_slots, batch_concurrency=args.batch_concurrency)
+                          kv_cache_dtype=args.kv_cache_dtype, batch_slots=args.batch_slots,
+                          batch_concurrency=args.batch_concurrency)
     try:
         prefill = f" + {args.prefill_workers} prefill worker(s)" if args.prefill_workers else ""
         served = ", ".join([name, *(m for m, _ in more)])

@@ -143,14 +143,15 @@ def wait_listening(name: str, proc: subprocess.Popen, before: list[str] | None =
 
 
 def register_model(registry: str, name: str, model_dir: str, plane: Plane, dtype: str = "bfloat16",
-                   version: str = "v1", speculative_config: str = "") -> None:
+                   version: str = "v1", speculative_config: str = "", kv_cache_dtype: str = "") -> None:
     """Register ``name@version`` (a no-op when the identical record exists), as an operator."""
     from tokenfleet.cluster.registry import ModelRecord
     from tokenfleet.services.registry.client import register_model as register
 
     # tool_format: the default model's ChatML template prints any role
     register(registry, ModelRecord(name=name, version=version, path=str(Path(model_dir).resolve()), dtype=dtype,
-                                   tool_format="hermes", speculative_config=speculative_config), plane)
+                                   tool_format="hermes", speculative_config=speculative_config,
+                                   kv_cache_dtype=kv_cache_dtype), plane)
 
 
 def audit_file() -> Path:
@@ -211,7 +212,7 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
        insecure: bool = False, certs: Path | None = None, host: str = "127.0.0.1", auth: bool = False,
        no_auth: bool = False, more_models: Sequence[tuple[str, str]] = (), kv_tier: str = "",
        kv_tier_bytes: int = 0, speculative_config: str = "", lora: Sequence[str] = (), batch_slots: int = 8,
-       batch_concurrency: int = 8) -> Cluster:
+       batch_concurrency: int = 8, kv_cache_dtype: str = "") -> Cluster:
     """``prefill_workers`` > 0 disaggregates: that many prefill workers, and the ``num_workers``
     others decode only (unless ``role`` says otherwise); the router sends long prompts' prefill there.
     ``record``: write the state file `tokenfleet down` reads (off for private clusters, e.g. calibration).
@@ -222,7 +223,8 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
     gateway serves every registered model. ``kv_tier``: each worker's second KV tier, ``memory`` or
     ``disk:DIR`` (a folder per worker under DIR), of ``kv_tier_bytes`` bytes. ``speculative_config``: the first
     model's record's (JSON, engine.spec_decode.SpecConfig.parse): its workers speculate. ``lora``: NAME=PATH PEFT
-    adapters every worker of the first model loads (clients ask for MODEL:NAME). ``batch_slots``: the router gives a
+    adapters every worker of the first model loads (clients ask for MODEL:NAME). ``kv_cache_dtype``: the first
+    model's record's ("fp8": models.kv_fp8). ``batch_slots``: the router gives a
     worker batch lines only while it runs fewer requests (and none waits); ``batch_concurrency``: batch lines the
     gateway runs at once."""
     check_auth(host, auth, no_auth)
@@ -239,7 +241,8 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
     try:
         etcd = cluster.etcd.endpoint
         registry = cluster.spawn("registry", "tokenfleet.services.registry", "--etcd", etcd, *audit, *METRICS)
-        register_model(registry, model_name, model_dir, plane, dtype, speculative_config=speculative_config)
+        register_model(registry, model_name, model_dir, plane, dtype, speculative_config=speculative_config,
+                       kv_cache_dtype=kv_cache_dtype)
         decode_role = "decode" if prefill_workers and role == "both" else role
         roles = [(f"worker-{i}", decode_role) for i in range(num_workers)]
         roles += [(f"prefill-{i}", "prefill") for i in range(prefill_workers)]

@@ -47,6 +47,9 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
                    help="default: the registry record's dtype, else bfloat16")
+    p.add_argument("--kv-cache-dtype", choices=["", "fp8"],
+                   help="fp8: an FP8 KV cache (e4m3, a scale per token and KV head); default: the registry record's, "
+                   "else the weights' dtype")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, help="torch CPU threads (leave cores for other processes)")
     p.add_argument("--num-blocks", type=int)
@@ -126,6 +129,8 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
         speculative_config=args.speculative_config or (record.speculative_config if record is not None else ""),
         lora_adapters=tuple(_lora(spec) for spec in args.lora),
         quantization=record.quantization if record is not None else "",
+        kv_cache_dtype=args.kv_cache_dtype if args.kv_cache_dtype is not None else
+        (record.kv_cache_dtype if record is not None else ""),
     )
 
 

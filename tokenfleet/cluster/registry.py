@@ -79,6 +79,9 @@ class ModelRecord:
     # A LoRA adapter (PEFT folder at ``path``) of the model ``base`` (a ref: name or name@version); "" = a model. Its
     # requests run on the base's workers, which load it on first use; it has versions and aliases like any model.
     base: str = ""
+    # "" (the weights' dtype) | "fp8": an FP8 e4m3 KV cache with per-token, per-head scales (torch engine:
+    # models.kv_fp8; trtllm: its FP8 KV cache, which quantization "fp8" also turns on)
+    kv_cache_dtype: str = ""
 
     def __post_init__(self) -> None:
         check_name("model name", self.name)
@@ -91,6 +94,8 @@ class ModelRecord:
             raise ValueError(f"quantization {self.quantization!r} is not one of '', fp8")
         if self.quantization and self.dtype == "float32":
             raise ValueError("fp8 weights run with bfloat16 or float16 activations, not float32")
+        if self.kv_cache_dtype not in ("", "fp8"):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of '', fp8")
         if self.status not in STATUSES:
             raise ValueError(f"status {self.status!r} is not one of {', '.join(STATUSES)}")
         if self.tool_format and self.tool_format not in TOOL_FORMATS:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctokenfleet/v1/registry.proto\x12\rtokenfleet.v1\"\xe5\x03\n\x0bModelRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x14\n\x0cquantization\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x11\n\ttokenizer\x18\t \x01(\t\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12I\n\x10\x64\x65\x66\x61ult_sampling\x18\x0b \x03(\x0b\x32/.tokenfleet.v1.ModelRecord.DefaultSamplingEntry\x12*\n\x06status\x18\x0c \x01(\x0e\x32\x1a.tokenfleet.v1.ModelStatus\x12\x12\n\ncreated_at\x18\r \x01(\x01\x12\x13\n\x0b\x64\x65scription\x18\x0e \x01(\t\x12\x13\n\x0btool_format\x18\x0f \x01(\t\x12\x1a\n\x12speculative_config\x18\x10 \x01(\t\x12\x0c\n\x04\x62\x61se\x18\x11 \x01(\t\x1a\x36\n\x14\x44\x65\x66\x61ultSamplingEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\\\n\x05\x41lias\x12\r\n\x05\x61lias\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0e\n\x06\x63\x61nary\x18\x03 \x01(\t\x12\x15\n\rcanary_weight\x18\x04 \x01(\x01\x12\r\n\x05route\x18\x05 \x01(\t\"B\n\x14RegisterModelRequest\x12*\n\x06record\x18\x01 \x01(\x0b\x32\x1a.tokenfleet.v1.ModelRecord\"T\n\x15RegisterModelResponse\x12*\n\x06record\x18\x01 \x01(\x0b\x32\x1a.tokenfleet.v1.ModelRecord\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"\x1e\n\x0fGetModelRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"e\n\x10RegistrySnapshot\x12*\n\x06models\x18\x01 \x03(\x0b\x32\x1a.tokenfleet.v1.ModelRecord\x12%\n\x07\x61liases\x18\x02 \x03(\x0b\x32\x14.tokenfleet.v1.Alias\"f\n\x0fSetAliasRequest\x12\r\n\x05\x61lias\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0e\n\x06\x63\x61nary\x18\x03 \x01(\t\x12\x15\n\rcanary_weight\x18\x04 \x01(\x01\x12\r\n\x05route\x18\x05 \x01(\t\"\x12\n\x10SetAliasResponse\"#\n\x12\x44\x65leteAliasRequest\x12\r\n\x05\x61lias\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteAliasResponse\"P\n\x15SetModelStatusRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\x12*\n\x06status\x18\x02 \x01(\x0e\x32\x1a.tokenfleet.v1.ModelStatus\"\x0e\n\x0cWatchRequest*^\n\x0bModelStatus\x12\x1c\n\x18MODEL_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12MODEL_STATUS_READY\x10\x01\x12\x19\n\x15MODEL_STATUS_DISABLED\x10\x02\x32\xc6\x04\n\x0fRegistryService\x12Z\n\rRegisterModel\x12#.tokenfleet.v1.RegisterModelRequest\x1a$.tokenfleet.v1.RegisterModelResponse\x12\x46\n\x08GetModel\x12\x1e.tokenfleet.v1.GetModelRequest\x1a\x1a.tokenfleet.v1.ModelRecord\x12O\n\nListModels\x12 .tokenfleet.v1.ListModelsRequest\x1a\x1f.tokenfleet.v1.RegistrySnapshot\x12K\n\x08SetAlias\x12\x1e.tokenfleet.v1.SetAliasRequest\x1a\x1f.tokenfleet.v1.SetAliasResponse\x12T\n\x0b\x44\x65leteAlias\x12!.tokenfleet.v1.DeleteAliasRequest\x1a\".tokenfleet.v1.DeleteAliasResponse\x12R\n\x0eSetModelStatus\x12$.tokenfleet.v1.SetModelStatusRequest\x1a\x1a.tokenfleet.v1.ModelRecord\x12G\n\x05Watch\x12\x1b.tokenfleet.v1.WatchRequest\x1a\x1f.tokenfleet.v1.RegistrySnapshot0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctokenfleet/v1/registry.proto\x12\rtokenfleet.v1\"\xfd\x03\n\x0bModelRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x14\n\x0cquantization\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x11\n\ttokenizer\x18\t \x01(\t\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12I\n\x10\x64\x65\x66\x61ult_sampling\x18\x0b \x03(\x0b\x32/.tokenfleet.v1.ModelRecord.DefaultSamplingEntry\x12*\n\x06status\x18\x0c \x01(\x0e\x32\x1a.tokenfleet.v1.ModelStatus\x12\x12\n\ncreated_at\x18\r \x01(\x01\x12\x13\n\x0b\x64\x65scription\x18\x0e \x01(\t\x12\x13\n\x0btool_format\x18\x0f \x01(\t\x12\x1a\n\x12speculative_config\x18\x10 \x01(\t\x12\x0c\n\x04\x62\x61se\x18\x11 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x12 \x01(\t\x1a\x36\n\x14\x44\x65\x66\x61ultSamplingEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\\\n\x05\x41lias\x12\r\n\x05\x61lias\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0e\n\x06\x63\x61nary\x18\x03 \x01(\t\x12\x15\n\rcanary_weight\x18\x04 \x01(\x01\x12\r\n\x05route\x18\x05 \x01(\t\"B\n\x14RegisterModelRequest\x12*\n\x06record\x18\x01 \x01(\x0b\x32\x1a.tokenfleet.v1.ModelRecord\"T\n\x15RegisterModelResponse\x12*\n\x06record\x18\x01 \x01(\x0b\x32\x1a.tokenfleet.v1.ModelRecord\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"\x1e\n\x0fGetModelRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"e\n\x10RegistrySnapshot\x12*\n\x06models\x18\x01 \x03(\x0b\x32\x1a.tokenfleet.v1.ModelRecord\x12%\n\x07\x61liases\x18\x02 \x03(\x0b\x32\x14.tokenfleet.v1.Alias\"f\n\x0fSetAliasRequest\x12\r\n\x05\x61lias\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0e\n\x06\x63\x61nary\x18\x03 \x01(\t\x12\x15\n\rcanary_weight\x18\x04 \x01(\x01\x12\r\n\x05route\x18\x05 \x01(\t\"\x12\n\x10SetAliasResponse\"#\n\x12\x44\x65leteAliasRequest\x12\r\n\x05\x61lias\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteAliasResponse\"P\n\x15SetModelStatusRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\x12*\n\x06status\x18\x02 \x01(\x0e\x32\x1a.tokenfleet.v1.ModelStatus\"\x0e\n\x0cWatchRequest*^\n\x0bModelStatus\x12\x1c\n\x18MODEL_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12MODEL_STATUS_READY\x10\x01\x12\x19\n\x15MODEL_STATUS_DISABLED\x10\x02\x32\xc6\x04\n\x0fRegistryService\x12Z\n\rRegisterModel\x12#.tokenfleet.v1.RegisterModelRequest\x1a$.tokenfleet.v1.RegisterModelResponse\x12\x46\n\x08GetModel\x12\x1e.tokenfleet.v1.GetModelRequest\x1a\x1a.tokenfleet.v1.ModelRecord\x12O\n\nListModels\x12 .tokenfleet.v1.ListModelsRequest\x1a\x1f.tokenfleet.v1.RegistrySnapshot\x12K\n\x08SetAlias\x12\x1e.tokenfleet.v1.SetAliasRequest\x1a\x1f.tokenfleet.v1.SetAliasResponse\x12T\n\x0b\x44\x65leteAlias\x12!.tokenfleet.v1.DeleteAliasRequest\x1a\".tokenfleet.v1.DeleteAliasResponse\x12R\n\x0eSetModelStatus\x12$.tokenfleet.v1.SetModelStatusRequest\x1a\x1a.tokenfleet.v1.ModelRecord\x12G\n\x05Watch\x12\x1b.tokenfleet.v1.WatchRequest\x1a\x1f.tokenfleet.v1.RegistrySnapshot0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,36 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MODELRECORD_DEFAULTSAMPLINGENTRY']._loaded_options = None
   _globals['_MODELRECORD_DEFAULTSAMPLINGENTRY']._serialized_options = b'8\001'
-  _globals['_MODELSTATUS']._serialized_start=1221
-  _globals['_MODELSTATUS']._serialized_end=1315
+  _globals['_MODELSTATUS']._serialized_start=1245
+  _globals['_MODELSTATUS']._serialized_end=1339
   _globals['_MODELRECORD']._serialized_start=48
-  _globals['_MODELRECORD']._serialized_end=533
-  _globals['_MODELRECORD_DEFAULTSAMPLINGENTRY']._serialized_start=479
-  _globals['_MODELRECORD_DEFAULTSAMPLINGENTRY']._serialized_end=533
-  _globals['_ALIAS']._serialized_start=535
-  _globals['_ALIAS']._serialized_end=627
-  _globals['_REGISTERMODELREQUEST']._serialized_start=629
-  _globals['_REGISTERMODELREQUEST']._serialized_end=695
-  _globals['_REGISTERMODELRESPONSE']._serialized_start=697
-  _globals['_REGISTERMODELRESPONSE']._serialized_end=781
-  _globals['_GETMODELREQUEST']._serialized_start=783
-  _globals['_GETMODELREQUEST']._serialized_end=813
-  _globals['_LISTMODELSREQUEST']._serialized_start=815
-  _globals['_LISTMODELSREQUEST']._serialized_end=834
-  _globals['_REGISTRYSNAPSHOT']._serialized_start=836
-  _globals['_REGISTRYSNAPSHOT']._serialized_end=937
-  _globals['_SETALIASREQUEST']._serialized_start=939
-  _globals['_SETALIASREQUEST']._serialized_end=1041
-  _globals['_SETALIASRESPONSE']._serialized_start=1043
-  _globals['_SETALIASRESPONSE']._serialized_end=1061
-  _globals['_DELETEALIASREQUEST']._serialized_start=1063
-  _globals['_DELETEALIASREQUEST']._serialized_end=1098
-  _globals['_DELETEALIASRESPONSE']._serialized_start=1100
-  _globals['_DELETEALIASRESPONSE']._serialized_end=1121
-  _globals['_SETMODELSTATUSREQUEST']._serialized_start=1123
-  _globals['_SETMODELSTATUSREQUEST']._serialized_end=1203
-  _globals['_WATCHREQUEST']._serialized_start=1205
-  _globals['_WATCHREQUEST']._serialized_end=1219
-  _globals['_REGISTRYSERVICE']._serialized_start=1318
-  _globals['_REGISTRYSERVICE']._serialized_end=1900
+  _globals['_MODELRECORD']._serialized_end=557
+  _globals['_MODELRECORD_DEFAULTSAMPLINGENTRY']._serialized_start=503
+  _globals['_MODELRECORD_DEFAULTSAMPLINGENTRY']._serialized_end=557
+  _globals['_ALIAS']._serialized_start=559
+  _globals['_ALIAS']._serialized_end=651
+  _globals['_REGISTERMODELREQUEST']._serialized_start=653
+  _globals['_REGISTERMODELREQUEST']._serialized_end=719
+  _globals['_REGISTERMODELRESPONSE']._serialized_start=721
+  _globals['_REGISTERMODELRESPONSE']._serialized_end=805
+  _globals['_GETMODELREQUEST']._serialized_start=807
+  _globals['_GETMODELREQUEST']._serialized_end=837
+  _globals['_LISTMODELSREQUEST']._serialized_start=839
+  _globals['_LISTMODELSREQUEST']._serialized_end=858
+  _globals['_REGISTRYSNAPSHOT']._serialized_start=860
+  _globals['_REGISTRYSNAPSHOT']._serialized_end=961
+  _globals['_SETALIASREQUEST']._serialized_start=963
+  _globals['_SETALIASREQUEST']._serialized_end=1065
+  _globals['_SETALIASRESPONSE']._serialized_start=1067
+  _globals['_SETALIASRESPONSE']._serialized_end=1085
+  _globals['_DELETEALIASREQUEST']._serialized_start=1087
+  _globals['_DELETEALIASREQUEST']._serialized_end=1122
+  _globals['_DELETEALIASRESPONSE']._serialized_start=1124
+  _globals['_DELETEALIASRESPONSE']._serialized_end=1145
+  _globals['_SETMODELSTATUSREQUEST']._serialized_start=1147
+  _globals['_SETMODELSTATUSREQUEST']._serialized_end=1227
+  _globals['_WATCHREQUEST']._serialized_start=1229
+  _globals['_WATCHREQUEST']._serialized_end=1243
+  _globals['_REGISTRYSERVICE']._serialized_start=1342
+  _globals['_REGISTRYSERVICE']._serialized_end=1924
 # @@protoc_insertion_point(module_scope)

@@ -433,6 +433,10 @@ def test_an_engine_dir_decides_kv_dtype_block_size_and_tp(tmp_path):
     checkpoint = SimpleNamespace(path=str(tmp_path / "none"), tensor_parallel_size=2, quantization="fp8")
     spec = TrtllmSpec.from_record(checkpoint, "decode")  # a checkpoint: the record and flags decide
     assert (spec.kind, spec.kv_fp8, spec.tokens_per_block, spec.tensor_parallel_size) == (PYTORCH, True, 32, 2)
+    kv_only = SimpleNamespace(path=str(tmp_path / "none"), tensor_parallel_size=1, quantization="", kv_cache_dtype="fp8")
+    assert TrtllmSpec.from_record(kv_only, "decode").kv_fp8  # the record's kv_cache_dtype turns on FP8 KV alone
+    plain = SimpleNamespace(path=str(tmp_path / "none"), tensor_parallel_size=1, quantization="", kv_cache_dtype="")
+    assert not TrtllmSpec.from_record(plain, "decode").kv_fp8
 
 
 def test_the_operator_smoke_script_passes_against_the_double(tmp_path):

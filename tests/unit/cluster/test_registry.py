@@ -69,7 +69,7 @@ def test_partial_reset_keeps_the_other_prefix():
     ({"name": "a/b"}, "model name"), ({"name": "a@b"}, "model name"), ({"version": "v 1"}, "version"),
     ({"dtype": "int3"}, "dtype"), ({"status": "gone"}, "status"), ({"path": ""}, "path"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size"), ({"quantization": "int4"}, "quantization"),
-    ({"quantization": "fp8", "dtype": "float32"}, "float32"),
+    ({"quantization": "fp8", "dtype": "float32"}, "float32"), ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
 ])
 def test_invalid_records_are_rejected(kwargs, needle):
     fields = {"name": "m", "version": "v1", "path": "/x", **kwargs}
@@ -78,7 +78,8 @@ def test_invalid_records_are_rejected(kwargs, needle):
 
 
 def test_json_and_proto_round_trips_and_unknown_json_fields():
-    r = rec(dtype="float32", default_sampling={"temperature": 0.7}, description="d", max_model_len=2048)
+    r = rec(dtype="float32", default_sampling={"temperature": 0.7}, description="d", max_model_len=2048,
+            kv_cache_dtype="fp8")
     assert ModelRecord.from_json(r.to_json()) == r
     assert record_from_proto(record_to_proto(r)) == r
     newer = json.loads(r.to_json()) | {"added_later": 1}
@@ -137,12 +138,17 @@ def test_a_canary_split_survives_the_registry_snapshot():
     assert again.aliases == {"prod": "m@v1"} and again.canaries == {"prod": ("m@v2", 0.25)}
 
 
-def test_a_workers_engine_takes_the_records_quantization():
+def test_a_workers_engine_takes_the_records_quantization_and_kv_cache_dtype():
     from tokenfleet.services.worker.main import engine_config, parse_args
 
     args = parse_args([], "decode")
     assert engine_config(args, rec(quantization="fp8")).quantization == "fp8"
     assert engine_config(args, rec()).quantization == ""
+    assert engine_config(args, rec(kv_cache_dtype="fp8")).kv_cache_dtype == "fp8"
+    assert engine_config(args, rec()).kv_cache_dtype == ""
+    # the worker's flag wins over the record, both ways
+    assert engine_config(parse_args(["--kv-cache-dtype", ""], "decode"), rec(kv_cache_dtype="fp8")).kv_cache_dtype == ""
+    assert engine_config(parse_args(["--kv-cache-dtype", "fp8"], "decode"), rec()).kv_cache_dtype == "fp8"
 
 
 def test_routing_aliases_survive_the_view_and_snapshots():

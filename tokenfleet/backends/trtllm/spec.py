@@ -58,13 +58,14 @@ class TrtllmSpec:
     @classmethod
     def from_record(cls, record: Any, role: str, **overrides: Any) -> TrtllmSpec:
         """From a registry ModelRecord (backend "trtllm"): ``quantization`` "fp8" means FP8 weights
-        and KV; ``default_sampling`` is not ours to read. A record path ending in an engine dir
+        and KV, ``kv_cache_dtype`` "fp8" FP8 KV; ``default_sampling`` is not ours to read. A record path ending in an engine dir
         (``rank0.engine`` inside) is a TRT engine; anything else a checkpoint for the PyTorch backend."""
         from pathlib import Path
 
         kind = TRT_ENGINE if (Path(record.path) / "rank0.engine").exists() else PYTORCH
         options = {"model": record.path, "kind": kind, "role": role, "tokenizer": getattr(record, "tokenizer", "") or None,
-                   "tensor_parallel_size": record.tensor_parallel_size, "kv_fp8": record.quantization == "fp8"}
+                   "tensor_parallel_size": record.tensor_parallel_size,
+                   "kv_fp8": "fp8" in (record.quantization, getattr(record, "kv_cache_dtype", ""))}
         if kind == PYTORCH:
             options["guided_decoding_backend"] = "llguidance"
         if getattr(record, "speculative_config", ""):
