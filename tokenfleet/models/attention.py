@@ -8,7 +8,7 @@ Layout of one forward's tokens:
 
 KV cache layout per layer: [kv_heads, num_blocks, block_size, head_dim] in the model's dtype, or packed FP8
 rows [kv_heads, num_blocks, block_size, head_dim + 4] (uint8: e4m3 values and an fp32 scale per token and
-head; models.kv_fp8), which the torch reference and the Triton kernel read and the native kernel does not.
+head; models.kv_fp8), which every implementation below reads (the native one with its FP8 variant).
 
 - paged queries (decode; several per request for speculative verification): one attention
   interface, ``PagedAttention``, over block tables and context lengths. Two implementations,
@@ -145,13 +145,14 @@ class TorchPagedAttention:
 
 
 class NativePagedAttention:
-    """csrc/paged_attention.c: bf16 caches on CPU, blocks read in place, fp32 math; every row of a
-    step in one call (prefill chunks read their context from the cache, causal rows skip keys)."""
+    """csrc/paged_attention.c: bf16 caches on CPU (or, ``fp8``, FP8 rows: models.kv_fp8), blocks read in place,
+    fp32 math; every row of a step in one call (prefill chunks read their context from the cache, causal rows
+    skip keys)."""
 
     handles_prefill = True
 
-    def __init__(self, lib: ctypes.CDLL):
-        self._fn = lib.tf_paged_attention_bf16
+    def __init__(self, lib: ctypes.CDLL, fp8: bool = False):
+        self._fn = lib.tf_paged_attention_fp8 if fp8 else lib.tf_paged_attention_bf16
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, i64, ctypes.c_int]
         self._fn.restype = ctypes.c_int
@@ -171,9 +172,9 @@ class NativePagedAttention:
 
 
 def select_attention(dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "") -> PagedAttention:
-    """The native kernel where it applies (bf16 on CPU, a compiler present, a bf16 cache), the Triton kernel on
-    CUDA (triton installed), else the torch reference; TOKENFLEET_KERNELS=torch|triton overrides. An FP8 cache
-    (``kv_cache_dtype`` "fp8", models.kv_fp8) is read by the Triton kernel or the torch reference."""
+    """The native kernel where it applies (bf16 on CPU, a compiler present), the Triton kernel on CUDA (triton
+    installed), else the torch reference; TOKENFLEET_KERNELS=torch|triton overrides. ``kv_cache_dtype`` "fp8"
+    (models.kv_fp8): the native kernel's FP8 variant on CPU; the Triton and torch ones read both kinds."""
     choice = envs.kernels()
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"TOKENFLEET_KERNELS={choice!r}: auto, torch or triton")
@@ -186,10 +187,10 @@ def select_attention(dtype: torch.dtype, device: torch.device, kv_cache_dtype: s
             return triton_attention.TritonPagedAttention()
         if choice == "triton":
             raise ValueError("TOKENFLEET_KERNELS=triton but triton is not installed")
-    if device.type == "cpu" and dtype == torch.bfloat16 and kv_cache_dtype != "fp8":
+    if device.type == "cpu" and dtype == torch.bfloat16:
         lib = native.load("paged_attention")
         if lib is not None:
-            return NativePagedAttention(lib)
+            return NativePagedAttention(lib, fp8=kv_cache_dtype == "fp8")
     return TorchPagedAttention()
 
 

@@ -8,9 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.unit.models.test_native_kernels import CASES as NATIVE_CASES
+from tests.unit.models.test_native_kernels import paged_case
 from tests.unit.models.test_triton_attention import CASES, random_step
-from tokenfleet.models import kv_fp8, triton_attention, triton_ops
-from tokenfleet.models.attention import ForwardBatch, PagedQueries, PrefillSpan, TorchPagedAttention, paged_attention
+from tokenfleet.models import kv_fp8, native, triton_attention, triton_ops
+from tokenfleet.models.attention import (
+    ForwardBatch,
+    NativePagedAttention,
+    PagedQueries,
+    PrefillSpan,
+    TorchPagedAttention,
+    paged_attention,
+    select_attention,
+)
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.layer_ops import TorchLayerOps
 
@@ -103,6 +113,82 @@ def test_a_fresh_prefill_chunk_reads_its_own_keys_as_the_cache_stores_them():
     unrounded = paged_attention(q, k, v, torch.zeros(kv_heads, 4, block_size, head_dim), torch.zeros(kv_heads, 4,
                                 block_size, head_dim), fresh, attend)
     assert not torch.allclose(a, unrounded, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(native.compiler() is None, reason="no C compiler: the torch path is what runs")
+@pytest.mark.parametrize("case", sorted(NATIVE_CASES))
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_native_kernel_over_fp8_rows_matches_the_reference(case, head_dim):
+    """csrc/paged_attention.c's FP8 variant (CPU, bf16 queries): decode rows, speculative rows, prefill chunks with
+    and without context, against the torch reference over the same rows."""
+    lens, rows = NATIVE_CASES[case]
+    q, k_cache, v_cache, meta = paged_case(lens, rows, head_dim, seed=11)
+    k8, v8 = packed(k_cache), packed(v_cache)
+    assert isinstance(select_attention(torch.bfloat16, torch.device("cpu"), "fp8"), NativePagedAttention)
+    ref = TorchPagedAttention()(q, k8, v8, meta)
+    # the build for this CPU (AVX-512 for head_dim 64 where it has AVX512-BF16) and the portable C one
+    for defines in ((), ("TF_PORTABLE_ONLY",)):
+        attend = NativePagedAttention(native.load("paged_attention", defines), fp8=True)
+        out = attend(q, k8, v8, meta)
+        assert out.dtype == torch.bfloat16
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < 4e-3, (defines, err)  # both fp32 inside; each rounds once to bf16 at the output
+        windowed = PagedQueries(meta.block_table, meta.context_lens, meta.query_start, meta.num_tokens,
+                                meta.max_query_len, window=24)
+        want = TorchPagedAttention()(q, k8, v8, windowed).float()
+        err = ((attend(q, k8, v8, windowed).float() - want).norm() / want.norm()).item()
+        assert err < 4e-3, (defines, err)
+
+
+@pytest.mark.skipif(native.compiler() is None, reason="no C compiler: the torch path is what runs")
+def test_native_kernel_reads_every_e4m3_code_exactly():
+    """One key: the output is its value row, so every finite e4m3 code (subnormals and signs included) must come
+    back as torch's float8_e4m3fn reads it (exact in bf16, at scale 1): head_dim 256 (the portable C path) and
+    head_dim 64 in four parts (the AVX-512 path where the CPU has it; its key tiles use the same conversion)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[codes & 0x7F == 0x7F] = 0  # e4m3fn's two NaN codes; quantized rows never hold them
+    attend = NativePagedAttention(native.load("paged_attention"), fp8=True)
+    meta = PagedQueries(torch.tensor([[1]]), torch.tensor([1]), torch.tensor([0, 1]), 1, 1)
+    for part in codes.view(1, 256), codes.view(4, 64):
+        for row_codes in part:
+            hd = row_codes.numel()
+            row = torch.cat([row_codes, torch.tensor([1.0]).view(torch.uint8)])  # scale 1
+            v8 = row.view(1, 1, 1, hd + 4).expand(1, 2, 16, hd + 4).contiguous()
+            out = attend(torch.ones(1, 1, hd).bfloat16(), torch.zeros_like(v8), v8, meta)
+            assert torch.equal(out[0, 0].float(), row_codes.view(torch.float8_e4m3fn).float()), hd
+
+
+@pytest.mark.skipif(native.compiler() is None, reason="no C compiler: the torch path is what runs")
+def test_native_rope_store_writes_the_torch_version_s_fp8_bytes():
+    """csrc/fused_ops.c's FP8 write (RoPE, then each K and V head row quantized): bitwise the bytes of
+    kv_fp8.quantize after the torch RoPE, rows of very different sizes included (subnormal e4m3 codes, ties)."""
+    from tests.unit.models.test_native_kernels import BLOCK, tiny_config
+    from tokenfleet.models.layer_ops import NativeLayerOps, select_layer_ops
+    from tokenfleet.models.llama import rope_inv_freq
+
+    config = tiny_config()
+    ops, ref = select_layer_ops(config, torch.bfloat16, torch.device("cpu")), TorchLayerOps(config)
+    assert isinstance(ops, NativeLayerOps)
+    g = torch.Generator().manual_seed(5)
+    tokens = 37
+    angles = torch.arange(config.max_position_embeddings).float()[:, None] * rope_inv_freq(config)[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    magnitudes = torch.logspace(-4, 2, tokens)[:, None]  # rows from tiny to large
+    qkv = (torch.randn(tokens, width, generator=g) * magnitudes * torch.rand(tokens, width, generator=g) ** 4).bfloat16()
+    positions = torch.randint(0, 4000, (tokens,), generator=g)
+    slots = torch.randperm(64 * BLOCK, generator=g)[:tokens]
+    batch = ForwardBatch(positions, slots, positions[:1])
+    shape = (config.num_kv_heads, 64, BLOCK, kv_fp8.row_width(config.head_dim))
+    caches = [torch.zeros(shape, dtype=torch.uint8) for _ in range(4)]
+    got = ops.rope_store_kv(qkv, batch, cos, sin, caches[0], caches[1])
+    want = ref.rope_store_kv(qkv, batch, cos, sin, caches[2], caches[3])
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    values = caches[0][..., :config.head_dim]
+    assert ((values & 0x78) == 0).logical_and(values & 7 != 0).any()  # some subnormal codes were written
 
 
 def _cpu(meta: PagedQueries) -> PagedQueries:

@@ -105,11 +105,34 @@ void tf_add_rms_norm(uint16_t *residual, const uint16_t *delta, const uint16_t *
  * each token's position; write q to q_out [tokens, heads, head_dim], k to k_out [tokens, kv_heads,
  * head_dim], and k and v into the caches [kv_heads, num_slots, head_dim] at slot_mapping[token].
  * cos, sin: [max_positions, head_dim] bf16. */
-void tf_rope_store_kv(const uint16_t *qkv, const int64_t *positions, const uint16_t *cos_table,
-                      const uint16_t *sin_table, const int64_t *slot_mapping, uint16_t *q_out, uint16_t *k_out,
-                      uint16_t *k_cache, uint16_t *v_cache, int64_t tokens, int64_t heads, int64_t kv_heads,
-                      int64_t head_dim, int64_t num_slots, int num_threads) {
-    const int64_t half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim;
+/* float -> e4m3 (float8_e4m3fn) code, rounding to nearest even as torch's cast does; |x| <= 448 (the caller
+ * clamps). Subnormals (|x| < 2^-6) are multiples of 2^-9, their code the multiple (8 is the smallest normal). */
+static inline uint8_t to_e4m3(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    u &= 0x7fffffffu;
+    float a;
+    memcpy(&a, &u, sizeof a);
+    if (a < 0.015625f) return sign | (uint8_t)nearbyintf(a * 512.0f);
+    u += 0x7ffffu + ((u >> 20) & 1u); /* round the mantissa to 3 bits, to nearest even */
+    return sign | (uint8_t)(((((u >> 23) - 120u) & 0xfu) << 3) | ((u >> 20) & 7u));
+}
+
+/* One head row (bf16) as an FP8 row: e4m3 of x / (amax / 448), then the fp32 scale (models/kv_fp8.py). */
+static void store_fp8_row(const uint16_t *x, uint8_t *dst, int64_t head_dim) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < head_dim; i++) amax = fmaxf(amax, fabsf(bf(x[i])));
+    const float scale = fmaxf(amax, 1e-12f) / 448.0f;
+    for (int64_t i = 0; i < head_dim; i++) dst[i] = to_e4m3(fminf(fmaxf(bf(x[i]) / scale, -448.0f), 448.0f));
+    memcpy(dst + head_dim, &scale, sizeof scale);
+}
+
+static void rope_store_kv(const uint16_t *qkv, const int64_t *positions, const uint16_t *cos_table,
+                          const uint16_t *sin_table, const int64_t *slot_mapping, uint16_t *q_out, uint16_t *k_out,
+                          void *k_cache, void *v_cache, int64_t tokens, int64_t heads, int64_t kv_heads,
+                          int64_t head_dim, int64_t num_slots, int num_threads, int fp8) {
+    const int64_t half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim, row_bytes = head_dim + 4;
 #pragma omp parallel for num_threads(tokens > 8 ? num_threads : 1) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         const uint16_t *row = qkv + t * width;
@@ -122,12 +145,37 @@ void tf_rope_store_kv(const uint16_t *qkv, const int64_t *positions, const uint1
                 const float rotated = i < half ? -bf(x[i + half]) : bf(x[i - half]);
                 dst[i] = to_bf(round_bf(bf(x[i]) * bf(c[i])) + round_bf(rotated * bf(s[i])));
             }
-            if (h >= heads) memcpy(k_cache + ((h - heads) * num_slots + slot) * head_dim, dst, 2 * (size_t)head_dim);
+            if (h < heads) continue;
+            if (fp8)
+                store_fp8_row(dst, (uint8_t *)k_cache + ((h - heads) * num_slots + slot) * row_bytes, head_dim);
+            else
+                memcpy((uint16_t *)k_cache + ((h - heads) * num_slots + slot) * head_dim, dst, 2 * (size_t)head_dim);
         }
-        for (int64_t h = 0; h < kv_heads; h++)
-            memcpy(v_cache + (h * num_slots + slot) * head_dim, row + (heads + kv_heads + h) * head_dim,
-                   2 * (size_t)head_dim);
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const uint16_t *v = row + (heads + kv_heads + h) * head_dim;
+            if (fp8)
+                store_fp8_row(v, (uint8_t *)v_cache + (h * num_slots + slot) * row_bytes, head_dim);
+            else
+                memcpy((uint16_t *)v_cache + (h * num_slots + slot) * head_dim, v, 2 * (size_t)head_dim);
+        }
     }
+}
+
+void tf_rope_store_kv(const uint16_t *qkv, const int64_t *positions, const uint16_t *cos_table,
+                      const uint16_t *sin_table, const int64_t *slot_mapping, uint16_t *q_out, uint16_t *k_out,
+                      uint16_t *k_cache, uint16_t *v_cache, int64_t tokens, int64_t heads, int64_t kv_heads,
+                      int64_t head_dim, int64_t num_slots, int num_threads) {
+    rope_store_kv(qkv, positions, cos_table, sin_table, slot_mapping, q_out, k_out, k_cache, v_cache, tokens, heads,
+                  kv_heads, head_dim, num_slots, num_threads, 0);
+}
+
+/* The same, writing K and V as FP8 rows (k_cache, v_cache: uint8 [kv_heads, num_slots, head_dim + 4]). */
+void tf_rope_store_kv_fp8(const uint16_t *qkv, const int64_t *positions, const uint16_t *cos_table,
+                          const uint16_t *sin_table, const int64_t *slot_mapping, uint16_t *q_out, uint16_t *k_out,
+                          uint8_t *k_cache, uint8_t *v_cache, int64_t tokens, int64_t heads, int64_t kv_heads,
+                          int64_t head_dim, int64_t num_slots, int num_threads) {
+    rope_store_kv(qkv, positions, cos_table, sin_table, slot_mapping, q_out, k_out, k_cache, v_cache, tokens, heads,
+                  kv_heads, head_dim, num_slots, num_threads, 1);
 }
 
 /* out = bf16(silu(gate)) * up, rounded; gate_up: [rows, 2 * inter] (gate first), out: [rows, inter]. */

@@ -8,6 +8,8 @@
  * Layouts (row-major, contiguous):
  *   q, out        [num_queries, num_heads, head_dim]            bf16 as uint16
  *   k/v cache     [num_kv_heads, num_blocks, block_size, head_dim] bf16 as uint16
+ *                 or (tf_paged_attention_fp8) FP8 rows [num_kv_heads, num_blocks, block_size, head_dim + 4]
+ *                 uint8: e4m3 values, then the row's fp32 scale (tokenfleet/models/kv_fp8.py)
  *   block_table   [num_requests, max_blocks]                    int64
  *   context_lens  [num_requests]  keys the request's last query token sees (its own included)
  *   query_start   [num_requests + 1]  request r owns query rows query_start[r] .. query_start[r+1]-1
@@ -29,12 +31,13 @@
 #define ROWS_PER_ITEM 32
 
 typedef struct {
-    const uint16_t *q, *k_cache, *v_cache;
+    const uint16_t *q, *k_cache, *v_cache; /* FP8 rows: the caches' bytes, cast */
     const int64_t *table; /* this request's block table */
     uint16_t *out;
     int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks;
     float scale;
     int64_t window; /* 0: every earlier key */
+    int fp8;        /* the caches hold FP8 rows (portable path only) */
 } Args;
 
 typedef struct {
@@ -102,6 +105,35 @@ static inline const uint16_t *cache_row(const Args *a, const uint16_t *cache, in
     return cache + ((kv_head * a->num_blocks + block) * a->block_size + t % a->block_size) * a->head_dim;
 }
 
+/* e4m3 (float8_e4m3fn) -> fp32, exactly: a normal value's exponent rebiased (7 -> 127), a subnormal's
+ * mantissa times 2^-9. Branch-free selects, so the row loop below vectorizes. (0x7f/0xff, e4m3fn's NaN,
+ * never occurs: rows are quantized with a clamp to +-448.) */
+static inline float e4m3_to_f32(uint8_t b) {
+    const uint32_t e = (b >> 3) & 0xFu, m = b & 7u, sign = (uint32_t)(b & 0x80u) << 24;
+    const uint32_t normal = sign | ((e + 120u) << 23) | (m << 20);
+    float f, sub = (float)m * 0.001953125f;
+    memcpy(&f, &normal, sizeof f);
+    sub = sign ? -sub : sub;
+    return e ? f : sub;
+}
+
+/* Key or value t of a kv head as fp32: a bf16 row converted, or an FP8 row dequantized with its scale. */
+static inline void load_row(const Args *a, const uint16_t *cache, int64_t kv_head, int64_t t, float *dst) {
+    const int64_t hd = a->head_dim;
+    if (a->fp8) {
+        const int64_t block = a->table[t / a->block_size];
+        const uint8_t *row = (const uint8_t *)cache + ((kv_head * a->num_blocks + block) * a->block_size +
+                                                       t % a->block_size) * (hd + 4);
+        float scale;
+        memcpy(&scale, row + hd, sizeof scale);
+#pragma omp simd
+        for (int64_t d = 0; d < hd; d++) dst[d] = e4m3_to_f32(row[d]) * scale;
+        return;
+    }
+    const uint16_t *row = cache_row(a, cache, kv_head, t);
+    for (int64_t d = 0; d < hd; d++) dst[d] = bf16_to_f32(row[d]);
+}
+
 /* Query vector i of an item (rows row0.., then the group's heads): its row in q / out and head. */
 static inline int64_t q_offset(const Args *a, const Item *it, int64_t i) {
     const int64_t group = a->num_heads / a->num_kv_heads;
@@ -118,7 +150,7 @@ static inline int64_t first_key(const Args *a, const Item *it, int64_t i, int64_
     return lo > 0 ? lo : 0;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && !defined(TF_PORTABLE_ONLY)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && !defined(TF_PORTABLE_ONLY)
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
 
@@ -139,6 +171,59 @@ static inline __m512 reduce16(const __m512 a[16]) {
 
 static inline __m512 bf16x16_to_f32(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* 32 e4m3 codes -> 32 bf16 (exact: every e4m3 value is a bf16 value). Normal codes: the exponent rebiased
+ * (7 -> 127) under the shifted mantissa; subnormal ones (exponent field 0: m * 2^-9) from an 8-entry table. */
+static inline __m512i e4m3x32_to_bf16(const uint8_t *p) {
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8);
+    const __m512i em = _mm512_and_si512(b, _mm512_set1_epi16(0x7f));
+    const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(120 << 7));
+    /* bf16 of m * 2^-9, m = 0..7, in lanes 0..7 (the permute reads lanes by the code's low 5 bits) */
+    const __m512i sub = _mm512_permutexvar_epi16(em, _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                       0, 0, 0, 0, 0, 0, 0, 0, 0x3c60, 0x3c40, 0x3c20,
+                                                                       0x3c00, 0x3bc0, 0x3b80, 0x3b00, 0));
+    const __mmask32 is_sub = _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(8));
+    return _mm512_or_si512(sign, _mm512_mask_blend_epi16(is_sub, normal, sub));
+}
+
+/* Keys t0 .. t0+15 of a kv head (one block) as 16 bf16 rows of HD64: the cache's own rows, or FP8 rows converted
+ * into ``buf`` with their 16 scales in ``scales`` (left alone for bf16 caches). */
+static inline const uint16_t *key_tile(const Args *a, int64_t kv_head, int64_t t0, uint16_t *buf, float *scales) {
+    if (!a->fp8) return cache_row(a, a->k_cache, kv_head, t0);
+    const int64_t block = a->table[t0 / a->block_size];
+    const uint8_t *rows = (const uint8_t *)a->k_cache + ((kv_head * a->num_blocks + block) * a->block_size +
+                                                         t0 % a->block_size) * (64 + 4);
+    for (int j = 0; j < 16; j++) {
+        const uint8_t *row = rows + j * (64 + 4);
+        memcpy(scales + j, row + 64, sizeof(float));
+        _mm512_storeu_si512(buf + j * 64, e4m3x32_to_bf16(row));
+        _mm512_storeu_si512(buf + j * 64 + 32, e4m3x32_to_bf16(row + 32));
+    }
+    return buf;
+}
+
+/* Value t of a kv head as 4 x 16 fp32 (an FP8 row times its scale). */
+static inline void value_row(const Args *a, int64_t kv_head, int64_t t, __m512 v[4]) {
+    if (!a->fp8) {
+        const uint16_t *row = cache_row(a, a->v_cache, kv_head, t);
+        for (int c = 0; c < 4; c++) v[c] = bf16x16_to_f32(row + 16 * c);
+        return;
+    }
+    const int64_t block = a->table[t / a->block_size];
+    const uint8_t *row = (const uint8_t *)a->v_cache + ((kv_head * a->num_blocks + block) * a->block_size +
+                                                        t % a->block_size) * (64 + 4);
+    float scale;
+    memcpy(&scale, row + 64, sizeof scale);
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int c = 0; c < 2; c++) {
+        const __m512i h = e4m3x32_to_bf16(row + 32 * c); /* 32 bf16 -> two halves of 16 fp32 */
+        const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+        const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+        v[2 * c] = _mm512_mul_ps(lo, s);
+        v[2 * c + 1] = _mm512_mul_ps(hi, s);
+    }
 }
 
 /* Scores of an item's query vectors (rows row0.., then the group's heads) over 16-key tiles, for
@@ -218,13 +303,17 @@ static void scores_hd64_reduce(const Args *a, const Item *it, const uint16_t *co
         const int64_t visible = visible_keys(it, i, group);
         float *s = scores + i * stride;
         for (int64_t t0 = 0; t0 < visible; t0 += 16) {
-            const uint16_t *k = cache_row(a, a->k_cache, it->kv_head, t0); /* 16 rows in one block */
+            uint16_t buf[16 * HD64];
+            float ks[16];
+            const uint16_t *k = key_tile(a, it->kv_head, t0, buf, ks); /* 16 rows in one block */
             __m512 acc[16];
             for (int j = 0; j < 16; j++) {
                 acc[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k + j * HD64), q0);
                 acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(k + j * HD64 + 32), q1);
             }
-            _mm512_storeu_ps(s + t0, _mm512_mul_ps(reduce16(acc), scale_v));
+            __m512 sc = _mm512_mul_ps(reduce16(acc), scale_v);
+            if (a->fp8) sc = _mm512_mul_ps(sc, _mm512_loadu_ps(ks));
+            _mm512_storeu_ps(s + t0, sc);
         }
     }
 }
@@ -239,7 +328,10 @@ static void scores_hd64_packed(const Args *a, const Item *it, const uint16_t *co
     __m512i kp[HD64 / 2]; /* kp[p] lane j: dimensions 2p, 2p+1 of key t0 + j */
     int64_t first = 0;    /* the first vector that sees the tile (visible keys grow with i) */
     for (int64_t t0 = 0; t0 < widest; t0 += 16) {
-        const uint16_t *k = cache_row(a, a->k_cache, it->kv_head, t0); /* 16 rows in one block */
+        uint16_t buf[16 * HD64];
+        float ks[16];
+        const uint16_t *k = key_tile(a, it->kv_head, t0, buf, ks); /* 16 rows in one block */
+        const __m512 key_scales = a->fp8 ? _mm512_loadu_ps(ks) : _mm512_set1_ps(1.0f);
         for (int p = 0; p < HD64 / 2; p++) kp[p] = _mm512_i32gather_epi32(idx, (const void *)(k + 2 * p), 4);
         while (visible_keys(it, first, group) <= t0) first++;
         for (int64_t i = first; i < num_q; i++) {
@@ -255,7 +347,8 @@ static void scores_hd64_packed(const Args *a, const Item *it, const uint16_t *co
             for (int c = 0; c < 4; c++)
                 block[c] = _mm512_add_ps(_mm512_add_ps(acc[4 * c], acc[4 * c + 2]), _mm512_add_ps(acc[4 * c + 1], acc[4 * c + 3]));
             const __m512 sum = _mm512_add_ps(_mm512_add_ps(block[0], block[1]), _mm512_add_ps(block[2], block[3]));
-            _mm512_storeu_ps(scores + i * stride + t0, _mm512_mul_ps(sum, scale_v));
+            /* (sum * scale) * key scale, as the reduce path rounds it */
+            _mm512_storeu_ps(scores + i * stride + t0, _mm512_mul_ps(_mm512_mul_ps(sum, scale_v), key_scales));
         }
     }
 }
@@ -291,15 +384,14 @@ static void attend_hd64(const Args *a, const Item *it, float *scores, int64_t st
         for (int i = 0; i < QT; i++)
             for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
         for (int64_t t = 0; t < keys; t++) {
-            const uint16_t *v = cache_row(a, a->v_cache, it->kv_head, t);
-            const __m512 v0 = bf16x16_to_f32(v), v1 = bf16x16_to_f32(v + 16), v2 = bf16x16_to_f32(v + 32),
-                         v3 = bf16x16_to_f32(v + 48);
+            __m512 v[4];
+            value_row(a, it->kv_head, t, v);
             for (int i = 0; i < QT; i++) {
                 const __m512 p = _mm512_set1_ps(scores[(i0 + i) * stride + t]);
-                acc[i][0] = _mm512_fmadd_ps(p, v0, acc[i][0]);
-                acc[i][1] = _mm512_fmadd_ps(p, v1, acc[i][1]);
-                acc[i][2] = _mm512_fmadd_ps(p, v2, acc[i][2]);
-                acc[i][3] = _mm512_fmadd_ps(p, v3, acc[i][3]);
+                acc[i][0] = _mm512_fmadd_ps(p, v[0], acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(p, v[1], acc[i][1]);
+                acc[i][2] = _mm512_fmadd_ps(p, v[2], acc[i][2]);
+                acc[i][3] = _mm512_fmadd_ps(p, v[3], acc[i][3]);
             }
         }
         for (int i = 0; i < QT && i0 + i < num_q; i++) {
@@ -327,8 +419,7 @@ static void attend_portable(const Args *a, const Item *it, float *buf, int64_t s
         memset(acc + i * hd, 0, sizeof(float) * (size_t)hd);
     }
     for (int64_t t = key0; t < keys; t++) { /* scores; K rows converted once for every query vector */
-        const uint16_t *k = cache_row(a, a->k_cache, it->kv_head, t);
-        for (int64_t d = 0; d < hd; d++) kf[d] = bf16_to_f32(k[d]);
+        load_row(a, a->k_cache, it->kv_head, t, kf);
         for (int64_t i = 0; i < num_q; i++) {
             const float *qi = qf + i * hd;
             float s = 0.0f;
@@ -345,8 +436,7 @@ static void attend_portable(const Args *a, const Item *it, float *buf, int64_t s
         memset(row, 0, sizeof(float) * (size_t)skip);
     }
     for (int64_t t = key0; t < keys; t++) {
-        const uint16_t *v = cache_row(a, a->v_cache, it->kv_head, t);
-        for (int64_t d = 0; d < hd; d++) kf[d] = bf16_to_f32(v[d]);
+        load_row(a, a->v_cache, it->kv_head, t, kf);
         for (int64_t i = 0; i < num_q; i++) {
             const float p = scores[i * stride + t - key0];
             float *o = acc + i * hd;
@@ -393,12 +483,11 @@ static int attend_item(const Args *a, const Item *it) {
     return 0;
 }
 
-/* Returns 0, or -1 when a shape is out of what this kernel handles (the caller falls back). */
-int tf_paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                            const int64_t *block_table, const int64_t *context_lens, const int64_t *query_start,
-                            uint16_t *out, int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t max_blocks,
-                            float scale, int64_t window, int num_threads) {
+static int paged_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                           const int64_t *block_table, const int64_t *context_lens, const int64_t *query_start,
+                           uint16_t *out, int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t max_blocks,
+                           float scale, int64_t window, int num_threads, int fp8) {
     if (head_dim > MAX_HEAD_DIM || num_kv_heads <= 0 || num_heads % num_kv_heads) return -1;
     int64_t num_items = 0;
     for (int64_t r = 0; r < num_requests; r++) {
@@ -420,9 +509,32 @@ int tf_paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const ui
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
     for (int64_t i = 0; i < num_items; i++) {
         const Args a = {q, k_cache, v_cache, block_table + items[i].request * max_blocks, out, num_heads, num_kv_heads, head_dim,
-                        block_size, num_blocks, scale, window};
+                        block_size, num_blocks, scale, window, fp8};
         failed |= attend_item(&a, &items[i]) != 0;
     }
     free(items);
     return failed ? -1 : 0;
+}
+
+/* Returns 0, or -1 when a shape is out of what this kernel handles (the caller falls back). */
+int tf_paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                            const int64_t *block_table, const int64_t *context_lens, const int64_t *query_start,
+                            uint16_t *out, int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t max_blocks,
+                            float scale, int64_t window, int num_threads) {
+    return paged_attention(q, k_cache, v_cache, block_table, context_lens, query_start, out, num_requests, num_heads,
+                           num_kv_heads, head_dim, block_size, num_blocks, max_blocks, scale, window, num_threads, 0);
+}
+
+/* The same over FP8 rows (k_cache, v_cache: uint8 [num_kv_heads, num_blocks, block_size, head_dim + 4]);
+ * head_dim a multiple of 4. */
+int tf_paged_attention_fp8(const uint16_t *q, const uint8_t *k_cache, const uint8_t *v_cache,
+                           const int64_t *block_table, const int64_t *context_lens, const int64_t *query_start,
+                           uint16_t *out, int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t max_blocks,
+                           float scale, int64_t window, int num_threads) {
+    if (head_dim % 4) return -1;
+    return paged_attention(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_table, context_lens,
+                           query_start, out, num_requests, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
+                           max_blocks, scale, window, num_threads, 1);
 }
