@@ -5,7 +5,8 @@ time and accuracy of ``kv_cache_dtype="fp8"`` against the bf16 cache, same model
 - decode step: for each --shapes BxC, B requests with distinct C-token prompts, then --steps timed engine steps
   (``EngineCore.step``, median); configurations alternate, --runs rounds. Configurations:
   - bf16: the serving default on CPU (the native C attention and layer kernels);
-  - fp8: the FP8 cache (the native kernel's FP8 variant, portable C; quantizing writes in torch);
+  - fp8: the FP8 cache (the native kernels' FP8 variants: attention reading FP8 rows, the RoPE + KV write
+    quantizing);
   - fp8-torch: the FP8 cache read by the torch reference attention.
 - accuracy: teacher-forced on tests/model/test_fp8_accuracy.py's text in 16-token chunks: top-1 agreement with
   bf16 and perplexity.
@@ -138,10 +139,10 @@ def main() -> int:
                          f"{med[shape][name] / med[shape]['bf16']:.2f}x |")
     lines += [
         "",
-        "bf16: the native C attention kernel (AVX-512 BF16 where the CPU has it) and layer ops; fp8: the native "
-        "kernel's FP8 variant (portable C: each row's e4m3 bytes converted to fp32 with its scale), the writes "
-        "quantized by torch; fp8-torch: the torch reference attention over the same rows. The GPU reads FP8 rows "
-        "with the Triton kernel: benchmarks/gpu_step.py's graphs-fp8kv modes.",
+        "bf16: the native C attention kernel (AVX-512 BF16 where the CPU has it) and layer ops; fp8: the same "
+        "kernels' FP8 variants (key tiles converted from e4m3 to bf16 exactly, scales applied per key and value; "
+        "the RoPE + KV write quantizes in C); fp8-torch: the torch reference attention over the same rows. The GPU "
+        "reads FP8 rows with the Triton kernel: benchmarks/gpu_step.py's graphs-fp8kv modes.",
         "",
         f"**Accuracy** (teacher-forced, {result['positions']} positions, 16-token prefill chunks so each chunk reads "
         f"the text before it from the cache): top-1 agreement with bf16 **{agreement:.1%}**, perplexity bf16 "
