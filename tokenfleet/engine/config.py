@@ -42,6 +42,9 @@ class EngineConfig:
     kv_cache_dtype: str = ""
     # CUDA: decode steps of up to this many requests replay captured graphs; 0 = min(max_num_running, 256)
     cuda_graph_max_batch: int = 0
+    # Overlapped scheduling (EngineCore.enable_overlap): the next decode step is queued on the device before the
+    # host reads this one's tokens. Off by default until measured on a GPU (benchmarks/gpu_step.py).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -11,6 +11,7 @@ import threading
 import time
 from collections import ChainMap
 from collections.abc import Sequence
+from typing import Any
 
 import structlog
 
@@ -306,7 +307,24 @@ class EngineCore:
                         num_layers, num_kv_heads, head_dim, self.model.layer_windows)
 
     # ---- one step -----------------------------------------------------------------------------
+    def enable_overlap(self) -> None:
+        """Overlapped scheduling: while a decode step runs on the device, the next one (``Scheduler.lookahead``: the
+        same requests one position on, their input tokens taken from the running step's samples on the device) is
+        prepared and queued behind it, and only then does the host wait for the running step's tokens, update the
+        scheduler and build outputs. The device runs step after step without waiting for Python in between. Needs
+        a runner with ``launch`` (backends.torch); steps it cannot overlap (prefill chunks, speculation, guided or
+        penalized sampling, admissions) run as before."""
+        if not hasattr(self.runner, "launch"):
+            raise ValueError(f"{type(self.runner).__name__} cannot queue steps ahead (overlapped scheduling)")
+        self.overlap = True
+
+    overlap = False
+    _inflight: tuple[SchedulerOutput, Any] | None = None  # the next step, queued on the device by the last step()
+
     def step(self) -> list[RequestOutput]:
+        if self._inflight is not None:
+            output, launched = self._inflight
+            return self._overlapped(output, launched)
         if self.spec is not None:
             self.spec.cost.prefill_per_token = 1.0 / self.stats.prefill_tokens_per_s if self.stats.prefill_tokens_per_s else 0.0
             self.spec.propose(self.scheduler.running, self.scheduler.config.max_num_batched_tokens)
@@ -314,21 +332,65 @@ class EngineCore:
         self.offload_evicted()  # before the restores and the forward overwrite those blocks
         if output.is_empty:
             return []
+        if self.overlap and self.spec is None and self._launchable(output):
+            with self._timer:
+                if output.restores:
+                    self.runner.import_blocks(output.restores)  # type: ignore[attr-defined]
+                launched = self.runner.launch(output, self._request_view())  # type: ignore[attr-defined]
+            return self._overlapped(output, launched)
         with self._timer:
             if output.restores:
                 self.runner.import_blocks(output.restores)  # type: ignore[attr-defined]
-            result = self.runner.execute(output, ChainMap(self.scheduler.requests, self.scheduler.pending_forks))
+            result = self.runner.execute(output, self._request_view())
+        return self._complete(output, result)
+
+    def _request_view(self) -> ChainMap:
+        return ChainMap(self.scheduler.requests, self.scheduler.pending_forks)
+
+    def _launchable(self, output: SchedulerOutput) -> bool:
+        """A decode step the runner can queue without waiting for its tokens: one sampled token per entry, none
+        guided (a matcher consumes its token on the host), no prompt logprobs."""
+        requests = self.scheduler.requests
+        return all(s.num_new_tokens == 1 and s.samples and not s.draft and not s.forks
+                   and requests[s.request_id].guide is None
+                   and requests[s.request_id].sampling_params.prompt_logprobs is None for s in output.scheduled)
+
+    def _overlapped(self, output: SchedulerOutput, launched: Any) -> list[RequestOutput]:
+        """``output`` is queued on the device (``launched``): queue the step after it when the scheduler can tell it
+        without its tokens, then wait for them and finish ``output`` (update, outputs). The next step stays
+        queued for the next call."""
+        with self._timer:
+            following = self.scheduler.lookahead(output)
+            queued = None
+            if following is not None:
+                self.offload_evicted()  # blocks the lookahead's allocations evicted, before the forward reuses them
+                queued = self.runner.launch(following, self._request_view(), launched)  # type: ignore[attr-defined]
+                self.stats.num_overlapped_steps += 1
+            result = launched.result()
+        self._inflight = None
+        outputs = self._complete(output, result)
+        if following is not None:
+            ended = sum(self.scheduler.requests.get(s.request_id) is None for s in following.scheduled)
+            self.stats.num_overlap_discarded_rows += ended
+            if ended < len(following.scheduled):
+                self._inflight = (following, queued)  # else every request in it ended with ``output``: drop it
+        return outputs
+
+    def _complete(self, output: SchedulerOutput, result: ExecuteResult) -> list[RequestOutput]:
+        """After the forward: the scheduler's update, the step's outputs, the counters."""
         requests = self.scheduler.requests
         for request_id, lps in result.prompt_logprobs.items():
             requests[request_id].prompt_logprobs.extend(lps)
         self.stats.num_prompt_tokens_computed += sum(
             max(0, min(s.start + s.num_new_tokens, requests[s.request_id].num_prompt_tokens) - s.start)
-            for s in output.scheduled)
+            for s in output.scheduled if s.request_id in requests)  # (overlapped: it may have ended meanwhile)
         if self.spec is not None:
             self._observe_speculation(output, result)
         finished = {r.request_id: r for r in self.scheduler.update(output, result.sampled, result.accepted)}
         outputs = []
         for entry in output.scheduled:
+            if entry.request_id not in self._states:  # overlapped: it ended (or was aborted) while this step ran
+                continue
             if entry.samples and entry.request_id in result.sampled:
                 outputs.append(self._process(entry.request_id, result, finished))
                 outputs.extend(self._process(fork_id, result, finished) for fork_id in entry.forks)

@@ -95,6 +95,21 @@ def test_static_buffer_steps_equal_the_regular_path(monkeypatch, dtype):
     core.scheduler.block_manager.check_invariants()
 
 
+def test_overlapped_steps_carry_tokens_through_the_static_buffers(monkeypatch):
+    """Overlapped scheduling on the graph path: a queued step's input tokens are gathered from the running step's
+    samples on the device (the sixth buffer column); the tokens equal the synchronous graph path's."""
+    prompts = [list(range(10 + i, 10 + i + n)) for i, n in enumerate([3, 9, 17, 4, 30])]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (6, 10, 14, 18, 22)]
+    params[1] = SamplingParams(max_tokens=10, temperature=0.9, seed=11, ignore_eos=True)
+    plain = run(engine(True, torch.float32, monkeypatch)[0], prompts, params)
+    core, runner = engine(True, torch.float32, monkeypatch)
+    core.enable_overlap()
+    assert run(core, prompts, params) == plain
+    assert runner.graphs is not None and runner.graphs.replays >= 18
+    assert core.stats.num_overlapped_steps >= 15
+    core.scheduler.block_manager.check_invariants()
+
+
 def test_graph_path_declines_what_it_cannot_replay(monkeypatch):
     core, runner = engine(True, torch.float32, monkeypatch)
     assert runner.graphs is not None

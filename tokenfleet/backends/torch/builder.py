@@ -61,6 +61,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         core.enable_peer_blocks()
     if spec is not None:
         core.enable_speculation(spec)
+    if config.async_scheduling:
+        core.enable_overlap()
     for name, folder in config.lora_adapters:
         runner.load_adapter(name, folder)
     runner.capture_graphs()  # CUDA only, and only where the model and attention allow (cuda_graphs.graphs_supported)

@@ -67,15 +67,17 @@ class DecodeGraphs:
         self.max_blocks = -(-max_model_len // block_size)
         self.buckets = buckets(max_batch)
         n, w = max_batch, self.max_blocks
-        # One pinned host buffer and its device twin: 5 columns of n, then the [n, w] block table.
+        # One pinned host buffer and its device twin: 6 columns of n, then the [n, w] block table. The sixth: for
+        # a row whose input token is still on the device (overlapped scheduling), its index in those ids; else -1.
         cuda = self.device.type == "cuda"
-        self._host = torch.zeros(5 * n + n * w, dtype=torch.long, pin_memory=cuda)
+        self._host = torch.zeros(6 * n + n * w, dtype=torch.long, pin_memory=cuda)
         self._host_np = self._host.numpy()
         self._uploaded = torch.cuda.Event() if cuda else None
         self._dev = torch.zeros(self._host.shape, dtype=torch.long, device=self.device)
         self.tokens, self.positions, self.slots, self.context_lens, exact = (self._dev[i * n:(i + 1) * n] for i in range(5))
         self.exact = exact
-        self.table = self._dev[5 * n:].view(n, w)
+        self.source = self._dev[5 * n:6 * n]
+        self.table = self._dev[6 * n:].view(n, w)
         self.query_start = torch.arange(n + 1, dtype=torch.long, device=self.device)
         self.rows = torch.arange(n, dtype=torch.long, device=self.device)
         vocab = model.config.vocab_size
@@ -127,19 +129,24 @@ class DecodeGraphs:
                              exact_rows=self.exact[:b].bool(), paged=meta)
         self.logits[:b].copy_(self.model.forward(self.tokens[:b], batch, self.kv))
 
-    def run(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]) -> torch.Tensor:
-        """float32 logits [len(scheduled), vocab] (a view of a static buffer: valid until the next replay)."""
+    def run(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request],
+            source: tuple[torch.Tensor, list[tuple[int, int]]] | None = None) -> torch.Tensor:
+        """float32 logits [len(scheduled), vocab] (a view of a static buffer: valid until the next replay).
+        ``source``: (device token ids, [(entry index, index in them)]): entries whose input token is still on the
+        device (the step before, queued and not read back: overlapped scheduling); gathered there, no host wait."""
         real = len(scheduled)
         b = next(size for size in self.buckets if size >= real)
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's upload has read the host buffer
         n, w, bs = self.max_batch, self.max_blocks, self.block_size
         host = self._host_np
-        table = host[5 * n:].reshape(n, w)
+        table = host[6 * n:].reshape(n, w)
+        carried = dict(source[1]) if source is not None else {}
         for i, entry in enumerate(scheduled):
             request = requests[entry.request_id]
             pos = entry.start
-            host[i] = request.token_ids_range(pos, pos + 1)[0]
+            host[5 * n + i] = carried.get(i, -1)
+            host[i] = 0 if i in carried else request.token_ids_range(pos, pos + 1)[0]
             host[n + i] = pos
             blocks = entry.block_ids
             host[2 * n + i] = blocks[pos // bs] * bs + pos % bs
@@ -149,8 +156,11 @@ class DecodeGraphs:
             used = -(-(pos + 1) // bs)
             table[i, :used] = blocks[:used]
         self._fill_padding(real, b)
-        rows = 5 * n + b * w  # the table's first b rows are all a bucket reads
+        rows = 6 * n + b * w  # the table's first b rows are all a bucket reads
         self._dev[:rows].copy_(self._host[:rows], non_blocking=True)
+        if source is not None and carried:
+            src = self.source[:b]
+            self.tokens[:b] = torch.where(src >= 0, source[0][src.clamp(min=0)], self.tokens[:b])
         self.replays += 1
         if self._uploaded is None:  # no CUDA (tests of the buffers' bookkeeping): the same forward, eagerly
             self._forward(b)
@@ -162,7 +172,7 @@ class DecodeGraphs:
     def _fill_padding(self, first: int, last: int) -> None:
         n, w, bs = self.max_batch, self.max_blocks, self.block_size
         host = self._host_np
-        for column, value in ((0, 0), (1, 0), (2, self.scratch_block * bs), (3, 1), (4, 0)):
+        for column, value in ((0, 0), (1, 0), (2, self.scratch_block * bs), (3, 1), (4, 0), (5, -1)):
             host[column * n + first: column * n + last] = value
-        host[5 * n:].reshape(n, w)[first:last, 0] = self.scratch_block
+        host[6 * n:].reshape(n, w)[first:last, 0] = self.scratch_block
 

@@ -14,7 +14,7 @@ import torch
 
 from tokenfleet.backends.torch.cuda_graphs import DecodeGraphs, graphs_supported
 from tokenfleet.backends.torch.draft import DraftModel
-from tokenfleet.backends.torch.sampler import Sampler
+from tokenfleet.backends.torch.sampler import PendingSample, Sampler
 from tokenfleet.engine.kv_tier import PendingBlock
 from tokenfleet.engine.output import TokenLogprobs
 from tokenfleet.engine.request import Request
@@ -171,6 +171,34 @@ class TorchModelRunner:
             row += count
         return out
 
+    def launch(self, output: SchedulerOutput, requests: Mapping[str, Request], carry: Launched | None = None
+               ) -> Launched:
+        """Queue a decode step (each entry samples one token; no drafts, forks, guided rows or prompt logprobs) and
+        return without waiting for its tokens (overlapped scheduling, ``EngineCore.enable_overlap``). ``carry``: the
+        step queued before it: an entry whose input token is not on the host yet (its position is its request's
+        token count) takes that step's sample for it on the device."""
+        if output.copies:
+            self.kv.copy_blocks(list(output.copies))
+        pending: list[tuple[int, int]] = []  # (row of this step, row of carry's samples)
+        for i, entry in enumerate(output.scheduled):
+            if entry.start >= requests[entry.request_id].num_tokens:
+                if carry is None or entry.request_id not in carry.rows:
+                    raise ValueError(f"{entry.request_id}: its input token is neither known nor being sampled")
+                pending.append((i, carry.rows[entry.request_id]))
+        source = (carry.sample.token_ids, pending) if pending and carry is not None else None
+        graphs = self.graphs
+        if graphs is not None and graphs.captured and self.adapters is None and graphs.supports(output.scheduled, requests):
+            logits = graphs.run(output.scheduled, requests, source)
+        else:
+            token_ids, batch, spans = self.build_batch(output.scheduled, requests, source)
+            if spans:
+                raise ValueError("a launched step has no prompt logprobs")
+            logits = self.model.forward(token_ids, batch, self.kv)
+        self._prompt_spans = []
+        with torch.inference_mode():
+            sample = self.sampler.sample_async(logits, [requests[s.request_id] for s in output.scheduled])
+        return Launched(sample, {s.request_id: i for i, s in enumerate(output.scheduled)})
+
     def capture_graphs(self) -> None:
         if self.graphs is not None:
             self.graphs.capture()
@@ -266,12 +294,15 @@ class TorchModelRunner:
         self.kv.v.index_copy_(2, index, values[1])
 
     def build_batch(
-        self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]
+        self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request],
+        source: tuple[torch.Tensor, list[tuple[int, int]]] | None = None,
     ) -> tuple[torch.Tensor, ForwardBatch, list[tuple[str, int, int]]]:
         """Token ids and metadata of the step; logits rows are the sampling entries' last
         positions, then (requests that want prompt logprobs) spans of prompt positions, listed
         as (request id, first position, count). Models of several KV groups get one view of the
-        step per group (``ForwardBatch.others``): the same rows over that group's tables."""
+        step per group (``ForwardBatch.others``): the same rows over that group's tables.
+        ``source``: (device token ids, [(entry index, index in them)]): single-token entries whose input token
+        is still on the device (``launch``)."""
         tokens: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
@@ -280,10 +311,16 @@ class TorchModelRunner:
         spans: list[tuple[str, int, int]] = []
         span_rows: list[int] = []
         exact: list[int] = []  # positions in logits_indices whose top logits are refined (greedy or logprobs)
-        for entry in scheduled:
+        carried = dict(source[1]) if source is not None else {}
+        carried_rows: list[tuple[int, int]] = []  # (batch row, index in source's ids)
+        for index, entry in enumerate(scheduled):
             start, end = entry.start, entry.start + entry.num_new_tokens
             row = len(tokens)
-            tokens += requests[entry.request_id].token_ids_range(start, end - len(entry.draft))
+            if index in carried:  # a placeholder, replaced on the device below
+                carried_rows.append((row, carried[index]))
+                tokens.append(0)
+            else:
+                tokens += requests[entry.request_id].token_ids_range(start, end - len(entry.draft))
             tokens += entry.draft
             positions += range(start, end)
             request = requests[entry.request_id]
@@ -318,7 +355,11 @@ class TorchModelRunner:
         batch.others = tuple(views[1:])
         if self.adapters is not None:
             batch.lora = self._lora_rows(scheduled, requests, len(tokens))
-        return self._tensor(tokens), batch, spans
+        token_ids = self._tensor(tokens)
+        if carried_rows and source is not None:
+            rows, at = zip(*carried_rows)
+            token_ids[self._tensor(list(rows))] = source[0][self._tensor(list(at))]
+        return token_ids, batch, spans
 
     def load_adapter(self, name: str, folder: str) -> None:
         """Load a PEFT LoRA adapter under ``name`` (ValueError if this model cannot serve it)."""
@@ -395,6 +436,22 @@ class TorchModelRunner:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+class Launched:
+    """A step queued by ``TorchModelRunner.launch``: its samples (on the device until ``result``) and each request's
+    row in them."""
+
+    def __init__(self, sample: PendingSample, rows: dict[str, int]):
+        self.sample = sample
+        self.rows = rows
+
+    def result(self) -> ExecuteResult:
+        """Wait for the step's tokens."""
+        out = self.sample.result()
+        ids = list(self.rows)
+        return ExecuteResult({rid: out.token_ids[i] for i, rid in enumerate(ids)},
+                             {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None})
 
 
 def _table(entry: ScheduledRequest, group: int) -> tuple[int, ...]:

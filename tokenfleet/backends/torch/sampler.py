@@ -42,6 +42,34 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+class PendingSample:
+    """Tokens sampled on the device, not yet read by the host (overlapped scheduling): ``token_ids`` feeds the next
+    step's inputs on the device; ``result()`` waits for the copy to the host and builds the reported logprobs."""
+
+    def __init__(self, token_ids: torch.Tensor, requests: Sequence[Request], raw_logprobs: torch.Tensor | None):
+        self.token_ids = token_ids
+        self._requests = requests
+        self._raw_logprobs = raw_logprobs
+        self._event: torch.cuda.Event | None = None
+        if token_ids.is_cuda:  # to pinned memory, ordered after the sampling kernels; nothing waits for it here
+            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self._host.copy_(token_ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = token_ids
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        ids: list[int] = self._host.tolist()
+        raw = self._raw_logprobs
+        logprobs = [token_logprobs(raw[i], ids[i], r.sampling_params.logprobs)
+                    if raw is not None and r.sampling_params.logprobs is not None else None
+                    for i, r in enumerate(self._requests)]
+        return SamplerOutput(token_ids=ids, logprobs=logprobs)
+
+
 class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
@@ -54,8 +82,19 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits: float32 [num_rows, vocab], row i belongs to requests[i]. May modify ``logits``."""
+        out = self.sample_async(logits, requests, guided_ok=True).result()
+        for i, r in enumerate(requests):
+            if r.guide is not None:
+                r.guide.consume_token(out.token_ids[i])  # an error state ends the request (scheduler)
+        return out
+
+    def sample_async(self, logits: torch.Tensor, requests: Sequence[Request], guided_ok: bool = False) -> PendingSample:
+        """``sample`` without waiting for the tokens: the kernels are queued and the tokens stay on the device
+        (``PendingSample.token_ids``) until ``result()``. Guided rows need their tokens on the host at once (their
+        matcher consumes each): only ``sample`` takes them."""
+        if not guided_ok and any(r.guide is not None for r in requests):
+            raise ValueError("guided rows are sampled synchronously")
         raw_logprobs = self._adjust(logits, requests)
-        guided = [i for i, r in enumerate(requests) if r.guide is not None]
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if not random_rows:
             token_ids = logits.argmax(dim=-1)
@@ -63,18 +102,9 @@ class Sampler:
             token_ids = self._draw(logits, requests)
         else:
             token_ids = logits.argmax(dim=-1)
-            rows = torch.tensor(random_rows, device=logits.device)
+            rows = _to_device(torch.tensor(random_rows), logits.device)
             token_ids[rows] = self._draw(logits.index_select(0, rows), [requests[i] for i in random_rows])
-        token_ids_list: list[int] = token_ids.tolist()
-        for i in guided:
-            requests[i].guide.consume_token(token_ids_list[i])  # an error state ends the request (scheduler)
-        logprobs = [
-            token_logprobs(raw_logprobs[i], token_ids_list[i], r.sampling_params.logprobs)
-            if raw_logprobs is not None and r.sampling_params.logprobs is not None
-            else None
-            for i, r in enumerate(requests)
-        ]
-        return SamplerOutput(token_ids=token_ids_list, logprobs=logprobs)
+        return PendingSample(token_ids, requests, raw_logprobs)
 
     def _adjust(self, logits: torch.Tensor, rows: Sequence[Request | _Row], masks: torch.Tensor | None = None
                 ) -> torch.Tensor | None:
@@ -89,7 +119,7 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.sampling_params.logit_bias:
                 ids, values = zip(*r.sampling_params.logit_bias)
-                logits[i, list(ids)] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+                logits[i, list(ids)] += _to_device(torch.tensor(values, dtype=logits.dtype), logits.device)
         guided = [i for i, r in enumerate(rows) if r.guide is not None]
         if guided:
             if masks is None:
@@ -229,7 +259,7 @@ class Sampler:
             if bool((tokens >= 0).all()):
                 return tokens
         probs = filtered_probs_batch(logits, params)
-        return inverse_cdf(probs, uniforms.to(device=probs.device, dtype=probs.dtype))
+        return inverse_cdf(probs, _to_device(uniforms, probs.device).to(probs.dtype))
 
     def _generator(self, request: Request, seed: int) -> torch.Generator:
         """A seeded request's own stream (created on its first draw)."""
@@ -335,23 +365,24 @@ def filtered_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: flo
 
 
 def filtered_probs_batch(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """[rows, vocab] probabilities after each row's temperature, top_k, top_p and min_p (float32 in)."""
+    """[rows, vocab] probabilities after each row's temperature, top_k, top_p and min_p (float32 in). Parameters go
+    to the device without waiting for its queue (``_to_device``)."""
     rows, vocab = logits.shape
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    temperature = _to_device(torch.tensor([p.temperature for p in params], dtype=logits.dtype), device)
     logits = logits / temperature[:, None]
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_k):
         k_max = max(top_k)
         top_values = torch.topk(logits, k_max, dim=-1).values  # [rows, k_max], descending
-        kth_index = torch.tensor([max(k, 1) - 1 for k in top_k], device=device)
+        kth_index = _to_device(torch.tensor([max(k, 1) - 1 for k in top_k]), device)
         kth = top_values.gather(1, kth_index[:, None])
-        kth = kth.masked_fill(torch.tensor([k == 0 for k in top_k], device=device)[:, None], float("-inf"))
+        kth = kth.masked_fill(_to_device(torch.tensor([k == 0 for k in top_k]), device)[:, None], float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
-        index = torch.tensor(nucleus, device=device)
-        top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=logits.dtype, device=device)
+        index = _to_device(torch.tensor(nucleus), device)
+        top_p = _to_device(torch.tensor([params[i].top_p for i in nucleus], dtype=logits.dtype), device)
         sorted_logits, order = torch.sort(logits.index_select(0, index), dim=-1, descending=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the tokens before it already reach top_p; the first always stays.
@@ -361,7 +392,7 @@ def filtered_probs_batch(logits: torch.Tensor, params: Sequence[SamplingParams])
     probs = torch.softmax(logits, dim=-1)
     min_p = [p.min_p for p in params]
     if any(m > 0.0 for m in min_p):
-        threshold = torch.tensor(min_p, dtype=probs.dtype, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        threshold = _to_device(torch.tensor(min_p, dtype=probs.dtype), device)[:, None] * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
@@ -390,3 +421,11 @@ def token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogpr
         values, ids = torch.topk(row, num_top)
         top = tuple(zip(ids.tolist(), values.tolist()))
     return TokenLogprobs(token_id=token_id, logprob=float(value), rank=rank, top=top)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without waiting for the device's queued work: through pinned memory, as an
+    asynchronous copy (a pageable copy would wait for the step in flight, defeating overlapped scheduling)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
