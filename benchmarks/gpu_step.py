@@ -10,6 +10,12 @@ SmolLM2-135M's and Llama-3.1-8B's) and each mode:
 - graphs-fp8:   graphs with FP8 (e4m3) weights, per-channel scales, through torch._scaled_mm
 - graphs-fp8kv: graphs with bf16 weights and an FP8 KV cache (e4m3, a scale per token and KV head: models.kv_fp8)
 - graphs-fp8-fp8kv: FP8 weights and the FP8 KV cache
+- graphs-overlap: graphs with overlapped scheduling (EngineCore.enable_overlap: the next decode step is queued on
+  the device before the host reads this one's tokens)
+- graphs-fp8-overlap: FP8 weights, graphs and overlapped scheduling
+
+"replay ms" is the GPU time of the step's graph alone (the same graph replayed back to back after the timed
+steps, CUDA events around 20 replays): step - replay is the time the GPU waits for the host each step.
 
 decode: B requests with distinct 1,024-token prompts are prefilled (not timed), then >= --steps full
 engine steps (scheduler, runner, sampler, output processing: ``EngineCore.step``) are timed one by one
@@ -48,7 +54,8 @@ GEOMETRIES = {
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192)),
 }
-MODES = ("eager-torch", "eager", "graphs", "graphs-fp8", "graphs-fp8kv", "graphs-fp8-fp8kv")
+MODES = ("eager-torch", "eager", "graphs", "graphs-fp8", "graphs-fp8kv", "graphs-fp8-fp8kv", "graphs-overlap",
+         "graphs-fp8-overlap")
 
 
 def fp8_weights(mode: str) -> bool:
@@ -131,24 +138,49 @@ def build(geometry: str, mode: str, batch_cap: int, num_blocks: int, max_model_l
                             max_num_waiting=4096)
     core = EngineCore(Scheduler(sched, BlockManager(num_blocks, 16), hash_salt=f"{geometry}|{mode}"), runner, None,
                       ModelInfo(vocab_size=config.vocab_size, max_model_len=max_model_len, eos_token_ids=()))
+    if mode.endswith("overlap"):
+        core.enable_overlap()
     return config, runner, core, capture_s
 
 
 def timed_forward(runner):
-    """Wrap the runner's forward with CUDA events: each call's GPU time lands in the returned list."""
+    """Wrap the runner's forward (``compute_logits``; overlapped steps: ``launch``) with CUDA events: each call's GPU
+    time lands in the returned list. ``untime(runner)`` unwraps."""
     spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-    inner = runner.compute_logits
+    for name in ("compute_logits", "launch"):
+        inner = getattr(runner, name)
 
-    def compute_logits(output, requests):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        logits = inner(output, requests)
-        b.record()
-        spans.append((a, b))
-        return logits
+        def timed(*args, _inner=inner, **kwargs):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = _inner(*args, **kwargs)
+            b.record()
+            spans.append((a, b))
+            return out
 
-    runner.compute_logits = compute_logits
+        setattr(runner, name, timed)
     return spans
+
+
+def untime(runner) -> None:
+    for name in ("compute_logits", "launch"):
+        delattr(runner, name)  # back to the class's methods
+
+
+def replay_ms(runner, batch: int) -> float:
+    """GPU time of one replay of the batch's graph, back to back (no host work between); 0 without graphs."""
+    graphs = runner.graphs
+    if graphs is None or not graphs.captured:
+        return 0.0
+    graph = graphs._graphs[next(size for size in graphs.buckets if size >= batch)]
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(20):
+        graph.replay()  # the last step's inputs again: the same K/V written to the same slots
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 20
 
 
 def decode_run(core, runner, config, batch: int, context: int, steps: int, seed: int) -> dict:
@@ -164,6 +196,7 @@ def decode_run(core, runner, config, batch: int, context: int, steps: int, seed:
         core.step()  # prefill, not timed
     spans = timed_forward(runner)
     replays = runner.graphs.replays if runner.graphs is not None else 0
+    overlapped = core.stats.num_overlapped_steps
     times = []
     for _ in range(steps):
         t = time.perf_counter()
@@ -171,14 +204,17 @@ def decode_run(core, runner, config, batch: int, context: int, steps: int, seed:
         times.append(time.perf_counter() - t)
     torch.cuda.synchronize()
     gpu = [a.elapsed_time(b) / 1000 for a, b in spans]
-    del runner.compute_logits  # back to the class's method
+    untime(runner)
+    replay = replay_ms(runner, batch)
     for rid in ids:
         core.abort(rid)
     while core.has_unfinished():
         core.step()
     step = statistics.median(times)
     return {"batch": batch, "steps": steps, "step_ms": 1000 * step, "p90_step_ms": 1000 * sorted(times)[int(0.9 * len(times))],
-            "forward_gpu_ms": 1000 * statistics.median(gpu), "tok_s": batch / step,
+            "forward_gpu_ms": 1000 * statistics.median(gpu), "tok_s": batch / step, "replay_ms": replay,
+            "host_gap_ms": 1000 * step - replay if replay else None,
+            "overlapped_steps": core.stats.num_overlapped_steps - overlapped,
             "graph_replays": (runner.graphs.replays - replays) if runner.graphs is not None else 0,
             "context_mid": context + steps / 2}
 
@@ -321,11 +357,14 @@ def report(results: dict) -> str:
     lines = [f"## GPU engine steps vs the roofline ({card['device']}, torch {card['torch']})", "",
              f"Measured: HBM {card['hbm_bytes_per_s'] / 1e12:.2f} TB/s (device copy, read + write), bf16 matmul "
              f"{card['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s (8192^3).", "",
-             "| geometry | mode | batch | step ms (median) | p90 | forward GPU ms | roofline ms | efficiency | tok/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| geometry | mode | batch | step ms (median) | p90 | forward GPU ms | replay ms | GPU waits ms | roofline ms "
+             "| efficiency | tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
+        gap = f"{r['host_gap_ms']:.3f}" if r.get("host_gap_ms") is not None else "-"
         lines.append(f"| {r['geometry']} | {r['mode']} | {r['batch']} | {r['step_ms']:.3f} | {r['p90_step_ms']:.3f} | "
-                     f"{r['forward_gpu_ms']:.3f} | {r['roofline_ms']:.3f} | {r['efficiency']:.0%} | {r['tok_s']:.0f} |")
+                     f"{r['forward_gpu_ms']:.3f} | {r.get('replay_ms', 0):.3f} | {gap} | {r['roofline_ms']:.3f} | "
+                     f"{r['efficiency']:.0%} | {r['tok_s']:.0f} |")
     if results["prefill"]:
         lines += ["", "| geometry | mode | prefill tokens | ms (median of 3) | tok/s | TFLOP/s | share of matmul peak |",
                   "|---|---|---|---|---|---|---|"]

@@ -24,6 +24,9 @@ def add_commands(sub: Any) -> None:
     up_cmd.add_argument("--kv-tier-bytes", type=int, default=0, help="each worker's second-tier budget (default 4 GiB)")
     up_cmd.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                         help="dtype in the model's registry record")
+    up_cmd.add_argument("--async-scheduling", action="store_true",
+                        help="workers overlap scheduling with the device: the next decode step is queued before this "
+                        "one's tokens are read (GPU; off by default)")
     up_cmd.add_argument("--kv-cache-dtype", default="", choices=["", "fp8"],
                         help="the first model's record's KV cache dtype: fp8 keeps K/V as e4m3 with a scale per token "
                         "and KV head, about twice the tokens per byte (default: the weights' dtype)")
@@ -90,6 +93,7 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--kv-tier", args.kv_tier, "--kv-tier-bytes", str(args.kv_tier_bytes)] if args.kv_tier else []
     argv += ["--speculative-config", args.speculative_config] if args.speculative_config else []
     argv += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
+    argv += ["--async-scheduling"] if args.async_scheduling else []
     argv += [w for spec in args.lora for w in ("--lora", spec)]
     argv += ["--tracing", "--trace-sample", str(args.trace_sample)] if args.tracing else []
     argv += ["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []
@@ -171,7 +175,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
                           host=args.host, auth=auth, no_auth=args.insecure_no_auth, more_models=more,
                           kv_tier=args.kv_tier, kv_tier_bytes=args.kv_tier_bytes,
                           speculative_config=args.speculative_config, lora=args.lora,
-                          kv_cache_dtype=args.kv_cache_dtype, batch_slots=args.batch_slots,
+                          kv_cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling,
+                          batch_slots=args.batch_slots,
                           batch_concurrency=args.batch_concurrency)
     try:
         prefill = f" + {args.prefill_workers} prefill worker(s)" if args.prefill_workers else ""

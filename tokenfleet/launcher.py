@@ -212,7 +212,7 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
        insecure: bool = False, certs: Path | None = None, host: str = "127.0.0.1", auth: bool = False,
        no_auth: bool = False, more_models: Sequence[tuple[str, str]] = (), kv_tier: str = "",
        kv_tier_bytes: int = 0, speculative_config: str = "", lora: Sequence[str] = (), batch_slots: int = 8,
-       batch_concurrency: int = 8, kv_cache_dtype: str = "") -> Cluster:
+       batch_concurrency: int = 8, kv_cache_dtype: str = "", async_scheduling: bool = False) -> Cluster:
     """``prefill_workers`` > 0 disaggregates: that many prefill workers, and the ``num_workers``
     others decode only (unless ``role`` says otherwise); the router sends long prompts' prefill there.
     ``record``: write the state file `tokenfleet down` reads (off for private clusters, e.g. calibration).
@@ -224,7 +224,8 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
     ``disk:DIR`` (a folder per worker under DIR), of ``kv_tier_bytes`` bytes. ``speculative_config``: the first
     model's record's (JSON, engine.spec_decode.SpecConfig.parse): its workers speculate. ``lora``: NAME=PATH PEFT
     adapters every worker of the first model loads (clients ask for MODEL:NAME). ``kv_cache_dtype``: the first
-    model's record's ("fp8": models.kv_fp8). ``batch_slots``: the router gives a
+    model's record's ("fp8": models.kv_fp8). ``async_scheduling``: every worker overlaps scheduling with its device
+    (EngineCore.enable_overlap). ``batch_slots``: the router gives a
     worker batch lines only while it runs fewer requests (and none waits); ``batch_concurrency``: batch lines the
     gateway runs at once."""
     check_auth(host, auth, no_auth)
@@ -250,12 +251,13 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
             cluster.spawn(name, "tokenfleet.services.decode", "--registry", registry, "--model-name",
                           model_name, "--etcd", etcd, "--replica-id", name, "--role", worker_role, *audit, *METRICS,
                           *tier_args(kv_tier, kv_tier_bytes, name), *[w for spec in lora for w in ("--lora", spec)],
-                          threads=threads)
+                          *(["--async-scheduling"] if async_scheduling else []), threads=threads)
         for extra, folder_of_extra in more_models:
             register_model(registry, extra, folder_of_extra, plane, dtype)
             cluster.spawn(f"worker-{extra}", "tokenfleet.services.decode", "--registry", registry, "--model-name",
                           extra, "--etcd", etcd, "--replica-id", f"{extra}-0", "--role", "both", *audit, *METRICS,
-                          *tier_args(kv_tier, kv_tier_bytes, f"{extra}-0"), threads=threads)
+                          *tier_args(kv_tier, kv_tier_bytes, f"{extra}-0"),
+                          *(["--async-scheduling"] if async_scheduling else []), threads=threads)
         router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", etcd, "--registry", registry, *audit,
                                *METRICS, "--batch-slots", str(batch_slots))
         keys = ["--auth", "on", "--etcd", etcd] if auth else []

@@ -50,6 +50,9 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
     p.add_argument("--kv-cache-dtype", choices=["", "fp8"],
                    help="fp8: an FP8 KV cache (e4m3, a scale per token and KV head); default: the registry record's, "
                    "else the weights' dtype")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="overlapped scheduling: queue the next decode step on the device before reading this one's "
+                   "tokens (GPU; off by default)")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, help="torch CPU threads (leave cores for other processes)")
     p.add_argument("--num-blocks", type=int)
@@ -131,6 +134,7 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
         quantization=record.quantization if record is not None else "",
         kv_cache_dtype=args.kv_cache_dtype if args.kv_cache_dtype is not None else
         (record.kv_cache_dtype if record is not None else ""),
+        async_scheduling=args.async_scheduling,
     )
 
 

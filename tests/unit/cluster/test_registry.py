@@ -149,6 +149,8 @@ def test_a_workers_engine_takes_the_records_quantization_and_kv_cache_dtype():
     # the worker's flag wins over the record, both ways
     assert engine_config(parse_args(["--kv-cache-dtype", ""], "decode"), rec(kv_cache_dtype="fp8")).kv_cache_dtype == ""
     assert engine_config(parse_args(["--kv-cache-dtype", "fp8"], "decode"), rec()).kv_cache_dtype == "fp8"
+    assert engine_config(parse_args(["--async-scheduling"], "decode"), rec()).async_scheduling
+    assert not engine_config(args, rec()).async_scheduling
 
 
 def test_routing_aliases_survive_the_view_and_snapshots():
