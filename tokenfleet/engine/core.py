@@ -289,6 +289,9 @@ class EngineCore:
         self._leave_group(request_id)
         self.kv.release_held(request_id)
         request = self.scheduler.finish_request(request_id, FinishReason.ABORT)
+        if self._inflight is not None and all(self.scheduler.requests.get(rid) is not r
+                                              for rid, r in self._inflight[2].items()):
+            self._inflight = None  # nobody left in the queued step: the device finishes it, nobody reads it
         state = self._states.pop(request_id, None)
         self.runner.release(request_id)
         if self.spec is not None and request is not None:
@@ -319,12 +322,12 @@ class EngineCore:
         self.overlap = True
 
     overlap = False
-    _inflight: tuple[SchedulerOutput, Any] | None = None  # the next step, queued on the device by the last step()
+    # the next step, queued on the device by the last step(), with the requests it was queued for
+    _inflight: tuple[SchedulerOutput, Any, dict[str, Request]] | None = None
 
     def step(self) -> list[RequestOutput]:
         if self._inflight is not None:
-            output, launched = self._inflight
-            return self._overlapped(output, launched)
+            return self._overlapped(*self._inflight)
         if self.spec is not None:
             self.spec.cost.prefill_per_token = 1.0 / self.stats.prefill_tokens_per_s if self.stats.prefill_tokens_per_s else 0.0
             self.spec.propose(self.scheduler.running, self.scheduler.config.max_num_batched_tokens)
@@ -337,7 +340,7 @@ class EngineCore:
                 if output.restores:
                     self.runner.import_blocks(output.restores)  # type: ignore[attr-defined]
                 launched = self.runner.launch(output, self._request_view())  # type: ignore[attr-defined]
-            return self._overlapped(output, launched)
+            return self._overlapped(output, launched, self._scheduled_requests(output))
         with self._timer:
             if output.restores:
                 self.runner.import_blocks(output.restores)  # type: ignore[attr-defined]
@@ -355,10 +358,13 @@ class EngineCore:
                    and requests[s.request_id].guide is None
                    and requests[s.request_id].sampling_params.prompt_logprobs is None for s in output.scheduled)
 
-    def _overlapped(self, output: SchedulerOutput, launched: Any) -> list[RequestOutput]:
-        """``output`` is queued on the device (``launched``): queue the step after it when the scheduler can tell it
-        without its tokens, then wait for them and finish ``output`` (update, outputs). The next step stays
-        queued for the next call."""
+    def _scheduled_requests(self, output: SchedulerOutput) -> dict[str, Request]:
+        return {s.request_id: self.scheduler.requests[s.request_id] for s in output.scheduled}
+
+    def _overlapped(self, output: SchedulerOutput, launched: Any, queued_for: dict[str, Request]) -> list[RequestOutput]:
+        """``output`` is queued on the device (``launched``, for the requests ``queued_for``): queue the step after
+        it when the scheduler can tell it without its tokens, then wait for them and finish ``output`` (update,
+        outputs). The next step stays queued for the next call."""
         with self._timer:
             following = self.scheduler.lookahead(output)
             queued = None
@@ -368,13 +374,20 @@ class EngineCore:
                 self.stats.num_overlapped_steps += 1
             result = launched.result()
         self._inflight = None
-        outputs = self._complete(output, result)
+        # only the rows of requests still running as they were queued (not ended, aborted, or an id reused since)
+        live = tuple(s for s in output.scheduled
+                     if (r := self.scheduler.requests.get(s.request_id)) is not None and r is queued_for.get(s.request_id))
+        outputs = self._complete(dataclasses.replace(output, scheduled=live), result) if live else []
         if following is not None:
             ended = sum(self.scheduler.requests.get(s.request_id) is None for s in following.scheduled)
             self.stats.num_overlap_discarded_rows += ended
-            if ended < len(following.scheduled):
-                self._inflight = (following, queued)  # else every request in it ended with ``output``: drop it
+            if ended < len(following.scheduled):  # else every request in it ended with ``output``: drop it
+                self._inflight = (following, queued, self._scheduled_requests_alive(following))
         return outputs
+
+    def _scheduled_requests_alive(self, output: SchedulerOutput) -> dict[str, Request]:
+        """The requests of a queued step still known (a row of one that ended stays in the step, discarded)."""
+        return {s.request_id: r for s in output.scheduled if (r := self.scheduler.requests.get(s.request_id)) is not None}
 
     def _complete(self, output: SchedulerOutput, result: ExecuteResult) -> list[RequestOutput]:
         """After the forward: the scheduler's update, the step's outputs, the counters."""

@@ -338,7 +338,9 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING or request.num_computed_tokens != entry.start:
                 return None
             params = request.sampling_params
-            if request.guide is not None or params.has_penalties or len(request.output_token_ids) + 1 < params.min_tokens:
+            # min_tokens: the sampler bans stops by the output the host has; in the step after ``output`` that is one
+            # token short, so run ahead only once the ban is over either way
+            if request.guide is not None or params.has_penalties or len(request.output_token_ids) < params.min_tokens:
                 return None
             if len(request.output_token_ids) + 1 >= request.max_tokens or request.num_tokens + 1 >= self.config.max_model_len:
                 continue  # ends by length with output's token
@@ -349,7 +351,7 @@ class Scheduler:
         scheduled, copies = [], []
         for request, entry in entries:
             allocation = bm.allocate_slots(request.request_id, entry.start + 2, start=entry.start + 1)
-            if allocation is None:  # cannot happen after the count above; never leave a half-built step
+            if allocation is None:  # cannot happen after the count above
                 raise RuntimeError(f"lookahead: no slot for {request.request_id} after counting free blocks")
             copies.extend(allocation.copies)
             tables = bm.block_tables(request.request_id)

@@ -152,6 +152,7 @@ class NativePagedAttention:
     handles_prefill = True
 
     def __init__(self, lib: ctypes.CDLL, fp8: bool = False):
+        self.fp8 = fp8
         self._fn = lib.tf_paged_attention_fp8 if fp8 else lib.tf_paged_attention_bf16
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, i64, ctypes.c_int]
@@ -160,6 +161,8 @@ class NativePagedAttention:
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedQueries) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+        if kv_fp8.is_fp8(k_cache) != self.fp8:
+            raise ValueError(f"this kernel reads {'FP8' if self.fp8 else 'bf16'} caches, not {k_cache.dtype}")
         q = q.contiguous()
         out = torch.empty_like(q)
         table = meta.block_table.contiguous()
@@ -216,8 +219,9 @@ def paged_attention(
         out[:d] = attend(q[:d], k_cache, v_cache, batch.paged)
     for span in batch.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
-        if span.context_block_ids is None:  # no earlier context: attend to the chunk's own K/V (as the cache holds
-            # them: an FP8 cache's rounding, so a prompt reads the same keys whether its prefix was cached or not)
+        if span.context_block_ids is None:  # no earlier context: attend to the chunk's own K/V (an FP8 cache's
+            # values, as the cache holds them: a prompt reads the same keys whether its prefix was cached or not,
+            # up to the model dtype's rounding of them, which the kernels that read the cache in fp32 skip)
             own_k, own_v = (k[rows], v[rows]) if not fp8 else (_as_stored(k[rows]), _as_stored(v[rows]))
             out[rows] = _prefill_attention(q[rows], own_k.transpose(0, 1), own_v.transpose(0, 1), 0, batch.window)
         elif getattr(attend, "prefix_spans", False):  # the kernel reads the prefix through the block table

@@ -30,6 +30,18 @@ def check_kv_cache_dtype(name: str) -> str:
     return name
 
 
+def check_device(kv_cache_dtype: str, device: torch.device) -> None:
+    """An FP8 cache on CUDA is read and written by Triton kernels with e4m3 conversions: compute capability 8.9 or
+    newer (Ada, Hopper and later). Older GPUs get a clear error at load instead of a kernel failing at the first
+    forward."""
+    if kv_cache_dtype != "fp8" or device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(f"an FP8 KV cache needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                         f"{torch.cuda.get_device_name(device)} is {major}.{minor}: use kv_cache_dtype ''")
+
+
 def is_fp8(cache: torch.Tensor) -> bool:
     """A packed FP8 cache (uint8); 16- and 32-bit caches hold their values as they are."""
     return cache.dtype == torch.uint8

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from tokenfleet.models.attention import select_attention
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.gemma3 import Gemma3LayerWeights, Gemma3Model, Gemma3Weights
-from tokenfleet.models.kv_fp8 import check_kv_cache_dtype
+from tokenfleet.models.kv_fp8 import check_device, check_kv_cache_dtype
 from tokenfleet.models.layer_ops import select_layer_ops
 from tokenfleet.models.linear import Fp8Linear, LinearKernel, select_linear
 from tokenfleet.models.llama import LayerWeights, LlamaModel, LlamaWeights
@@ -31,6 +31,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     (the model's dtype) or "fp8" (models.kv_fp8; the attention kernel is chosen to read it)."""
     config = ModelConfig.from_dir(model_dir)
     check_kv_cache_dtype(kv_cache_dtype)
+    check_device(kv_cache_dtype, device)
     tensors = read_safetensors(Path(model_dir))
     linear = select_linear(dtype, device, quantization)
     model: LlamaModel | Gemma3Model
@@ -135,6 +136,7 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, 
     matrix at a time (an 8B model never exists twice, quantized or not): speed runs need no checkpoint."""
     if config.is_gemma3:
         raise ValueError("random_model builds Llama-family geometries only")
+    check_device(check_kv_cache_dtype(kv_cache_dtype), device)
     linear = select_linear(dtype, device, quantization)
     gen = torch.Generator(device=device).manual_seed(seed)
     c = config

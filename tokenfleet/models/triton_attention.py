@@ -52,7 +52,7 @@ if triton is not None:
         pos = key0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
         block = tl.load(table_ptr + req * stride_table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
-        where = kv_head * stride_kh + block * stride_kb + (pos % BLOCK_SIZE) * stride_ks
+        where = kv_head.to(tl.int64) * stride_kh + block * stride_kb + (pos % BLOCK_SIZE) * stride_ks  # 64-bit
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         if FP8_KV:
             k = tl.load(k_ptr + where[:, None] + d[None, :], mask=kv_mask, other=0).to(tl.float8e4nv, bitcast=True)

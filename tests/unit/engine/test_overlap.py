@@ -141,6 +141,38 @@ def test_requests_that_read_their_output_so_far_are_not_run_ahead(default_model_
     assert stats.num_overlapped_steps <= 2
 
 
+def test_min_tokens_ends_its_ban_on_the_same_token(default_model_dir, prompts):
+    """The sampler bans stop ids while the output is shorter than min_tokens; a queued step sees one token less on
+    the host, so the first step after the ban must not be run ahead (found in review: it banned one token too many)."""
+    probe = drive(make_core(default_model_dir, num_threads=2),
+                  {0: [("probe", prompts[3], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))]})
+    tokens = probe["probe"]["tokens"]
+    m = next(i for i in range(3, 16) if tokens[i] not in tokens[:i])  # its first occurrence: a stop allowed there
+    params = SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[tokens[m]], min_tokens=m)
+    plain, overlapped, stats = both(default_model_dir, {0: [("min", prompts[3], params)]})
+    assert same(overlapped, plain)
+    assert plain["min"]["tokens"] == tokens[: m + 1] and plain["min"]["finish"] is FinishReason.STOP
+
+
+def test_an_id_reused_after_an_abort_never_gets_the_queued_step_s_rows(default_model_dir, prompts):
+    """Every request of a queued step aborted, then a new request under one of their ids: it starts from its own
+    prompt (nothing of the queued step lands in it) and generates what it generates alone."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = drive(make_core(default_model_dir, num_threads=2), {0: [("x", prompts[2], params)]})["x"]
+    core = make_core(default_model_dir, num_threads=2, async_scheduling=True)
+    for rid, prompt in (("x", prompts[0]), ("y", prompts[1])):
+        core.add_request(prompt, params, request_id=rid)
+    for _ in range(4):
+        core.step()
+    assert core._inflight is not None  # a step is queued
+    core.abort("x")
+    core.abort("y")
+    assert core._inflight is None and not core.has_unfinished()
+    got = drive(core, {0: [("x", prompts[2], params)]})["x"]
+    assert same({"x": got}, {"x": alone})
+    core.scheduler.block_manager.check_invariants()
+
+
 def make_scheduler(num_blocks: int = 64) -> Scheduler:
     return Scheduler(SchedulerConfig(max_model_len=256, max_num_batched_tokens=256), BlockManager(num_blocks, 4), "t")
 
@@ -170,11 +202,13 @@ def test_lookahead_is_the_decode_step_one_position_on():
     sched.block_manager.check_invariants()
 
 
-@pytest.mark.parametrize("case", ["waiting", "penalties", "min-tokens", "no-blocks", "prefill"])
+@pytest.mark.parametrize("case", ["waiting", "penalties", "min-tokens", "min-tokens-boundary", "no-blocks", "prefill"])
 def test_lookahead_declines_what_needs_the_full_scheduler(case):
     sched = make_scheduler(num_blocks=2 if case == "no-blocks" else 64)
     params = {"penalties": SamplingParams(max_tokens=9, presence_penalty=0.5),
-              "min-tokens": SamplingParams(max_tokens=9, min_tokens=5)}.get(case, SamplingParams(max_tokens=9))
+              "min-tokens": SamplingParams(max_tokens=9, min_tokens=5),
+              # one output on the host, min_tokens 2: the queued step's sampler would still ban stops
+              "min-tokens-boundary": SamplingParams(max_tokens=9, min_tokens=2)}.get(case, SamplingParams(max_tokens=9))
     prompt = list(range(1, 8)) if case == "no-blocks" else list(range(1, 4))
     a = Request("a", prompt, params, max_tokens=9)
     if case == "prefill":

@@ -42,9 +42,11 @@ def test_rows_round_to_e4m3_with_a_scale_per_row():
     assert rows.dtype == torch.uint8 and rows.shape == (6, 4, 68)
     back = kv_fp8.dequantize(rows)
     amax = x.abs().amax(-1, keepdim=True)
-    # e4m3 keeps 3 mantissa bits: within half a step (1/16 of the value's power of two) of every normal value, and
-    # the row's largest value is e4m3's largest, 448, exactly
-    assert ((back - x).abs() <= amax / 16 + 1e-30).all()
+    scale = amax.clamp(min=kv_fp8.MIN_AMAX) / 448.0
+    # rounded to nearest: within half a step of e4m3 (3 mantissa bits: 1/16 of the value for normals; subnormals
+    # are multiples of 2^-9, half of that) in units of the row's scale; the row's largest value becomes 448 exactly
+    err = (back - x).abs() / scale
+    assert (err <= torch.maximum((x.abs() / scale) / 16, torch.tensor(2.0**-10)) * (1 + 1e-6)).all()
     assert torch.allclose(back.abs().amax(-1, keepdim=True), amax, rtol=1e-6)
     assert torch.equal(back[2, 1], torch.zeros(64))
     scales = rows[..., 64:].contiguous().view(torch.float32)
@@ -54,6 +56,16 @@ def test_rows_round_to_e4m3_with_a_scale_per_row():
         kv_fp8.row_width(66)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         kv_fp8.check_kv_cache_dtype("int8")
+
+
+def test_an_fp8_cache_on_a_gpu_without_e4m3_conversions_is_refused_at_load(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match="8.9 or newer.*A100 is 8.0"):
+        kv_fp8.check_device("fp8", torch.device("cuda"))
+    kv_fp8.check_device("", torch.device("cuda"))  # a bf16 cache: anywhere
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    kv_fp8.check_device("fp8", torch.device("cuda"))
 
 
 def test_store_writes_only_its_slots_and_gather_reads_them_back():

@@ -37,7 +37,7 @@ typedef struct {
     int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks;
     float scale;
     int64_t window; /* 0: every earlier key */
-    int fp8;        /* the caches hold FP8 rows (portable path only) */
+    int fp8;        /* the caches hold FP8 rows */
 } Args;
 
 typedef struct {
