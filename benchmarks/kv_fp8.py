@@ -67,16 +67,6 @@ def decode_steps(core, batch: int, context: int, steps: int, seed: int) -> list[
     return times
 
 
-def teacher_forced(core, prompt: list[int]) -> list:
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
-    core.add_request(prompt, params, request_id="text")
-    logprobs = []
-    while core.has_unfinished():
-        for out in core.step():
-            logprobs += out.prompt_logprobs
-    return logprobs
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="8x512,4x2048", help="BATCHxCONTEXT decode shapes")
@@ -107,7 +97,7 @@ def main() -> int:
                 runs[shape][name].append(1000 * statistics.median(times))
                 print(f"{shape} run {r + 1} {name:10s} step {runs[shape][name][-1]:.2f} ms", flush=True)
 
-    from tests.model.test_fp8_accuracy import TEXT
+    from tests.model.test_fp8_accuracy import TEXT, teacher_forced
 
     prompt = Tokenizer(model).encode(TEXT)
     forced = {name: teacher_forced(build(model, name, args.threads, num_blocks=64, max_prefill_chunk=16), prompt)

@@ -21,7 +21,6 @@ from tokenfleet.models.attention import (
     paged_attention,
     select_attention,
 )
-from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.layer_ops import TorchLayerOps
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -227,23 +226,14 @@ def test_triton_attention_over_fp8_rows_matches_the_reference(case, dtype):
         assert err < (1e-5 if dtype == torch.float32 else 8e-3), (split, err)
 
 
-CONFIG = ModelConfig.from_dict(dict(vocab_size=128, hidden_size=96, intermediate_size=80, num_hidden_layers=1,
-                                    num_attention_heads=6, num_key_value_heads=2, head_dim=32,
-                                    max_position_embeddings=64))
-
-
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_rope_store_quantizes_rows_as_the_torch_version(dtype):
-    g = torch.Generator().manual_seed(2)
-    tokens, kv_heads, head_dim, blocks, block_size = 5, 2, 32, 6, 4
-    qkv = (torch.randn(tokens, (6 + 2 * kv_heads) * head_dim, generator=g) * 3).to(DEVICE, dtype)
-    positions = torch.tensor([0, 3, 17, 40, 63], device=DEVICE)
-    slots = torch.tensor([5, 0, 23, 9, 14], device=DEVICE)
-    angles = torch.arange(64)[:, None] * (1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))[None, :]
-    emb = torch.cat([angles, angles], dim=-1)
-    cos, sin = emb.cos().to(DEVICE, dtype), emb.sin().to(DEVICE, dtype)
-    batch = ForwardBatch(positions=positions, slot_mapping=slots, logits_indices=positions[:1])
+    from tests.unit.models.test_triton_ops import CONFIG, rope_inputs
+
+    kv_heads, head_dim, blocks, block_size = 2, 32, 6, 4
+    qkv, batch, cos, sin = rope_inputs(dtype, magnitude=3.0)
+    slots = batch.slot_mapping
     shape = (kv_heads, blocks, block_size, kv_fp8.row_width(head_dim))
     caches = [torch.full(shape, 7, dtype=torch.uint8, device=DEVICE) for _ in range(4)]
     q_ref, k_ref, _ = TorchLayerOps(CONFIG).rope_store_kv(qkv, batch, cos, sin, caches[0], caches[1])

@@ -45,17 +45,24 @@ def test_add_rms_norm(dtype, with_delta):
     assert close(res, ref_res) and close(out, ref)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_rope_store_kv(dtype):
+def rope_inputs(dtype: torch.dtype, magnitude: float = 1.0):
+    """CONFIG's fused projection for 5 tokens at scattered positions and cache slots (6 blocks of 4), with the
+    RoPE tables: (qkv, batch, cos, sin)."""
     g = torch.Generator().manual_seed(2)
-    tokens, kv_heads, head_dim, blocks, block_size = 5, 2, 32, 6, 4
-    qkv = torch.randn(tokens, (6 + 2 * kv_heads) * head_dim, generator=g).to(DEVICE, dtype)
+    head_dim = CONFIG.head_dim
+    qkv = (torch.randn(5, (CONFIG.num_heads + 2 * CONFIG.num_kv_heads) * head_dim, generator=g) * magnitude).to(DEVICE, dtype)
     positions = torch.tensor([0, 3, 17, 40, 63], device=DEVICE)
     slots = torch.tensor([5, 0, 23, 9, 14], device=DEVICE)
     angles = torch.arange(64)[:, None] * (1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))[None, :]
     emb = torch.cat([angles, angles], dim=-1)
     cos, sin = emb.cos().to(DEVICE, dtype), emb.sin().to(DEVICE, dtype)
-    batch = ForwardBatch(positions=positions, slot_mapping=slots, logits_indices=positions[:1])
+    return qkv, ForwardBatch(positions=positions, slot_mapping=slots, logits_indices=positions[:1]), cos, sin
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_rope_store_kv(dtype):
+    kv_heads, head_dim, blocks, block_size = 2, 32, 6, 4
+    qkv, batch, cos, sin = rope_inputs(dtype)
     caches = [torch.full((kv_heads, blocks, block_size, head_dim), 7.0, dtype=dtype, device=DEVICE) for _ in range(4)]
     q_ref, k_ref, v_ref = TorchLayerOps(CONFIG).rope_store_kv(qkv, batch, cos, sin, caches[0], caches[1])
     q, k, v = triton_ops.TritonLayerOps(CONFIG).rope_store_kv(qkv, batch, cos, sin, caches[2], caches[3])
