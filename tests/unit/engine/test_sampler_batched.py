@@ -111,3 +111,23 @@ def test_filtered_rows_take_the_torch_path_and_keep_their_filters():
     reqs = [make_req(f"k{i}", temperature=1.0, top_k=5) for i in range(3)]
     for _ in range(20):
         assert all(t < 5 for t in Sampler(CPU).sample(logits.clone(), reqs).token_ids)
+
+
+def test_logprobs_of_a_batch_equal_each_row_s_alone():
+    """Requested logprobs are computed for every row that wants them at once (one read-back per step): the chosen
+    token's logprob and rank and the top ones equal what the row alone gives, whatever the other rows ask."""
+    from tokenfleet.backends.torch.sampler import token_logprobs
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, 80, generator=g, dtype=torch.float32) * 3
+    asks = [2, None, 0, 5, 1]
+    reqs = [make_req(f"l{i}", temperature=0.0, logprobs=n) for i, n in enumerate(asks)]
+    out = Sampler(CPU).sample(logits.clone(), reqs)
+    raw = torch.log_softmax(logits, dim=-1)
+    for i, n in enumerate(asks):
+        assert out.token_ids[i] == int(logits[i].argmax())
+        if n is None:
+            assert out.logprobs[i] is None
+        else:
+            assert out.logprobs[i] == token_logprobs(raw[i], out.token_ids[i], n)
+            assert len(out.logprobs[i].top) == n

@@ -44,29 +44,48 @@ class SamplerOutput:
 
 class PendingSample:
     """Tokens sampled on the device, not yet read by the host (overlapped scheduling): ``token_ids`` feeds the next
-    step's inputs on the device; ``result()`` waits for the copy to the host and builds the reported logprobs."""
+    step's inputs on the device; ``result()`` waits for the copies to the host and builds the outputs.
+
+    Requested logprobs are computed with the tokens, for every row that wants them at once (the chosen token's
+    logprob and rank, the top ones), and cross to the host with them: one wait per step, not a few per row (a
+    read of a device value waits for everything queued, the next step too)."""
 
     def __init__(self, token_ids: torch.Tensor, requests: Sequence[Request], raw_logprobs: torch.Tensor | None):
         self.token_ids = token_ids
         self._requests = requests
-        self._raw_logprobs = raw_logprobs
+        self._rows = [i for i, r in enumerate(requests) if raw_logprobs is not None and r.sampling_params.logprobs is not None]
+        values: list[torch.Tensor] = [token_ids]
+        if self._rows and raw_logprobs is not None:
+            at = _to_device(torch.tensor(self._rows), raw_logprobs.device)
+            rows = raw_logprobs.index_select(0, at)
+            chosen = rows.gather(1, token_ids.index_select(0, at)[:, None])  # [n, 1]
+            ranks = (rows > chosen).sum(dim=1) + 1
+            k = max(requests[i].sampling_params.logprobs or 0 for i in self._rows)
+            top_values, top_ids = torch.topk(rows, k, dim=1) if k else (rows[:, :0], ranks[:, None][:, :0])
+            values += [chosen[:, 0], ranks, top_values, top_ids]
         self._event: torch.cuda.Event | None = None
         if token_ids.is_cuda:  # to pinned memory, ordered after the sampling kernels; nothing waits for it here
-            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            self._host.copy_(token_ids, non_blocking=True)
+            self._host = []
+            for value in values:
+                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                host.copy_(value, non_blocking=True)
+                self._host.append(host)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._host = token_ids
+            self._host = values
 
     def result(self) -> SamplerOutput:
         if self._event is not None:
             self._event.synchronize()
-        ids: list[int] = self._host.tolist()
-        raw = self._raw_logprobs
-        logprobs = [token_logprobs(raw[i], ids[i], r.sampling_params.logprobs)
-                    if raw is not None and r.sampling_params.logprobs is not None else None
-                    for i, r in enumerate(self._requests)]
+        ids: list[int] = self._host[0].tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(ids)
+        if self._rows:
+            chosen, ranks, top_values, top_ids = (t.tolist() for t in self._host[1:])
+            for j, i in enumerate(self._rows):
+                n = self._requests[i].sampling_params.logprobs or 0
+                logprobs[i] = TokenLogprobs(token_id=ids[i], logprob=chosen[j], rank=ranks[j],
+                                            top=tuple(zip(top_ids[j][:n], top_values[j][:n])))
         return SamplerOutput(token_ids=ids, logprobs=logprobs)
 
 
