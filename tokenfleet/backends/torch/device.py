@@ -35,3 +35,13 @@ def configure_threads(requested: int | None) -> int:
         raise ValueError(f"num_threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)
     return threads
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without waiting for the device's queued work. On CUDA: through pinned
+    memory, as an asynchronous copy (a copy from pageable memory waits for everything queued on the stream: the
+    step in flight, which defeats overlapped scheduling, and each of a step's small input tensors, which
+    serializes the host's preparation with the device's work)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

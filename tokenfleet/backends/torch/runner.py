@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from tokenfleet.backends.torch.cuda_graphs import DecodeGraphs, graphs_supported
+from tokenfleet.backends.torch.device import to_device
 from tokenfleet.backends.torch.draft import DraftModel
 from tokenfleet.backends.torch.sampler import PendingSample, Sampler
 from tokenfleet.engine.kv_tier import PendingBlock
@@ -435,7 +436,7 @@ class TorchModelRunner:
         )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return to_device(torch.tensor(values, dtype=torch.long), self.device)
 
 
 class Launched:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenfleet.backends.torch.device import to_device
 from tokenfleet.backends.torch.grammar_masks import apply_masks, fill_masks, mask_width
 from tokenfleet.engine.output import TokenLogprobs
 from tokenfleet.engine.request import Request
@@ -56,7 +57,7 @@ class PendingSample:
         self._rows = [i for i, r in enumerate(requests) if raw_logprobs is not None and r.sampling_params.logprobs is not None]
         values: list[torch.Tensor] = [token_ids]
         if self._rows and raw_logprobs is not None:
-            at = _to_device(torch.tensor(self._rows), raw_logprobs.device)
+            at = to_device(torch.tensor(self._rows), raw_logprobs.device)
             rows = raw_logprobs.index_select(0, at)
             chosen = rows.gather(1, token_ids.index_select(0, at)[:, None])  # [n, 1]
             ranks = (rows > chosen).sum(dim=1) + 1
@@ -121,7 +122,7 @@ class Sampler:
             token_ids = self._draw(logits, requests)
         else:
             token_ids = logits.argmax(dim=-1)
-            rows = _to_device(torch.tensor(random_rows), logits.device)
+            rows = to_device(torch.tensor(random_rows), logits.device)
             token_ids[rows] = self._draw(logits.index_select(0, rows), [requests[i] for i in random_rows])
         return PendingSample(token_ids, requests, raw_logprobs)
 
@@ -138,7 +139,7 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.sampling_params.logit_bias:
                 ids, values = zip(*r.sampling_params.logit_bias)
-                logits[i, list(ids)] += _to_device(torch.tensor(values, dtype=logits.dtype), logits.device)
+                logits[i, list(ids)] += to_device(torch.tensor(values, dtype=logits.dtype), logits.device)
         guided = [i for i, r in enumerate(rows) if r.guide is not None]
         if guided:
             if masks is None:
@@ -278,7 +279,7 @@ class Sampler:
             if bool((tokens >= 0).all()):
                 return tokens
         probs = filtered_probs_batch(logits, params)
-        return inverse_cdf(probs, _to_device(uniforms, probs.device).to(probs.dtype))
+        return inverse_cdf(probs, to_device(uniforms, probs.device).to(probs.dtype))
 
     def _generator(self, request: Request, seed: int) -> torch.Generator:
         """A seeded request's own stream (created on its first draw)."""
@@ -385,23 +386,23 @@ def filtered_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: flo
 
 def filtered_probs_batch(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """[rows, vocab] probabilities after each row's temperature, top_k, top_p and min_p (float32 in). Parameters go
-    to the device without waiting for its queue (``_to_device``)."""
+    to the device without waiting for its queue (``device.to_device``)."""
     rows, vocab = logits.shape
     device = logits.device
-    temperature = _to_device(torch.tensor([p.temperature for p in params], dtype=logits.dtype), device)
+    temperature = to_device(torch.tensor([p.temperature for p in params], dtype=logits.dtype), device)
     logits = logits / temperature[:, None]
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_k):
         k_max = max(top_k)
         top_values = torch.topk(logits, k_max, dim=-1).values  # [rows, k_max], descending
-        kth_index = _to_device(torch.tensor([max(k, 1) - 1 for k in top_k]), device)
+        kth_index = to_device(torch.tensor([max(k, 1) - 1 for k in top_k]), device)
         kth = top_values.gather(1, kth_index[:, None])
-        kth = kth.masked_fill(_to_device(torch.tensor([k == 0 for k in top_k]), device)[:, None], float("-inf"))
+        kth = kth.masked_fill(to_device(torch.tensor([k == 0 for k in top_k]), device)[:, None], float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
-        index = _to_device(torch.tensor(nucleus), device)
-        top_p = _to_device(torch.tensor([params[i].top_p for i in nucleus], dtype=logits.dtype), device)
+        index = to_device(torch.tensor(nucleus), device)
+        top_p = to_device(torch.tensor([params[i].top_p for i in nucleus], dtype=logits.dtype), device)
         sorted_logits, order = torch.sort(logits.index_select(0, index), dim=-1, descending=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the tokens before it already reach top_p; the first always stays.
@@ -411,7 +412,7 @@ def filtered_probs_batch(logits: torch.Tensor, params: Sequence[SamplingParams])
     probs = torch.softmax(logits, dim=-1)
     min_p = [p.min_p for p in params]
     if any(m > 0.0 for m in min_p):
-        threshold = _to_device(torch.tensor(min_p, dtype=probs.dtype), device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        threshold = to_device(torch.tensor(min_p, dtype=probs.dtype), device)[:, None] * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
@@ -441,10 +442,3 @@ def token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogpr
         top = tuple(zip(ids.tolist(), values.tolist()))
     return TokenLogprobs(token_id=token_id, logprob=float(value), rank=rank, top=top)
 
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on ``device`` without waiting for the device's queued work: through pinned memory, as an
-    asynchronous copy (a pageable copy would wait for the step in flight, defeating overlapped scheduling)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
