@@ -56,6 +56,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="smollm2-135m-instruct (the default) or gemma3-270m")
     imp.add_argument("--force", action="store_true", help="re-import even if the folder exists")
     imp.set_defaults(func=_cmd_import)
+    rnd = models.add_parser("random", help="a model folder with random weights in another model's shape, with its "
+                            "tokenizer and chat template (speed runs where the real weights cannot go)")
+    rnd.add_argument("like", help="a model folder (only its config, tokenizer and chat template are read)")
+    rnd.add_argument("out", help="the folder to write")
+    rnd.add_argument("--seed", type=int, default=0)
+    rnd.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    rnd.set_defaults(func=_cmd_random)
     reg = models.add_parser("register", help="register a model version in the registry")
     reg.add_argument("name", help="model name clients will send")
     reg.add_argument("--path", help="HF model folder (default: the imported default model)")
@@ -191,6 +198,18 @@ def _cmd_import(args: argparse.Namespace) -> int:
     start = time.monotonic()
     path = import_gguf(source, model_dir(source.name), overwrite=args.force)
     print(f"{source.name}: {path} ({time.monotonic() - start:.1f}s)")
+    return 0
+
+
+def _cmd_random(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tokenfleet.models.loader import parse_dtype
+    from tokenfleet.models.random_checkpoint import write_random_checkpoint
+
+    start = time.monotonic()
+    path = write_random_checkpoint(Path(args.like), Path(args.out), args.seed, parse_dtype(args.dtype))
+    print(f"random weights in {args.like}'s shape: {path} ({time.monotonic() - start:.1f}s)")
     return 0
 
 
