@@ -221,3 +221,17 @@ def test_lookahead_declines_what_needs_the_full_scheduler(case):
     if case == "no-blocks":  # 8 tokens in blocks of 4 fill both blocks; the next position needs a third
         assert sched.block_manager.num_free_blocks == 0 and output.scheduled[0].start == 7
     assert sched.lookahead(output) is None
+
+
+def test_overlap_on_cpu_is_allowed_with_a_warning(default_model_dir):
+    """On CPU the queued forward runs before the running step's outputs go out: allowed (the tests above need it),
+    but the operator is told it only adds latency there."""
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        core = make_core(default_model_dir, num_threads=2, async_scheduling=True, num_blocks=16)
+    assert core.overlap
+    assert any("async_scheduling on CPU" in entry["event"] and entry["log_level"] == "warning" for entry in logs)
+    with capture_logs() as logs:
+        make_core(default_model_dir, num_threads=2, num_blocks=16)
+    assert not any("async_scheduling" in entry["event"] for entry in logs)

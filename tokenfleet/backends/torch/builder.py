@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import structlog
+
 from tokenfleet.backends.torch.device import configure_threads, resolve_device
 from tokenfleet.backends.torch.runner import TorchModelRunner
 from tokenfleet.engine import kv_tier
@@ -13,6 +15,8 @@ from tokenfleet.engine.scheduler import Scheduler
 from tokenfleet.models.kv_fp8 import row_bytes
 from tokenfleet.models.loader import load_model, parse_dtype
 from tokenfleet.models.tokenizer import Tokenizer
+
+log = structlog.get_logger()
 
 
 def build_engine_core(config: EngineConfig) -> EngineCore:
@@ -62,6 +66,9 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     if spec is not None:
         core.enable_speculation(spec)
     if config.async_scheduling:
+        if device.type == "cpu":  # the forward is synchronous there: a queued step runs before outputs go out
+            log.warning("async_scheduling on CPU delays each step's outputs by one forward and gains nothing",
+                        device=str(device))
         core.enable_overlap()
     for name, folder in config.lora_adapters:
         runner.load_adapter(name, folder)
