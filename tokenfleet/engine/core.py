@@ -19,6 +19,7 @@ from tokenfleet.engine.detokenizer import Decoder
 from tokenfleet.engine.guided import GuideCompiler
 from tokenfleet.engine.kv_connector import KVConnector
 from tokenfleet.engine.kv_tier import SecondTier, StagedBlocks, TierChain
+from tokenfleet.engine.lookahead import lookahead, queueable
 from tokenfleet.engine.output import OutputState, RequestOutput, Resume
 from tokenfleet.engine.request import FinishReason, Priority, Request, RequestStatus
 from tokenfleet.engine.runner import ExecuteResult, ModelInfo, ModelRunner
@@ -311,7 +312,7 @@ class EngineCore:
 
     # ---- one step -----------------------------------------------------------------------------
     def enable_overlap(self) -> None:
-        """Overlapped scheduling: while a decode step runs on the device, the next one (``Scheduler.lookahead``: the
+        """Overlapped scheduling: while a decode step runs on the device, the next one (``engine.lookahead``: the
         same requests one position on, their input tokens taken from the running step's samples on the device) is
         prepared and queued behind it, and only then does the host wait for the running step's tokens, update the
         scheduler and build outputs. The device runs step after step without waiting for Python in between. Needs
@@ -335,38 +336,31 @@ class EngineCore:
         self.offload_evicted()  # before the restores and the forward overwrite those blocks
         if output.is_empty:
             return []
-        if self.overlap and self.spec is None and self._launchable(output):
-            with self._timer:
-                if output.restores:
-                    self.runner.import_blocks(output.restores)  # type: ignore[attr-defined]
-                launched = self.runner.launch(output, self._request_view())  # type: ignore[attr-defined]
-            return self._overlapped(output, launched, self._scheduled_requests(output))
+        launch = self.overlap and self.spec is None and queueable(self.scheduler, output)
         with self._timer:
             if output.restores:
                 self.runner.import_blocks(output.restores)  # type: ignore[attr-defined]
-            result = self.runner.execute(output, self._request_view())
+            if launch:
+                launched = self.runner.launch(output, self._request_view())  # type: ignore[attr-defined]
+            else:
+                result = self.runner.execute(output, self._request_view())
+        if launch:
+            return self._overlapped(output, launched, self._queued_requests(output))
         return self._complete(output, result)
 
     def _request_view(self) -> ChainMap:
         return ChainMap(self.scheduler.requests, self.scheduler.pending_forks)
 
-    def _launchable(self, output: SchedulerOutput) -> bool:
-        """A decode step the runner can queue without waiting for its tokens: one sampled token per entry, none
-        guided (a matcher consumes its token on the host), no prompt logprobs."""
-        requests = self.scheduler.requests
-        return all(s.num_new_tokens == 1 and s.samples and not s.draft and not s.forks
-                   and requests[s.request_id].guide is None
-                   and requests[s.request_id].sampling_params.prompt_logprobs is None for s in output.scheduled)
-
-    def _scheduled_requests(self, output: SchedulerOutput) -> dict[str, Request]:
-        return {s.request_id: self.scheduler.requests[s.request_id] for s in output.scheduled}
+    def _queued_requests(self, output: SchedulerOutput) -> dict[str, Request]:
+        """The requests a queued step runs for, by id (a row of one that has ended stays in the step, discarded)."""
+        return {s.request_id: r for s in output.scheduled if (r := self.scheduler.requests.get(s.request_id)) is not None}
 
     def _overlapped(self, output: SchedulerOutput, launched: Any, queued_for: dict[str, Request]) -> list[RequestOutput]:
         """``output`` is queued on the device (``launched``, for the requests ``queued_for``): queue the step after
         it when the scheduler can tell it without its tokens, then wait for them and finish ``output`` (update,
         outputs). The next step stays queued for the next call."""
         with self._timer:
-            following = self.scheduler.lookahead(output)
+            following = lookahead(self.scheduler, output)
             queued = None
             if following is not None:
                 self.offload_evicted()  # blocks the lookahead's allocations evicted, before the forward reuses them
@@ -382,12 +376,8 @@ class EngineCore:
             ended = sum(self.scheduler.requests.get(s.request_id) is None for s in following.scheduled)
             self.stats.num_overlap_discarded_rows += ended
             if ended < len(following.scheduled):  # else every request in it ended with ``output``: drop it
-                self._inflight = (following, queued, self._scheduled_requests_alive(following))
+                self._inflight = (following, queued, self._queued_requests(following))
         return outputs
-
-    def _scheduled_requests_alive(self, output: SchedulerOutput) -> dict[str, Request]:
-        """The requests of a queued step still known (a row of one that ended stays in the step, discarded)."""
-        return {s.request_id: r for s in output.scheduled if (r := self.scheduler.requests.get(s.request_id)) is not None}
 
     def _complete(self, output: SchedulerOutput, result: ExecuteResult) -> list[RequestOutput]:
         """After the forward: the scheduler's update, the step's outputs, the counters."""
@@ -396,14 +386,12 @@ class EngineCore:
             requests[request_id].prompt_logprobs.extend(lps)
         self.stats.num_prompt_tokens_computed += sum(
             max(0, min(s.start + s.num_new_tokens, requests[s.request_id].num_prompt_tokens) - s.start)
-            for s in output.scheduled if s.request_id in requests)  # (overlapped: it may have ended meanwhile)
+            for s in output.scheduled)
         if self.spec is not None:
             self._observe_speculation(output, result)
         finished = {r.request_id: r for r in self.scheduler.update(output, result.sampled, result.accepted)}
         outputs = []
         for entry in output.scheduled:
-            if entry.request_id not in self._states:  # overlapped: it ended (or was aborted) while this step ran
-                continue
             if entry.samples and entry.request_id in result.sampled:
                 outputs.append(self._process(entry.request_id, result, finished))
                 outputs.extend(self._process(fork_id, result, finished) for fork_id in entry.forks)

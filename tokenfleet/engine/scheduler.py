@@ -89,6 +89,11 @@ class ScheduledRequest:
     # each of the 1 + len(draft) positions gets logits, and update() takes the accepted run.
     draft: tuple[int, ...] = ()
 
+    @property
+    def plain_decode(self) -> bool:
+        """One token in, one sampled out, for this request alone (no verification, no forks)."""
+        return self.num_new_tokens == 1 and self.samples and not self.draft and not self.forks
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:
@@ -316,49 +321,6 @@ class Scheduler:
         scheduled.sort(key=lambda s: s.num_new_tokens != 1 and not s.draft)  # stable: decodes (and verifications) first
         self.num_block_copies += len(copies)
         return SchedulerOutput(tuple(scheduled), tuple(copies), tuple(preempted), tuple(restores))
-
-    def lookahead(self, output: SchedulerOutput) -> SchedulerOutput | None:
-        """The step after ``output`` while ``output`` still runs (its tokens unknown here): each of its decode
-        entries once more, one position on, for the requests certain to run on (not at their length limit; a
-        stop token found later wastes that request's row, which ``update`` then skips). The runner takes these
-        rows' input tokens from ``output``'s sampled ids on the device (overlapped scheduling, engine.core).
-
-        None (schedule normally once ``output``'s tokens are in) when the next step needs those tokens or the
-        full scheduler's judgement: anyone waiting or running outside ``output`` (admission, fairness), prefill
-        chunks, speculation, forks, guided decoding, penalties or min_tokens (they read the output so far), or
-        too few free blocks to add a slot each without preempting."""
-        if not output.scheduled or self.waiting or self.pending_forks or len(self.running) != len(output.scheduled):
-            return None
-        bm = self.block_manager
-        entries = []
-        for entry in output.scheduled:
-            if entry.num_new_tokens != 1 or not entry.samples or entry.draft or entry.forks:
-                return None
-            request = self.requests.get(entry.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING or request.num_computed_tokens != entry.start:
-                return None
-            params = request.sampling_params
-            # min_tokens: the sampler bans stops by the output the host has; in the step after ``output`` that is one
-            # token short, so run ahead only once the ban is over either way
-            if request.guide is not None or params.has_penalties or len(request.output_token_ids) < params.min_tokens:
-                return None
-            if len(request.output_token_ids) + 1 >= request.max_tokens or request.num_tokens + 1 >= self.config.max_model_len:
-                continue  # ends by length with output's token
-            entries.append((request, entry))
-        if not entries or sum(bm.blocks_needed(r.request_id, e.start + 2, start=e.start + 1) for r, e in entries) \
-                > bm.num_free_blocks:
-            return None
-        scheduled, copies = [], []
-        for request, entry in entries:
-            allocation = bm.allocate_slots(request.request_id, entry.start + 2, start=entry.start + 1)
-            if allocation is None:  # cannot happen after the count above
-                raise RuntimeError(f"lookahead: no slot for {request.request_id} after counting free blocks")
-            copies.extend(allocation.copies)
-            tables = bm.block_tables(request.request_id)
-            scheduled.append(ScheduledRequest(request.request_id, entry.start + 1, 1, tuple(tables[0]), True,
-                                              other_block_ids=tuple(tuple(t) for t in tables[1:])))
-        self.num_block_copies += len(copies)
-        return SchedulerOutput(tuple(scheduled), tuple(copies), ())
 
     def _chunk(self, request: Request, num_computed: int, budget: int) -> int:
         n = min(request.num_tokens - num_computed, budget)

@@ -1,4 +1,4 @@
-"""Overlapped scheduling (``EngineCore.enable_overlap``, ``Scheduler.lookahead``, ``TorchModelRunner.launch``) on the
+"""Overlapped scheduling (``EngineCore.enable_overlap``, ``engine.lookahead``, ``TorchModelRunner.launch``) on the
 default model's real weights in fp32: the next decode step is queued before the host reads the running step's
 tokens (on CPU the "device" is the CPU itself, so this checks the bookkeeping, not the speed: the GPU figures
 come from benchmarks/gpu_step.py). Every output must equal the plain engine's, token for token, text, logprobs
@@ -11,6 +11,7 @@ import pytest
 
 from tests.model.helpers import make_core
 from tokenfleet.engine.block_manager import BlockManager
+from tokenfleet.engine.lookahead import lookahead
 from tokenfleet.engine.request import FinishReason, Request
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig
@@ -190,7 +191,7 @@ def test_lookahead_is_the_decode_step_one_position_on():
     a = Request("a", list(range(1, 8)), SamplingParams(max_tokens=5), max_tokens=5)
     b = Request("b", list(range(1, 4)), SamplingParams(max_tokens=2), max_tokens=2)
     output = decode_step(sched, a, b)
-    following = sched.lookahead(output)
+    following = lookahead(sched, output)
     assert following is not None
     # b ends by length with output's token: not run ahead; a one position on, a slot allocated for it
     assert [(s.request_id, s.start, s.num_new_tokens, s.samples) for s in following.scheduled] == [("a", 8, 1, True)]
@@ -213,14 +214,14 @@ def test_lookahead_declines_what_needs_the_full_scheduler(case):
     a = Request("a", prompt, params, max_tokens=9)
     if case == "prefill":
         sched.add_request(a)
-        assert sched.lookahead(sched.schedule()) is None
+        assert lookahead(sched, sched.schedule()) is None
         return
     output = decode_step(sched, a)
     if case == "waiting":
         sched.add_request(Request("b", [1, 2], SamplingParams(max_tokens=3), max_tokens=3))
     if case == "no-blocks":  # 8 tokens in blocks of 4 fill both blocks; the next position needs a third
         assert sched.block_manager.num_free_blocks == 0 and output.scheduled[0].start == 7
-    assert sched.lookahead(output) is None
+    assert lookahead(sched, output) is None
 
 
 def test_overlap_on_cpu_is_allowed_with_a_warning(default_model_dir):

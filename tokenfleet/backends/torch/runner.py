@@ -195,7 +195,6 @@ class TorchModelRunner:
             if spans:
                 raise ValueError("a launched step has no prompt logprobs")
             logits = self.model.forward(token_ids, batch, self.kv)
-        self._prompt_spans = []
         with torch.inference_mode():
             sample = self.sampler.sample_async(logits, [requests[s.request_id] for s in output.scheduled])
         return Launched(sample, {s.request_id: i for i, s in enumerate(output.scheduled)})
