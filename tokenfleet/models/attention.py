@@ -153,9 +153,9 @@ class NativePagedAttention:
 
     def __init__(self, lib: ctypes.CDLL, fp8: bool = False):
         self.fp8 = fp8
-        self._fn = lib.tf_paged_attention_fp8 if fp8 else lib.tf_paged_attention_bf16
+        self._fn = lib.tf_paged_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, i64, ctypes.c_int]
+        self._fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, i64, ctypes.c_int, ctypes.c_int]
         self._fn.restype = ctypes.c_int
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedQueries) -> torch.Tensor:
@@ -168,7 +168,8 @@ class NativePagedAttention:
         table = meta.block_table.contiguous()
         rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), meta.context_lens.data_ptr(),
                       meta.query_start.data_ptr(), out.data_ptr(), meta.num_requests, num_heads, num_kv_heads, head_dim,
-                      block_size, num_blocks, table.shape[1], head_dim**-0.5, meta.window, torch.get_num_threads())
+                      block_size, num_blocks, table.shape[1], head_dim**-0.5, meta.window, torch.get_num_threads(),
+                      int(self.fp8))
         if rc != 0:
             raise ValueError("paged attention: inconsistent block table, context lengths or query rows")
         return out

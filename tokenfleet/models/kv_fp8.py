@@ -59,11 +59,6 @@ def row_bytes(head_dim: int, dtype: torch.dtype, kv_cache_dtype: str) -> int:
     return row_width(head_dim) if check_kv_cache_dtype(kv_cache_dtype) == "fp8" else head_dim * dtype.itemsize
 
 
-def head_dim_of(cache: torch.Tensor) -> int:
-    """The model's head_dim of a cache of either kind."""
-    return cache.shape[-1] - SCALE_BYTES if is_fp8(cache) else cache.shape[-1]
-
-
 def quantize(x: torch.Tensor) -> torch.Tensor:
     """``[..., head_dim]`` (any float dtype) -> packed rows ``[..., head_dim + 4]`` uint8."""
     x32 = x.float()

@@ -70,8 +70,7 @@ class NativeLayerOps:
         self.config = config
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         self._norm = _bind(lib.tf_add_rms_norm, [ptr] * 4 + [i64, i64, f32, i32])
-        self._rope = _bind(lib.tf_rope_store_kv, [ptr] * 9 + [i64] * 5 + [i32])
-        self._rope_fp8 = _bind(lib.tf_rope_store_kv_fp8, [ptr] * 9 + [i64] * 5 + [i32])  # FP8 rows (models.kv_fp8)
+        self._rope = _bind(lib.tf_rope_store_kv, [ptr] * 9 + [i64] * 5 + [i32, i32])  # last: FP8 rows (models.kv_fp8)
         self._silu = _bind(lib.tf_silu_mul, [ptr, ptr, i64, i64, i32])
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -91,11 +90,10 @@ class NativeLayerOps:
         q = qkv.new_empty(tokens, cfg.num_heads, cfg.head_dim)
         k = qkv.new_empty(tokens, cfg.num_kv_heads, cfg.head_dim)
         num_kv_heads, num_blocks, block_size, _ = k_cache.shape
-        rope = self._rope_fp8 if kv_fp8.is_fp8(k_cache) else self._rope
-        rope(qkv.data_ptr(), batch.positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        self._rope(qkv.data_ptr(), batch.positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                    batch.slot_mapping.data_ptr(), q.data_ptr(), k.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                    tokens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, num_blocks * block_size,
-                   torch.get_num_threads())
+                   torch.get_num_threads(), int(kv_fp8.is_fp8(k_cache)))
         v = qkv[:, (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim:].view(tokens, cfg.num_kv_heads, cfg.head_dim)
         return q, k, v
 

@@ -158,5 +158,5 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, 
     weights = LlamaWeights(embed=embed, layers=layers, norm=ones(), lm_head=_head(linear, lm_head), lm_head_rows=lm_head)
     model = LlamaModel(config, weights, dtype, device, linear, select_attention(dtype, device, kv_cache_dtype),
                        select_layer_ops(config, dtype, device))
-    model.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+    model.kv_cache_dtype = kv_cache_dtype
     return model

@@ -128,10 +128,12 @@ static void store_fp8_row(const uint16_t *x, uint8_t *dst, int64_t head_dim) {
     memcpy(dst + head_dim, &scale, sizeof scale);
 }
 
-static void rope_store_kv(const uint16_t *qkv, const int64_t *positions, const uint16_t *cos_table,
-                          const uint16_t *sin_table, const int64_t *slot_mapping, uint16_t *q_out, uint16_t *k_out,
-                          void *k_cache, void *v_cache, int64_t tokens, int64_t heads, int64_t kv_heads,
-                          int64_t head_dim, int64_t num_slots, int num_threads, int fp8) {
+/* fp8 = 0: K and V rows as bf16 into bf16 caches; fp8 = 1: as FP8 rows (k_cache, v_cache: uint8
+ * [kv_heads, num_slots, head_dim + 4]). */
+void tf_rope_store_kv(const uint16_t *qkv, const int64_t *positions, const uint16_t *cos_table,
+                      const uint16_t *sin_table, const int64_t *slot_mapping, uint16_t *q_out, uint16_t *k_out,
+                      void *k_cache, void *v_cache, int64_t tokens, int64_t heads, int64_t kv_heads,
+                      int64_t head_dim, int64_t num_slots, int num_threads, int fp8) {
     const int64_t half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim, row_bytes = head_dim + 4;
 #pragma omp parallel for num_threads(tokens > 8 ? num_threads : 1) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
@@ -159,23 +161,6 @@ static void rope_store_kv(const uint16_t *qkv, const int64_t *positions, const u
                 memcpy((uint16_t *)v_cache + (h * num_slots + slot) * head_dim, v, 2 * (size_t)head_dim);
         }
     }
-}
-
-void tf_rope_store_kv(const uint16_t *qkv, const int64_t *positions, const uint16_t *cos_table,
-                      const uint16_t *sin_table, const int64_t *slot_mapping, uint16_t *q_out, uint16_t *k_out,
-                      uint16_t *k_cache, uint16_t *v_cache, int64_t tokens, int64_t heads, int64_t kv_heads,
-                      int64_t head_dim, int64_t num_slots, int num_threads) {
-    rope_store_kv(qkv, positions, cos_table, sin_table, slot_mapping, q_out, k_out, k_cache, v_cache, tokens, heads,
-                  kv_heads, head_dim, num_slots, num_threads, 0);
-}
-
-/* The same, writing K and V as FP8 rows (k_cache, v_cache: uint8 [kv_heads, num_slots, head_dim + 4]). */
-void tf_rope_store_kv_fp8(const uint16_t *qkv, const int64_t *positions, const uint16_t *cos_table,
-                          const uint16_t *sin_table, const int64_t *slot_mapping, uint16_t *q_out, uint16_t *k_out,
-                          uint8_t *k_cache, uint8_t *v_cache, int64_t tokens, int64_t heads, int64_t kv_heads,
-                          int64_t head_dim, int64_t num_slots, int num_threads) {
-    rope_store_kv(qkv, positions, cos_table, sin_table, slot_mapping, q_out, k_out, k_cache, v_cache, tokens, heads,
-                  kv_heads, head_dim, num_slots, num_threads, 1);
 }
 
 /* out = bf16(silu(gate)) * up, rounded; gate_up: [rows, 2 * inter] (gate first), out: [rows, inter]. */

@@ -8,7 +8,7 @@
  * Layouts (row-major, contiguous):
  *   q, out        [num_queries, num_heads, head_dim]            bf16 as uint16
  *   k/v cache     [num_kv_heads, num_blocks, block_size, head_dim] bf16 as uint16
- *                 or (tf_paged_attention_fp8) FP8 rows [num_kv_heads, num_blocks, block_size, head_dim + 4]
+ *                 or (fp8 = 1) FP8 rows [num_kv_heads, num_blocks, block_size, head_dim + 4]
  *                 uint8: e4m3 values, then the row's fp32 scale (tokenfleet/models/kv_fp8.py)
  *   block_table   [num_requests, max_blocks]                    int64
  *   context_lens  [num_requests]  keys the request's last query token sees (its own included)
@@ -483,12 +483,13 @@ static int attend_item(const Args *a, const Item *it) {
     return 0;
 }
 
-static int paged_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                           const int64_t *block_table, const int64_t *context_lens, const int64_t *query_start,
-                           uint16_t *out, int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t max_blocks,
-                           float scale, int64_t window, int num_threads, int fp8) {
-    if (head_dim > MAX_HEAD_DIM || num_kv_heads <= 0 || num_heads % num_kv_heads) return -1;
+/* Returns 0, or -1 when a shape is out of what this kernel handles (the caller falls back). fp8 = 1: the caches
+ * hold FP8 rows (uint8 [num_kv_heads, num_blocks, block_size, head_dim + 4]; head_dim a multiple of 4). */
+int tf_paged_attention(const uint16_t *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
+                       const int64_t *context_lens, const int64_t *query_start, uint16_t *out, int64_t num_requests,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                       int64_t num_blocks, int64_t max_blocks, float scale, int64_t window, int num_threads, int fp8) {
+    if (head_dim > MAX_HEAD_DIM || num_kv_heads <= 0 || num_heads % num_kv_heads || (fp8 && head_dim % 4)) return -1;
     int64_t num_items = 0;
     for (int64_t r = 0; r < num_requests; r++) {
         const int64_t n = query_start[r + 1] - query_start[r];
@@ -508,33 +509,10 @@ static int paged_attention(const uint16_t *q, const uint16_t *k_cache, const uin
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
     for (int64_t i = 0; i < num_items; i++) {
-        const Args a = {q, k_cache, v_cache, block_table + items[i].request * max_blocks, out, num_heads, num_kv_heads, head_dim,
-                        block_size, num_blocks, scale, window, fp8};
+        const Args a = {q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_table + items[i].request * max_blocks,
+                        out, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, window, fp8};
         failed |= attend_item(&a, &items[i]) != 0;
     }
     free(items);
     return failed ? -1 : 0;
-}
-
-/* Returns 0, or -1 when a shape is out of what this kernel handles (the caller falls back). */
-int tf_paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                            const int64_t *block_table, const int64_t *context_lens, const int64_t *query_start,
-                            uint16_t *out, int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t max_blocks,
-                            float scale, int64_t window, int num_threads) {
-    return paged_attention(q, k_cache, v_cache, block_table, context_lens, query_start, out, num_requests, num_heads,
-                           num_kv_heads, head_dim, block_size, num_blocks, max_blocks, scale, window, num_threads, 0);
-}
-
-/* The same over FP8 rows (k_cache, v_cache: uint8 [num_kv_heads, num_blocks, block_size, head_dim + 4]);
- * head_dim a multiple of 4. */
-int tf_paged_attention_fp8(const uint16_t *q, const uint8_t *k_cache, const uint8_t *v_cache,
-                           const int64_t *block_table, const int64_t *context_lens, const int64_t *query_start,
-                           uint16_t *out, int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t max_blocks,
-                           float scale, int64_t window, int num_threads) {
-    if (head_dim % 4) return -1;
-    return paged_attention(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_table, context_lens,
-                           query_start, out, num_requests, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
-                           max_blocks, scale, window, num_threads, 1);
 }
