@@ -1,7 +1,8 @@
 """The KV layout contract: what two replicas must share before one installs the other's blocks.
 
 A block's bytes are K (or V) of ``block_size`` positions of one layer, ``[num_kv_heads, block_size,
-head_dim]`` values of ``dtype`` (``fp8_e4m3``: each head row followed by its fp32 scale, models.kv_fp8).
+head_dim]`` values of ``dtype`` (``fp8_e4m3``: each head row followed by its fp32 scale and zero padding to 16
+bytes, models.kv_fp8).
 ``hash_salt`` names model, dtype and block size, so block hashes (``block_hash``) of different layouts
 never collide.
 
@@ -16,8 +17,8 @@ import math
 from dataclasses import dataclass
 
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
-# "fp8_e4m3" (models.kv_fp8): a head row is head_dim e4m3 values and its fp32 scale
-ROW_EXTRA_BYTES = {"fp8_e4m3": 4}
+# "fp8_e4m3" (models.kv_fp8): a head row is head_dim e4m3 values, its fp32 scale and 12 zero bytes (ROW_PAD)
+ROW_EXTRA_BYTES = {"fp8_e4m3": 16}
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ Layout of one forward's tokens:
       per request (decode 1)  request 0
 
 KV cache layout per layer: [kv_heads, num_blocks, block_size, head_dim] in the model's dtype, or packed FP8
-rows [kv_heads, num_blocks, block_size, head_dim + 4] (uint8: e4m3 values and an fp32 scale per token and
-head; models.kv_fp8), which every implementation below reads (the native one with its FP8 variant).
+rows [kv_heads, num_blocks, block_size, head_dim + 16] (uint8: e4m3 values, an fp32 scale per token and
+head, zero padding; models.kv_fp8), which every implementation below reads (the native one with its FP8 variant).
 
 - paged queries (decode; several per request for speculative verification): one attention
   interface, ``PagedAttention``, over block tables and context lengths. Two implementations,

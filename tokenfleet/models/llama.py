@@ -66,7 +66,7 @@ class KVCache:
     whichever group the block belongs to. For a model of one group (a Llama) that is layer i.
 
     ``kv_cache_dtype`` "fp8": packed e4m3 rows with per-token, per-head scales (models.kv_fp8), uint8
-    ``[slots, kv_heads, blocks, block_size, head_dim + 4]``; "": values in ``dtype``."""
+    ``[slots, kv_heads, blocks, block_size, head_dim + 16]``; "": values in ``dtype``."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  kv_cache_dtype: str = ""):

@@ -96,7 +96,7 @@ if triton is not None:
         tl.store(k_ptr + t * NUM_KV_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :], k, mask=kv_ok)
         v = tl.load(k_base + NUM_KV_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0)
         if FP8_KV:
-            row_at = h.to(tl.int64) * stride_cache_head + slot * (HEAD_DIM + 4)  # [HEADS_PAD]: each row's first byte
+            row_at = h.to(tl.int64) * stride_cache_head + slot * (HEAD_DIM + 16)  # [HEADS_PAD]: each row's first byte
             _store_fp8_rows(k_cache_ptr, ks_ptr, row_at, k.to(tl.float32), d, h < NUM_KV_HEADS, HEAD_DIM)
             _store_fp8_rows(v_cache_ptr, vs_ptr, row_at, v.to(tl.float32), d, h < NUM_KV_HEADS, HEAD_DIM)
         else:
@@ -107,13 +107,15 @@ if triton is not None:
     @triton.jit
     def _store_fp8_rows(cache_ptr, scale_ptr, row_at, x, d, head_ok, HEAD_DIM: tl.constexpr):
         """models.kv_fp8.quantize of [heads, HEAD_DIM] fp32 rows: e4m3 of x / (amax / 448) at ``row_at``, the scale
-        after each row."""
+        and 12 zero bytes (kv_fp8.ROW_PAD) after each row."""
         # IEEE divisions (div_rn; '/' may compile to an approximate one), so the bytes are kv_fp8.quantize's
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 448.0)
         values = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
         tl.store(cache_ptr + row_at[:, None] + d[None, :], values.to(tl.float8e4nv).to(tl.uint8, bitcast=True),
                  mask=head_ok[:, None])
-        tl.store(scale_ptr + (row_at + HEAD_DIM) // 4, scale, mask=head_ok)
+        pad = tl.arange(0, 4)  # the row's last 16 bytes as 4 fp32 words: the scale, then zeros
+        tl.store(scale_ptr + ((row_at + HEAD_DIM) // 4)[:, None] + pad[None, :],
+                 tl.where(pad[None, :] == 0, scale[:, None], 0.0), mask=head_ok[:, None])
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):

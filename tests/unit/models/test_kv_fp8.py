@@ -38,7 +38,7 @@ def test_rows_round_to_e4m3_with_a_scale_per_row():
     x[2, 1] = 0.0  # an all-zero row
     x[3, 0, 5] = 50.0  # an outlier channel
     rows = kv_fp8.quantize(x)
-    assert rows.dtype == torch.uint8 and rows.shape == (6, 4, 68)
+    assert rows.dtype == torch.uint8 and rows.shape == (6, 4, 80)
     back = kv_fp8.dequantize(rows)
     amax = x.abs().amax(-1, keepdim=True)
     scale = amax.clamp(min=kv_fp8.MIN_AMAX) / 448.0
@@ -48,7 +48,8 @@ def test_rows_round_to_e4m3_with_a_scale_per_row():
     assert (err <= torch.maximum((x.abs() / scale) / 16, torch.tensor(2.0**-10)) * (1 + 1e-6)).all()
     assert torch.allclose(back.abs().amax(-1, keepdim=True), amax, rtol=1e-6)
     assert torch.equal(back[2, 1], torch.zeros(64))
-    scales = rows[..., 64:].contiguous().view(torch.float32)
+    scales = rows[..., 64:68].contiguous().view(torch.float32)
+    assert not rows[..., 68:].any()  # 16-byte rows: the scale, then zeros
     assert torch.equal(scales, amax.clamp(min=kv_fp8.MIN_AMAX) / 448.0)
     with pytest.raises(ValueError, match="divisible"):
         kv_fp8.row_width(66)
@@ -162,8 +163,8 @@ def test_native_kernel_reads_every_e4m3_code_exactly():
     for part in codes.view(1, 256), codes.view(4, 64):
         for row_codes in part:
             hd = row_codes.numel()
-            row = torch.cat([row_codes, torch.tensor([1.0]).view(torch.uint8)])  # scale 1
-            v8 = row.view(1, 1, 1, hd + 4).expand(1, 2, 16, hd + 4).contiguous()
+            row = torch.cat([row_codes, torch.tensor([1.0]).view(torch.uint8), torch.zeros(12, dtype=torch.uint8)])
+            v8 = row.view(1, 1, 1, hd + 16).expand(1, 2, 16, hd + 16).contiguous()
             out = attend(torch.ones(1, 1, hd).bfloat16(), torch.zeros_like(v8), v8, meta)
             assert torch.equal(out[0, 0].float(), row_codes.view(torch.float8_e4m3fn).float()), hd
 
@@ -243,8 +244,9 @@ def test_triton_rope_store_quantizes_rows_as_the_torch_version(dtype):
         flat_mine, flat_ref = mine.view(kv_heads, -1, shape[-1]), ref.view(kv_heads, -1, shape[-1])
         assert torch.equal(flat_mine[untouched], flat_ref[untouched])  # other slots keep their bytes
         got, want = kv_fp8.dequantize(flat_mine[:, slots]), kv_fp8.dequantize(flat_ref[:, slots])
-        mine_scale = flat_mine[:, slots, head_dim:].contiguous().view(torch.float32)
-        ref_scale = flat_ref[:, slots, head_dim:].contiguous().view(torch.float32)
+        mine_scale = flat_mine[:, slots, head_dim:head_dim + 4].contiguous().view(torch.float32)
+        ref_scale = flat_ref[:, slots, head_dim:head_dim + 4].contiguous().view(torch.float32)
+        assert not flat_mine[:, slots, head_dim + 4:].any()  # the row's padding: zeros, as kv_fp8.quantize writes
         # the row scales agree (rows of k as each side rounded them); values within one e4m3 step, on a GPU equal
         # almost everywhere (the interpreter's fp8 cast is not the hardware's: it halves values just under a power
         # of two, as tests/unit/models/test_triton_ops.py found for the weights' quantization)
@@ -252,7 +254,9 @@ def test_triton_rope_store_quantizes_rows_as_the_torch_version(dtype):
         within = (got - want).abs() <= want.abs() / 8 + ref_scale * 2**-6
         if got.is_cuda:
             assert within.all()
-            if dtype == torch.float32:
-                assert (got == want).float().mean() > 0.99
+            if dtype == torch.float32:  # the same e4m3 codes almost everywhere (RoPE's fp32 rounding may move a
+                # row's scale by an ulp on the GPU, which moves every dequantized value of the row, not its codes)
+                codes_equal = flat_mine[:, slots, :head_dim] == flat_ref[:, slots, :head_dim]
+                assert codes_equal.float().mean() > 0.99
         else:
             assert within.float().mean() > 0.9

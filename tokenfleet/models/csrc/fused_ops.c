@@ -119,22 +119,25 @@ static inline uint8_t to_e4m3(float x) {
     return sign | (uint8_t)(((((u >> 23) - 120u) & 0xfu) << 3) | ((u >> 20) & 7u));
 }
 
-/* One head row (bf16) as an FP8 row: e4m3 of x / (amax / 448), then the fp32 scale (models/kv_fp8.py). */
+#define FP8_ROW_PAD 16 /* kv_fp8.ROW_PAD: after a row's e4m3 values, its fp32 scale and zeros to 16 bytes */
+
+/* One head row (bf16) as an FP8 row: e4m3 of x / (amax / 448), the fp32 scale, zero padding (models/kv_fp8.py). */
 static void store_fp8_row(const uint16_t *x, uint8_t *dst, int64_t head_dim) {
     float amax = 0.0f;
     for (int64_t i = 0; i < head_dim; i++) amax = fmaxf(amax, fabsf(bf(x[i])));
     const float scale = fmaxf(amax, 1e-12f) / 448.0f;
     for (int64_t i = 0; i < head_dim; i++) dst[i] = to_e4m3(fminf(fmaxf(bf(x[i]) / scale, -448.0f), 448.0f));
     memcpy(dst + head_dim, &scale, sizeof scale);
+    memset(dst + head_dim + sizeof scale, 0, FP8_ROW_PAD - sizeof scale);
 }
 
 /* fp8 = 0: K and V rows as bf16 into bf16 caches; fp8 = 1: as FP8 rows (k_cache, v_cache: uint8
- * [kv_heads, num_slots, head_dim + 4]). */
+ * [kv_heads, num_slots, head_dim + FP8_ROW_PAD]). */
 void tf_rope_store_kv(const uint16_t *qkv, const int64_t *positions, const uint16_t *cos_table,
                       const uint16_t *sin_table, const int64_t *slot_mapping, uint16_t *q_out, uint16_t *k_out,
                       void *k_cache, void *v_cache, int64_t tokens, int64_t heads, int64_t kv_heads,
                       int64_t head_dim, int64_t num_slots, int num_threads, int fp8) {
-    const int64_t half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim, row_bytes = head_dim + 4;
+    const int64_t half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim, row_bytes = head_dim + FP8_ROW_PAD;
 #pragma omp parallel for num_threads(tokens > 8 ? num_threads : 1) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         const uint16_t *row = qkv + t * width;

@@ -8,8 +8,8 @@
  * Layouts (row-major, contiguous):
  *   q, out        [num_queries, num_heads, head_dim]            bf16 as uint16
  *   k/v cache     [num_kv_heads, num_blocks, block_size, head_dim] bf16 as uint16
- *                 or (fp8 = 1) FP8 rows [num_kv_heads, num_blocks, block_size, head_dim + 4]
- *                 uint8: e4m3 values, then the row's fp32 scale (tokenfleet/models/kv_fp8.py)
+ *                 or (fp8 = 1) FP8 rows [num_kv_heads, num_blocks, block_size, head_dim + FP8_ROW_PAD]
+ *                 uint8: e4m3 values, the row's fp32 scale, zero padding (tokenfleet/models/kv_fp8.py)
  *   block_table   [num_requests, max_blocks]                    int64
  *   context_lens  [num_requests]  keys the request's last query token sees (its own included)
  *   query_start   [num_requests + 1]  request r owns query rows query_start[r] .. query_start[r+1]-1
@@ -28,6 +28,7 @@
 #include <string.h>
 
 #define MAX_HEAD_DIM 256
+#define FP8_ROW_PAD 16 /* kv_fp8.ROW_PAD: an FP8 row is head_dim e4m3 bytes, its fp32 scale, zeros to 16 bytes */
 #define ROWS_PER_ITEM 32
 
 typedef struct {
@@ -123,7 +124,7 @@ static inline void load_row(const Args *a, const uint16_t *cache, int64_t kv_hea
     if (a->fp8) {
         const int64_t block = a->table[t / a->block_size];
         const uint8_t *row = (const uint8_t *)cache + ((kv_head * a->num_blocks + block) * a->block_size +
-                                                       t % a->block_size) * (hd + 4);
+                                                       t % a->block_size) * (hd + FP8_ROW_PAD);
         float scale;
         memcpy(&scale, row + hd, sizeof scale);
 #pragma omp simd
@@ -194,9 +195,9 @@ static inline const uint16_t *key_tile(const Args *a, int64_t kv_head, int64_t t
     if (!a->fp8) return cache_row(a, a->k_cache, kv_head, t0);
     const int64_t block = a->table[t0 / a->block_size];
     const uint8_t *rows = (const uint8_t *)a->k_cache + ((kv_head * a->num_blocks + block) * a->block_size +
-                                                         t0 % a->block_size) * (64 + 4);
+                                                         t0 % a->block_size) * (64 + FP8_ROW_PAD);
     for (int j = 0; j < 16; j++) {
-        const uint8_t *row = rows + j * (64 + 4);
+        const uint8_t *row = rows + j * (64 + FP8_ROW_PAD);
         memcpy(scales + j, row + 64, sizeof(float));
         _mm512_storeu_si512(buf + j * 64, e4m3x32_to_bf16(row));
         _mm512_storeu_si512(buf + j * 64 + 32, e4m3x32_to_bf16(row + 32));
@@ -213,7 +214,7 @@ static inline void value_row(const Args *a, int64_t kv_head, int64_t t, __m512 v
     }
     const int64_t block = a->table[t / a->block_size];
     const uint8_t *row = (const uint8_t *)a->v_cache + ((kv_head * a->num_blocks + block) * a->block_size +
-                                                        t % a->block_size) * (64 + 4);
+                                                        t % a->block_size) * (64 + FP8_ROW_PAD);
     float scale;
     memcpy(&scale, row + 64, sizeof scale);
     const __m512 s = _mm512_set1_ps(scale);
@@ -484,12 +485,12 @@ static int attend_item(const Args *a, const Item *it) {
 }
 
 /* Returns 0, or -1 when a shape is out of what this kernel handles (the caller falls back). fp8 = 1: the caches
- * hold FP8 rows (uint8 [num_kv_heads, num_blocks, block_size, head_dim + 4]; head_dim a multiple of 4). */
+ * hold FP8 rows (uint8 [num_kv_heads, num_blocks, block_size, head_dim + FP8_ROW_PAD]; head_dim a multiple of 16). */
 int tf_paged_attention(const uint16_t *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
                        const int64_t *context_lens, const int64_t *query_start, uint16_t *out, int64_t num_requests,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                        int64_t num_blocks, int64_t max_blocks, float scale, int64_t window, int num_threads, int fp8) {
-    if (head_dim > MAX_HEAD_DIM || num_kv_heads <= 0 || num_heads % num_kv_heads || (fp8 && head_dim % 4)) return -1;
+    if (head_dim > MAX_HEAD_DIM || num_kv_heads <= 0 || num_heads % num_kv_heads || (fp8 && head_dim % FP8_ROW_PAD)) return -1;
     int64_t num_items = 0;
     for (int64_t r = 0; r < num_requests; r++) {
         const int64_t n = query_start[r + 1] - query_start[r];
