@@ -5,9 +5,10 @@ causal among themselves) and prefill chunks over a cached prefix (many rows): a 
 tile of one request's query rows times the query heads of one KV head (GQA: the group's heads
 share every K/V load), walks the request's context ``BLOCK_N`` keys at a time through its block
 table (each key's block looked up, so a tile spans several cache blocks), and keeps an online
-softmax in fp32. Q.K products accumulate in fp32 from the cache's dtype; probabilities stay fp32
-and P.V runs in fp32 too (the torch reference upcasts the same way; rounding either to bf16
-moved greedy decoding within a few tokens, see models.attention). FP8 caches (models.kv_fp8) are read
+softmax in fp32. Q.K products accumulate in fp32 from the cache's dtype. P.V accumulates in fp32 from
+probabilities rounded to the model's 16-bit dtype, as flash attention does (envs.attn_pv: "model"; the torch
+reference keeps them in fp32, "fp32" here, which on an H200 made 8B decode steps 1.06x slower at batch 1 and 1.39x
+at batch 256: the fp32 product runs on FMA units, not tensor cores). FP8 caches (models.kv_fp8) are read
 as e4m3 with each key's and value's scale applied in fp32. Loop bounds come from device
 tensors (context lengths, query starts), so a step captured in a CUDA graph replays for any
 context length up to the block table's width.
@@ -23,6 +24,7 @@ import os
 
 import torch
 
+from tokenfleet import envs
 from tokenfleet.models import kv_fp8
 from tokenfleet.models.attention import PagedQueries
 
@@ -42,13 +44,16 @@ if triton is not None:
     def _attend_keys(q, m_i, l_i, acc, key0, end, limit, window, sm_scale, req, kv_head, k_ptr, v_ptr, ks_ptr, vs_ptr,
                      table_ptr, stride_kh, stride_kb, stride_ks, stride_table, d, d_ok,
                      BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, FP8_KV: tl.constexpr,
-                     HEAD_DIM: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, PV: tl.constexpr):
         """One tile of BLOCK_N keys (each looked up in the request's block table) into the online softmax.
 
         FP8_KV: the caches hold packed rows (models.kv_fp8: e4m3 bytes, then the row's fp32 scale, which
         ``ks_ptr``/``vs_ptr``, the caches viewed as fp32, read at column HEAD_DIM / 4). The scales stay out of the
         dot products: an e4m3 value is exact in bf16, and a key's scale multiplies its score column (a value's, its
-        probability column)."""
+        probability column).
+
+        PV (envs.attn_pv): P.V with fp32 operands on FMA units (0), as three TF32 tensor-core products (1), or with
+        P rounded to the model's 16-bit dtype, one tensor-core product (2); the accumulator is fp32 in all three."""
         pos = key0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
         block = tl.load(table_ptr + req * stride_table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
@@ -76,9 +81,14 @@ if triton is not None:
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if FP8_KV:
-            acc = acc * alpha[:, None] + tl.dot(p * v_scale[None, :], v.to(tl.float32), input_precision="ieee")
+            p = p * v_scale[None, :]  # the probabilities then weigh e4m3 values (exact in bf16 and TF32)
+        if PV == 2:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        elif PV == 1:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="tf32x3")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
         return m_new, l_i, acc
 
     @triton.jit
@@ -90,6 +100,7 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
         INTERPRETED: tl.constexpr, PARTITION: tl.constexpr, PARTS: tl.constexpr, FP8_KV: tl.constexpr,
+        PV: tl.constexpr,
     ):
         """PARTITION > 0 (split-K, "flash decoding"): program_id(0) is a partition of PARTITION keys instead of a
         tile of query rows (TOKENS then covers every row); each writes its softmax state to the part_* buffers
@@ -132,14 +143,14 @@ if triton is not None:
                     m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, key0, end, limit, window, sm_scale, req, kv_head,
                                                  k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, stride_kh, stride_kb,
                                                  stride_ks, stride_table, d, d_ok, BLOCK_SIZE, BLOCK_N, FP32_DOT,
-                                                 FP8_KV, HEAD_DIM)
+                                                 FP8_KV, HEAD_DIM, PV)
                     key0 += BLOCK_N
             else:
                 for key0 in range(start, end, BLOCK_N):
                     m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, key0, end, limit, window, sm_scale, req, kv_head,
                                                  k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, stride_kh, stride_kb,
                                                  stride_ks, stride_table, d, d_ok, BLOCK_SIZE, BLOCK_N, FP32_DOT,
-                                                 FP8_KV, HEAD_DIM)
+                                                 FP8_KV, HEAD_DIM, PV)
             if PARTITION > 0:
                 at = ((req * num_kv_heads + kv_head) * PARTS + part) * (TOKENS * GROUP_PAD) + m
                 tl.store(part_m_ptr + at, m_i)
@@ -185,6 +196,9 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
 
 
+PV_MODES = {"fp32": 0, "tf32x3": 1, "model": 2}  # envs.attn_pv -> the kernel's PV
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -208,10 +222,13 @@ class TritonPagedAttention:
     prefix_spans = True
 
     def __init__(self, block_n: int = 0, prefill_tokens: int = 32, partition: int = 0, split_below: int | None = None,
-                 num_warps: int = 0, num_stages: int = 0):
+                 num_warps: int = 0, num_stages: int = 0, pv: str = ""):
         """Zeros take TOKENFLEET_ATTN_TUNING ("block_n,partition,num_warps,num_stages", benchmarks/attention_sweep.py)
-        or the defaults 64, 256, 4, 3."""
-        tuned = [int(v) for v in os.environ.get("TOKENFLEET_ATTN_TUNING", "64,256,4,3").split(",")]
+        or the defaults 64, 256, 4, 3; ``pv`` "" takes TOKENFLEET_ATTN_PV (envs.attn_pv)."""
+        tuned = [int(v) for v in envs.attn_tuning().split(",")]
+        self.pv = pv or envs.attn_pv()
+        if self.pv not in PV_MODES:
+            raise ValueError(f"TOKENFLEET_ATTN_PV={self.pv!r}: one of {', '.join(PV_MODES)}")
         self.block_n = block_n or tuned[0]
         self.partition = partition or tuned[1]
         self.num_warps = num_warps or tuned[2]
@@ -263,6 +280,8 @@ class TritonPagedAttention:
             FP32_DOT=q.dtype == torch.float32 or _interpreted(),
             INTERPRETED=_interpreted(), PARTITION=partition, PARTS=parts, FP8_KV=fp8, num_warps=self.num_warps,
             num_stages=self.num_stages,
+            # fp32 models (and the interpreter, whose 16-bit dots are wrong) keep fp32 operands
+            PV=0 if q.dtype == torch.float32 or _interpreted() else PV_MODES[self.pv],
         )
         if parts > 1:
             _merge_partitions[(meta.num_requests, num_kv_heads)](
