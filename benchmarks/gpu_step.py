@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import sys
@@ -107,7 +108,7 @@ def linear_params(c) -> int:
 
 def step_roofline(c, batch: int, context: float, fp8: bool, card: dict, kv8: bool = False) -> dict:
     weight_bytes = linear_params(c) * (1 if fp8 else 2) + c.vocab_size * c.hidden_size * 2  # + the bf16 LM head
-    row = c.head_dim + 4 if kv8 else c.head_dim * 2  # an FP8 row: e4m3 values and an fp32 scale
+    row = c.head_dim + 16 if kv8 else c.head_dim * 2  # an FP8 row: e4m3 values, an fp32 scale, padding (kv_fp8)
     kv_bytes = batch * context * c.num_layers * 2 * c.num_kv_heads * row
     flops = (2 * (linear_params(c) + c.vocab_size * c.hidden_size) * batch
              + 4 * batch * context * c.num_layers * c.num_heads * c.head_dim)
@@ -116,8 +117,6 @@ def step_roofline(c, batch: int, context: float, fp8: bool, card: dict, kv8: boo
 
 
 def build(geometry: str, mode: str, batch_cap: int, num_blocks: int, max_model_len: int):
-    import os
-
     from tokenfleet.backends.torch.runner import TorchModelRunner
     from tokenfleet.engine.block_manager import BlockManager
     from tokenfleet.engine.core import EngineCore
@@ -267,6 +266,21 @@ def profile_run(geometry: str, mode: str, batch: int, context: int, out: Path) -
     return table
 
 
+def variants(args) -> list[tuple[str, str, dict[str, str]]]:  # type: ignore[no-untyped-def]
+    """(mode, row label, environment) for each mode x --attn-pv x --attn-tuning: the Triton attention kernel reads
+    TOKENFLEET_ATTN_PV and TOKENFLEET_ATTN_TUNING (tokenfleet.envs) when a model is built."""
+    pvs = [v for v in args.attn_pv.split(",") if v] or [""]
+    tunings = [v for v in args.attn_tuning.split(";") if v] or [""]
+    out = []
+    for mode in args.modes.split(","):
+        for pv in pvs:
+            for tuning in tunings:
+                label = mode + (f"[pv={pv}]" if pv else "") + (f"[tune={tuning}]" if tuning else "")
+                env = {**({"TOKENFLEET_ATTN_PV": pv} if pv else {}), **({"TOKENFLEET_ATTN_TUNING": tuning} if tuning else {})}
+                out.append((mode, label, env))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="benchmarks/reports")
@@ -278,6 +292,9 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=4096)
     p.add_argument("--torch-batches", default="1", help="batches for eager-torch (the old path is slow)")
     p.add_argument("--name", default="gpu-step")
+    p.add_argument("--attn-pv", default="", help="comma-separated TOKENFLEET_ATTN_PV values to measure each mode with")
+    p.add_argument("--attn-tuning", default="", help="semicolon-separated TOKENFLEET_ATTN_TUNING values "
+                   "(block_n,partition,num_warps,num_stages) to measure each mode with")
     p.add_argument("--profile", default="", help="GEOMETRY:MODE:BATCH,...: torch-profiler kernel tables, 20 steps each")
     args = p.parse_args()
     out = Path(args.out)
@@ -297,42 +314,43 @@ def main() -> None:
         free = torch.cuda.mem_get_info()[0]
         weights = (linear_params(config_probe) + 2 * config_probe.vocab_size * config_probe.hidden_size) * 2
         num_blocks = int(min(want, (free - weights - (6 << 30)) // per_block))
-        for mode in args.modes.split(","):
+        for mode, label, env in variants(args):
+            os.environ.update(env)
             mode_batches = [b for b in batches if mode != "eager-torch" or str(b) in args.torch_batches.split(",")]
             try:
                 config, runner, core, capture_s = build(geometry, mode, max(batches), num_blocks, max_model_len)
             except Exception as e:  # one mode failing must not cost the others' figures
-                results["errors"].append(f"{geometry} {mode} build: {type(e).__name__}: {e}")
+                results["errors"].append(f"{geometry} {label} build: {type(e).__name__}: {e}")
                 print(results["errors"][-1], flush=True)
                 continue
             for b in mode_batches:
                 if b * -(-(args.context + args.steps + 16) // 16) > num_blocks:
-                    results["errors"].append(f"{geometry} {mode} b={b}: {num_blocks} blocks are too few")
+                    results["errors"].append(f"{geometry} {label} b={b}: {num_blocks} blocks are too few")
                     continue
                 try:
                     row = decode_run(core, runner, config, b, args.context, args.steps, seed=b)
                 except Exception as e:
-                    results["errors"].append(f"{geometry} {mode} b={b}: {type(e).__name__}: {e}")
+                    results["errors"].append(f"{geometry} {label} b={b}: {type(e).__name__}: {e}")
                     print(results["errors"][-1], flush=True)
                     continue
                 roof = step_roofline(config, b, row["context_mid"], fp8_weights(mode), card, fp8_kv(mode))
-                row.update(geometry=geometry, mode=mode, capture_s=capture_s, roofline_ms=roof["floor_ms"],
+                row.update(geometry=geometry, mode=label, capture_s=capture_s, roofline_ms=roof["floor_ms"],
                            bytes=roof["bytes"], flops=roof["flops"], efficiency=roof["floor_ms"] / row["step_ms"],
                            hbm_share=roof["bytes"] / card["hbm_bytes_per_s"] * 1000 / row["step_ms"])
                 results["rows"].append(row)
-                print(f"{geometry:13s} {mode:11s} b={b:3d} step {row['step_ms']:8.3f} ms (p90 {row['p90_step_ms']:.3f}) "
+                print(f"{geometry:13s} {label:11s} b={b:3d} step {row['step_ms']:8.3f} ms (p90 {row['p90_step_ms']:.3f}) "
                       f"fwd-gpu {row['forward_gpu_ms']:7.3f} ms  floor {roof['floor_ms']:7.3f} ms  "
                       f"eff {row['efficiency']:.0%}  replays {row['graph_replays']}", flush=True)
             if args.prefill and mode in ("eager", "graphs-fp8"):
                 try:
                     pre = prefill_run(core, config, args.prefill, seed=7)
-                    pre.update(geometry=geometry, mode=mode, peak_share=pre["flops_per_s"] / card["bf16_matmul_flops"])
+                    pre.update(geometry=geometry, mode=label, peak_share=pre["flops_per_s"] / card["bf16_matmul_flops"])
                     results["prefill"].append(pre)
-                    print(f"{geometry:13s} {mode:11s} prefill {args.prefill}: {pre['seconds'] * 1000:.1f} ms "
+                    print(f"{geometry:13s} {label:11s} prefill {args.prefill}: {pre['seconds'] * 1000:.1f} ms "
                           f"{pre['tok_s']:.0f} tok/s {pre['flops_per_s'] / 1e12:.0f} TFLOP/s = {pre['peak_share']:.0%} of peak",
                           flush=True)
                 except Exception as e:
-                    results["errors"].append(f"{geometry} {mode} prefill: {type(e).__name__}: {e}")
+                    results["errors"].append(f"{geometry} {label} prefill: {type(e).__name__}: {e}")
                     print(results["errors"][-1], flush=True)
             del config, runner, core
             (out / f"{time.strftime('%Y-%m-%d')}-{args.name}.json").write_text(json.dumps(results, indent=1))  # so far
