@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="fp8: FP8 (e4m3) weights with per-channel scales (torch engine: torch._scaled_mm; trtllm: the "
                      "engine's own)")
     reg.add_argument("--kv-cache-dtype", default="", choices=["", "fp8"],
-                     help="fp8: an FP8 (e4m3) KV cache with a scale per token and KV head: about twice the tokens in "
+                     help="fp8: an FP8 (e4m3) KV cache with a scale per token and KV head: 1.6-1.8x the tokens in "
                      "the same memory (default: the weights' dtype)")
     reg.add_argument("--tensor-parallel-size", type=int, default=1)
     reg.add_argument("--max-model-len", type=int, default=0, help="0 = the model config's context length")

@@ -29,7 +29,7 @@ def add_commands(sub: Any) -> None:
                         "one's tokens are read (GPU; off by default)")
     up_cmd.add_argument("--kv-cache-dtype", default="", choices=["", "fp8"],
                         help="the first model's record's KV cache dtype: fp8 keeps K/V as e4m3 with a scale per token "
-                        "and KV head, about twice the tokens per byte (default: the weights' dtype)")
+                        "and KV head, 1.6-1.8x the tokens per byte (default: the weights' dtype)")
     up_cmd.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                         help="a PEFT LoRA adapter the first model's workers load (repeat); ask for it as MODEL:NAME")
     up_cmd.add_argument("--speculative-config", default="", help="speculative decoding for the first model (its "
