@@ -237,7 +237,7 @@ def prefill_run(core, config, tokens: int, seed: int) -> dict:
     return {"tokens": tokens, "seconds": t, "runs_s": times, "tok_s": tokens / t, "flops_per_s": flops / t}
 
 
-def profile_run(geometry: str, mode: str, batch: int, context: int, out: Path) -> str:
+def profile_run(geometry: str, mode: str, batch: int, context: int) -> str:
     """Kernel-level breakdown of ``batch``-request decode steps (torch profiler; kernels inside graph replays are
     listed one by one): where the step's GPU time goes."""
     from torch.profiler import ProfilerActivity, profile
@@ -259,7 +259,6 @@ def profile_run(geometry: str, mode: str, batch: int, context: int, out: Path) -
             core.step()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70)
-    (out / f"profile-{geometry}-{mode}-b{batch}.txt").write_text(table)
     del runner, core
     gc.collect()
     torch.cuda.empty_cache()
@@ -360,12 +359,15 @@ def main() -> None:
     (out / f"{stamp}-{args.name}.json").write_text(json.dumps(results, indent=1))
     (out / f"{stamp}-{args.name}.md").write_text(report(results))
     print(report(results))
-    for spec in filter(None, args.profile.split(",")):
+    for spec in filter(None, args.profile.split(",")):  # into the JSON: a GPU machine returns few files
         geometry, mode, batch = spec.split(":")
         try:
-            print(f"profile {spec}:\n" + profile_run(geometry, mode, int(batch), args.context, out), flush=True)
+            table = profile_run(geometry, mode, int(batch), args.context)
         except Exception as e:
-            print(f"profile {spec}: {type(e).__name__}: {e}", flush=True)
+            table = f"{type(e).__name__}: {e}"
+        results.setdefault("profiles", {})[spec] = table
+        print(f"profile {spec}:\n{table}", flush=True)
+        (out / f"{stamp}-{args.name}.json").write_text(json.dumps(results, indent=1))
     if results["errors"]:
         print("ERRORS:", *results["errors"], sep="\n  ", file=sys.stderr)
 
