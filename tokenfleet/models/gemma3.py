@@ -104,6 +104,9 @@ class Gemma3Model:
         last = gemma_rms_norm(h[batch.logits_indices], w.norm, eps)
         logits = linear(last, w.lm_head).float()
         which = batch.exact_logits
-        if which is not None and last.dtype != torch.float32 and w.lm_head_rows is not None:
-            logits[which] = refine_top_logits(logits[which], last[which], w.lm_head_rows)  # as Llama's: bf16 near-ties
+        if last.dtype != torch.float32 and w.lm_head_rows is not None:  # as Llama's: bf16 near-ties
+            if which is not None:
+                logits[which] = refine_top_logits(logits[which], last[which], w.lm_head_rows)
+            elif batch.exact_rows is not None:  # a graph's rows, flagged (backends.torch.cuda_graphs)
+                logits = torch.where(batch.exact_rows[:, None], refine_top_logits(logits, last, w.lm_head_rows), logits)
         return logits

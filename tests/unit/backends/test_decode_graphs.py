@@ -133,3 +133,81 @@ def test_graph_path_declines_what_it_cannot_replay(monkeypatch):
     big = [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)] * 9  # over max_batch=8
     out = run(core, [[i + 1, i + 2] for i in range(9)], big)
     assert all(len(t) == 2 for t in out.values()) and runner.graphs.replays == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+    from tests.unit.models.test_gemma3_window import save_tiny_gemma3
+
+    path = tmp_path_factory.mktemp("gemma3-graphs")
+    save_tiny_gemma3(path)
+    return path
+
+
+def gemma3_engine(model_dir, graphs: bool, monkeypatch) -> tuple[EngineCore, TorchModelRunner]:
+    from tests.unit.models.test_gemma3_window import BLOCK
+    from tokenfleet.models.loader import load_model
+
+    monkeypatch.setenv("TOKENFLEET_KERNELS", "triton")
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    windows = tuple(g.window for g in model.config.kv_groups)
+    num_blocks = 96
+    runner = TorchModelRunner(model, num_blocks, BLOCK)
+    if graphs:
+        runner.kv = KVCache(model.config, num_blocks + 1, BLOCK, torch.float32, model.device)
+        runner.graphs = DecodeGraphs(model, runner.kv, BLOCK, num_blocks, max_batch=4, max_model_len=128)
+        runner.graphs.captured = True
+    scheduler = Scheduler(SchedulerConfig(max_model_len=128, max_num_batched_tokens=64),
+                          BlockManager(num_blocks, BLOCK, windows), hash_salt="g3")
+    return EngineCore(scheduler, runner, None, ModelInfo(vocab_size=model.config.vocab_size, max_model_len=128,
+                                                         eos_token_ids=())), runner
+
+
+def test_a_model_of_several_kv_groups_replays_with_a_table_per_group(monkeypatch, tiny_gemma3):
+    """Gemma 3 (sliding-window layers in their own KV groups, a window of 10 keys over blocks of 4): the static
+    buffers hold a slot column and a block table per group, each attended with its group's window; prompts past
+    the window (the sliding groups' tables then start with null blocks) decode the regular path's tokens."""
+    from tokenfleet.backends.torch.cuda_graphs import graphs_supported
+    from tokenfleet.engine.block_manager import NULL_BLOCK
+
+    prompts = [list(range(20, 20 + n)) for n in (23, 5, 14)]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (9, 12, 7)]
+    params[1] = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)
+    plain = run(gemma3_engine(tiny_gemma3, False, monkeypatch)[0], prompts, params)
+    core, runner = gemma3_engine(tiny_gemma3, True, monkeypatch)
+    assert runner.graphs is not None and len(runner.graphs.windows) == 3 and any(runner.graphs.windows)
+    graphs, nulls = runner.graphs, []
+    replay = graphs.run
+
+    def watched(scheduled, requests, source=None):  # each group's table as a replay reads it: the entry's own
+        logits = replay(scheduled, requests, source)
+        for i, entry in enumerate(scheduled):
+            used = -(-(entry.start + 1) // 4)
+            for g, blocks in enumerate((entry.block_ids, *entry.other_block_ids)):
+                assert graphs.group_tables[g][i, :used].tolist() == list(blocks[:used])
+                assert graphs.group_slots[g][i] == blocks[entry.start // 4] * 4 + entry.start % 4
+            nulls.append(sum(b == NULL_BLOCK for b in entry.other_block_ids[0][:used]))
+        return logits
+
+    graphs.run = watched  # type: ignore[method-assign]
+    assert run(core, prompts, params) == plain
+    assert [len(plain[f"r{i}"]) for i in range(3)] == [9, 12, 7]
+    assert graphs.replays >= 8 and max(nulls) > 0  # sliding tables past their window were replayed
+    core.scheduler.block_manager.check_invariants()
+    model = runner.model
+    model.device = torch.device("cuda")  # the gate only (nothing runs): Gemma 3 with Triton attention replays
+    assert graphs_supported(model)
+
+
+def test_a_capture_that_fails_leaves_the_runner_serving_eagerly(monkeypatch):
+    core, runner = engine(True, torch.float32, monkeypatch)
+    assert runner.graphs is not None
+
+    def broken() -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    runner.graphs.capture = broken  # type: ignore[method-assign]
+    runner.capture_graphs()
+    assert runner.graphs is None
+    out = run(core, PROMPTS[:2], PARAMS[:2])
+    assert [len(out["r0"]), len(out["r1"])] == [6, 10]

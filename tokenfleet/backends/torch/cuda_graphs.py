@@ -6,7 +6,10 @@ A captured graph replays every kernel in one launch. It needs every input at a f
 the step's inputs live in static buffers the runner fills each step:
 
     token ids, positions, KV slots, context lengths, exact-logit flags   [max_batch] each
-    block tables                                                          [max_batch, max_blocks]
+    block tables                                                          [max_batch, groups, max_blocks]
+
+(a model of several KV groups, Gemma 3's sliding-window layers, has a KV slot column and a block table per
+group: the same rows over each group's tables, each attended with its group's window)
 
 filled on the host in one pinned buffer and uploaded with one copy. A step of B requests replays
 the graph of the smallest bucket >= B; the padding rows decode token 0 at position 0 into a
@@ -16,9 +19,9 @@ bounds from the context-length tensor, not from Python: the Triton kernel (model
 does; the torch reference would gather the whole table width, so graphs are used only with it.
 
 What falls back to the eager forward: steps with a prefill chunk or speculative verification rows,
-prompt logprobs, LoRA adapters, models of several KV groups (Gemma 3's sliding layers), and batches
-over the largest bucket. Greedy rows (and rows reporting logprobs) get their top logits recomputed
-exactly as in eager mode (llama.refine_top_logits), chosen per row by a static flag.
+prompt logprobs, LoRA adapters, and batches over the largest bucket. Greedy rows (and rows reporting
+logprobs) get their top logits recomputed exactly as in eager mode (llama.refine_top_logits), chosen per
+row by a static flag.
 """
 
 from __future__ import annotations
@@ -35,13 +38,13 @@ from tokenfleet.models.attention import ForwardBatch, PagedQueries
 
 
 def graphs_supported(model: Any) -> bool:
-    """CUDA, a Llama-family model (one KV group, no sliding window), attention that reads its loop bounds from
-    device tensors, and graphs not turned off (TOKENFLEET_CUDA_GRAPHS=0)."""
+    """CUDA, a Llama-family or Gemma 3 model, attention that reads its loop bounds from device tensors, and graphs
+    not turned off (TOKENFLEET_CUDA_GRAPHS=0)."""
+    from tokenfleet.models.gemma3 import Gemma3Model
     from tokenfleet.models.llama import LlamaModel
     from tokenfleet.models.triton_attention import TritonPagedAttention
 
-    return (model.device.type == "cuda" and envs.cuda_graphs() and isinstance(model, LlamaModel)
-            and not any(model.config.layer_windows)  # () for a model without sliding-window layers
+    return (model.device.type == "cuda" and envs.cuda_graphs() and isinstance(model, (LlamaModel, Gemma3Model))
             and isinstance(model.attention, TritonPagedAttention))
 
 
@@ -66,18 +69,25 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.max_blocks = -(-max_model_len // block_size)
         self.buckets = buckets(max_batch)
-        n, w = max_batch, self.max_blocks
-        # One pinned host buffer and its device twin: 6 columns of n, then the [n, w] block table. The sixth: for
-        # a row whose input token is still on the device (overlapped scheduling), its index in those ids; else -1.
+        self.windows = tuple(group.window for group in model.config.kv_groups)  # one entry per KV group
+        n, w, g = max_batch, self.max_blocks, len(self.windows)
+        # One pinned host buffer and its device twin: 5 + g columns of n, then the [n, g, w] block tables (a row's
+        # tables together, so a bucket's rows are one prefix of the buffer). Columns: tokens, positions, context
+        # lengths, exact flags; the fifth: for a row whose input token is still on the device (overlapped
+        # scheduling), its index in those ids, else -1; then each group's KV slots.
+        self._columns = 5 + g
         cuda = self.device.type == "cuda"
-        self._host = torch.zeros(6 * n + n * w, dtype=torch.long, pin_memory=cuda)
+        self._host = torch.zeros(self._columns * n + n * g * w, dtype=torch.long, pin_memory=cuda)
         self._host_np = self._host.numpy()
         self._uploaded = torch.cuda.Event() if cuda else None
         self._dev = torch.zeros(self._host.shape, dtype=torch.long, device=self.device)
-        self.tokens, self.positions, self.slots, self.context_lens, exact = (self._dev[i * n:(i + 1) * n] for i in range(5))
-        self.exact = exact
-        self.source = self._dev[5 * n:6 * n]
-        self.table = self._dev[6 * n:].view(n, w)
+        self.tokens, self.positions, self.context_lens, self.exact, self.source = (
+            self._dev[i * n:(i + 1) * n] for i in range(5))
+        self.group_slots = [self._dev[(5 + i) * n:(6 + i) * n] for i in range(g)]
+        self.slots = self.group_slots[0]
+        tables = self._dev[self._columns * n:].view(n, g, w)
+        self.group_tables = [tables[:, i] for i in range(g)]  # [n, w] views with a row stride of g * w
+        self.table = self.group_tables[0]
         self.query_start = torch.arange(n + 1, dtype=torch.long, device=self.device)
         self.rows = torch.arange(n, dtype=torch.long, device=self.device)
         vocab = model.config.vocab_size
@@ -123,10 +133,15 @@ class DecodeGraphs:
         self.captured = True
 
     def _forward(self, b: int) -> None:
-        meta = PagedQueries(block_table=self.table[:b], context_lens=self.context_lens[:b],
-                            query_start=self.query_start[: b + 1], num_tokens=b, max_query_len=1)
-        batch = ForwardBatch(positions=self.positions[:b], slot_mapping=self.slots[:b], logits_indices=self.rows[:b],
-                             exact_rows=self.exact[:b].bool(), paged=meta)
+        exact = self.exact[:b].bool()
+        views = []
+        for slots, table, window in zip(self.group_slots, self.group_tables, self.windows):
+            meta = PagedQueries(block_table=table[:b], context_lens=self.context_lens[:b],
+                                query_start=self.query_start[: b + 1], num_tokens=b, max_query_len=1, window=window)
+            views.append(ForwardBatch(positions=self.positions[:b], slot_mapping=slots[:b],
+                                      logits_indices=self.rows[:b], exact_rows=exact, paged=meta, window=window))
+        batch = views[0]
+        batch.others = tuple(views[1:])
         self.logits[:b].copy_(self.model.forward(self.tokens[:b], batch, self.kv))
 
     def run(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request],
@@ -138,25 +153,25 @@ class DecodeGraphs:
         b = next(size for size in self.buckets if size >= real)
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's upload has read the host buffer
-        n, w, bs = self.max_batch, self.max_blocks, self.block_size
+        n, w, bs, cols = self.max_batch, self.max_blocks, self.block_size, self._columns
         host = self._host_np
-        table = host[6 * n:].reshape(n, w)
+        tables = host[cols * n:].reshape(n, len(self.windows), w)
         carried = dict(source[1]) if source is not None else {}
         for i, entry in enumerate(scheduled):
             request = requests[entry.request_id]
             pos = entry.start
-            host[5 * n + i] = carried.get(i, -1)
             host[i] = 0 if i in carried else request.token_ids_range(pos, pos + 1)[0]
             host[n + i] = pos
-            blocks = entry.block_ids
-            host[2 * n + i] = blocks[pos // bs] * bs + pos % bs
-            host[3 * n + i] = pos + 1
+            host[2 * n + i] = pos + 1
             params = request.sampling_params
-            host[4 * n + i] = params.temperature == 0 or params.logprobs is not None
+            host[3 * n + i] = params.temperature == 0 or params.logprobs is not None
+            host[4 * n + i] = carried.get(i, -1)
             used = -(-(pos + 1) // bs)
-            table[i, :used] = blocks[:used]
+            for g, blocks in enumerate((entry.block_ids, *entry.other_block_ids)):  # a sliding group's table holds
+                host[(5 + g) * n + i] = blocks[pos // bs] * bs + pos % bs  # the null block where its window ended
+                tables[i, g, :used] = blocks[:used]
         self._fill_padding(real, b)
-        rows = 6 * n + b * w  # the table's first b rows are all a bucket reads
+        rows = cols * n + b * len(self.windows) * w  # the tables' first b rows are all a bucket reads
         self._dev[:rows].copy_(self._host[:rows], non_blocking=True)
         if source is not None and carried:
             src = self.source[:b]
@@ -170,9 +185,10 @@ class DecodeGraphs:
         return self.logits[:real]
 
     def _fill_padding(self, first: int, last: int) -> None:
-        n, w, bs = self.max_batch, self.max_blocks, self.block_size
+        n, w, bs, cols = self.max_batch, self.max_blocks, self.block_size, self._columns
         host = self._host_np
-        for column, value in ((0, 0), (1, 0), (2, self.scratch_block * bs), (3, 1), (4, 0), (5, -1)):
+        slots = [(5 + g, self.scratch_block * bs) for g in range(len(self.windows))]
+        for column, value in ((0, 0), (1, 0), (2, 1), (3, 0), (4, -1), *slots):
             host[column * n + first: column * n + last] = value
-        host[6 * n:].reshape(n, w)[first:last, 0] = self.scratch_block
+        host[cols * n:].reshape(n, len(self.windows), w)[first:last, :, 0] = self.scratch_block
 

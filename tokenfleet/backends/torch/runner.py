@@ -10,6 +10,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 
+import structlog
 import torch
 
 from tokenfleet.backends.torch.cuda_graphs import DecodeGraphs, graphs_supported
@@ -28,6 +29,8 @@ from tokenfleet.models.llama import KVCache, LlamaModel
 from tokenfleet.models.lora import LoraBatch, LoraSet, fused_base_weights, load_peft_adapter
 from tokenfleet.planning.costs import StepShape
 from tokenfleet.telemetry.utilization import StepCost, peaks
+
+log = structlog.get_logger(__name__)
 
 
 class TorchModelRunner:
@@ -200,8 +203,17 @@ class TorchModelRunner:
         return Launched(sample, {s.request_id: i for i, s in enumerate(output.scheduled)})
 
     def capture_graphs(self) -> None:
-        if self.graphs is not None:
+        """Capture the decode graphs; a forward that cannot be captured leaves the worker serving eagerly (slower,
+        with a warning) rather than failing its start."""
+        if self.graphs is None:
+            return
+        try:
             self.graphs.capture()
+        except Exception as e:  # noqa: BLE001 - any capture failure: the eager forward still serves
+            log.warning("cuda_graph_capture_failed", model=type(self.model).__name__, error=repr(e))
+            self.graphs = None
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     def compute_logits(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> torch.Tensor:
         """float32 logits [num sampling entries, vocab] in ``output.scheduled`` order."""
