@@ -94,5 +94,9 @@ class EngineConfig:
     def hash_salt(self) -> str:
         """Prefix hashes differ across models and KV layouts, never across processes."""
         quantized = f"|{self.quantization}" if self.quantization else ""  # other weights, other K/V
-        kv = f"|kv-{self.kv_cache_dtype}" if self.kv_cache_dtype else ""  # other K/V bytes
+        # other K/V bytes; FP8 rows are "-r16" (padded to 16 bytes, models.kv_fp8): a second tier or a peer holding
+        # the unpadded rows of earlier versions is another layout, never read as this one
+        kv = ""
+        if self.kv_cache_dtype:
+            kv = f"|kv-{self.kv_cache_dtype}" + ("-r16" if self.kv_cache_dtype == "fp8" else "")
         return f"{Path(self.model).name}|{self.dtype}|{self.block_size}{quantized}{kv}"

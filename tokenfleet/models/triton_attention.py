@@ -82,8 +82,9 @@ if triton is not None:
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if FP8_KV:
             p = p * v_scale[None, :]  # the probabilities then weigh e4m3 values (exact in bf16 and TF32)
-        if PV == 2:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        if PV == 2:  # FP8: bf16 operands whatever the model's dtype (scaled probabilities underflow fp16)
+            lowp = tl.bfloat16 if FP8_KV else q.dtype
+            pv = tl.dot(p.to(lowp), v.to(lowp))
         elif PV == 1:
             pv = tl.dot(p, v.to(tl.float32), input_precision="tf32x3")
         else:

@@ -43,6 +43,7 @@ def test_the_cache_is_packed_fp8_and_holds_1_6x_the_tokens(default_model_dir, co
     ratio = fp8.scheduler.block_manager.num_blocks / bf16.scheduler.block_manager.num_blocks
     assert 1.55 < ratio < 1.62  # 128 bytes a row against 80
     assert fp8.scheduler.hash_salt != bf16.scheduler.hash_salt  # its prefix hashes never match a bf16 cache's
+    assert fp8.scheduler.hash_salt.endswith("|kv-fp8-r16")  # nor those of the unpadded FP8 rows of before
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(model=str(default_model_dir), kv_cache_dtype="int8")
 
