@@ -82,14 +82,19 @@ def run_variant(args, out: dict, log, deadline: float, save) -> None:  # type: i
             out["runs"].append(row)
             save()
             print(f"[{variant}] c={c:3d} n={n}: {row['completed']}/{row['requests']} ok, {row['out_tok_s']:.0f} out tok/s, "
-                  f"TTFT p50 {row['ttft_ms']['p50']:.1f} p99 {row['ttft_ms']['p99']:.1f} ms, "
-                  f"TPOT p50 {row['tpot_ms']['p50']:.2f} p99 {row['tpot_ms']['p99']:.2f} ms, errors {row['errors']}",
+                  f"TTFT p50 {ms(row['ttft_ms']['p50'])} p99 {ms(row['ttft_ms']['p99'])} ms, "
+                  f"TPOT p50 {ms(row['tpot_ms']['p50'], 2)} p99 {ms(row['tpot_ms']['p99'], 2)} ms, errors {row['errors']}",
                   flush=True)
     except Exception as e:  # one variant failing must not cost the others' figures
         out["error"] = f"{type(e).__name__}: {e}"
         print(f"[{variant}] {out['error']}", flush=True)
     finally:
         stop_up(proc)
+
+
+def ms(value: float | None, digits: int = 1) -> str:
+    """A percentile, or "-" when no request of the run succeeded."""
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def report(result: dict) -> str:
@@ -101,8 +106,8 @@ def report(result: dict) -> str:
     for v in result["variants"]:
         for r in v["runs"]:
             lines.append(f"| {v['variant']} | {r['concurrency']} | {r['requests']} | {r['completed']} | {r['out_tok_s']:.0f} "
-                         f"| {r['ttft_ms']['p50']:.1f} | {r['ttft_ms']['p99']:.1f} | {r['tpot_ms']['p50']:.2f} "
-                         f"| {r['tpot_ms']['p99']:.2f} |")
+                         f"| {ms(r['ttft_ms']['p50'])} | {ms(r['ttft_ms']['p99'])} | {ms(r['tpot_ms']['p50'], 2)} "
+                         f"| {ms(r['tpot_ms']['p99'], 2)} |")
         if v.get("error"):
             lines.append(f"\n{v['variant']}: {v['error']}\n")
     return "\n".join(lines) + "\n"

@@ -265,6 +265,17 @@ def profile_run(geometry: str, mode: str, batch: int, context: int) -> str:
     return table
 
 
+ATTN_ENV = ("TOKENFLEET_ATTN_PV", "TOKENFLEET_ATTN_TUNING")
+
+
+def set_env(values: dict[str, str | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def variants(args) -> list[tuple[str, str, dict[str, str]]]:  # type: ignore[no-untyped-def]
     """(mode, row label, environment) for each mode x --attn-pv x --attn-tuning: the Triton attention kernel reads
     TOKENFLEET_ATTN_PV and TOKENFLEET_ATTN_TUNING (tokenfleet.envs) when a model is built."""
@@ -302,6 +313,8 @@ def main() -> None:
     print(f"card: {card['device']}  HBM {card['hbm_bytes_per_s'] / 1e12:.2f} TB/s  bf16 matmul "
           f"{card['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s  torch {card['torch']}", flush=True)
     results: dict = {"card": card, "args": vars(args), "rows": [], "prefill": [], "errors": []}
+    stamp = time.strftime("%Y-%m-%d")  # one name for the whole run, past midnight too
+    caller_env = {key: os.environ.get(key) for key in ATTN_ENV}  # each variant's settings replace these, then go
     batches = [int(b) for b in args.batches.split(",")]
     for geometry in args.geometries.split(","):
         config_probe = ModelConfig.from_dict(GEOMETRIES[geometry])
@@ -314,7 +327,7 @@ def main() -> None:
         weights = (linear_params(config_probe) + 2 * config_probe.vocab_size * config_probe.hidden_size) * 2
         num_blocks = int(min(want, (free - weights - (6 << 30)) // per_block))
         for mode, label, env in variants(args):
-            os.environ.update(env)
+            set_env({**caller_env, **env})
             mode_batches = [b for b in batches if mode != "eager-torch" or str(b) in args.torch_batches.split(",")]
             try:
                 config, runner, core, capture_s = build(geometry, mode, max(batches), num_blocks, max_model_len)
@@ -352,10 +365,10 @@ def main() -> None:
                     results["errors"].append(f"{geometry} {label} prefill: {type(e).__name__}: {e}")
                     print(results["errors"][-1], flush=True)
             del config, runner, core
-            (out / f"{time.strftime('%Y-%m-%d')}-{args.name}.json").write_text(json.dumps(results, indent=1))  # so far
+            (out / f"{stamp}-{args.name}.json").write_text(json.dumps(results, indent=1))  # so far
             gc.collect()
             torch.cuda.empty_cache()
-    stamp = time.strftime("%Y-%m-%d")
+    set_env(caller_env)  # --profile runs under the caller's settings
     (out / f"{stamp}-{args.name}.json").write_text(json.dumps(results, indent=1))
     (out / f"{stamp}-{args.name}.md").write_text(report(results))
     print(report(results))
