@@ -187,6 +187,10 @@ def test_a_model_of_several_kv_groups_replays_with_a_table_per_group(monkeypatch
                 assert graphs.group_tables[g][i, :used].tolist() == list(blocks[:used])
                 assert graphs.group_slots[g][i] == blocks[entry.start // 4] * 4 + entry.start % 4
             nulls.append(sum(b == NULL_BLOCK for b in entry.other_block_ids[0][:used]))
+        bucket = next(size for size in graphs.buckets if size >= len(scheduled))
+        for g in range(3):  # padding rows write every group's K/V to the scratch block, and read only it
+            assert (graphs.group_slots[g][len(scheduled):bucket] == graphs.scratch_block * 4).all()
+            assert (graphs.group_tables[g][len(scheduled):bucket, 0] == graphs.scratch_block).all()
         return logits
 
     graphs.run = watched  # type: ignore[method-assign]
@@ -200,6 +204,8 @@ def test_a_model_of_several_kv_groups_replays_with_a_table_per_group(monkeypatch
 
 
 def test_a_capture_that_fails_leaves_the_runner_serving_eagerly(monkeypatch):
+    from structlog.testing import capture_logs
+
     core, runner = engine(True, torch.float32, monkeypatch)
     assert runner.graphs is not None
 
@@ -207,7 +213,20 @@ def test_a_capture_that_fails_leaves_the_runner_serving_eagerly(monkeypatch):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     runner.graphs.capture = broken  # type: ignore[method-assign]
-    runner.capture_graphs()
+    with capture_logs() as logs:
+        runner.capture_graphs()
     assert runner.graphs is None
+    assert [e["event"] for e in logs] == ["cuda_graph_capture_failed"] and "capturing" in logs[0]["error"]
     out = run(core, PROMPTS[:2], PARAMS[:2])
     assert [len(out["r0"]), len(out["r1"])] == [6, 10]
+
+
+def test_tables_past_their_byte_bound_are_narrower_and_longer_contexts_run_eagerly(monkeypatch):
+    from tokenfleet.backends.torch import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "TABLE_BYTES", 8 * 1 * 10 * 8)  # max_batch 8, one group: 10 blocks of 4 keys
+    core, runner = engine(True, torch.float32, monkeypatch)
+    assert runner.graphs is not None and runner.graphs.max_blocks == 10 and runner.graphs.table.shape == (8, 10)
+    plain = run(engine(False, torch.float32, monkeypatch)[0], PROMPTS, PARAMS)
+    assert run(core, PROMPTS, PARAMS) == plain
+    assert 0 < runner.graphs.replays < 18  # from r4's 40th key (30 prompt tokens, 22 new) its steps ran eagerly

@@ -5,11 +5,14 @@ microseconds of Python and driver work, while the GPU needs a fraction of that t
 A captured graph replays every kernel in one launch. It needs every input at a fixed address, so
 the step's inputs live in static buffers the runner fills each step:
 
-    token ids, positions, KV slots, context lengths, exact-logit flags   [max_batch] each
+    token ids, positions, context lengths, exact-logit flags, KV slots   [max_batch] each
     block tables                                                          [max_batch, groups, max_blocks]
 
 (a model of several KV groups, Gemma 3's sliding-window layers, has a KV slot column and a block table per
-group: the same rows over each group's tables, each attended with its group's window)
+group: the same rows over each group's tables, each attended with its group's window). A step uploads the
+columns and only the table columns its contexts use, staged as [rows, groups, used] after the columns and
+spread into the tables on the device. The tables take at most TABLE_BYTES: past that (many groups, a long
+max_model_len) they are narrower, and steps over longer contexts run eagerly.
 
 filled on the host in one pinned buffer and uploaded with one copy. A step of B requests replays
 the graph of the smallest bucket >= B; the padding rows decode token 0 at position 0 into a
@@ -36,6 +39,8 @@ from tokenfleet.engine.request import Request
 from tokenfleet.engine.scheduler import ScheduledRequest
 from tokenfleet.models.attention import ForwardBatch, PagedQueries
 
+TABLE_BYTES = 64 << 20  # the static block tables' bound (their staging twins take as much again)
+
 
 def graphs_supported(model: Any) -> bool:
     """CUDA, a Llama-family or Gemma 3 model, attention that reads its loop bounds from device tensors, and graphs
@@ -44,8 +49,9 @@ def graphs_supported(model: Any) -> bool:
     from tokenfleet.models.llama import LlamaModel
     from tokenfleet.models.triton_attention import TritonPagedAttention
 
-    return (model.device.type == "cuda" and envs.cuda_graphs() and isinstance(model, (LlamaModel, Gemma3Model))
-            and isinstance(model.attention, TritonPagedAttention))
+    return (model.device.type == "cuda" and envs.cuda_graphs() and isinstance(model.attention, TritonPagedAttention)
+            # a Llama's forward reads one KV group: sliding-window layers only as Gemma 3's
+            and (isinstance(model, Gemma3Model) or isinstance(model, LlamaModel) and not any(model.config.layer_windows)))
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -67,14 +73,14 @@ class DecodeGraphs:
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.max_batch = max_batch
-        self.max_blocks = -(-max_model_len // block_size)
         self.buckets = buckets(max_batch)
         self.windows = tuple(group.window for group in model.config.kv_groups)  # one entry per KV group
-        n, w, g = max_batch, self.max_blocks, len(self.windows)
-        # One pinned host buffer and its device twin: 5 + g columns of n, then the [n, g, w] block tables (a row's
-        # tables together, so a bucket's rows are one prefix of the buffer). Columns: tokens, positions, context
-        # lengths, exact flags; the fifth: for a row whose input token is still on the device (overlapped
-        # scheduling), its index in those ids, else -1; then each group's KV slots.
+        g = len(self.windows)
+        self.max_blocks = max(1, min(-(-max_model_len // block_size), TABLE_BYTES // (max_batch * g * 8)))
+        n, w = max_batch, self.max_blocks
+        # One pinned host buffer and its device twin: 5 + g columns of n, then room to stage a step's [b, g, used]
+        # tables. Columns: tokens, positions, context lengths, exact flags; the fifth: for a row whose input token
+        # is still on the device (overlapped scheduling), its index in those ids, else -1; then each group's slots.
         self._columns = 5 + g
         cuda = self.device.type == "cuda"
         self._host = torch.zeros(self._columns * n + n * g * w, dtype=torch.long, pin_memory=cuda)
@@ -85,8 +91,9 @@ class DecodeGraphs:
             self._dev[i * n:(i + 1) * n] for i in range(5))
         self.group_slots = [self._dev[(5 + i) * n:(6 + i) * n] for i in range(g)]
         self.slots = self.group_slots[0]
-        tables = self._dev[self._columns * n:].view(n, g, w)
-        self.group_tables = [tables[:, i] for i in range(g)]  # [n, w] views with a row stride of g * w
+        self._staged = self._dev[self._columns * n:]
+        self._tables = torch.zeros(n, g, w, dtype=torch.long, device=self.device)
+        self.group_tables = [self._tables[:, i] for i in range(g)]  # [n, w] views with a row stride of g * w
         self.table = self.group_tables[0]
         self.query_start = torch.arange(n + 1, dtype=torch.long, device=self.device)
         self.rows = torch.arange(n, dtype=torch.long, device=self.device)
@@ -114,6 +121,7 @@ class DecodeGraphs:
         first: kernels compile and libraries create their handles outside the capture."""
         self._fill_padding(0, self.max_batch)
         self._dev.copy_(self._host)
+        self._tables[:, :, 0] = self.scratch_block
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -153,9 +161,10 @@ class DecodeGraphs:
         b = next(size for size in self.buckets if size >= real)
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's upload has read the host buffer
-        n, w, bs, cols = self.max_batch, self.max_blocks, self.block_size, self._columns
+        n, bs, cols, g = self.max_batch, self.block_size, self._columns, len(self.windows)
         host = self._host_np
-        tables = host[cols * n:].reshape(n, len(self.windows), w)
+        width = max(-(-(entry.start + 1) // bs) for entry in scheduled)  # the table columns this step reads
+        tables = host[cols * n:cols * n + b * g * width].reshape(b, g, width)
         carried = dict(source[1]) if source is not None else {}
         for i, entry in enumerate(scheduled):
             request = requests[entry.request_id]
@@ -167,12 +176,14 @@ class DecodeGraphs:
             host[3 * n + i] = params.temperature == 0 or params.logprobs is not None
             host[4 * n + i] = carried.get(i, -1)
             used = -(-(pos + 1) // bs)
-            for g, blocks in enumerate((entry.block_ids, *entry.other_block_ids)):  # a sliding group's table holds
-                host[(5 + g) * n + i] = blocks[pos // bs] * bs + pos % bs  # the null block where its window ended
-                tables[i, g, :used] = blocks[:used]
+            for k, blocks in enumerate((entry.block_ids, *entry.other_block_ids)):  # a sliding group's table holds
+                host[(5 + k) * n + i] = blocks[pos // bs] * bs + pos % bs  # the null block where its window ended
+                tables[i, k, :used] = blocks[:used]  # (past used: stale values, never read: the context ends first)
         self._fill_padding(real, b)
-        rows = cols * n + b * len(self.windows) * w  # the tables' first b rows are all a bucket reads
-        self._dev[:rows].copy_(self._host[:rows], non_blocking=True)
+        tables[real:, :, 0] = self.scratch_block
+        staged = b * g * width
+        self._dev[:cols * n + staged].copy_(self._host[:cols * n + staged], non_blocking=True)
+        self._tables[:b, :, :width].copy_(self._staged[:staged].view(b, g, width))
         if source is not None and carried:
             src = self.source[:b]
             self.tokens[:b] = torch.where(src >= 0, source[0][src.clamp(min=0)], self.tokens[:b])
@@ -185,10 +196,11 @@ class DecodeGraphs:
         return self.logits[:real]
 
     def _fill_padding(self, first: int, last: int) -> None:
-        n, w, bs, cols = self.max_batch, self.max_blocks, self.block_size, self._columns
+        """Rows first..last-1 decode token 0 at position 0 into the scratch block (every group's slot; their tables'
+        first column is the scratch block too, set where the tables are staged)."""
+        n, bs = self.max_batch, self.block_size
         host = self._host_np
         slots = [(5 + g, self.scratch_block * bs) for g in range(len(self.windows))]
         for column, value in ((0, 0), (1, 0), (2, 1), (3, 0), (4, -1), *slots):
             host[column * n + first: column * n + last] = value
-        host[cols * n:].reshape(n, len(self.windows), w)[first:last, :, 0] = self.scratch_block
 

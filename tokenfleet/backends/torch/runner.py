@@ -207,12 +207,15 @@ class TorchModelRunner:
         with a warning) rather than failing its start."""
         if self.graphs is None:
             return
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.current_stream(self.device) if cuda else None
         try:
             self.graphs.capture()
         except Exception as e:  # noqa: BLE001 - any capture failure: the eager forward still serves
             log.warning("cuda_graph_capture_failed", model=type(self.model).__name__, error=repr(e))
             self.graphs = None
-            if self.device.type == "cuda":
+            if stream is not None:  # a capture that raised can leave its side stream current
+                torch.cuda.set_stream(stream)
                 torch.cuda.synchronize(self.device)
 
     def compute_logits(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> torch.Tensor:
