@@ -21,7 +21,7 @@ from tokenfleet.models.attention import ForwardBatch, PagedAttention, paged_atte
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.layer_ops import apply_rope
 from tokenfleet.models.linear import LinearKernel
-from tokenfleet.models.llama import KVCache, refine_top_logits
+from tokenfleet.models.llama import KVCache, refine_exact_logits
 
 
 @dataclass
@@ -102,11 +102,4 @@ class Gemma3Model:
             mlp = linear(F.gelu(gate, approximate="tanh") * up, layer.down)
             h = h + gemma_rms_norm(mlp, layer.post_feedforward_norm, eps)
         last = gemma_rms_norm(h[batch.logits_indices], w.norm, eps)
-        logits = linear(last, w.lm_head).float()
-        which = batch.exact_logits
-        if last.dtype != torch.float32 and w.lm_head_rows is not None:  # as Llama's: bf16 near-ties
-            if which is not None:
-                logits[which] = refine_top_logits(logits[which], last[which], w.lm_head_rows)
-            elif batch.exact_rows is not None:  # a graph's rows, flagged (backends.torch.cuda_graphs)
-                logits = torch.where(batch.exact_rows[:, None], refine_top_logits(logits, last, w.lm_head_rows), logits)
-        return logits
+        return refine_exact_logits(linear(last, w.lm_head).float(), last, batch, w.lm_head_rows)  # as Llama's

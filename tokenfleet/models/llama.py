@@ -42,6 +42,21 @@ class LlamaWeights:
 REFINED_LOGITS = 8
 
 
+def refine_exact_logits(logits: torch.Tensor, last: torch.Tensor, batch: ForwardBatch,
+                        lm_head_rows: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` with the rows a greedy pick or reported logprobs depend on refined (``refine_top_logits``): those
+    ``batch.exact_logits`` lists, or (a CUDA graph's static rows) those ``batch.exact_rows`` flags. fp32 models and
+    heads without kept rows need nothing."""
+    if last.dtype == torch.float32 or lm_head_rows is None:
+        return logits
+    which = batch.exact_logits
+    if which is not None:
+        logits[which] = refine_top_logits(logits[which], last[which], lm_head_rows)
+    elif batch.exact_rows is not None:
+        logits = torch.where(batch.exact_rows[:, None], refine_top_logits(logits, last, lm_head_rows), logits)
+    return logits
+
+
 def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor,
                       k: int = REFINED_LOGITS) -> torch.Tensor:
     """``logits`` with each row's ``k`` largest recomputed in fp32 from the low-precision hidden state.
@@ -154,12 +169,4 @@ class LlamaModel:
             delta = linear(hidden, layer.down) if lora is None else lora.project(i, "down", hidden, layer.down)
         rows = batch.logits_indices
         _, last = ops.add_rms_norm(residual[rows], None if delta is None else delta[rows], w.norm, cfg.rms_norm_eps)
-        logits = linear(last, w.lm_head).float()
-        which = batch.exact_logits
-        if last.dtype != torch.float32 and w.lm_head_rows is not None:
-            if which is not None:
-                logits[which] = refine_top_logits(logits[which], last[which], w.lm_head_rows)
-            elif batch.exact_rows is not None:
-                exact = refine_top_logits(logits, last, w.lm_head_rows)
-                logits = torch.where(batch.exact_rows[:, None], exact, logits)
-        return logits
+        return refine_exact_logits(linear(last, w.lm_head).float(), last, batch, w.lm_head_rows)

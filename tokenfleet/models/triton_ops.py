@@ -66,8 +66,8 @@ if triton is not None:
     def _rope_store_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_ptr, k_cache_ptr, v_cache_ptr,
                               ks_ptr, vs_ptr, stride_qkv, stride_cache_head, NUM_HEADS: tl.constexpr,
                               NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
-                              FP8_KV: tl.constexpr):
-        """FP8_KV: the caches hold packed rows (models.kv_fp8); each K and V head row is quantized with its own
+                              FP8_KV: tl.constexpr, ROW: tl.constexpr):
+        """FP8_KV: the caches hold packed rows of ROW bytes (models.kv_fp8); each K and V head row is quantized with its own
         scale, written through ``ks_ptr``/``vs_ptr`` (the caches viewed as fp32) after the row's bytes."""
         t = tl.program_id(0)
         half: tl.constexpr = HEAD_DIM // 2
@@ -96,7 +96,7 @@ if triton is not None:
         tl.store(k_ptr + t * NUM_KV_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :], k, mask=kv_ok)
         v = tl.load(k_base + NUM_KV_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0)
         if FP8_KV:
-            row_at = h.to(tl.int64) * stride_cache_head + slot * (HEAD_DIM + 16)  # [HEADS_PAD]: each row's first byte
+            row_at = h.to(tl.int64) * stride_cache_head + slot * ROW  # [HEADS_PAD]: each row's first byte
             _store_fp8_rows(k_cache_ptr, ks_ptr, row_at, k.to(tl.float32), d, h < NUM_KV_HEADS, HEAD_DIM)
             _store_fp8_rows(v_cache_ptr, vs_ptr, row_at, v.to(tl.float32), d, h < NUM_KV_HEADS, HEAD_DIM)
         else:
@@ -169,7 +169,8 @@ class TritonLayerOps:
             _rope_store_kv_kernel[(tokens,)](
                 qkv, batch.positions, cos, sin, batch.slot_mapping, q, k, k_cache, v_cache, k_scales, v_scales,
                 qkv.stride(0), k_cache.stride(0), NUM_HEADS=cfg.num_heads, NUM_KV_HEADS=cfg.num_kv_heads,
-                HEAD_DIM=cfg.head_dim, HEADS_PAD=_pow2(max(cfg.num_heads, cfg.num_kv_heads)), FP8_KV=fp8)
+                HEAD_DIM=cfg.head_dim, HEADS_PAD=_pow2(max(cfg.num_heads, cfg.num_kv_heads)), FP8_KV=fp8,
+                ROW=k_cache.shape[-1])
         v = qkv[:, (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim:].view(tokens, cfg.num_kv_heads, cfg.head_dim)
         return q, k, v
 

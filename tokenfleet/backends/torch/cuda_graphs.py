@@ -90,7 +90,6 @@ class DecodeGraphs:
         self.tokens, self.positions, self.context_lens, self.exact, self.source = (
             self._dev[i * n:(i + 1) * n] for i in range(5))
         self.group_slots = [self._dev[(5 + i) * n:(6 + i) * n] for i in range(g)]
-        self.slots = self.group_slots[0]
         self._staged = self._dev[self._columns * n:]
         self._tables = torch.zeros(n, g, w, dtype=torch.long, device=self.device)
         self.group_tables = [self._tables[:, i] for i in range(g)]  # [n, w] views with a row stride of g * w
