@@ -65,8 +65,9 @@ def cuda_graphs() -> bool:
 
 
 def attn_tuning() -> str:
-    """The Triton paged-attention kernel's launch parameters, "block_n,partition,num_warps,num_stages"
-    (models.triton_attention; benchmarks/attention_sweep.py)."""
+    """The Triton paged-attention kernel's launch parameters, "block_n,partition,num_warps,num_stages": keys per
+    tile, the fewest keys a split-K partition takes, warps, pipeline stages (models.triton_attention;
+    benchmarks/attention_sweep.py)."""
     return os.environ.get("TOKENFLEET_ATTN_TUNING", "64,256,4,3")
 
 

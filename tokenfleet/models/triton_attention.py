@@ -93,19 +93,36 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _key_range(context, count, first_row, TOKENS: tl.constexpr, window, BLOCK_N: tl.constexpr):
+        """The keys [start, end) that rows first_row .. first_row + TOKENS - 1 of a request see, start aligned down
+        to BLOCK_N (a sliding window's start moves with the first row)."""
+        last_row = tl.minimum(first_row + TOKENS, count) - 1
+        end = context - count + last_row + 1
+        start = tl.maximum(context - count + first_row + 1 - window, 0) * (window > 0)
+        return (start // BLOCK_N) * BLOCK_N, end
+
+    @triton.jit
+    def _chunk(span, num_parts, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Keys per partition: the span spread over the grid's partitions in whole tiles, at least PARTITION."""
+        per = (span + num_parts - 1) // num_parts
+        return tl.maximum(PARTITION, ((per + BLOCK_N - 1) // BLOCK_N) * BLOCK_N)
+
+    @triton.jit
     def paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, ctx_ptr, qstart_ptr,
         sm_scale, window,
         stride_qt, stride_qh, stride_kh, stride_kb, stride_ks, stride_ot, stride_oh, stride_table,
-        part_m_ptr, part_l_ptr, part_acc_ptr, num_kv_heads,
+        part_m_ptr, part_l_ptr, part_acc_ptr, num_kv_heads, num_parts,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
-        INTERPRETED: tl.constexpr, PARTITION: tl.constexpr, PARTS: tl.constexpr, FP8_KV: tl.constexpr,
-        PV: tl.constexpr,
+        INTERPRETED: tl.constexpr, PARTITION: tl.constexpr, FP8_KV: tl.constexpr, PV: tl.constexpr,
     ):
-        """PARTITION > 0 (split-K, "flash decoding"): program_id(0) is a partition of PARTITION keys instead of a
-        tile of query rows (TOKENS then covers every row); each writes its softmax state to the part_* buffers
-        and ``_merge_partitions`` combines them."""
+        """PARTITION > 0 (split-K, "flash decoding"): program_id(0) is one of ``num_parts`` partitions of the
+        request's keys instead of a tile of query rows (TOKENS then covers every row). A partition spans the keys
+        divided evenly over the grid in whole tiles, at least PARTITION keys, so the grid stays the same for any
+        context (a captured graph) while short contexts use fewer partitions: those past the keys exit without
+        writing. Each used one writes its softmax state to the part_* buffers and ``_merge_partitions`` combines
+        them."""
         if PARTITION > 0:
             part = tl.program_id(0)
             tile = 0
@@ -116,9 +133,16 @@ if triton is not None:
         kv_head = tl.program_id(2)
         q_first = tl.load(qstart_ptr + req)
         count = tl.load(qstart_ptr + req + 1) - q_first
+        context = tl.load(ctx_ptr + req)
         first_row = tile * TOKENS
-        if first_row < count:
-            context = tl.load(ctx_ptr + req)
+        start, end = _key_range(context, count, first_row, TOKENS, window, BLOCK_N)
+        used = first_row < count
+        if PARTITION > 0:
+            chunk = _chunk(end - start, num_parts, PARTITION, BLOCK_N)
+            start = start + part * chunk
+            end = tl.minimum(end, start + chunk)
+            used = used & (start < end)
+        if used:
             m = tl.arange(0, TOKENS * GROUP_PAD)
             row = first_row + m // GROUP_PAD  # the query row of this request
             head = kv_head * GROUP + m % GROUP_PAD
@@ -128,13 +152,6 @@ if triton is not None:
             q = tl.load(q_ptr + (q_first + row)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                         mask=live[:, None] & d_ok[None, :], other=0.0)
             limit = context - count + row + 1  # keys this row sees: [limit - window, limit)
-            last_row = tl.minimum(first_row + TOKENS, count) - 1
-            end = context - count + last_row + 1
-            start = tl.maximum(context - count + first_row + 1 - window, 0) * (window > 0)  # sliding window
-            start = (start // BLOCK_N) * BLOCK_N
-            if PARTITION > 0:
-                start = tl.maximum(start, part * PARTITION)
-                end = tl.minimum(end, (part + 1) * PARTITION)
             m_i = tl.full([TOKENS * GROUP_PAD], -1.0e30, tl.float32)
             l_i = tl.zeros([TOKENS * GROUP_PAD], tl.float32)
             acc = tl.zeros([TOKENS * GROUP_PAD, HEAD_PAD], tl.float32)
@@ -153,7 +170,7 @@ if triton is not None:
                                                  stride_ks, stride_table, d, d_ok, BLOCK_SIZE, BLOCK_N, FP32_DOT,
                                                  FP8_KV, HEAD_DIM, PV)
             if PARTITION > 0:
-                at = ((req * num_kv_heads + kv_head) * PARTS + part) * (TOKENS * GROUP_PAD) + m
+                at = ((req * num_kv_heads + kv_head) * num_parts + part) * (TOKENS * GROUP_PAD) + m
                 tl.store(part_m_ptr + at, m_i)
                 tl.store(part_l_ptr + at, l_i)
                 tl.store(part_acc_ptr + at[:, None] * HEAD_PAD + d[None, :], acc)
@@ -164,38 +181,57 @@ if triton is not None:
                          out.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
 
     @triton.jit
-    def _merge_partitions(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, qstart_ptr, num_kv_heads, stride_ot, stride_oh,
+    def _merge_one(part_m_ptr, part_l_ptr, part_acc_ptr, at0, m, d, top, total, acc, HEAD_PAD: tl.constexpr):
+        """One partition's state into the running one (a row that saw no keys there: m = -1e30, l = 0, weighs 0)."""
+        at = at0 + m
+        m_p = tl.load(part_m_ptr + at)
+        l_p = tl.load(part_l_ptr + at)
+        acc_p = tl.load(part_acc_ptr + at[:, None] * HEAD_PAD + d[None, :])
+        new = tl.maximum(top, m_p)
+        keep = tl.exp(top - new)
+        take = tl.exp(m_p - new)
+        return new, total * keep + l_p * take, acc * keep[:, None] + acc_p * take[:, None]
+
+    @triton.jit
+    def _merge_partitions(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, ctx_ptr, qstart_ptr, window, num_kv_heads,
+                          num_parts, stride_ot, stride_oh,
                           GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          HEAD_PAD: tl.constexpr, PARTS: tl.constexpr):
-        """One request x KV head: the partitions' (max, sum, accumulator) rescaled to the global max and summed."""
+                          HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
+                          INTERPRETED: tl.constexpr):
+        """One request x KV head: the used partitions' (max, sum, accumulator), folded one by one into a running
+        softmax state (rescaled to the running max). The same arithmetic as the partition kernel tells how many
+        partitions hold keys, so the merge's work follows the context, not the grid."""
         req = tl.program_id(0)
         kv_head = tl.program_id(1)
         q_first = tl.load(qstart_ptr + req)
         count = tl.load(qstart_ptr + req + 1) - q_first
+        start, end = _key_range(tl.load(ctx_ptr + req), count, 0, TOKENS, window, BLOCK_N)
+        chunk = _chunk(end - start, num_parts, PARTITION, BLOCK_N)
+        used = (end - start + chunk - 1) // chunk
         m = tl.arange(0, TOKENS * GROUP_PAD)
         row = m // GROUP_PAD
         head = kv_head * GROUP + m % GROUP_PAD
         live = (row < count) & (m % GROUP_PAD < GROUP)
         d = tl.arange(0, HEAD_PAD)
         d_ok = d < HEAD_DIM
-        p = tl.arange(0, PARTS)
-        base = (req * num_kv_heads + kv_head) * PARTS
-        at = (base + p)[:, None] * (TOKENS * GROUP_PAD) + m[None, :]  # [PARTS, M]
-        m_p = tl.load(part_m_ptr + at)
-        l_p = tl.load(part_l_ptr + at)
-        top = tl.max(m_p, axis=0)
-        w = tl.exp(m_p - top[None, :])  # an empty partition (m = -1e30, l = 0) weighs nothing
-        total = tl.sum(l_p * w, axis=0)
+        base = (req * num_kv_heads + kv_head) * num_parts
+        top = tl.full([TOKENS * GROUP_PAD], -1.0e30, tl.float32)
+        total = tl.zeros([TOKENS * GROUP_PAD], tl.float32)
         acc = tl.zeros([TOKENS * GROUP_PAD, HEAD_PAD], tl.float32)
-        for i in tl.static_range(PARTS):
-            w_i = tl.sum(tl.where(p[:, None] == i, w, 0.0), axis=0)
-            part_acc = tl.load(part_acc_ptr + ((base + i) * (TOKENS * GROUP_PAD) + m)[:, None] * HEAD_PAD + d[None, :])
-            acc += w_i[:, None] * part_acc
+        if INTERPRETED:
+            i = 0
+            while i < used:
+                top, total, acc = _merge_one(part_m_ptr, part_l_ptr, part_acc_ptr, (base + i) * (TOKENS * GROUP_PAD),
+                                             m, d, top, total, acc, HEAD_PAD)
+                i += 1
+        else:
+            for i in range(0, used):
+                top, total, acc = _merge_one(part_m_ptr, part_l_ptr, part_acc_ptr, (base + i) * (TOKENS * GROUP_PAD),
+                                             m, d, top, total, acc, HEAD_PAD)
         total = tl.where(total == 0.0, 1.0, total)
         out = acc / total[:, None]
         tl.store(out_ptr + (q_first + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
-
 
 PV_MODES = {"fp32": 0, "tf32x3": 1, "model": 2}  # envs.attn_pv -> the kernel's PV
 
@@ -214,10 +250,13 @@ class TritonPagedAttention:
     over a cached prefix come back here (``prefix_spans``) instead of gathering the prefix.
 
     Few requests (requests x KV heads under ``split_below`` programs, default two per multiprocessor) leave most
-    of the GPU idle while each program walks its whole context: then the context is split in partitions of
-    ``partition`` keys, one program each, merged by a second kernel (split-K, "flash decoding"). The partition
-    count follows the block table's width (static in a captured graph), rounded up to a power of two; partitions
-    past a request's context exit at once."""
+    of the GPU idle while each program walks its whole context: then the context is split in partitions, one
+    program each, merged by a second kernel (split-K, "flash decoding"). The grid's partition count fills
+    ``split_below`` (capped by the block table's width at ``partition`` keys each) and is static, so a captured
+    graph replays for any context; each partition covers the context divided over them in whole tiles, at least
+    ``partition`` keys. Partitions past a request's keys exit at once and the merge walks only the used ones (a
+    count that followed the table's width instead made a 128k-token table at batch 1 launch 512 partitions per KV
+    head, most of them empty, for a merge to walk)."""
 
     handles_prefill = False
     prefix_spans = True
@@ -256,12 +295,15 @@ class TritonPagedAttention:
         rows = tokens * group_pad
         head_pad = _pow2(max(head_dim, 16))
         parts = 1
-        if meta.max_query_len <= 4 and meta.num_requests * num_kv_heads < self._split_below(q.device):
-            parts = _pow2(-(-table.shape[1] * block_size // self.partition))
+        programs = meta.num_requests * num_kv_heads
+        split_below = self._split_below(q.device)
+        if meta.max_query_len <= 4 and programs < split_below:
+            # enough partitions to fill the GPU, no more than the table's width holds at PARTITION keys each
+            parts = min(-(-split_below // programs), -(-table.shape[1] * block_size // self.partition))
         if parts > 1:
             partition = self.partition
             grid = (parts, meta.num_requests, num_kv_heads)
-            part_m = torch.empty(meta.num_requests * num_kv_heads * parts * rows, dtype=torch.float32, device=q.device)
+            part_m = torch.empty(programs * parts * rows, dtype=torch.float32, device=q.device)
             part_l = torch.empty_like(part_m)
             part_acc = torch.empty(part_m.shape[0] * head_pad, dtype=torch.float32, device=q.device)
         else:
@@ -275,19 +317,20 @@ class TritonPagedAttention:
             q, k_cache, v_cache, k_scales, v_scales, out, table, meta.context_lens, meta.query_start,
             head_dim**-0.5, meta.window,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
-            out.stride(1), table.stride(0), part_m, part_l, part_acc, num_kv_heads, **constants,
+            out.stride(1), table.stride(0), part_m, part_l, part_acc, num_kv_heads, parts, **constants,
             BLOCK_SIZE=block_size, BLOCK_N=self.block_n,
             # the interpreter runs bf16 dots wrong (numpy has no bf16): there, upcast as fp32 runs do
             FP32_DOT=q.dtype == torch.float32 or _interpreted(),
-            INTERPRETED=_interpreted(), PARTITION=partition, PARTS=parts, FP8_KV=fp8, num_warps=self.num_warps,
+            INTERPRETED=_interpreted(), PARTITION=partition, FP8_KV=fp8, num_warps=self.num_warps,
             num_stages=self.num_stages,
             # fp32 models (and the interpreter, whose 16-bit dots are wrong) keep fp32 operands
             PV=0 if q.dtype == torch.float32 or _interpreted() else PV_MODES[self.pv],
         )
         if parts > 1:
             _merge_partitions[(meta.num_requests, num_kv_heads)](
-                part_m, part_l, part_acc, out, meta.query_start, num_kv_heads, out.stride(0), out.stride(1), **constants,
-                PARTS=parts)
+                part_m, part_l, part_acc, out, meta.context_lens, meta.query_start, meta.window, num_kv_heads, parts,
+                out.stride(0), out.stride(1), **constants, BLOCK_N=self.block_n, PARTITION=partition,
+                INTERPRETED=_interpreted())
         return out
 
     def _split_below(self, device: torch.device) -> int:

@@ -58,7 +58,10 @@ def test_triton_paged_attention_matches_reference(case, dtype):
     ref = TorchPagedAttention()(q, k_cache, v_cache, meta).float()
     # P.V's operands (envs.attn_pv): on a GPU in bf16 each way; the interpreter computes them all in fp32
     pvs = ("fp32", "tf32x3", "model") if torch.device(DEVICE).type == "cuda" and dtype == torch.bfloat16 else ("fp32",)
-    for split, pv in itertools.product((0, 1 << 20), pvs):  # one program per request x KV head, or partitions
+    # one program per request x KV head; partitions of 64 keys (as many as the table holds); three partitions per
+    # request x KV head, each spanning a third of the context in whole tiles
+    splits = (0, 1 << 20, 3 * len(counts) * kv_heads)
+    for split, pv in itertools.product(splits, pvs):
         attend = triton_attention.TritonPagedAttention(block_n=32, prefill_tokens=8, partition=64, split_below=split,
                                                        pv=pv)
         out = attend(q, k_cache, v_cache, meta)
@@ -84,6 +87,35 @@ def test_triton_kernel_ignores_padding_rows_and_stale_table_columns():
                           num_tokens=3, max_query_len=1)
     after = attend(torch.cat([q, torch.randn_like(q[:1])]), k_cache, v_cache, padded)
     assert torch.equal(after[:2], before)
+
+
+@pytest.mark.parametrize("split_below", [1 << 20, 2 * 3], ids=["64-key-partitions", "two-partitions"])
+def test_split_decode_over_a_wide_table_merges_only_the_partitions_that_hold_keys(split_below):
+    """A captured graph's table is as wide as the longest context the model allows (128k tokens: 8k columns), while
+    the contexts decoded are short. The grid's partitions cover the table's width (or fill the GPU); most find no
+    keys and exit without writing their state, and the merge must fold exactly the ones that wrote. Their state
+    buffers start as NaN here, so reading one that was never written shows."""
+    q, k_cache, v_cache, meta = random_step([1, 1, 1], [5, 100, 300], 6, 3, 64, 16, torch.float32, seed=11,
+                                            num_blocks=200)
+    wide = torch.cat([meta.block_table, torch.randint(0, 200, (3, 40), device=DEVICE)], dim=1)  # 61 columns
+    meta = PagedQueries(block_table=wide, context_lens=meta.context_lens, query_start=meta.query_start,
+                        num_tokens=meta.num_tokens, max_query_len=1)
+    ref = TorchPagedAttention()(q, k_cache, v_cache, meta)
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poisoned(*args, **kwargs):
+        return empty(*args, **kwargs).fill_(float("nan"))
+
+    def poisoned_like(*args, **kwargs):
+        return empty_like(*args, **kwargs).fill_(float("nan"))
+
+    attend = triton_attention.TritonPagedAttention(block_n=16, partition=32, split_below=split_below)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_attention.torch, "empty", poisoned)
+        patch.setattr(triton_attention.torch, "empty_like", poisoned_like)
+        out = attend(q, k_cache, v_cache, meta)
+    assert torch.isfinite(out).all()
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
 
 
 def test_an_unknown_pv_mode_is_refused(monkeypatch):
