@@ -79,6 +79,13 @@ def attn_pv() -> str:
     return os.environ.get("TOKENFLEET_ATTN_PV", "model")
 
 
+def fp8_matmul() -> str:
+    """FP8-weight models' matmuls at few rows on CUDA (models.triton_linear): "rows,block_n,block_k,num_warps,
+    num_stages"; steps of up to ``rows`` rows run the Triton weight-only kernel instead of ``torch._scaled_mm``
+    (rows 0: never)."""
+    return os.environ.get("TOKENFLEET_FP8_MATMUL", "16,32,256,4,4")
+
+
 def kernels() -> str:
     """Which kernels the torch engine runs for attention and the layers' element-wise steps: "auto" (the native
     C kernels on CPU in bf16, Triton on CUDA, else torch), "torch" (the torch reference everywhere: the engine as it

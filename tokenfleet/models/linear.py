@@ -69,7 +69,14 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Fp8Linear:
-    """y = (x quantized per token) @ (W quantized per output channel)^T, rescaled, in the activations' dtype."""
+    """y = (x quantized per token) @ (W quantized per output channel)^T, rescaled, in the activations' dtype.
+
+    ``few_rows`` (models.triton_linear, CUDA): steps of that many rows or fewer (decode at small batches) keep the
+    activations in their dtype and multiply them by the e4m3 weights in one Triton kernel, which streams the weights
+    at HBM speed where ``torch._scaled_mm`` with one row does not."""
+
+    def __init__(self, few_rows: Any = None):
+        self.few_rows = few_rows
 
     def prepare(self, weight: torch.Tensor) -> Fp8Weight:
         if weight.shape[0] % 16 or weight.shape[1] % 16:
@@ -80,6 +87,8 @@ class Fp8Linear:
     def __call__(self, x: torch.Tensor, weight: Fp8Weight | torch.Tensor) -> torch.Tensor:
         if isinstance(weight, torch.Tensor):  # a layer kept in the model's dtype (the LM head)
             return F.linear(x, weight)
+        if self.few_rows is not None and self.few_rows.takes(x):
+            return self.few_rows(x, weight)
         if x.is_cuda and _triton_quantize is not None:
             xq, scale = _triton_quantize(x)  # one kernel instead of ~8
         else:
@@ -104,7 +113,9 @@ def select_linear(dtype: torch.dtype, device: torch.device, quantization: str = 
     if quantization == "fp8":
         if dtype == torch.float32:
             raise ValueError("fp8 weights run with bfloat16 or float16 activations, not float32")
-        return Fp8Linear()
+        from tokenfleet.models import triton_linear
+
+        return Fp8Linear(triton_linear.select(device))
     if device.type == "cpu" and dtype == torch.bfloat16 and _packed_available():
         return PackedOneDNNLinear()
     return DenseLinear()
