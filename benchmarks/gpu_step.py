@@ -7,7 +7,8 @@ SmolLM2-135M's and Llama-3.1-8B's) and each mode:
 - eager:        the engine with CUDA graphs off (the Triton attention kernel either way)
 - eager-torch:  graphs off and the torch reference attention: the engine as it was before this issue
 - graphs:       decode steps replayed from captured CUDA graphs
-- graphs-fp8:   graphs with FP8 (e4m3) weights, per-channel scales, through torch._scaled_mm
+- graphs-fp8:   graphs with FP8 (e4m3) weights, per-channel scales: steps of up to 16 rows through the Triton
+                weight-only kernel (models.triton_linear), larger ones through torch._scaled_mm
 - graphs-fp8kv: graphs with bf16 weights and an FP8 KV cache (e4m3, a scale per token and KV head: models.kv_fp8)
 - graphs-fp8-fp8kv: FP8 weights and the FP8 KV cache
 - graphs-overlap: graphs with overlapped scheduling (EngineCore.enable_overlap: the next decode step is queued on
@@ -265,7 +266,9 @@ def profile_run(geometry: str, mode: str, batch: int, context: int) -> str:
     return table
 
 
-ATTN_ENV = ("TOKENFLEET_ATTN_PV", "TOKENFLEET_ATTN_TUNING")
+# settings read when a model is built (tokenfleet.envs): each variant's replace the caller's, then go
+VARIANT_ENV = {"attn_pv": ("TOKENFLEET_ATTN_PV", ",", "pv"), "attn_tuning": ("TOKENFLEET_ATTN_TUNING", ";", "tune"),
+               "fp8_matmul": ("TOKENFLEET_FP8_MATMUL", ";", "fp8mm")}
 
 
 def set_env(values: dict[str, str | None]) -> None:
@@ -277,18 +280,76 @@ def set_env(values: dict[str, str | None]) -> None:
 
 
 def variants(args) -> list[tuple[str, str, dict[str, str]]]:  # type: ignore[no-untyped-def]
-    """(mode, row label, environment) for each mode x --attn-pv x --attn-tuning: the Triton attention kernel reads
-    TOKENFLEET_ATTN_PV and TOKENFLEET_ATTN_TUNING (tokenfleet.envs) when a model is built."""
-    pvs = [v for v in args.attn_pv.split(",") if v] or [""]
-    tunings = [v for v in args.attn_tuning.split(";") if v] or [""]
-    out = []
-    for mode in args.modes.split(","):
-        for pv in pvs:
-            for tuning in tunings:
-                label = mode + (f"[pv={pv}]" if pv else "") + (f"[tune={tuning}]" if tuning else "")
-                env = {**({"TOKENFLEET_ATTN_PV": pv} if pv else {}), **({"TOKENFLEET_ATTN_TUNING": tuning} if tuning else {})}
-                out.append((mode, label, env))
+    """(mode, row label, environment) for each mode x --attn-pv x --attn-tuning x --fp8-matmul: the kernels read
+    TOKENFLEET_ATTN_PV, TOKENFLEET_ATTN_TUNING and TOKENFLEET_FP8_MATMUL when a model is built."""
+    out = [(mode, mode, {}) for mode in args.modes.split(",")]
+    for attr, (key, sep, short) in VARIANT_ENV.items():
+        values = [v for v in getattr(args, attr).split(sep) if v] or [""]
+        out = [(mode, label + (f"[{short}={v}]" if v else ""), {**env, **({key: v} if v else {})})
+               for mode, label, env in out for v in values]
     return out
+
+
+def run_order(labels: list[str], batches: list[int], rounds: int) -> list[tuple[int, str, int]]:
+    """(round, variant, batch) in the order measured: each round runs every variant's batches, variants in turn,
+    and odd rounds run the variants in reverse (so neither side of a ratio always goes first)."""
+    order = []
+    for r in range(rounds):
+        for label in (labels if r % 2 == 0 else labels[::-1]):
+            order += [(r, label, b) for b in batches]
+    return order
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per (geometry, mode, batch): the median step over the rounds, every round's step kept in ``runs_ms``."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["geometry"], r["mode"], r["batch"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        runs = sorted(runs, key=lambda r: r["step_ms"])
+        mid = dict(runs[(len(runs) - 1) // 2])  # the lower median: a real run, its other figures consistent with it
+        mid.update(runs_ms=[r["step_ms"] for r in sorted(runs, key=lambda r: r["round"])], rounds=len(runs))
+        out.append(mid)
+    return out
+
+
+def measure(results: dict, geometry: str, label: str, mode: str, built, b: int, args, card: dict, num_blocks: int,
+            seed: int, rnd: int = 0) -> None:  # type: ignore[no-untyped-def]
+    config, runner, core, capture_s = built
+    if b * -(-(args.context + args.steps + 16) // 16) > num_blocks:
+        results["errors"].append(f"{geometry} {label} b={b}: {num_blocks} blocks are too few")
+        return
+    try:
+        row = decode_run(core, runner, config, b, args.context, args.steps, seed=seed)
+    except Exception as e:
+        results["errors"].append(f"{geometry} {label} b={b}: {type(e).__name__}: {e}")
+        print(results["errors"][-1], flush=True)
+        return
+    roof = step_roofline(config, b, row["context_mid"], fp8_weights(mode), card, fp8_kv(mode))
+    row.update(geometry=geometry, mode=label, capture_s=capture_s, roofline_ms=roof["floor_ms"], round=rnd,
+               bytes=roof["bytes"], flops=roof["flops"], efficiency=roof["floor_ms"] / row["step_ms"],
+               hbm_share=roof["bytes"] / card["hbm_bytes_per_s"] * 1000 / row["step_ms"])
+    results["runs"].append(row)
+    print(f"{geometry:13s} {label:11s} b={b:3d} round {rnd} step {row['step_ms']:8.3f} ms "
+          f"(p90 {row['p90_step_ms']:.3f}) fwd-gpu {row['forward_gpu_ms']:7.3f} ms  floor {roof['floor_ms']:7.3f} ms  "
+          f"eff {row['efficiency']:.0%}  replays {row['graph_replays']}", flush=True)
+
+
+def prefill(results: dict, geometry: str, label: str, mode: str, built, args, card: dict) -> None:  # type: ignore[no-untyped-def]
+    config, _, core, _ = built
+    if not args.prefill or mode not in ("eager", "graphs-fp8"):
+        return
+    try:
+        pre = prefill_run(core, config, args.prefill, seed=7)
+        pre.update(geometry=geometry, mode=label, peak_share=pre["flops_per_s"] / card["bf16_matmul_flops"])
+        results["prefill"].append(pre)
+        print(f"{geometry:13s} {label:11s} prefill {args.prefill}: {pre['seconds'] * 1000:.1f} ms "
+              f"{pre['tok_s']:.0f} tok/s {pre['flops_per_s'] / 1e12:.0f} TFLOP/s = {pre['peak_share']:.0%} of peak",
+              flush=True)
+    except Exception as e:
+        results["errors"].append(f"{geometry} {label} prefill: {type(e).__name__}: {e}")
+        print(results["errors"][-1], flush=True)
 
 
 def main() -> None:
@@ -305,6 +366,11 @@ def main() -> None:
     p.add_argument("--attn-pv", default="", help="comma-separated TOKENFLEET_ATTN_PV values to measure each mode with")
     p.add_argument("--attn-tuning", default="", help="semicolon-separated TOKENFLEET_ATTN_TUNING values "
                    "(block_n,partition,num_warps,num_stages) to measure each mode with")
+    p.add_argument("--fp8-matmul", default="", help="semicolon-separated TOKENFLEET_FP8_MATMUL values "
+                   "(rows,block_n,block_k,num_warps,num_stages; rows 0: torch._scaled_mm only) for each mode")
+    p.add_argument("--rounds", type=int, default=1,
+                   help=">1: build every variant of a geometry first and keep them all on the GPU, then run their "
+                        "batches in turn that many rounds (reversed on odd rounds); rows are the median round")
     p.add_argument("--profile", default="", help="GEOMETRY:MODE:BATCH,...: torch-profiler kernel tables, 20 steps each")
     args = p.parse_args()
     out = Path(args.out)
@@ -312,10 +378,16 @@ def main() -> None:
     card = measure_card()
     print(f"card: {card['device']}  HBM {card['hbm_bytes_per_s'] / 1e12:.2f} TB/s  bf16 matmul "
           f"{card['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s  torch {card['torch']}", flush=True)
-    results: dict = {"card": card, "args": vars(args), "rows": [], "prefill": [], "errors": []}
+    results: dict = {"card": card, "args": vars(args), "rows": [], "runs": [], "prefill": [], "errors": []}
     stamp = time.strftime("%Y-%m-%d")  # one name for the whole run, past midnight too
-    caller_env = {key: os.environ.get(key) for key in ATTN_ENV}  # each variant's settings replace these, then go
+    caller_env = {key: os.environ.get(key) for key, _, _ in VARIANT_ENV.values()}
     batches = [int(b) for b in args.batches.split(",")]
+    todo = variants(args)
+
+    def save() -> None:
+        results["rows"] = medians(results["runs"])
+        (out / f"{stamp}-{args.name}.json").write_text(json.dumps(results, indent=1))
+
     for geometry in args.geometries.split(","):
         config_probe = ModelConfig.from_dict(GEOMETRIES[geometry])
         max_model_len = args.context + args.steps + 64
@@ -325,51 +397,48 @@ def main() -> None:
         want = max(batches) * -(-(args.context + args.steps + 16) // 16) + 64
         free = torch.cuda.mem_get_info()[0]
         weights = (linear_params(config_probe) + 2 * config_probe.vocab_size * config_probe.hidden_size) * 2
-        num_blocks = int(min(want, (free - weights - (6 << 30)) // per_block))
-        for mode, label, env in variants(args):
+        resident = len(todo) if args.rounds > 1 else 1  # engines on the GPU at once share what is free
+        num_blocks = int(min(want, (free - resident * weights - (6 << 30)) // resident // per_block))
+        mode_batches = {label: [b for b in batches if mode != "eager-torch" or str(b) in args.torch_batches.split(",")]
+                        for mode, label, _ in todo}
+
+        def build_variant(mode: str, label: str, env: dict[str, str]):  # type: ignore[no-untyped-def]
             set_env({**caller_env, **env})
-            mode_batches = [b for b in batches if mode != "eager-torch" or str(b) in args.torch_batches.split(",")]
             try:
-                config, runner, core, capture_s = build(geometry, mode, max(batches), num_blocks, max_model_len)
+                return build(geometry, mode, max(batches), num_blocks, max_model_len)
             except Exception as e:  # one mode failing must not cost the others' figures
                 results["errors"].append(f"{geometry} {label} build: {type(e).__name__}: {e}")
                 print(results["errors"][-1], flush=True)
-                continue
-            for b in mode_batches:
-                if b * -(-(args.context + args.steps + 16) // 16) > num_blocks:
-                    results["errors"].append(f"{geometry} {label} b={b}: {num_blocks} blocks are too few")
+                return None
+
+        if args.rounds <= 1:  # one engine at a time: as much KV as the card holds for each
+            for mode, label, env in todo:
+                built = build_variant(mode, label, env)
+                if built is None:
                     continue
-                try:
-                    row = decode_run(core, runner, config, b, args.context, args.steps, seed=b)
-                except Exception as e:
-                    results["errors"].append(f"{geometry} {label} b={b}: {type(e).__name__}: {e}")
-                    print(results["errors"][-1], flush=True)
-                    continue
-                roof = step_roofline(config, b, row["context_mid"], fp8_weights(mode), card, fp8_kv(mode))
-                row.update(geometry=geometry, mode=label, capture_s=capture_s, roofline_ms=roof["floor_ms"],
-                           bytes=roof["bytes"], flops=roof["flops"], efficiency=roof["floor_ms"] / row["step_ms"],
-                           hbm_share=roof["bytes"] / card["hbm_bytes_per_s"] * 1000 / row["step_ms"])
-                results["rows"].append(row)
-                print(f"{geometry:13s} {label:11s} b={b:3d} step {row['step_ms']:8.3f} ms (p90 {row['p90_step_ms']:.3f}) "
-                      f"fwd-gpu {row['forward_gpu_ms']:7.3f} ms  floor {roof['floor_ms']:7.3f} ms  "
-                      f"eff {row['efficiency']:.0%}  replays {row['graph_replays']}", flush=True)
-            if args.prefill and mode in ("eager", "graphs-fp8"):
-                try:
-                    pre = prefill_run(core, config, args.prefill, seed=7)
-                    pre.update(geometry=geometry, mode=label, peak_share=pre["flops_per_s"] / card["bf16_matmul_flops"])
-                    results["prefill"].append(pre)
-                    print(f"{geometry:13s} {label:11s} prefill {args.prefill}: {pre['seconds'] * 1000:.1f} ms "
-                          f"{pre['tok_s']:.0f} tok/s {pre['flops_per_s'] / 1e12:.0f} TFLOP/s = {pre['peak_share']:.0%} of peak",
-                          flush=True)
-                except Exception as e:
-                    results["errors"].append(f"{geometry} {label} prefill: {type(e).__name__}: {e}")
-                    print(results["errors"][-1], flush=True)
-            del config, runner, core
-            (out / f"{stamp}-{args.name}.json").write_text(json.dumps(results, indent=1))  # so far
-            gc.collect()
-            torch.cuda.empty_cache()
+                for b in mode_batches[label]:
+                    measure(results, geometry, label, mode, built, b, args, card, num_blocks, seed=b)
+                prefill(results, geometry, label, mode, built, args, card)
+                del built
+                save()  # so far
+                gc.collect()
+                torch.cuda.empty_cache()
+            continue
+        engines = {label: (mode, build_variant(mode, label, env)) for mode, label, env in todo}
+        engines = {label: v for label, v in engines.items() if v[1] is not None}
+        for rnd, label, b in run_order(list(engines), batches, args.rounds):
+            if b in mode_batches[label]:
+                mode, built = engines[label]
+                measure(results, geometry, label, mode, built, b, args, card, num_blocks, seed=1000 * rnd + b, rnd=rnd)
+        save()
+        for label, (mode, built) in engines.items():
+            prefill(results, geometry, label, mode, built, args, card)
+        del engines
+        save()
+        gc.collect()
+        torch.cuda.empty_cache()
     set_env(caller_env)  # --profile runs under the caller's settings
-    (out / f"{stamp}-{args.name}.json").write_text(json.dumps(results, indent=1))
+    save()
     (out / f"{stamp}-{args.name}.md").write_text(report(results))
     print(report(results))
     for spec in filter(None, args.profile.split(",")):  # into the JSON: a GPU machine returns few files
@@ -380,7 +449,7 @@ def main() -> None:
             table = f"{type(e).__name__}: {e}"
         results.setdefault("profiles", {})[spec] = table
         print(f"profile {spec}:\n{table}", flush=True)
-        (out / f"{stamp}-{args.name}.json").write_text(json.dumps(results, indent=1))
+        save()
     if results["errors"]:
         print("ERRORS:", *results["errors"], sep="\n  ", file=sys.stderr)
 
@@ -395,9 +464,14 @@ def report(results: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         gap = f"{r['host_gap_ms']:.3f}" if r.get("host_gap_ms") is not None else "-"
-        lines.append(f"| {r['geometry']} | {r['mode']} | {r['batch']} | {r['step_ms']:.3f} | {r['p90_step_ms']:.3f} | "
+        rounds = f" (median of {r['rounds']})" if r.get("rounds", 1) > 1 else ""  # every round: the list below
+        lines.append(f"| {r['geometry']} | {r['mode']} | {r['batch']} | {r['step_ms']:.3f}{rounds} | {r['p90_step_ms']:.3f} | "
                      f"{r['forward_gpu_ms']:.3f} | {r.get('replay_ms', 0):.3f} | {gap} | {r['roofline_ms']:.3f} | "
                      f"{r['efficiency']:.0%} | {r['tok_s']:.0f} |")
+    if any(r.get("rounds", 1) > 1 for r in results["rows"]):
+        lines += ["", "Every round's step (ms), in the order run (odd rounds ran the variants in reverse):", ""]
+        lines += [f"- {r['geometry']} {r['mode']} b={r['batch']}: " + ", ".join(f"{v:.3f}" for v in r["runs_ms"])
+                  for r in results["rows"]]
     if results["prefill"]:
         lines += ["", "| geometry | mode | prefill tokens | ms (median of 3) | tok/s | TFLOP/s | share of matmul peak |",
                   "|---|---|---|---|---|---|---|"]
