@@ -149,3 +149,42 @@ def test_gemma3_graph_replays_generate_what_eager_steps_do(monkeypatch, tmp_path
     else:  # as the Llama test: a near-tie may flip at a padded batch size
         same = sum(a == b for r in expected for a, b in zip(expected[r], got[r]))
         assert same / sum(len(v) for v in expected.values()) >= 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lora_graph_replays_generate_what_eager_steps_do(monkeypatch, tmp_path, dtype):
+    """Two adapters loaded (graphs captured again after each), requests of both and of the base model in the same
+    steps: the LoRA graphs replay and generate the eager LoRA path's tokens."""
+    from tests.unit.backends.test_decode_graphs import write_adapter
+    from tokenfleet.models.lora import FUSED
+
+    folders = {n: write_adapter(tmp_path / n, seed, rank=8, config=CONFIG, scale=0.05) for seed, n in enumerate("ab")}
+
+    def session(graphs: bool) -> tuple[dict[str, list[int]], TorchModelRunner]:
+        core, runner = engine(dtype, graphs, monkeypatch=monkeypatch)
+        model = runner.model
+        model.source_dir = "random"  # the adapters stack under the model's own (random) weights
+        monkeypatch.setattr("tokenfleet.backends.torch.runner.fused_base_weights", lambda folder, config: [
+            {f: getattr(layer, f) for f in FUSED} for layer in model.weights.layers])
+        for name, folder in folders.items():
+            runner.load_adapter(name, folder)
+        for i in range(9):
+            params = SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True)
+            core.add_request([(11 * i + j) % 1000 + 1 for j in range(4 + 7 * i)], params, request_id=f"r{i}",
+                             adapter=("a", "b", "")[i % 3])
+        out: dict[str, list[int]] = {}
+        while core.has_unfinished():
+            for o in core.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return out, runner
+
+    expected, _ = session(False)
+    got, runner = session(True)
+    assert runner.graphs is not None and runner.graphs.lora_replays > 10
+    same = sum(a == b for r in expected for a, b in zip(expected[r], got[r]))
+    total = sum(len(v) for v in expected.values())
+    print(f"{dtype}: LoRA graph replays matched eager steps on {same}/{total} tokens")
+    if dtype == torch.float32:
+        assert got == expected
+    else:
+        assert all(got[r][0] == expected[r][0] for r in expected) and same / total >= 0.5, f"{same}/{total}"

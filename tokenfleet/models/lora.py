@@ -63,6 +63,7 @@ class LoraSet:
         self.columns: dict[str, dict[str, tuple[int, int]]] = {}  # fused layer -> adapter -> its columns
         self.width: dict[str, int] = {}  # fused layer -> C
         self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]] = []  # (prepared [W; A_all], B_all, out)
+        self.version = 0  # bumped whenever the stacked matrices are rebuilt (CUDA graphs captured over them go stale)
 
     def __contains__(self, name: str) -> bool:
         return name in self.adapters
@@ -72,6 +73,7 @@ class LoraSet:
         self._rebuild()
 
     def _rebuild(self) -> None:
+        self.version += 1
         outputs, inputs = _sizes(self.config)
         self.columns, self.width = {}, {}
         for f in FUSED:  # per fused layer, one column range per adapter: its widest stacked A there
@@ -125,6 +127,15 @@ class LoraBatch:
 
     lora: LoraSet
     masks: dict[str, torch.Tensor]  # fused layer -> [rows, C]
+
+    @classmethod
+    def from_ranges(cls, lora: LoraSet, columns: dict[str, torch.Tensor], first: dict[str, torch.Tensor],
+                    end: dict[str, torch.Tensor]) -> LoraBatch:
+        """The masks built on the device from each row's column range per fused layer (``first``/``end`` [rows],
+        equal for a row without an adapter there; ``columns``: arange(C) per fused layer): what a captured CUDA
+        graph replays (backends.torch.cuda_graphs), its ranges uploaded as numbers each step."""
+        return cls(lora, {f: ((cols[None, :] >= first[f][:, None]) & (cols[None, :] < end[f][:, None])).to(lora.dtype)
+                          for f, cols in columns.items()})
 
     def project(self, layer: int, name: str, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         """The fused layer ``name``'s output for ``x``, each row with its adapter (``base``: the plain weight)."""

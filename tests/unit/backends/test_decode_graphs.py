@@ -229,3 +229,86 @@ def test_tables_past_their_byte_bound_are_narrower_and_longer_contexts_run_eager
     assert runner.graphs is not None and runner.graphs.max_blocks == 10 and runner.graphs.table.shape == (8, 10)
     assert run(core, PROMPTS, PARAMS) == graphed[0]  # the full tables' tokens, which are the regular path's
     assert 0 < runner.graphs.replays < 18  # from r4's 40th key (30 prompt tokens, 22 new) its steps ran eagerly
+
+
+def write_adapter(folder, seed: int, rank: int = 4, config: ModelConfig = CONFIG, scale: float = 0.3) -> str:
+    """A PEFT LoRA folder for ``config``: every linear layer of every layer adapted, weights large enough to matter
+    (tests/gpu uses it too)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from tokenfleet.models.lora import _sizes
+
+    outputs, inputs = _sizes(config)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for sub in outputs:
+            key = f"base_model.model.model.layers.{layer}.{sub}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inputs[sub], generator=g) * scale
+            tensors[f"{key}.lora_B.weight"] = torch.randn(outputs[sub], rank, generator=g) * scale
+    folder.mkdir()
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}))
+    return str(folder)
+
+
+def lora_engine(graphs: bool, monkeypatch) -> tuple[EngineCore, TorchModelRunner]:
+    from tokenfleet.models.lora import FUSED
+
+    core, runner = engine(graphs, torch.float32, monkeypatch)
+    model = runner.model
+    model.source_dir = "random"  # LoRA stacks adapters under the checkpoint's weights: here, the model's own
+    monkeypatch.setattr("tokenfleet.backends.torch.runner.fused_base_weights", lambda folder, config: [
+        {f: getattr(layer, f) for f in FUSED} for layer in model.weights.layers])
+    return core, runner
+
+
+def run_adapters(core: EngineCore, jobs: list[tuple[str, list[int], str, int]]) -> dict[str, list[int]]:
+    for rid, prompt, adapter, max_tokens in jobs:
+        core.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                         request_id=rid, adapter=adapter)
+    out: dict[str, list[int]] = {rid: [] for rid, *_ in jobs}
+    while core.has_unfinished():
+        for o in core.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return out
+
+
+def test_lora_steps_replay_graphs_captured_over_the_loaded_adapters(monkeypatch, tmp_path):
+    """Steps with adapter rows (mixed with base rows) replay the LoRA graphs, which build each row's adapter mask on
+    the device from its uploaded column ranges; loading another adapter rebuilds the stacked matrices and captures
+    again. The tokens equal the regular (eager) LoRA path's, fp32; an adapter set changed behind the graphs' back
+    is declined (eager) rather than replayed stale."""
+    folders = {name: write_adapter(tmp_path / name, seed) for seed, name in enumerate(("a", "b", "c"))}
+    first = [("x0", [3, 4, 5, 6, 7], "a", 9), ("x1", [3, 4, 5, 6, 7], "", 9), ("x2", list(range(30, 47)), "a", 12)]
+    second = [("y0", [3, 4, 5, 6, 7], "b", 9), ("y1", list(range(8, 15)), "a", 11), ("y2", [9, 9, 9], "", 16),
+              ("y3", list(range(60, 70)), "b", 6)]
+    third = [("z0", [3, 4, 5, 6, 7], "c", 6), ("z1", [3, 4, 5, 6, 7], "a", 6)]
+
+    def session(graphs: bool) -> tuple[list[dict[str, list[int]]], TorchModelRunner]:
+        core, runner = lora_engine(graphs, monkeypatch)
+        runner.load_adapter("a", folders["a"])
+        outs = [run_adapters(core, first)]
+        runner.load_adapter("b", folders["b"])
+        outs.append(run_adapters(core, second))
+        if graphs:
+            assert runner.graphs is not None and runner.adapters is not None
+            assert runner.graphs.lora_version == runner.adapters.version  # captured over a and b
+            replays = runner.graphs.lora_replays
+        from tokenfleet.models.lora import load_peft_adapter
+
+        assert runner.adapters is not None  # an adapter added without the runner: the graphs are stale
+        runner.adapters.add(load_peft_adapter("c", folders["c"], CONFIG, torch.float32, torch.device("cpu")))
+        outs.append(run_adapters(core, third))
+        if graphs:
+            assert runner.graphs is not None and runner.graphs.lora_replays == replays
+        core.scheduler.block_manager.check_invariants()
+        return outs, runner
+
+    eager, _ = session(False)
+    graphed, runner = session(True)
+    assert graphed == eager
+    assert runner.graphs is not None and runner.graphs.lora_replays >= 15 and runner.graphs.replays > runner.graphs.lora_replays
+    assert eager[0]["x0"] != eager[0]["x1"] and eager[1]["y0"] != eager[0]["x0"]  # the adapters change the output

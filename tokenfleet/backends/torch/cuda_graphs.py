@@ -21,8 +21,14 @@ the pool), with a context of one key, and their logits are dropped. Attention mu
 bounds from the context-length tensor, not from Python: the Triton kernel (models.triton_attention)
 does; the torch reference would gather the whole table width, so graphs are used only with it.
 
+LoRA adapters (models.lora) get a second graph per bucket, captured over the loaded adapters' stacked matrices
+when an adapter is loaded (``capture_lora``): a step with adapter rows uploads each row's column range per fused
+layer (numbers, like the columns above) and the graph builds the adapters' masks from them on the device; a step
+without adapter rows replays the plain graph. Until an adapter set's graphs are captured (or if capturing them
+failed), its steps run eagerly.
+
 What falls back to the eager forward: steps with a prefill chunk or speculative verification rows,
-prompt logprobs, LoRA adapters, and batches over the largest bucket. Greedy rows (and rows reporting
+prompt logprobs, and batches over the largest bucket. Greedy rows (and rows reporting
 logprobs) get their top logits recomputed exactly as in eager mode (llama.refine_top_logits), chosen per
 row by a static flag.
 """
@@ -38,6 +44,7 @@ from tokenfleet import envs
 from tokenfleet.engine.request import Request
 from tokenfleet.engine.scheduler import ScheduledRequest
 from tokenfleet.models.attention import ForwardBatch, PagedQueries
+from tokenfleet.models.lora import FUSED, LoraBatch, LoraSet
 
 TABLE_BYTES = 64 << 20  # the static block tables' bound (their staging twins take as much again)
 
@@ -102,16 +109,30 @@ class DecodeGraphs:
         self.captured = False
         self._pool: Any = None
         self.replays = 0  # steps served by a graph (tests, metrics)
+        # LoRA: each row's [first, end) columns per fused layer (FUSED order), a pinned buffer of its own uploaded
+        # only by steps with adapter rows; the graphs of the adapter set at ``lora_version``
+        self.lora: LoraSet | None = None
+        self.lora_version = -1
+        self.lora_replays = 0
+        self._lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._lora_host = torch.zeros(2 * len(FUSED) * n, dtype=torch.long, pin_memory=cuda)
+        self._lora_host_np = self._lora_host.numpy()
+        self._lora_dev = torch.zeros(self._lora_host.shape, dtype=torch.long, device=self.device)
+        self._lora_columns: dict[str, torch.Tensor] = {}
 
     def supports(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]) -> bool:
         if not 0 < len(scheduled) <= self.max_batch:
             return False
+        lora_ready = self.lora is not None and self.lora.version == self.lora_version
         for entry in scheduled:
             if entry.num_new_tokens != 1 or entry.draft or not entry.samples:
                 return False
             if entry.start + 1 > self.max_blocks * self.block_size:
                 return False
-            if requests[entry.request_id].sampling_params.prompt_logprobs is not None:
+            request = requests[entry.request_id]
+            if request.sampling_params.prompt_logprobs is not None:
+                return False
+            if getattr(request, "adapter", "") and not lora_ready:
                 return False
         return True
 
@@ -121,25 +142,52 @@ class DecodeGraphs:
         self._fill_padding(0, self.max_batch)
         self._dev.copy_(self._host)
         self._tables[:, :, 0] = self.scratch_block
+        self._graphs = self._capture_buckets(lora=False)
+        self.captured = True
+
+    def capture_lora(self, lora: LoraSet) -> None:
+        """Graphs of ``lora``'s adapters as loaded now (after each load: the stacked matrices are new tensors).
+        Until this returns, steps with adapter rows run eagerly; the previous set's graphs are dropped first."""
+        self._lora_graphs = {}
+        self.lora = lora
+        self.lora_version = -1
+        self._lora_columns = {f: torch.arange(width, dtype=torch.long, device=self.device)
+                              for f, width in lora.width.items() if width}
+        if self._uploaded is not None:  # no CUDA (tests): the eager forward stands in for the graphs
+            # every row a padding row (the scratch block) while capturing: the warm-up forwards write K/V too. A step
+            # queued before this (overlapped scheduling) replays first: these copies follow it on the stream
+            self._uploaded.synchronize()
+            n = self.max_batch
+            self._fill_padding(0, n)
+            self._lora_host_np[:] = 0
+            self._dev[:self._columns * n].copy_(self._host[:self._columns * n], non_blocking=True)
+            self._lora_dev.copy_(self._lora_host, non_blocking=True)
+            self._tables[:, :, 0] = self.scratch_block
+            self._uploaded.record()
+            self._lora_graphs = self._capture_buckets(lora=True)
+        self.lora_version = lora.version
+
+    def _capture_buckets(self, lora: bool) -> dict[int, torch.cuda.CUDAGraph]:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for b in reversed(self.buckets):
-                self._forward(b)
-                self._forward(b)
+                self._forward(b, lora)
+                self._forward(b, lora)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
+        graphs = {}
         for b in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._forward(b)
+                self._forward(b, lora)
             if self._pool is None:
                 self._pool = graph.pool()
-            self._graphs[b] = graph
+            graphs[b] = graph
         torch.cuda.synchronize(self.device)
-        self.captured = True
+        return graphs
 
-    def _forward(self, b: int) -> None:
+    def _forward(self, b: int, lora: bool = False) -> None:
         exact = self.exact[:b].bool()
         views = []
         for slots, table, window in zip(self.group_slots, self.group_tables, self.windows):
@@ -149,6 +197,12 @@ class DecodeGraphs:
                                       logits_indices=self.rows[:b], exact_rows=exact, paged=meta, window=window))
         batch = views[0]
         batch.others = tuple(views[1:])
+        if lora:
+            assert self.lora is not None
+            n = self.max_batch
+            first = {f: self._lora_dev[2 * k * n: 2 * k * n + b] for k, f in enumerate(FUSED)}
+            end = {f: self._lora_dev[(2 * k + 1) * n: (2 * k + 1) * n + b] for k, f in enumerate(FUSED)}
+            batch.lora = LoraBatch.from_ranges(self.lora, self._lora_columns, first, end)
         self.logits[:b].copy_(self.model.forward(self.tokens[:b], batch, self.kv))
 
     def run(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request],
@@ -180,19 +234,40 @@ class DecodeGraphs:
                 tables[i, k, :used] = blocks[:used]  # (past used: stale values, never read: the context ends first)
         self._fill_padding(real, b)
         tables[real:, :, 0] = self.scratch_block
+        lora = self.lora is not None and self._fill_lora(scheduled, requests, b)
         staged = b * g * width
         self._dev[:cols * n + staged].copy_(self._host[:cols * n + staged], non_blocking=True)
+        if lora:
+            self._lora_dev.copy_(self._lora_host, non_blocking=True)
         self._tables[:b, :, :width].copy_(self._staged[:staged].view(b, g, width))
         if source is not None and carried:
             src = self.source[:b]
             self.tokens[:b] = torch.where(src >= 0, source[0][src.clamp(min=0)], self.tokens[:b])
         self.replays += 1
+        self.lora_replays += lora
         if self._uploaded is None:  # no CUDA (tests of the buffers' bookkeeping): the same forward, eagerly
-            self._forward(b)
+            self._forward(b, lora)
             return self.logits[:real]
         self._uploaded.record()
-        self._graphs[b].replay()
+        (self._lora_graphs if lora else self._graphs)[b].replay()
         return self.logits[:real]
+
+    def _fill_lora(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request], b: int) -> bool:
+        """Each row's adapter columns per fused layer into the LoRA host buffer (padding rows and rows without an
+        adapter: an empty range); False, with nothing written, when no row has an adapter."""
+        assert self.lora is not None
+        names = [getattr(requests[entry.request_id], "adapter", "") for entry in scheduled]
+        if not any(names):
+            return False
+        n = self.max_batch
+        host = self._lora_host_np
+        for k, f in enumerate(FUSED):
+            ranges = self.lora.columns.get(f, {})
+            for i, name in enumerate(names):
+                host[2 * k * n + i], host[(2 * k + 1) * n + i] = ranges.get(name, (0, 0))
+            host[2 * k * n + len(names): 2 * k * n + b] = 0
+            host[(2 * k + 1) * n + len(names): (2 * k + 1) * n + b] = 0
+        return True
 
     def _fill_padding(self, first: int, last: int) -> None:
         """Rows first..last-1 decode token 0 at position 0 into the scratch block (every group's slot; their tables'

@@ -191,7 +191,7 @@ class TorchModelRunner:
                 pending.append((i, carry.rows[entry.request_id]))
         source = (carry.sample.token_ids, pending) if pending and carry is not None else None
         graphs = self.graphs
-        if graphs is not None and graphs.captured and self.adapters is None and graphs.supports(output.scheduled, requests):
+        if graphs is not None and graphs.captured and graphs.supports(output.scheduled, requests):
             logits = graphs.run(output.scheduled, requests, source)
         else:
             token_ids, batch, spans = self.build_batch(output.scheduled, requests, source)
@@ -223,7 +223,7 @@ class TorchModelRunner:
         if output.copies:
             self.kv.copy_blocks(list(output.copies))
         graphs = self.graphs
-        if graphs is not None and graphs.captured and self.adapters is None and graphs.supports(output.scheduled, requests):
+        if graphs is not None and graphs.captured and graphs.supports(output.scheduled, requests):
             self._prompt_spans = []
             return graphs.run(output.scheduled, requests)
         token_ids, batch, self._prompt_spans = self.build_batch(output.scheduled, requests)
@@ -390,6 +390,21 @@ class TorchModelRunner:
             self.adapters = LoraSet(model.config, model.dtype, self.device, model.linear,
                                     lambda: fused_base_weights(model.source_dir, model.config))
         self.adapters.add(adapter)
+        self._capture_lora_graphs()
+
+    def _capture_lora_graphs(self) -> None:
+        """Decode graphs over the adapters as loaded now; if capturing fails, steps with adapter rows run eagerly."""
+        graphs = self.graphs
+        if graphs is None or not graphs.captured or self.adapters is None:
+            return
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        try:
+            graphs.capture_lora(self.adapters)
+        except Exception as e:  # noqa: BLE001 - the eager forward still serves adapters
+            log.warning("cuda_graph_lora_capture_failed", error=repr(e))
+            if stream is not None:
+                torch.cuda.set_stream(stream)
+                torch.cuda.synchronize(self.device)
 
     def _lora_rows(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request], num_rows: int
                    ) -> LoraBatch | None:
