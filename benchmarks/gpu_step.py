@@ -285,8 +285,12 @@ def variants(args) -> list[tuple[str, str, dict[str, str]]]:  # type: ignore[no-
     out = [(mode, mode, {}) for mode in args.modes.split(",")]
     for attr, (key, sep, short) in VARIANT_ENV.items():
         values = [v for v in getattr(args, attr).split(sep) if v] or [""]
+
+        def applies(mode: str, attr: str = attr) -> bool:  # else the variants would be the same engine again
+            return fp8_weights(mode) if attr == "fp8_matmul" else mode != "eager-torch"
+
         out = [(mode, label + (f"[{short}={v}]" if v else ""), {**env, **({key: v} if v else {})})
-               for mode, label, env in out for v in values]
+               for mode, label, env in out for v in (values if applies(mode) else [""])]
     return out
 
 
@@ -373,6 +377,8 @@ def main() -> None:
                         "batches in turn that many rounds (reversed on odd rounds); rows are the median round")
     p.add_argument("--profile", default="", help="GEOMETRY:MODE:BATCH,...: torch-profiler kernel tables, 20 steps each")
     args = p.parse_args()
+    if args.rounds == 2:
+        p.error("--rounds 2 has no median: 1, or 3 and more")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     card = measure_card()
@@ -424,16 +430,28 @@ def main() -> None:
                 gc.collect()
                 torch.cuda.empty_cache()
             continue
-        engines = {label: (mode, build_variant(mode, label, env)) for mode, label, env in todo}
-        engines = {label: v for label, v in engines.items() if v[1] is not None}
-        for rnd, label, b in run_order(list(engines), batches, args.rounds):
+        least = min(batches) * -(-(args.context + args.steps + 16) // 16)
+        if num_blocks < least:
+            results["errors"].append(f"{geometry}: {len(todo)} resident engines leave {max(num_blocks, 0)} KV blocks "
+                                     f"each, under the {least} that batch {min(batches)} needs: fewer variants")
+            print(results["errors"][-1], flush=True)
+            continue
+        engines = {}
+        for mode, label, env in todo:
+            built = build_variant(mode, label, env)
+            if built is not None:
+                engines[label] = (mode, built)
+        built = None
+        order = run_order(list(engines), batches, args.rounds)
+        for k, (rnd, label, b) in enumerate(order):
             if b in mode_batches[label]:
-                mode, built = engines[label]
-                measure(results, geometry, label, mode, built, b, args, card, num_blocks, seed=1000 * rnd + b, rnd=rnd)
-        save()
-        for label, (mode, built) in engines.items():
-            prefill(results, geometry, label, mode, built, args, card)
-        del engines
+                measure(results, geometry, label, engines[label][0], engines[label][1], b, args, card, num_blocks,
+                        seed=1000 * rnd + b, rnd=rnd)
+            if k + 1 == len(order) or order[k + 1][0] != rnd:
+                save()  # after each round: a run cut short keeps the rounds it finished
+        for label in list(engines):
+            prefill(results, geometry, label, engines[label][0], engines[label][1], args, card)
+        engines.clear()  # every engine's weights and KV off the GPU before the next geometry
         save()
         gc.collect()
         torch.cuda.empty_cache()

@@ -170,7 +170,7 @@ if triton is not None:
                                                  stride_ks, stride_table, d, d_ok, BLOCK_SIZE, BLOCK_N, FP32_DOT,
                                                  FP8_KV, HEAD_DIM, PV)
             if PARTITION > 0:
-                at = ((req * num_kv_heads + kv_head) * num_parts + part) * (TOKENS * GROUP_PAD) + m
+                at = ((req * num_kv_heads + kv_head) * num_parts + part).to(tl.int64) * (TOKENS * GROUP_PAD) + m  # 64-bit
                 tl.store(part_m_ptr + at, m_i)
                 tl.store(part_l_ptr + at, l_i)
                 tl.store(part_acc_ptr + at[:, None] * HEAD_PAD + d[None, :], acc)
@@ -214,7 +214,7 @@ if triton is not None:
         live = (row < count) & (m % GROUP_PAD < GROUP)
         d = tl.arange(0, HEAD_PAD)
         d_ok = d < HEAD_DIM
-        base = (req * num_kv_heads + kv_head) * num_parts
+        base = (req * num_kv_heads + kv_head).to(tl.int64) * num_parts  # 64-bit: x HEAD_PAD can pass 2^31
         top = tl.full([TOKENS * GROUP_PAD], -1.0e30, tl.float32)
         total = tl.zeros([TOKENS * GROUP_PAD], tl.float32)
         acc = tl.zeros([TOKENS * GROUP_PAD, HEAD_PAD], tl.float32)

@@ -312,3 +312,23 @@ def test_lora_steps_replay_graphs_captured_over_the_loaded_adapters(monkeypatch,
     assert graphed == eager
     assert runner.graphs is not None and runner.graphs.lora_replays >= 15 and runner.graphs.replays > runner.graphs.lora_replays
     assert eager[0]["x0"] != eager[0]["x1"] and eager[1]["y0"] != eager[0]["x0"]  # the adapters change the output
+
+
+def test_adapters_loaded_before_the_graphs_are_captured_get_lora_graphs_with_them(monkeypatch, tmp_path):
+    """A worker's configured adapters load before ``capture_graphs`` (backends.torch.builder): capturing the plain
+    graphs then captures the LoRA ones too, and adapter steps replay from the start."""
+    core, runner = lora_engine(True, monkeypatch)
+    graphs = runner.graphs
+    assert graphs is not None
+    graphs.captured = False
+    runner.load_adapter("a", write_adapter(tmp_path / "a", 0))
+    assert graphs.lora is None  # nothing to capture over yet
+
+    def capture() -> None:  # on CPU, what DecodeGraphs.capture() leaves behind (the forward runs eagerly)
+        graphs.captured = True
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    runner.capture_graphs()
+    assert runner.adapters is not None and graphs.lora_version == runner.adapters.version
+    out = run_adapters(core, [("x0", [3, 4, 5, 6, 7], "a", 6), ("x1", [3, 4, 5, 6, 7], "", 6)])
+    assert graphs.lora_replays >= 5 and out["x0"] != out["x1"]

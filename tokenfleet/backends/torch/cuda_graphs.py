@@ -164,10 +164,12 @@ class DecodeGraphs:
             self._lora_dev.copy_(self._lora_host, non_blocking=True)
             self._tables[:, :, 0] = self.scratch_block
             self._uploaded.record()
-            self._lora_graphs = self._capture_buckets(lora=True)
+            # thread_local: the worker is serving now, and other threads may read KV blocks off the device (KV
+            # transfer) while this thread captures; the startup capture keeps CUDA's stricter global mode
+            self._lora_graphs = self._capture_buckets(lora=True, mode="thread_local")
         self.lora_version = lora.version
 
-    def _capture_buckets(self, lora: bool) -> dict[int, torch.cuda.CUDAGraph]:
+    def _capture_buckets(self, lora: bool, mode: str = "global") -> dict[int, torch.cuda.CUDAGraph]:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -179,7 +181,7 @@ class DecodeGraphs:
         graphs = {}
         for b in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=mode):  # type: ignore[arg-type]
                 self._forward(b, lora)
             if self._pool is None:
                 self._pool = graph.pool()

@@ -217,6 +217,8 @@ class TorchModelRunner:
             if stream is not None:  # a capture that raised can leave its side stream current
                 torch.cuda.set_stream(stream)
                 torch.cuda.synchronize(self.device)
+            return
+        self._capture_lora_graphs()  # adapters loaded before the graphs (a worker's configured ones) get theirs now
 
     def compute_logits(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> torch.Tensor:
         """float32 logits [num sampling entries, vocab] in ``output.scheduled`` order."""
