@@ -10,6 +10,11 @@ ignore_eos, max_tokens --output-len) with at most C in flight, in the style of `
 dataset. TTFT is request sent -> first streamed token chunk; TPOT is (last chunk - first) / (tokens - 1); output
 tok/s is completion tokens / the run's wall time.
 
+``--rounds R`` (R >= 3) starts every variant's cluster at once instead (each on its own ports, with its own cache
+folder), warms each, then runs every variant's concurrencies in turn R times, odd rounds in reverse: each figure
+is then the median over the rounds of alternating runs (every run is reported), so two variants are compared run
+against run on the same machine minutes apart. Only one cluster is under load at a time.
+
 Where the real weights cannot go (the GPU machines have no network), ``--model`` is a folder written by
 `tokenfleet models random LIKE OUT`: random weights in SmolLM2's shape with its real tokenizer.
 
@@ -24,10 +29,12 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -37,12 +44,14 @@ from serving.procs import free_port, wait_completion  # noqa: E402
 VARIANTS = {"default": [], "async": ["--async-scheduling"]}
 
 
-def start_up(model: str, name: str, port: int, extra: list[str], log) -> subprocess.Popen:  # type: ignore[no-untyped-def]
+def start_up(model: str, name: str, port: int, extra: list[str], log, cache_dir: str = ""  # type: ignore[no-untyped-def]
+             ) -> subprocess.Popen:
     argv = [sys.executable, "-m", "tokenfleet.cli", "up", "--model", model, "--model-name", name, "--port", str(port),
             *extra]
     log.write(f"$ {' '.join(argv)}\n")
     log.flush()
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = {**os.environ, "TOKENFLEET_CACHE_DIR": cache_dir} if cache_dir else None  # a cluster's state file, ledger
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def stop_up(proc: subprocess.Popen) -> None:
@@ -75,21 +84,90 @@ def run_variant(args, out: dict, log, deadline: float, save) -> None:  # type: i
             if time.monotonic() > deadline:
                 out["skipped"] = f"c={c} and later: past the deadline"
                 break
-            n = args.num_prompts or max(16, 4 * c)
-            prompts = fresh_prompts(n, args.input_len, args.vocab, seed=100 + 10 * i + len(variant))
-            results, wall = asyncio.run(http_load(url, args.model_name, prompts, c, args.output_len))
-            row = {"concurrency": c, **summarize(results, wall, args.output_len)}
-            out["runs"].append(row)
+            out["runs"].append(one_run(args, url, variant, c, seed=100 + 10 * i + len(variant)))
             save()
-            print(f"[{variant}] c={c:3d} n={n}: {row['completed']}/{row['requests']} ok, {row['out_tok_s']:.0f} out tok/s, "
-                  f"TTFT p50 {ms(row['ttft_ms']['p50'])} p99 {ms(row['ttft_ms']['p99'])} ms, "
-                  f"TPOT p50 {ms(row['tpot_ms']['p50'], 2)} p99 {ms(row['tpot_ms']['p99'], 2)} ms, errors {row['errors']}",
-                  flush=True)
     except Exception as e:  # one variant failing must not cost the others' figures
         out["error"] = f"{type(e).__name__}: {e}"
         print(f"[{variant}] {out['error']}", flush=True)
     finally:
         stop_up(proc)
+
+
+def one_run(args, url: str, variant: str, c: int, seed: int) -> dict:  # type: ignore[no-untyped-def]
+    n = args.num_prompts or max(16, 4 * c)
+    prompts = fresh_prompts(n, args.input_len, args.vocab, seed=seed)
+    results, wall = asyncio.run(http_load(url, args.model_name, prompts, c, args.output_len))
+    row = {"concurrency": c, **summarize(results, wall, args.output_len)}
+    print(f"[{variant}] c={c:3d} n={n}: {row['completed']}/{row['requests']} ok, {row['out_tok_s']:.0f} out tok/s, "
+          f"TTFT p50 {ms(row['ttft_ms']['p50'])} p99 {ms(row['ttft_ms']['p99'])} ms, "
+          f"TPOT p50 {ms(row['tpot_ms']['p50'], 2)} p99 {ms(row['tpot_ms']['p99'], 2)} ms, errors {row['errors']}",
+          flush=True)
+    return row
+
+
+def run_rounds(args, records: list[dict], log, deadline: float, save) -> None:  # type: ignore[no-untyped-def]
+    """--rounds: every variant's cluster up at once, then their runs alternate round by round."""
+    live: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        for record in records:  # started together: each loads its model while the others do
+            port = free_port()
+            cache = f"/tmp/gpu-serve-{record['variant']}-{port}"
+            live[record["variant"]] = (start_up(args.model, args.model_name, port, record["up_args"], log, cache),
+                                       f"http://127.0.0.1:{port}")
+        t0 = time.monotonic()
+        for record in records:
+            proc, url = live[record["variant"]]
+            try:
+                wait_completion(url, args.model_name, timeout=args.start_timeout, alive=lambda: proc.poll() is None)
+                record["ready_s"] = time.monotonic() - t0
+                warm = fresh_prompts(max(args.concurrency), args.input_len, args.vocab, seed=1)
+                asyncio.run(http_load(url, args.model_name, warm, max(args.concurrency), 16))
+                print(f"[{record['variant']}] serving and warm after {record['ready_s']:.1f} s", flush=True)
+            except Exception as e:  # noqa: BLE001 - the other variants still run
+                record["error"] = f"{type(e).__name__}: {e}"
+                print(f"[{record['variant']}] {record['error']}", flush=True)
+        ready = [r for r in records if "error" not in r]
+        for rnd in range(args.rounds):
+            for record in (ready if rnd % 2 == 0 else ready[::-1]):
+                for i, c in enumerate(args.concurrency):
+                    if time.monotonic() > deadline:
+                        record["skipped"] = f"round {rnd} c={c} and later: past the deadline"
+                        return
+                    try:
+                        row = one_run(args, live[record["variant"]][1], f"{record['variant']} r{rnd}", c,
+                                      seed=1000 * rnd + 100 + 10 * i + len(record["variant"]))
+                    except Exception as e:  # noqa: BLE001 - keep the rounds already measured
+                        record["error"] = f"round {rnd} c={c}: {type(e).__name__}: {e}"
+                        print(f"[{record['variant']}] {record['error']}", flush=True)
+                        continue
+                    record["runs"].append({**row, "round": rnd})
+                    save()
+    finally:
+        for proc, _ in live.values():
+            stop_up(proc)
+
+
+def medians(runs: list[dict]) -> list[dict]:
+    """Per concurrency, each figure's median over the rounds (the runs' own p50s and p99s)."""
+    out = []
+    for c in sorted({r["concurrency"] for r in runs}):
+        rows = [r for r in runs if r["concurrency"] == c]
+
+        def med(*path: str) -> float | None:
+            values = []
+            for r in rows:
+                v: Any = r
+                for key in path:
+                    v = v[key]
+                if v is not None:
+                    values.append(v)
+            return statistics.median(values) if values else None
+
+        out.append({"concurrency": c, "rounds": len(rows), "requests": sum(r["requests"] for r in rows),
+                    "completed": sum(r["completed"] for r in rows), "out_tok_s": med("out_tok_s"),
+                    "ttft_ms": {"p50": med("ttft_ms", "p50"), "p99": med("ttft_ms", "p99")},
+                    "tpot_ms": {"p50": med("tpot_ms", "p50"), "p99": med("tpot_ms", "p99")}})
+    return out
 
 
 def ms(value: float | None, digits: int = 1) -> str:
@@ -103,13 +181,23 @@ def report(result: dict) -> str:
              f"{result['output_len']} output tokens (ignore_eos), temperature 0.", "",
              "| variant | C | requests | ok | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |",
              "|---|---|---|---|---|---|---|---|---|"]
+    rounds = result.get("rounds", 1) > 1
     for v in result["variants"]:
-        for r in v["runs"]:
-            lines.append(f"| {v['variant']} | {r['concurrency']} | {r['requests']} | {r['completed']} | {r['out_tok_s']:.0f} "
+        for r in (medians(v["runs"]) if rounds else v["runs"]):
+            tok_s = "-" if r["out_tok_s"] is None else f"{r['out_tok_s']:.0f}"
+            label = f"{v['variant']} (median of {r['rounds']})" if rounds else v["variant"]
+            lines.append(f"| {label} | {r['concurrency']} | {r['requests']} | {r['completed']} | {tok_s} "
                          f"| {ms(r['ttft_ms']['p50'])} | {ms(r['ttft_ms']['p99'])} | {ms(r['tpot_ms']['p50'], 2)} "
                          f"| {ms(r['tpot_ms']['p99'], 2)} |")
         if v.get("error"):
             lines.append(f"\n{v['variant']}: {v['error']}\n")
+    if rounds:
+        lines += ["", "Every run, in the order run (odd rounds ran the variants in reverse): TTFT p50 / TPOT p50 ms", ""]
+        for v in result["variants"]:
+            for c in result["concurrency"]:
+                runs = [r for r in v["runs"] if r["concurrency"] == c]
+                lines.append(f"- {v['variant']} c={c}: " + ", ".join(
+                    f"{ms(r['ttft_ms']['p50'])} / {ms(r['tpot_ms']['p50'], 2)}" for r in runs))
     return "\n".join(lines) + "\n"
 
 
@@ -129,7 +217,11 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/reports")
     p.add_argument("--name", default="gpu-serve")
     p.add_argument("--log", default="", help="the services' output (default: NAME-up.log in --out)")
+    p.add_argument("--rounds", type=int, default=1, help="3 or more: every variant's cluster up at once, their runs "
+                   "alternating that many rounds; figures are medians over the rounds")
     args = p.parse_args()
+    if args.rounds == 2:
+        p.error("--rounds 2 has no median: 1, or 3 and more")
     import torch
 
     start = time.monotonic()
@@ -138,7 +230,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
               "model": args.model, "input_len": args.input_len, "output_len": args.output_len,
-              "concurrency": args.concurrency, "variants": []}
+              "concurrency": args.concurrency, "rounds": args.rounds, "variants": []}
     stamp = time.strftime("%Y-%m-%d")
 
     def save() -> None:
@@ -150,7 +242,11 @@ def main() -> None:
     signal.signal(signal.SIGTERM, interrupted)
     try:
         with open(args.log or out / f"{args.name}-up.log", "a") as log:
-            for variant in args.variants.split(","):
+            if args.rounds > 1:
+                result["variants"] = [{"variant": v, "up_args": [*VARIANTS[v], *args.up_arg], "runs": []}
+                                      for v in args.variants.split(",")]
+                run_rounds(args, result["variants"], log, deadline, save)
+            for variant in args.variants.split(",") if args.rounds <= 1 else ():
                 record: dict = {"variant": variant, "up_args": [*VARIANTS[variant], *args.up_arg], "runs": []}
                 result["variants"].append(record)
                 if time.monotonic() > deadline:

@@ -9,7 +9,8 @@
 #      --modes graphs,graphs-overlap to measure fewer; with $STEP2_ARGS, a second run with those arguments (its
 #      JSON and report named gpu-step-2), at most $STEP2_S seconds (default 120);
 #   3. with .gpu/: benchmarks/gpu_serve.py, `tokenfleet up` under streamed load at c=1 and c=64, at most $SERVE_S
-#      seconds (default 130; $SERVE_VARIANTS, default "default,async").
+#      seconds (default 130; $SERVE_VARIANTS, default "default,async"; $SERVE_ARGS, more arguments to it, e.g.
+#      "--rounds 3 --concurrency 1").
 # The phases together stop within $TOTAL_S seconds (default 570) of the script's start. Results land in $OUT (the
 # device tool's output folder, at most 8 files come back), else /tmp/gpu-check.
 #
@@ -72,7 +73,7 @@ if [ -d .gpu/like ] && [ "$t" -gt 30 ]; then
   # new runs start only in the first 2/3 of the cap: stopping a cluster takes up to 40 s
   timeout -k 10 "$t" python3 benchmarks/gpu_serve.py --model /tmp/smollm2-random --out "$OUT" \
       --log /tmp/gpu-serve-up.log --variants "${SERVE_VARIANTS:-default,async}" --budget-s $(( t * 2 / 3 )) \
-      2>&1 | tee -a "$LOG" | tail -30
+      ${SERVE_ARGS:-} 2>&1 | tee -a "$LOG" | tail -30
   echo "gpu_serve rc=$? ($(date +%T))" | tee -a "$LOG"
   grep -E -i "error|traceback|exception" /tmp/gpu-serve-up.log | head -20 >> "$LOG"
 fi
