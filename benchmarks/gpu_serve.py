@@ -3,7 +3,8 @@ the gateway at concurrency 1 and 64, TTFT and TPOT p50/p99.
 
 The cluster is the README's `tokenfleet up` (etcd, registry, router, gateway, one engine worker on the GPU),
 started as a child process on a free port, one variant at a time (``--variants``: ``default`` is `up` as shipped,
-``async`` adds ``--async-scheduling``). Each variant: wait until a one-token completion succeeds, warm up (a
+``async`` adds ``--async-scheduling``, ``mixed`` sets TOKENFLEET_CUDA_GRAPHS_MIXED=1 (steps with prefill chunks
+replayed from graphs), ``async-mixed`` both). Each variant: wait until a one-token completion succeeds, warm up (a
 short run at the largest concurrency, not reported), then for each C in --concurrency send --num-prompts fresh
 random prompts (token ids; no prefix-cache hits) of --input-len tokens to /v1/completions (stream, temperature 0,
 ignore_eos, max_tokens --output-len) with at most C in flight, in the style of `vllm bench serve`'s random
@@ -41,17 +42,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving.load import fresh_prompts, http_load, summarize  # noqa: E402
 from serving.procs import free_port, wait_completion  # noqa: E402
 
-VARIANTS = {"default": [], "async": ["--async-scheduling"]}
+VARIANTS = {"default": [], "async": ["--async-scheduling"], "mixed": [], "async-mixed": ["--async-scheduling"]}
+# what a variant sets in `up`'s environment (its services inherit it)
+VARIANT_ENV = {"mixed": {"TOKENFLEET_CUDA_GRAPHS_MIXED": "1"}, "async-mixed": {"TOKENFLEET_CUDA_GRAPHS_MIXED": "1"}}
 
 
-def start_up(model: str, name: str, port: int, extra: list[str], log, cache_dir: str = ""  # type: ignore[no-untyped-def]
-             ) -> subprocess.Popen:
+def start_up(model: str, name: str, port: int, extra: list[str], log, cache_dir: str = "",  # type: ignore[no-untyped-def]
+             variant_env: dict[str, str] | None = None) -> subprocess.Popen:
+    variant_env = variant_env or {}
     argv = [sys.executable, "-m", "tokenfleet.cli", "up", "--model", model, "--model-name", name, "--port", str(port),
             *extra]
     log.write(f"$ {' '.join(argv)}\n")
     log.flush()
-    env = {**os.environ, "TOKENFLEET_CACHE_DIR": cache_dir} if cache_dir else None  # a cluster's state file, ledger
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    env = {**os.environ, **variant_env, **({"TOKENFLEET_CACHE_DIR": cache_dir} if cache_dir else {})}  # cache: its
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)  # state, ledger
 
 
 def stop_up(proc: subprocess.Popen) -> None:
@@ -73,7 +77,7 @@ def run_variant(args, out: dict, log, deadline: float, save) -> None:  # type: i
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
-    proc = start_up(args.model, args.model_name, port, out["up_args"], log)
+    proc = start_up(args.model, args.model_name, port, out["up_args"], log, variant_env=VARIANT_ENV.get(variant))
     try:
         wait_completion(url, args.model_name, timeout=args.start_timeout, alive=lambda: proc.poll() is None)
         out["ready_s"] = time.monotonic() - t0
@@ -112,7 +116,8 @@ def run_rounds(args, records: list[dict], log, deadline: float, save) -> None:  
         for record in records:  # started together: each loads its model while the others do
             port = free_port()
             cache = f"/tmp/gpu-serve-{record['variant']}-{port}"
-            live[record["variant"]] = (start_up(args.model, args.model_name, port, record["up_args"], log, cache),
+            live[record["variant"]] = (start_up(args.model, args.model_name, port, record["up_args"], log, cache,
+                                                VARIANT_ENV.get(record["variant"])),
                                        f"http://127.0.0.1:{port}")
         t0 = time.monotonic()
         for record in records:

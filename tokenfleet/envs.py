@@ -64,6 +64,12 @@ def cuda_graphs() -> bool:
     return os.environ.get("TOKENFLEET_CUDA_GRAPHS", "1") not in ("0", "false", "no")
 
 
+def cuda_graphs_mixed() -> bool:
+    """Also replay steps with prefill chunks from CUDA graphs, one per bucket of the step's token count
+    (backends.torch.mixed_graphs); "1" turns it on. Off by default until measured on a GPU against eager steps."""
+    return os.environ.get("TOKENFLEET_CUDA_GRAPHS_MIXED", "0") in ("1", "true", "yes")
+
+
 def attn_tuning() -> str:
     """The Triton paged-attention kernel's launch parameters, "block_n,partition,num_warps,num_stages": keys per
     tile, the fewest keys a split-K partition takes, warps, pipeline stages (models.triton_attention;

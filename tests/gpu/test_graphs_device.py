@@ -23,13 +23,15 @@ CONFIG = ModelConfig.from_dict(dict(vocab_size=1024, hidden_size=256, intermedia
                                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024))
 
 
-def engine(dtype: torch.dtype, graphs: bool, quantization: str = "", monkeypatch=None, kv_cache_dtype: str = ""
-           ) -> tuple[EngineCore, TorchModelRunner]:
+def engine(dtype: torch.dtype, graphs: bool, quantization: str = "", monkeypatch=None, kv_cache_dtype: str = "",
+           mixed: bool = False, budget: int = 2048) -> tuple[EngineCore, TorchModelRunner]:
     monkeypatch.setenv("TOKENFLEET_CUDA_GRAPHS", "1" if graphs else "0")
+    monkeypatch.setenv("TOKENFLEET_CUDA_GRAPHS_MIXED", "1" if mixed else "0")
     model = random_model(CONFIG, dtype, torch.device("cuda"), quantization, seed=1, kv_cache_dtype=kv_cache_dtype)
-    runner = TorchModelRunner(model, 128, 16, cuda_graph_batch=16, max_model_len=512)
+    runner = TorchModelRunner(model, 128, 16, cuda_graph_batch=16, max_model_len=512, mixed_graph_tokens=256)
     runner.capture_graphs()
-    core = EngineCore(Scheduler(SchedulerConfig(max_model_len=512), BlockManager(128, 16), hash_salt="gpu"), runner, None,
+    core = EngineCore(Scheduler(SchedulerConfig(max_model_len=512, max_num_batched_tokens=budget), BlockManager(128, 16),
+                                hash_salt="gpu"), runner, None,
                       ModelInfo(vocab_size=CONFIG.vocab_size, max_model_len=512, eos_token_ids=()))
     return core, runner
 
@@ -188,3 +190,34 @@ def test_lora_graph_replays_generate_what_eager_steps_do(monkeypatch, tmp_path, 
         assert got == expected
     else:
         assert all(got[r][0] == expected[r][0] for r in expected) and same / total >= 0.5, f"{same}/{total}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mixed_step_graph_replays_generate_what_eager_steps_do(monkeypatch, dtype):
+    """TOKENFLEET_CUDA_GRAPHS_MIXED=1: steps with prefill chunks (requests arriving while others decode, prompts
+    chunked by a 96-token budget) replay the mixed graphs and generate the eager engine's tokens."""
+
+    def session(graphs: bool) -> tuple[dict[str, list[int]], TorchModelRunner]:
+        core, runner = engine(dtype, graphs, monkeypatch=monkeypatch, mixed=True, budget=96)
+        out: dict[str, list[int]] = {}
+        for step in range(400):
+            if step % 3 == 0 and step < 30:
+                i = step // 3
+                params = SamplingParams(max_tokens=6 + 2 * i, temperature=0.0, ignore_eos=True)
+                core.add_request([(13 * i + j) % 1000 + 1 for j in range(20 + 17 * i)], params, request_id=f"m{i}")
+            for o in core.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if step >= 30 and not core.has_unfinished():
+                break
+        return out, runner
+
+    expected, _ = session(False)
+    got, runner = session(True)
+    assert runner.mixed is not None and runner.mixed.replays >= 8
+    same = sum(a == b for r in expected for a, b in zip(expected[r], got[r]))
+    total = sum(len(v) for v in expected.values())
+    print(f"{dtype}: mixed graph replays matched eager steps on {same}/{total} tokens")
+    if dtype == torch.float32:
+        assert got == expected
+    else:
+        assert same / total >= 0.5, f"{same}/{total}"

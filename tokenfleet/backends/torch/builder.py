@@ -46,7 +46,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     num_blocks = config.num_kv_blocks(per_token)
     graph_batch = config.cuda_graph_max_batch or min(config.max_num_running, 256)
     runner = TorchModelRunner(model, num_blocks, config.block_size, cuda_graph_batch=graph_batch,
-                              max_model_len=max_model_len)
+                              max_model_len=max_model_len, mixed_graph_tokens=config.max_num_batched_tokens)
     if draft is not None:
         from tokenfleet.backends.torch.draft import DraftModel
 

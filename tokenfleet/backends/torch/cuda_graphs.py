@@ -120,6 +120,11 @@ class DecodeGraphs:
         self._lora_dev = torch.zeros(self._lora_host.shape, dtype=torch.long, device=self.device)
         self._lora_columns: dict[str, torch.Tensor] = {}
 
+    @property
+    def memory_pool(self) -> Any:
+        """The captured graphs' memory pool (the mixed-step graphs capture into it too)."""
+        return self._pool
+
     def supports(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]) -> bool:
         if not 0 < len(scheduled) <= self.max_batch:
             return False

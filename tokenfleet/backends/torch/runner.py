@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import structlog
 import torch
@@ -16,6 +16,7 @@ import torch
 from tokenfleet.backends.torch.cuda_graphs import DecodeGraphs, graphs_supported
 from tokenfleet.backends.torch.device import to_device
 from tokenfleet.backends.torch.draft import DraftModel
+from tokenfleet.backends.torch.mixed_graphs import MixedGraphs
 from tokenfleet.backends.torch.sampler import PendingSample, Sampler
 from tokenfleet.engine.kv_tier import PendingBlock
 from tokenfleet.engine.output import TokenLogprobs
@@ -35,9 +36,11 @@ log = structlog.get_logger(__name__)
 
 class TorchModelRunner:
     def __init__(self, model: LlamaModel | Gemma3Model, num_blocks: int, block_size: int, cuda_graph_batch: int = 0,
-                 max_model_len: int = 0):
+                 max_model_len: int = 0, mixed_graph_tokens: int = 0):
         """``cuda_graph_batch`` > 0 on CUDA: decode-only steps of up to that many requests replay captured graphs
-        (backends.torch.cuda_graphs; ``capture_graphs`` captures them) where the model and attention allow it.
+        (backends.torch.cuda_graphs; ``capture_graphs`` captures them) where the model and attention allow it;
+        with TOKENFLEET_CUDA_GRAPHS_MIXED=1, steps with prefill chunks of up to ``mixed_graph_tokens`` tokens (at
+        most 2,048) too (backends.torch.mixed_graphs; Llamas).
         The KV cache is in the model's dtype, or FP8 where the model was loaded for it (``kv_cache_dtype``)."""
         self.model = model
         self.device = model.device
@@ -48,6 +51,7 @@ class TorchModelRunner:
         self.graphs = DecodeGraphs(model, self.kv, block_size, num_blocks, cuda_graph_batch,
                                    max_model_len or model.config.max_position_embeddings) if graphs else None
         self.windows = tuple(group.window for group in model.config.kv_groups)
+        self.mixed = MixedGraphs.beside(self.graphs, mixed_graph_tokens) if self.graphs is not None else None
         self.sampler = Sampler(model.device)
         self._prompt_spans: list[tuple[str, int, int]] = []
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: evicted blocks go to host on it
@@ -203,22 +207,31 @@ class TorchModelRunner:
         return Launched(sample, {s.request_id: i for i, s in enumerate(output.scheduled)})
 
     def capture_graphs(self) -> None:
-        """Capture the decode graphs; a forward that cannot be captured leaves the worker serving eagerly (slower,
-        with a warning) rather than failing its start."""
-        if self.graphs is None:
+        """Capture the decode graphs, then the mixed-step and LoRA ones; a forward that cannot be captured leaves
+        those steps eager (slower, with a warning) rather than failing the worker's start."""
+        graphs = self.graphs
+        if graphs is None:
             return
-        cuda = self.device.type == "cuda"
-        stream = torch.cuda.current_stream(self.device) if cuda else None
-        try:
-            self.graphs.capture()
-        except Exception as e:  # noqa: BLE001 - any capture failure: the eager forward still serves
-            log.warning("cuda_graph_capture_failed", model=type(self.model).__name__, error=repr(e))
+        if not self._try_capture("cuda_graph_capture_failed", graphs.capture):
             self.graphs = None
+            return
+        mixed = self.mixed
+        if mixed is not None and not self._try_capture("cuda_graph_mixed_capture_failed",
+                                                       lambda: mixed.capture(graphs.memory_pool)):
+            self.mixed = None
+        self._capture_lora_graphs()  # adapters loaded before the graphs (a worker's configured ones) get theirs now
+
+    def _try_capture(self, event: str, capture: Callable[[], object]) -> bool:
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        try:
+            capture()
+            return True
+        except Exception as e:  # noqa: BLE001 - any capture failure: the eager forward still serves
+            log.warning(event, model=type(self.model).__name__, error=repr(e))
             if stream is not None:  # a capture that raised can leave its side stream current
                 torch.cuda.set_stream(stream)
                 torch.cuda.synchronize(self.device)
-            return
-        self._capture_lora_graphs()  # adapters loaded before the graphs (a worker's configured ones) get theirs now
+            return False
 
     def compute_logits(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> torch.Tensor:
         """float32 logits [num sampling entries, vocab] in ``output.scheduled`` order."""
@@ -228,6 +241,10 @@ class TorchModelRunner:
         if graphs is not None and graphs.captured and graphs.supports(output.scheduled, requests):
             self._prompt_spans = []
             return graphs.run(output.scheduled, requests)
+        mixed = self.mixed
+        if mixed is not None and mixed.captured and mixed.supports(output.scheduled, requests):
+            self._prompt_spans = []
+            return mixed.run(output.scheduled, requests)
         token_ids, batch, self._prompt_spans = self.build_batch(output.scheduled, requests)
         return self.model.forward(token_ids, batch, self.kv)
 
@@ -396,17 +413,9 @@ class TorchModelRunner:
 
     def _capture_lora_graphs(self) -> None:
         """Decode graphs over the adapters as loaded now; if capturing fails, steps with adapter rows run eagerly."""
-        graphs = self.graphs
-        if graphs is None or not graphs.captured or self.adapters is None:
-            return
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        try:
-            graphs.capture_lora(self.adapters)
-        except Exception as e:  # noqa: BLE001 - the eager forward still serves adapters
-            log.warning("cuda_graph_lora_capture_failed", error=repr(e))
-            if stream is not None:
-                torch.cuda.set_stream(stream)
-                torch.cuda.synchronize(self.device)
+        graphs, adapters = self.graphs, self.adapters
+        if graphs is not None and graphs.captured and adapters is not None:
+            self._try_capture("cuda_graph_lora_capture_failed", lambda: graphs.capture_lora(adapters))
 
     def _lora_rows(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request], num_rows: int
                    ) -> LoraBatch | None:

@@ -1,0 +1,211 @@
+"""CUDA graphs of steps with prefill chunks: one captured forward per bucket of the step's token count.
+
+Decode-only steps replay ``DecodeGraphs``; a step with a prefill chunk ran eagerly, which on a GPU costs the eager
+forward's launches (SmolLM2's geometry on an H100: 11 ms at batch 1 against 1.7 ms replayed). Under load such
+steps are frequent: at 64 concurrent streams of 128 tokens a new request arrives about every other step, and
+`tokenfleet up` on an H200 streamed at a TPOT of 10.5 ms while its batch-64 decode graph took 4.4-5.4 ms
+(benchmarks/reports/2026-11-26-h200-gpu-data-plane.md).
+
+Here every row of the step, decode and prefill alike, goes through one paged-attention call over the block tables
+(``ForwardBatch.queries``: the Triton kernel takes any number of query rows per request, causal among them), so the
+forward's shapes depend only on the step's token count and the request count, both padded:
+
+    token ids, positions, KV slots             [max_tokens]     padding tokens: token 0 into the scratch block
+    query starts                               [max_requests + 1]
+    context lengths, logits rows, exact flags  [max_requests]   padding requests: no rows, one key (scratch)
+    block tables                               [max_requests, max_blocks]
+
+A step of T tokens replays the graph of the smallest bucket >= T (64, 128, ... up to the engine's token budget);
+the attention grid covers a whole bucket's rows for every request, and programs past a request's rows exit.
+Logits rows are the sampling entries' last rows, in order. Single-KV-group models (Llamas) only; steps with
+speculative verification rows, prompt logprobs, LoRA adapters or more requests than the buckets hold run eagerly.
+Off unless TOKENFLEET_CUDA_GRAPHS_MIXED=1 (envs.cuda_graphs_mixed) until a GPU measures it against the eager step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenfleet import envs
+from tokenfleet.engine.request import Request
+from tokenfleet.engine.scheduler import ScheduledRequest
+from tokenfleet.models.attention import ForwardBatch, PagedQueries
+
+MAX_TOKENS = 2048  # bigger steps amortize the eager forward's launches; their graphs would hold GBs of activations
+
+
+def token_buckets(max_tokens: int, smallest: int = 64) -> list[int]:
+    """Token counts that get a graph: powers of two from ``smallest``, then ``max_tokens``."""
+    sizes = []
+    t = smallest
+    while t < max_tokens:
+        sizes.append(t)
+        t *= 2
+    sizes.append(max_tokens)
+    return sizes
+
+
+class MixedGraphs:
+    def __init__(self, model: Any, kv: Any, block_size: int, scratch_block: int, max_requests: int, max_tokens: int,
+                 max_blocks: int, logits: torch.Tensor):
+        """``max_blocks``: the block tables' width (DecodeGraphs'); ``logits``: a [>= max_requests, vocab] float32
+        buffer to write into (the decode graphs', shared: a step replays one graph or the other)."""
+        self.model = model
+        self.kv = kv
+        self.device = model.device
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.max_requests = max_requests
+        self.max_tokens = max_tokens
+        self.max_blocks = max_blocks
+        self.buckets = token_buckets(max_tokens)
+        r, t, w = max_requests, max_tokens, max_blocks
+        cuda = self.device.type == "cuda"
+        # one pinned host buffer and its device twin: tokens, positions, slots [t]; query starts [r + 1]; context
+        # lengths, logits rows, exact flags [r]; then room to stage a step's [r, used] table columns, spread into the
+        # tables on the device (a step uploads only the columns its contexts reach)
+        self._layout = {"tokens": (0, t), "positions": (t, 2 * t), "slots": (2 * t, 3 * t),
+                        "starts": (3 * t, 3 * t + r + 1), "contexts": (3 * t + r + 1, 3 * t + 2 * r + 1),
+                        "rows": (3 * t + 2 * r + 1, 3 * t + 3 * r + 1), "exact": (3 * t + 3 * r + 1, 3 * t + 4 * r + 1),
+                        "tables": (3 * t + 4 * r + 1, 3 * t + 4 * r + 1 + r * w)}
+        size = self._layout["tables"][1]
+        self._host = torch.zeros(size, dtype=torch.long, pin_memory=cuda)
+        self._np = self._host.numpy()
+        self._dev = torch.zeros(size, dtype=torch.long, device=self.device)
+        self._uploaded = torch.cuda.Event() if cuda else None
+        self.tokens, self.positions, self.slots, self.starts, self.contexts, self.rows, self.exact = (
+            self._dev[a:b] for a, b in (self._layout[k] for k in ("tokens", "positions", "slots", "starts", "contexts",
+                                                                   "rows", "exact")))
+        self._staged = self._dev[self._layout["tables"][0]:]
+        self.tables = torch.zeros(r, w, dtype=torch.long, device=self.device)
+        self.logits = logits
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.captured = False
+        self.replays = 0
+
+    @classmethod
+    def beside(cls, graphs: Any, max_tokens: int) -> MixedGraphs | None:
+        """Mixed-step graphs sharing a ``DecodeGraphs``' model, cache, scratch block, tables' width and logits buffer,
+        for steps of up to ``max_tokens`` (at most MAX_TOKENS): None unless TOKENFLEET_CUDA_GRAPHS_MIXED=1 and the
+        model keeps one KV group."""
+        if max_tokens <= 0 or not envs.cuda_graphs_mixed() or len(graphs.windows) != 1:
+            return None
+        return cls(graphs.model, graphs.kv, graphs.block_size, graphs.scratch_block, graphs.max_batch,
+                   min(max_tokens, MAX_TOKENS), graphs.max_blocks, graphs.logits)
+
+    def host(self, name: str) -> np.ndarray:
+        a, b = self._layout[name]
+        return self._np[a:b]
+
+    def supports(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]) -> bool:
+        if not 0 < len(scheduled) <= self.max_requests:
+            return False
+        tokens = 0
+        for entry in scheduled:
+            if entry.draft:
+                return False
+            request = requests[entry.request_id]
+            if request.sampling_params.prompt_logprobs is not None or request.adapter:
+                return False
+            end = entry.start + entry.num_new_tokens
+            if -(-end // self.block_size) > self.max_blocks:
+                return False
+            tokens += entry.num_new_tokens
+        return tokens <= self.max_tokens
+
+    def capture(self, pool: Any = None) -> Any:
+        """Capture every bucket, largest first, in ``pool`` (the decode graphs'); returns the pool. Each forward
+        runs twice eagerly first (kernels compile outside the capture)."""
+        self._fill(0, self.max_tokens, 0)
+        self._dev.copy_(self._host)
+        self.tables[:, 0] = self.scratch_block
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for t in reversed(self.buckets):
+                self._forward(t)
+                self._forward(t)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        for t in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(t)
+            if pool is None:
+                pool = graph.pool()
+            self._graphs[t] = graph
+        torch.cuda.synchronize(self.device)
+        self.captured = True
+        return pool
+
+    def _forward(self, t: int) -> None:
+        r = self.max_requests
+        queries = PagedQueries(block_table=self.tables, context_lens=self.contexts, query_start=self.starts,
+                               num_tokens=t, max_query_len=t)
+        batch = ForwardBatch(positions=self.positions[:t], slot_mapping=self.slots[:t], logits_indices=self.rows,
+                             exact_rows=self.exact.bool(), queries=queries)
+        self.logits[:r].copy_(self.model.forward(self.tokens[:t], batch, self.kv))
+
+    def run(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]) -> torch.Tensor:
+        """float32 logits [sampling entries, vocab] in ``scheduled`` order (a view of the shared buffer: valid until
+        the next replay)."""
+        total = sum(entry.num_new_tokens for entry in scheduled)
+        t = next(size for size in self.buckets if size >= total)
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous step's upload has read the host buffer
+        bs, r = self.block_size, self.max_requests
+        tokens, positions, slots = self.host("tokens"), self.host("positions"), self.host("slots")
+        starts, contexts, rows, exact = self.host("starts"), self.host("contexts"), self.host("rows"), self.host("exact")
+        width = max(-(-(e.start + e.num_new_tokens) // bs) for e in scheduled)  # the table columns this step reads
+        tables = self.host("tables")[:r * width].reshape(r, width)
+        tables[len(scheduled):, 0] = self.scratch_block  # padding requests' one key
+        row = sampled = 0
+        for i, entry in enumerate(scheduled):
+            request = requests[entry.request_id]
+            n, start = entry.num_new_tokens, entry.start
+            end = start + n
+            used = -(-end // bs)
+            blocks = np.asarray(entry.block_ids[:used], dtype=np.int64)
+            tables[i, :used] = blocks
+            tokens[row:row + n] = request.token_ids_range(start, end)
+            pos = np.arange(start, end, dtype=np.int64)
+            positions[row:row + n] = pos
+            slots[row:row + n] = blocks[pos // bs] * bs + pos % bs
+            starts[i] = row
+            contexts[i] = end
+            row += n
+            if entry.samples:
+                params = request.sampling_params
+                rows[sampled] = row - 1
+                exact[sampled] = params.temperature == 0 or params.logprobs is not None
+                sampled += 1
+        starts[len(scheduled)] = row
+        self._fill(row, t, len(scheduled), sampled)
+        upto = self._layout["tables"][0] + r * width
+        self._dev[:upto].copy_(self._host[:upto], non_blocking=True)
+        self.tables[:, :width].copy_(self._staged[:r * width].view(r, width))
+        self.replays += 1
+        if self._uploaded is None:  # no CUDA (tests of the buffers' bookkeeping): the same forward, eagerly
+            self._forward(t)
+            return self.logits[:sampled]
+        self._uploaded.record()
+        self._graphs[t].replay()
+        return self.logits[:sampled]
+
+    def _fill(self, first_token: int, last_token: int, first_request: int, first_row: int = 0) -> None:
+        """Padding: tokens first_token..last_token-1 are token 0 at position 0 into the scratch block; requests from
+        first_request have no rows (their query start is the last real row) and one key (their tables' first
+        column, the scratch block, is set where the tables are staged); logits rows from first_row read row 0, not
+        refined."""
+        scratch = self.scratch_block * self.block_size
+        self.host("tokens")[first_token:last_token] = 0
+        self.host("positions")[first_token:last_token] = 0
+        self.host("slots")[first_token:last_token] = scratch
+        self.host("starts")[first_request + 1:] = first_token if first_request else 0
+        self.host("contexts")[first_request:] = 1
+        self.host("rows")[first_row:] = 0
+        self.host("exact")[first_row:] = 0
