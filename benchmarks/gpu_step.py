@@ -15,6 +15,10 @@ SmolLM2-135M's and Llama-3.1-8B's) and each mode:
   the device before the host reads this one's tokens)
 - graphs-fp8-overlap: FP8 weights, graphs and overlapped scheduling
 
+--mixed-prompt N: after each decode run, the same batch again while a fresh N-token prompt arrives every
+--mixed-every steps (stopping after its first token); the steps holding its prefill chunk are timed apart ("mixed"
+steps: eager, or with --mixed-graphs 0,1 also replayed from backends.torch.mixed_graphs' graphs).
+
 "replay ms" is the GPU time of the step's graph alone (the same graph replayed back to back after the timed
 steps, CUDA events around 20 replays): step - replay is the time the GPU waits for the host each step.
 
@@ -130,7 +134,8 @@ def build(geometry: str, mode: str, batch_cap: int, num_blocks: int, max_model_l
     config = ModelConfig.from_dict(GEOMETRIES[geometry])
     model = random_model(config, torch.bfloat16, torch.device("cuda"), "fp8" if fp8_weights(mode) else "",
                          kv_cache_dtype="fp8" if fp8_kv(mode) else "")
-    runner = TorchModelRunner(model, num_blocks, 16, cuda_graph_batch=batch_cap, max_model_len=max_model_len)
+    runner = TorchModelRunner(model, num_blocks, 16, cuda_graph_batch=batch_cap, max_model_len=max_model_len,
+                              mixed_graph_tokens=8192)  # TOKENFLEET_CUDA_GRAPHS_MIXED=1: up to 2,048 (mixed_graphs)
     t0 = time.perf_counter()
     runner.capture_graphs()
     capture_s = time.perf_counter() - t0
@@ -219,6 +224,41 @@ def decode_run(core, runner, config, batch: int, context: int, steps: int, seed:
             "context_mid": context + steps / 2}
 
 
+def mixed_run(core, runner, config, batch: int, context: int, steps: int, prompt_len: int, every: int, seed: int
+              ) -> dict:
+    """Decode steps of ``batch`` requests while a fresh ``prompt_len``-token request arrives every ``every`` steps
+    and stops after its first token (the batch stays the same): the steps holding its prefill chunk ("mixed" steps,
+    eager unless TOKENFLEET_CUDA_GRAPHS_MIXED=1 graphs them) timed apart from the others. Without overlap: a queued
+    step would move the chunk one step later."""
+    from tokenfleet.engine.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=steps + 4096, temperature=0.0, ignore_eos=True)
+    ids = [core.add_request([rng.randrange(100, config.vocab_size) for _ in range(context)], params,
+                            request_id=f"x{seed}-{i}") for i in range(batch)]
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) or core.scheduler.waiting:
+        core.step()
+    mixed = getattr(runner, "mixed", None)
+    replays = mixed.replays if mixed is not None else 0
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    with_chunk, without = [], []
+    for s in range(steps):
+        arrived = s % every == 0
+        if arrived:
+            core.add_request([rng.randrange(100, config.vocab_size) for _ in range(prompt_len)], one,
+                             request_id=f"x{seed}-a{s}")
+        t = time.perf_counter()
+        core.step()
+        (with_chunk if arrived else without).append(time.perf_counter() - t)
+    for rid in ids:
+        core.abort(rid)
+    while core.has_unfinished():
+        core.step()
+    return {"prompt_len": prompt_len, "every": every, "mixed_steps": len(with_chunk),
+            "mixed_step_ms": 1000 * statistics.median(with_chunk), "decode_step_ms": 1000 * statistics.median(without),
+            "mixed_replays": (mixed.replays - replays) if mixed is not None else 0}
+
+
 def prefill_run(core, config, tokens: int, seed: int) -> dict:
     from tokenfleet.engine.sampling_params import SamplingParams
 
@@ -268,7 +308,8 @@ def profile_run(geometry: str, mode: str, batch: int, context: int) -> str:
 
 # settings read when a model is built (tokenfleet.envs): each variant's replace the caller's, then go
 VARIANT_ENV = {"attn_pv": ("TOKENFLEET_ATTN_PV", ",", "pv"), "attn_tuning": ("TOKENFLEET_ATTN_TUNING", ";", "tune"),
-               "fp8_matmul": ("TOKENFLEET_FP8_MATMUL", ";", "fp8mm")}
+               "fp8_matmul": ("TOKENFLEET_FP8_MATMUL", ";", "fp8mm"),
+               "mixed_graphs": ("TOKENFLEET_CUDA_GRAPHS_MIXED", ",", "mixed")}
 
 
 def set_env(values: dict[str, str | None]) -> None:
@@ -287,7 +328,11 @@ def variants(args) -> list[tuple[str, str, dict[str, str]]]:  # type: ignore[no-
         values = [v for v in getattr(args, attr).split(sep) if v] or [""]
 
         def applies(mode: str, attr: str = attr) -> bool:  # else the variants would be the same engine again
-            return fp8_weights(mode) if attr == "fp8_matmul" else mode != "eager-torch"
+            if attr == "fp8_matmul":
+                return fp8_weights(mode)
+            if attr == "mixed_graphs":  # only --mixed-prompt's runs have steps with prefill chunks, without overlap
+                return mode.startswith("graphs") and not mode.endswith("overlap")
+            return mode != "eager-torch"
 
         out = [(mode, label + (f"[{short}={v}]" if v else ""), {**env, **({key: v} if v else {})})
                for mode, label, env in out for v in (values if applies(mode) else [""])]
@@ -314,6 +359,13 @@ def medians(rows: list[dict]) -> list[dict]:
         runs = sorted(runs, key=lambda r: r["step_ms"])
         mid = dict(runs[(len(runs) - 1) // 2])  # the lower median: a real run, its other figures consistent with it
         mid.update(runs_ms=[r["step_ms"] for r in sorted(runs, key=lambda r: r["round"])], rounds=len(runs))
+        mixed = [r["mixed"] for r in sorted(runs, key=lambda r: r["round"]) if "mixed" in r]
+        if len(mixed) > 1:  # the mixed steps' own medians over the rounds, every round kept
+            mid["mixed"] = {**mixed[0], "mixed_step_ms": statistics.median(m["mixed_step_ms"] for m in mixed),
+                            "decode_step_ms": statistics.median(m["decode_step_ms"] for m in mixed),
+                            "mixed_replays": sum(m["mixed_replays"] for m in mixed),
+                            "mixed_steps": sum(m["mixed_steps"] for m in mixed),
+                            "runs_ms": [(m["mixed_step_ms"], m["decode_step_ms"]) for m in mixed]}
         out.append(mid)
     return out
 
@@ -338,6 +390,18 @@ def measure(results: dict, geometry: str, label: str, mode: str, built, b: int, 
     print(f"{geometry:13s} {label:11s} b={b:3d} round {rnd} step {row['step_ms']:8.3f} ms "
           f"(p90 {row['p90_step_ms']:.3f}) fwd-gpu {row['forward_gpu_ms']:7.3f} ms  floor {roof['floor_ms']:7.3f} ms  "
           f"eff {row['efficiency']:.0%}  replays {row['graph_replays']}", flush=True)
+    if args.mixed_prompt and not mode.endswith("overlap"):
+        try:
+            row["mixed"] = mixed_run(core, runner, config, b, args.context, args.steps, args.mixed_prompt,
+                                     args.mixed_every, seed=seed + 7)
+        except Exception as e:
+            results["errors"].append(f"{geometry} {label} b={b} mixed: {type(e).__name__}: {e}")
+            print(results["errors"][-1], flush=True)
+            return
+        m = row["mixed"]
+        print(f"{geometry:13s} {label:11s} b={b:3d} round {rnd} with a {m['prompt_len']}-token chunk "
+              f"{m['mixed_step_ms']:8.3f} ms, without {m['decode_step_ms']:8.3f} ms, mixed replays "
+              f"{m['mixed_replays']}/{m['mixed_steps']}", flush=True)
 
 
 def prefill(results: dict, geometry: str, label: str, mode: str, built, args, card: dict) -> None:  # type: ignore[no-untyped-def]
@@ -375,6 +439,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help=">1: build every variant of a geometry first and keep them all on the GPU, then run their "
                         "batches in turn that many rounds (reversed on odd rounds); rows are the median round")
+    p.add_argument("--mixed-graphs", default="", help="comma-separated TOKENFLEET_CUDA_GRAPHS_MIXED values (0,1) "
+                   "to measure each mode with")
+    p.add_argument("--mixed-prompt", type=int, default=0, help="> 0: after each decode run, the same batch with a "
+                   "fresh prompt of this many tokens arriving every --mixed-every steps; steps holding its prefill "
+                   "chunk timed apart (modes without overlap)")
+    p.add_argument("--mixed-every", type=int, default=4)
     p.add_argument("--profile", default="", help="GEOMETRY:MODE:BATCH,...: torch-profiler kernel tables, 20 steps each")
     args = p.parse_args()
     if args.rounds == 2:
@@ -486,6 +556,14 @@ def report(results: dict) -> str:
         lines.append(f"| {r['geometry']} | {r['mode']} | {r['batch']} | {r['step_ms']:.3f}{rounds} | {r['p90_step_ms']:.3f} | "
                      f"{r['forward_gpu_ms']:.3f} | {r.get('replay_ms', 0):.3f} | {gap} | {r['roofline_ms']:.3f} | "
                      f"{r['efficiency']:.0%} | {r['tok_s']:.0f} |")
+    if any("mixed" in r for r in results["rows"]):
+        lines += ["", "Steps while a fresh prompt arrives every few steps (stopping after its first token): the steps "
+                  "holding its prefill chunk, and the others", "",
+                  "| geometry | mode | batch | prompt | step with the chunk ms | step without ms | chunk steps replayed |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['geometry']} | {r['mode']} | {r['batch']} | {r['mixed']['prompt_len']} | "
+                  f"{r['mixed']['mixed_step_ms']:.3f} | {r['mixed']['decode_step_ms']:.3f} | "
+                  f"{r['mixed']['mixed_replays']}/{r['mixed']['mixed_steps']} |" for r in results["rows"] if "mixed" in r]
     if any(r.get("rounds", 1) > 1 for r in results["rows"]):
         lines += ["", "Every round's step (ms), in the order run (odd rounds ran the variants in reverse):", ""]
         lines += [f"- {r['geometry']} {r['mode']} b={r['batch']}: " + ", ".join(f"{v:.3f}" for v in r["runs_ms"])
