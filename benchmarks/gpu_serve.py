@@ -44,7 +44,8 @@ from serving.procs import free_port, wait_completion  # noqa: E402
 
 VARIANTS = {"default": [], "async": ["--async-scheduling"], "mixed": [], "async-mixed": ["--async-scheduling"]}
 # what a variant sets in `up`'s environment (its services inherit it)
-VARIANT_ENV = {"mixed": {"TOKENFLEET_CUDA_GRAPHS_MIXED": "1"}, "async-mixed": {"TOKENFLEET_CUDA_GRAPHS_MIXED": "1"}}
+VARIANT_ENV = {"default": {"TOKENFLEET_CUDA_GRAPHS_MIXED": "0"}, "async": {"TOKENFLEET_CUDA_GRAPHS_MIXED": "0"},
+               "mixed": {"TOKENFLEET_CUDA_GRAPHS_MIXED": "1"}, "async-mixed": {"TOKENFLEET_CUDA_GRAPHS_MIXED": "1"}}
 
 
 def start_up(model: str, name: str, port: int, extra: list[str], log, cache_dir: str = "",  # type: ignore[no-untyped-def]

@@ -94,6 +94,7 @@ def test_steps_with_prefill_chunks_replay_what_the_regular_path_computes(monkeyp
     def watched(scheduled, requests):  # every real request's table and rows as the replay reads them
         logits = replay(scheduled, requests)
         row = 0
+        logits_rows, exact = [], []
         for i, entry in enumerate(scheduled):
             end = entry.start + entry.num_new_tokens
             used = -(-end // 4)
@@ -101,9 +102,15 @@ def test_steps_with_prefill_chunks_replay_what_the_regular_path_computes(monkeyp
             assert mixed.starts[i] == row and mixed.contexts[i] == end
             assert mixed.positions[row:row + entry.num_new_tokens].tolist() == list(range(entry.start, end))
             row += entry.num_new_tokens
+            if entry.samples:  # the eager path's logits rows and refined rows (runner.build_batch)
+                params = requests[entry.request_id].sampling_params
+                logits_rows.append(row - 1)
+                exact.append(int(params.temperature == 0 or params.logprobs is not None))
+        assert logits.shape[0] == len(logits_rows)
+        assert mixed.rows[:len(logits_rows)].tolist() == logits_rows
+        assert mixed.exact[:len(exact)].tolist() == exact and 0 in exact + [0]  # the sampled request is not refined
         assert (mixed.starts[len(scheduled):] == row).all()  # padding requests: no rows
         assert (mixed.slots[row:] == mixed.scratch_block * 4).all()  # padding tokens: the scratch block
-        assert (mixed.tables[len(scheduled):, 0] == mixed.scratch_block).all()
         seen.append((len(scheduled), row))
         return logits
 
@@ -143,4 +150,28 @@ def test_mixed_graphs_are_opt_in_and_share_the_decode_graphs_buffers(monkeypatch
     assert (mixed.max_requests, mixed.max_blocks, mixed.scratch_block) == (8, graphs.max_blocks, BLOCKS)
     assert MixedGraphs.beside(graphs, 0) is None
     graphs.windows = (0, 16)  # a model of two KV groups (Gemma 3): its steps stay eager
+    assert MixedGraphs.beside(graphs, 512) is None
+
+
+def test_long_decode_contexts_and_sliding_windows_stay_eager(monkeypatch):
+    """A decode row over MAX_DECODE_CONTEXT keys would walk its context in one program per KV head (the eager step
+    splits it over partitions); a model whose one KV group is a sliding window is attended without it here."""
+    from tokenfleet.backends.torch import mixed_graphs
+    from tokenfleet.engine.scheduler import ScheduledRequest
+
+    _, runner = engine(True, monkeypatch)
+    mixed = MixedGraphs(runner.model, runner.kv, 4, BLOCKS, 8, 64, max_blocks=4096, logits=runner.graphs.logits)  # type: ignore[union-attr]
+    core, _ = engine(False, monkeypatch)
+    core.add_request([1, 2, 3], greedy(2), request_id="a")
+    requests = core.scheduler.requests
+    limit = mixed_graphs.MAX_DECODE_CONTEXT
+    blocks = tuple(range(-(-(limit + 1) // 4)))
+    chunk = ScheduledRequest("a", 0, 3, blocks[:1], True)
+    assert mixed.supports([ScheduledRequest("a", limit - 1, 1, blocks, True), chunk], requests)
+    assert not mixed.supports([ScheduledRequest("a", limit, 1, blocks, True), chunk], requests)
+    graphs = runner.graphs
+    assert graphs is not None
+    monkeypatch.setenv("TOKENFLEET_CUDA_GRAPHS_MIXED", "1")
+    assert MixedGraphs.beside(graphs, 512) is not None
+    graphs.windows = (16,)  # one KV group, all sliding-window layers
     assert MixedGraphs.beside(graphs, 512) is None

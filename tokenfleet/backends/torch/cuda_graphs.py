@@ -27,8 +27,9 @@ layer (numbers, like the columns above) and the graph builds the adapters' masks
 without adapter rows replays the plain graph. Until an adapter set's graphs are captured (or if capturing them
 failed), its steps run eagerly.
 
-What falls back to the eager forward: steps with a prefill chunk or speculative verification rows,
-prompt logprobs, and batches over the largest bucket. Greedy rows (and rows reporting
+What falls back to the eager forward: steps with a prefill chunk (unless TOKENFLEET_CUDA_GRAPHS_MIXED=1 replays
+them from backends.torch.mixed_graphs) or speculative verification rows, prompt logprobs, and batches over the
+largest bucket. Greedy rows (and rows reporting
 logprobs) get their top logits recomputed exactly as in eager mode (llama.refine_top_logits), chosen per
 row by a static flag.
 """

@@ -15,10 +15,17 @@ forward's shapes depend only on the step's token count and the request count, bo
     context lengths, logits rows, exact flags  [max_requests]   padding requests: no rows, one key (scratch)
     block tables                               [max_requests, max_blocks]
 
-A step of T tokens replays the graph of the smallest bucket >= T (64, 128, ... up to the engine's token budget);
-the attention grid covers a whole bucket's rows for every request, and programs past a request's rows exit.
-Logits rows are the sampling entries' last rows, in order. Single-KV-group models (Llamas) only; steps with
-speculative verification rows, prompt logprobs, LoRA adapters or more requests than the buckets hold run eagerly.
+A step of T tokens replays the graph of the smallest bucket >= T (64, 128, ... up to the engine's token budget),
+which holds min(T, max_requests) requests (a step has at most one per token): the attention grid covers a whole
+bucket's rows for each of them, and programs past a request's rows exit. Logits rows are the sampling entries'
+last rows, in order. Models of one full-attention KV group (Llamas) only; steps with speculative verification rows,
+prompt logprobs, LoRA adapters, more requests than the buckets hold, or a decode row over MAX_DECODE_CONTEXT keys
+run eagerly.
+
+Padding tokens belong to no request: their attention output is whatever the buffer held, and every later op on
+their rows is row-wise (norms, per-row FP8 activation scales, GEMMs, RoPE and the K/V write into the scratch
+block, which the decode graphs' padding rows overwrite before reading), and no logits row reads them. An op that
+mixed rows (a per-tensor activation scale) would have to mask them first.
 Off unless TOKENFLEET_CUDA_GRAPHS_MIXED=1 (envs.cuda_graphs_mixed) until a GPU measures it against the eager step.
 """
 
@@ -36,6 +43,9 @@ from tokenfleet.engine.scheduler import ScheduledRequest
 from tokenfleet.models.attention import ForwardBatch, PagedQueries
 
 MAX_TOKENS = 2048  # bigger steps amortize the eager forward's launches; their graphs would hold GBs of activations
+# A one-row (decode) request in a mixed graph is one program per KV head walking its whole context (the eager step
+# splits long contexts over partitions: models.triton_attention); steps with a longer one run eagerly.
+MAX_DECODE_CONTEXT = 4096
 
 
 def token_buckets(max_tokens: int, smallest: int = 64) -> list[int]:
@@ -92,7 +102,7 @@ class MixedGraphs:
         """Mixed-step graphs sharing a ``DecodeGraphs``' model, cache, scratch block, tables' width and logits buffer,
         for steps of up to ``max_tokens`` (at most MAX_TOKENS): None unless TOKENFLEET_CUDA_GRAPHS_MIXED=1 and the
         model keeps one KV group."""
-        if max_tokens <= 0 or not envs.cuda_graphs_mixed() or len(graphs.windows) != 1:
+        if max_tokens <= 0 or not envs.cuda_graphs_mixed() or tuple(graphs.windows) != (0,):
             return None
         return cls(graphs.model, graphs.kv, graphs.block_size, graphs.scratch_block, graphs.max_batch,
                    min(max_tokens, MAX_TOKENS), graphs.max_blocks, graphs.logits)
@@ -112,7 +122,7 @@ class MixedGraphs:
             if request.sampling_params.prompt_logprobs is not None or request.adapter:
                 return False
             end = entry.start + entry.num_new_tokens
-            if -(-end // self.block_size) > self.max_blocks:
+            if -(-end // self.block_size) > self.max_blocks or (entry.num_new_tokens == 1 and end > MAX_DECODE_CONTEXT):
                 return False
             tokens += entry.num_new_tokens
         return tokens <= self.max_tokens
@@ -143,11 +153,11 @@ class MixedGraphs:
         return pool
 
     def _forward(self, t: int) -> None:
-        r = self.max_requests
-        queries = PagedQueries(block_table=self.tables, context_lens=self.contexts, query_start=self.starts,
-                               num_tokens=t, max_query_len=t)
-        batch = ForwardBatch(positions=self.positions[:t], slot_mapping=self.slots[:t], logits_indices=self.rows,
-                             exact_rows=self.exact.bool(), queries=queries)
+        r = min(t, self.max_requests)  # a step of t tokens has at most t requests
+        queries = PagedQueries(block_table=self.tables[:r], context_lens=self.contexts[:r],
+                               query_start=self.starts[:r + 1], num_tokens=t, max_query_len=t)
+        batch = ForwardBatch(positions=self.positions[:t], slot_mapping=self.slots[:t], logits_indices=self.rows[:r],
+                             exact_rows=self.exact[:r].bool(), queries=queries)
         self.logits[:r].copy_(self.model.forward(self.tokens[:t], batch, self.kv))
 
     def run(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]) -> torch.Tensor:
@@ -157,37 +167,36 @@ class MixedGraphs:
         t = next(size for size in self.buckets if size >= total)
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's upload has read the host buffer
-        bs, r = self.block_size, self.max_requests
+        bs, n = self.block_size, len(scheduled)
         tokens, positions, slots = self.host("tokens"), self.host("positions"), self.host("slots")
         starts, contexts, rows, exact = self.host("starts"), self.host("contexts"), self.host("rows"), self.host("exact")
         width = max(-(-(e.start + e.num_new_tokens) // bs) for e in scheduled)  # the table columns this step reads
-        tables = self.host("tables")[:r * width].reshape(r, width)
-        tables[len(scheduled):, 0] = self.scratch_block  # padding requests' one key
+        tables = self.host("tables")[:n * width].reshape(n, width)  # padding requests have no rows: no table read
         row = sampled = 0
         for i, entry in enumerate(scheduled):
             request = requests[entry.request_id]
-            n, start = entry.num_new_tokens, entry.start
-            end = start + n
+            count, start = entry.num_new_tokens, entry.start
+            end = start + count
             used = -(-end // bs)
             blocks = np.asarray(entry.block_ids[:used], dtype=np.int64)
             tables[i, :used] = blocks
-            tokens[row:row + n] = request.token_ids_range(start, end)
+            tokens[row:row + count] = request.token_ids_range(start, end)
             pos = np.arange(start, end, dtype=np.int64)
-            positions[row:row + n] = pos
-            slots[row:row + n] = blocks[pos // bs] * bs + pos % bs
+            positions[row:row + count] = pos
+            slots[row:row + count] = blocks[pos // bs] * bs + pos % bs
             starts[i] = row
             contexts[i] = end
-            row += n
+            row += count
             if entry.samples:
                 params = request.sampling_params
                 rows[sampled] = row - 1
                 exact[sampled] = params.temperature == 0 or params.logprobs is not None
                 sampled += 1
-        starts[len(scheduled)] = row
-        self._fill(row, t, len(scheduled), sampled)
-        upto = self._layout["tables"][0] + r * width
+        starts[n] = row
+        self._fill(row, t, n, sampled)
+        upto = self._layout["tables"][0] + n * width
         self._dev[:upto].copy_(self._host[:upto], non_blocking=True)
-        self.tables[:, :width].copy_(self._staged[:r * width].view(r, width))
+        self.tables[:n, :width].copy_(self._staged[:n * width].view(n, width))
         self.replays += 1
         if self._uploaded is None:  # no CUDA (tests of the buffers' bookkeeping): the same forward, eagerly
             self._forward(t)
@@ -198,9 +207,8 @@ class MixedGraphs:
 
     def _fill(self, first_token: int, last_token: int, first_request: int, first_row: int = 0) -> None:
         """Padding: tokens first_token..last_token-1 are token 0 at position 0 into the scratch block; requests from
-        first_request have no rows (their query start is the last real row) and one key (their tables' first
-        column, the scratch block, is set where the tables are staged); logits rows from first_row read row 0, not
-        refined."""
+        first_request have no rows (their query start is the last real row, so no program reads their one key or
+        their table); logits rows from first_row read row 0, not refined."""
         scratch = self.scratch_block * self.block_size
         self.host("tokens")[first_token:last_token] = 0
         self.host("positions")[first_token:last_token] = 0

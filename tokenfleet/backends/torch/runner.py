@@ -213,7 +213,7 @@ class TorchModelRunner:
         if graphs is None:
             return
         if not self._try_capture("cuda_graph_capture_failed", graphs.capture):
-            self.graphs = None
+            self.graphs = self.mixed = None
             return
         mixed = self.mixed
         if mixed is not None and not self._try_capture("cuda_graph_mixed_capture_failed",
