@@ -65,6 +65,10 @@ class PagedQueries:
     num_tokens: int
     max_query_len: int
     window: int = 0  # sliding window: a query row sees only the last ``window`` of its keys; 0: all
+    # [2, W] long, or None: the (request, tile of query rows) programs to run, request -1 for none, instead of every
+    # request x tile (models.triton_attention; a mixed-step CUDA graph's grid is fixed while few requests have many
+    # rows). Implementations that walk requests directly ignore it.
+    work: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:

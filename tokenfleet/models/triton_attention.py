@@ -112,31 +112,42 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, ctx_ptr, qstart_ptr,
         sm_scale, window,
         stride_qt, stride_qh, stride_kh, stride_kb, stride_ks, stride_ot, stride_oh, stride_table,
-        part_m_ptr, part_l_ptr, part_acc_ptr, num_kv_heads, num_parts,
+        part_m_ptr, part_l_ptr, part_acc_ptr, num_kv_heads, num_parts, work_req_ptr, work_tile_ptr,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
         INTERPRETED: tl.constexpr, PARTITION: tl.constexpr, FP8_KV: tl.constexpr, PV: tl.constexpr,
+        WORK: tl.constexpr,
     ):
         """PARTITION > 0 (split-K, "flash decoding"): program_id(0) is one of ``num_parts`` partitions of the
         request's keys instead of a tile of query rows (TOKENS then covers every row). A partition spans the keys
         divided evenly over the grid in whole tiles, at least PARTITION keys, so the grid stays the same for any
         context (a captured graph) while short contexts use fewer partitions: those past the keys exit without
         writing. Each used one writes its softmax state to the part_* buffers and ``_merge_partitions`` combines
-        them."""
+        them.
+
+        WORK (``PagedQueries.work``): program_id(0) is an entry of a list of (request, tile) pairs, request -1 for
+        none, instead of a tile of every request."""
         if PARTITION > 0:
             part = tl.program_id(0)
             tile = 0
+            req = tl.program_id(1)
+        elif WORK:
+            part = 0
+            req = tl.load(work_req_ptr + tl.program_id(0))
+            tile = tl.load(work_tile_ptr + tl.program_id(0))
         else:
             part = 0
             tile = tl.program_id(0)
-        req = tl.program_id(1)
+            req = tl.program_id(1)
+        listed = req >= 0
+        req = tl.maximum(req, 0)
         kv_head = tl.program_id(2)
         q_first = tl.load(qstart_ptr + req)
         count = tl.load(qstart_ptr + req + 1) - q_first
         context = tl.load(ctx_ptr + req)
         first_row = tile * TOKENS
         start, end = _key_range(context, count, first_row, TOKENS, window, BLOCK_N)
-        used = first_row < count
+        used = (first_row < count) & listed
         if PARTITION > 0:
             chunk = _chunk(end - start, num_parts, PARTITION, BLOCK_N)
             start = start + part * chunk
@@ -278,16 +289,22 @@ class TritonPagedAttention:
         self.prefill_tokens = prefill_tokens
         self.split_below = split_below
 
+    def rows_per_program(self, num_heads: int, num_kv_heads: int, max_query_len: int) -> int:
+        """Query rows of one request a program takes (TOKENS): a work list (``PagedQueries.work``) has one entry
+        per tile of that many rows of a request."""
+        group_pad = _pow2(num_heads // num_kv_heads)
+        if max_query_len <= 4:  # decode / verification: every row of a request in one program
+            tokens = _pow2(max_query_len)
+        else:
+            tokens = max(1, self.prefill_tokens * 4 // group_pad)
+        return max(tokens, -(-16 // group_pad))  # tl.dot wants 16 rows at least
+
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedQueries) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads, _, block_size, _ = k_cache.shape
         group = num_heads // num_kv_heads
         group_pad = _pow2(group)
-        if meta.max_query_len <= 4:  # decode / verification: every row of a request in one program
-            tokens = _pow2(meta.max_query_len)
-        else:
-            tokens = max(1, self.prefill_tokens * 4 // group_pad)
-        tokens = max(tokens, -(-16 // group_pad))  # tl.dot wants 16 rows at least
+        tokens = self.rows_per_program(num_heads, num_kv_heads, meta.max_query_len)
         out = torch.empty_like(q)
         if q.stride(-1) != 1:
             q = q.contiguous()
@@ -310,6 +327,9 @@ class TritonPagedAttention:
             partition = 0
             grid = (-(-meta.max_query_len // tokens), meta.num_requests, num_kv_heads)
             part_m = part_l = part_acc = out  # unused
+        work = meta.work if parts == 1 else None
+        if work is not None:
+            grid = (work.shape[1], 1, num_kv_heads)
         constants = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens, HEAD_DIM=head_dim, HEAD_PAD=head_pad)
         fp8 = kv_fp8.is_fp8(k_cache)  # packed rows: their scales read through fp32 views of the same memory
         k_scales, v_scales = (k_cache.view(torch.float32), v_cache.view(torch.float32)) if fp8 else (k_cache, v_cache)
@@ -317,11 +337,13 @@ class TritonPagedAttention:
             q, k_cache, v_cache, k_scales, v_scales, out, table, meta.context_lens, meta.query_start,
             head_dim**-0.5, meta.window,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
-            out.stride(1), table.stride(0), part_m, part_l, part_acc, num_kv_heads, parts, **constants,
+            out.stride(1), table.stride(0), part_m, part_l, part_acc, num_kv_heads, parts,
+            work[0] if work is not None else meta.query_start, work[1] if work is not None else meta.query_start,
+            **constants,
             BLOCK_SIZE=block_size, BLOCK_N=self.block_n,
             # the interpreter runs bf16 dots wrong (numpy has no bf16): there, upcast as fp32 runs do
             FP32_DOT=q.dtype == torch.float32 or _interpreted(),
-            INTERPRETED=_interpreted(), PARTITION=partition, FP8_KV=fp8, num_warps=self.num_warps,
+            INTERPRETED=_interpreted(), PARTITION=partition, FP8_KV=fp8, WORK=work is not None, num_warps=self.num_warps,
             num_stages=self.num_stages,
             # fp32 models (and the interpreter, whose 16-bit dots are wrong) keep fp32 operands
             PV=0 if q.dtype == torch.float32 or _interpreted() else PV_MODES[self.pv],

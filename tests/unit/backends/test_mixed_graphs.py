@@ -34,6 +34,7 @@ BLOCKS = 64
 def engine(graphs: bool, monkeypatch, budget: int = 40) -> tuple[EngineCore, TorchModelRunner]:
     monkeypatch.setenv("TOKENFLEET_KERNELS", "triton")
     model = random_model(CONFIG, torch.float32, torch.device("cpu"), seed=3)
+    model.attention.prefill_tokens = 8  # tiles of 16 rows: the chunks here (up to 24 tokens) span two
     runner = TorchModelRunner(model, BLOCKS, 4)
     if graphs:
         runner.kv = KVCache(CONFIG, BLOCKS + 1, 4, torch.float32, model.device)  # the scratch block, as on CUDA
@@ -106,6 +107,9 @@ def test_steps_with_prefill_chunks_replay_what_the_regular_path_computes(monkeyp
                 params = requests[entry.request_id].sampling_params
                 logits_rows.append(row - 1)
                 exact.append(int(params.temperature == 0 or params.logprobs is not None))
+        tiles = [(i, k) for i, e in enumerate(scheduled) for k in range(-(-e.num_new_tokens // mixed.tile_rows))]
+        listed = mixed.work[:, :mixed._work_len(next(b for b in mixed.buckets if b >= row))]
+        assert [tuple(p) for p in listed.t().tolist() if p[0] >= 0] == tiles  # the attention's programs, no more
         assert logits.shape[0] == len(logits_rows)
         assert mixed.rows[:len(logits_rows)].tolist() == logits_rows
         assert mixed.exact[:len(exact)].tolist() == exact and 0 in exact + [0]  # the sampled request is not refined
@@ -115,6 +119,7 @@ def test_steps_with_prefill_chunks_replay_what_the_regular_path_computes(monkeyp
         return logits
 
     mixed.run = watched  # type: ignore[method-assign]
+    assert mixed.tile_rows == 16
     got = run(core, ARRIVALS)
     assert got == plain
     assert [len(got[f"r{i}"]) for i in range(7)] == [12, 9, 10, 14, 8, 7, 6]

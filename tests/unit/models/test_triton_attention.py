@@ -118,6 +118,25 @@ def test_split_decode_over_a_wide_table_merges_only_the_partitions_that_hold_key
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_work_list_runs_only_the_listed_tiles(dtype):
+    """``PagedQueries.work``: (request, tile) programs instead of every request x tile (a mixed-step graph's fixed
+    grid, padded with request -1): the same output as the full grid, whatever order the list takes."""
+    q, k_cache, v_cache, meta = random_step([1, 70, 3, 1], [50, 150, 40, 9], 8, 2, 64, 16, dtype, seed=21)
+    attend = triton_attention.TritonPagedAttention(block_n=32, prefill_tokens=8, split_below=0)
+    tokens = attend.rows_per_program(8, 2, meta.max_query_len)
+    pairs = [(r, t) for r, count in enumerate([1, 70, 3, 1]) for t in range(-(-count // tokens))]
+    assert len(pairs) < 4 * -(-70 // tokens)  # fewer programs than the full grid's
+    pairs = pairs[::-1] + [(-1, 0)] * 5
+    meta.work = torch.tensor(pairs, device=DEVICE).t().contiguous()
+    ref = TorchPagedAttention()(q, k_cache, v_cache, meta).float()
+    out = attend(q, k_cache, v_cache, meta).float()
+    meta.work = None
+    full = attend(q, k_cache, v_cache, meta).float()
+    assert torch.equal(out, full)
+    assert ((out - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 8e-3)
+
+
 def test_an_unknown_pv_mode_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="TOKENFLEET_ATTN_PV"):
         triton_attention.TritonPagedAttention(pv="fp16")

@@ -16,8 +16,9 @@ forward's shapes depend only on the step's token count and the request count, bo
     block tables                               [max_requests, max_blocks]
 
 A step of T tokens replays the graph of the smallest bucket >= T (64, 128, ... up to the engine's token budget),
-which holds min(T, max_requests) requests (a step has at most one per token): the attention grid covers a whole
-bucket's rows for each of them, and programs past a request's rows exit. Logits rows are the sampling entries'
+which holds min(T, max_requests) requests (a step has at most one per token). The attention runs a work list of
+(request, tile of rows) programs, T / tile rows + requests long for a bucket, so a step's grid does not cover a
+bucket's rows for every request (most of which have one). Logits rows are the sampling entries'
 last rows, in order. Models of one full-attention KV group (Llamas) only; steps with speculative verification rows,
 prompt logprobs, LoRA adapters, more requests than the buckets hold, or a decode row over MAX_DECODE_CONTEXT keys
 run eagerly.
@@ -72,17 +73,26 @@ class MixedGraphs:
         self.max_requests = max_requests
         self.max_tokens = max_tokens
         self.max_blocks = max_blocks
+        if max_tokens <= 4:
+            raise ValueError("mixed-step graphs need a token budget over 4 (steps of prefill chunks)")
         self.buckets = token_buckets(max_tokens)
         r, t, w = max_requests, max_tokens, max_blocks
         cuda = self.device.type == "cuda"
+        # the attention's programs: a work list of (request, tile of tile_rows rows); a bucket of T tokens and R
+        # requests needs at most T / tile_rows + R of them (a request's last tile may be partial)
+        self.tile_rows = model.attention.rows_per_program(model.config.num_heads, model.config.num_kv_heads,
+                                                          self.buckets[0])
+        self.max_work = self._work_len(t)
         # one pinned host buffer and its device twin: tokens, positions, slots [t]; query starts [r + 1]; context
-        # lengths, logits rows, exact flags [r]; then room to stage a step's [r, used] table columns, spread into the
-        # tables on the device (a step uploads only the columns its contexts reach)
-        self._layout = {"tokens": (0, t), "positions": (t, 2 * t), "slots": (2 * t, 3 * t),
-                        "starts": (3 * t, 3 * t + r + 1), "contexts": (3 * t + r + 1, 3 * t + 2 * r + 1),
-                        "rows": (3 * t + 2 * r + 1, 3 * t + 3 * r + 1), "exact": (3 * t + 3 * r + 1, 3 * t + 4 * r + 1),
-                        "tables": (3 * t + 4 * r + 1, 3 * t + 4 * r + 1 + r * w)}
-        size = self._layout["tables"][1]
+        # lengths, logits rows, exact flags [r]; the work list [2, max_work]; then room to stage a step's [r, used]
+        # table columns, spread into the tables on the device (a step uploads only the columns its contexts reach)
+        sizes = {"tokens": t, "positions": t, "slots": t, "starts": r + 1, "contexts": r, "rows": r, "exact": r,
+                 "work": 2 * self.max_work, "tables": r * w}
+        self._layout, at = {}, 0
+        for name, n in sizes.items():
+            self._layout[name] = (at, at + n)
+            at += n
+        size = at
         self._host = torch.zeros(size, dtype=torch.long, pin_memory=cuda)
         self._np = self._host.numpy()
         self._dev = torch.zeros(size, dtype=torch.long, device=self.device)
@@ -90,6 +100,7 @@ class MixedGraphs:
         self.tokens, self.positions, self.slots, self.starts, self.contexts, self.rows, self.exact = (
             self._dev[a:b] for a, b in (self._layout[k] for k in ("tokens", "positions", "slots", "starts", "contexts",
                                                                    "rows", "exact")))
+        self.work = self._dev[slice(*self._layout["work"])].view(2, self.max_work)
         self._staged = self._dev[self._layout["tables"][0]:]
         self.tables = torch.zeros(r, w, dtype=torch.long, device=self.device)
         self.logits = logits
@@ -97,12 +108,15 @@ class MixedGraphs:
         self.captured = False
         self.replays = 0
 
+    def _work_len(self, t: int) -> int:
+        return -(-t // self.tile_rows) + min(t, self.max_requests)
+
     @classmethod
     def beside(cls, graphs: Any, max_tokens: int) -> MixedGraphs | None:
         """Mixed-step graphs sharing a ``DecodeGraphs``' model, cache, scratch block, tables' width and logits buffer,
         for steps of up to ``max_tokens`` (at most MAX_TOKENS): None unless TOKENFLEET_CUDA_GRAPHS_MIXED=1 and the
         model keeps one KV group."""
-        if max_tokens <= 0 or not envs.cuda_graphs_mixed() or tuple(graphs.windows) != (0,):
+        if max_tokens <= 4 or not envs.cuda_graphs_mixed() or tuple(graphs.windows) != (0,):
             return None
         return cls(graphs.model, graphs.kv, graphs.block_size, graphs.scratch_block, graphs.max_batch,
                    min(max_tokens, MAX_TOKENS), graphs.max_blocks, graphs.logits)
@@ -131,6 +145,7 @@ class MixedGraphs:
         """Capture every bucket, largest first, in ``pool`` (the decode graphs'); returns the pool. Each forward
         runs twice eagerly first (kernels compile outside the capture)."""
         self._fill(0, self.max_tokens, 0)
+        self.host("work")[:self.max_work] = -1  # no request: every program exits
         self._dev.copy_(self._host)
         self.tables[:, 0] = self.scratch_block
         stream = torch.cuda.Stream(self.device)
@@ -155,7 +170,8 @@ class MixedGraphs:
     def _forward(self, t: int) -> None:
         r = min(t, self.max_requests)  # a step of t tokens has at most t requests
         queries = PagedQueries(block_table=self.tables[:r], context_lens=self.contexts[:r],
-                               query_start=self.starts[:r + 1], num_tokens=t, max_query_len=t)
+                               query_start=self.starts[:r + 1], num_tokens=t, max_query_len=t,
+                               work=self.work[:, :self._work_len(t)])
         batch = ForwardBatch(positions=self.positions[:t], slot_mapping=self.slots[:t], logits_indices=self.rows[:r],
                              exact_rows=self.exact[:r].bool(), queries=queries)
         self.logits[:r].copy_(self.model.forward(self.tokens[:t], batch, self.kv))
@@ -194,6 +210,15 @@ class MixedGraphs:
                 sampled += 1
         starts[n] = row
         self._fill(row, t, n, sampled)
+        # the work list: each request's tiles of rows, then nothing (request -1) to the bucket's length
+        work = self.host("work").reshape(2, self.max_work)
+        k = 0
+        for i, entry in enumerate(scheduled):
+            tiles = -(-entry.num_new_tokens // self.tile_rows)
+            work[0, k:k + tiles] = i
+            work[1, k:k + tiles] = np.arange(tiles)
+            k += tiles
+        work[0, k:self._work_len(t)] = -1
         upto = self._layout["tables"][0] + n * width
         self._dev[:upto].copy_(self._host[:upto], non_blocking=True)
         self.tables[:n, :width].copy_(self._staged[:n * width].view(n, width))
