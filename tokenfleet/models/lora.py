@@ -62,6 +62,7 @@ class LoraSet:
         self.adapters: dict[str, LoraAdapter] = {}
         self.columns: dict[str, dict[str, tuple[int, int]]] = {}  # fused layer -> adapter -> its columns
         self.width: dict[str, int] = {}  # fused layer -> C
+        self.column_index: dict[str, torch.Tensor] = {}  # fused layer -> arange(C) on the device
         self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]] = []  # (prepared [W; A_all], B_all, out)
         self.version = 0  # bumped whenever the stacked matrices are rebuilt (CUDA graphs captured over them go stale)
 
@@ -84,6 +85,8 @@ class LoraSet:
                     ranges[name] = (start, start + rows)
                     start += rows
             self.columns[f], self.width[f] = ranges, start
+        self.column_index = {f: torch.arange(width, dtype=torch.long, device=self.device)
+                             for f, width in self.width.items() if width}
         self.layers = []
         base = self.base_weights() if self.adapters else []
         for i in range(self.config.num_layers if self.adapters else 0):
@@ -108,17 +111,14 @@ class LoraSet:
         """The step's masks: rows [first, end) of each (adapter, first, end) keep that adapter's columns."""
         if not row_adapters:
             return None
-        masks = {}
-        for f, ranges in self.columns.items():
-            if not self.width[f]:
-                continue
-            mask = torch.zeros(num_rows, self.width[f], dtype=self.dtype)
-            for name, first, end in row_adapters:
-                if name in ranges:
-                    c0, c1 = ranges[name]
-                    mask[first:end, c0:c1] = 1
-            masks[f] = mask.to(self.device)
-        return LoraBatch(self, masks)
+        first = {f: torch.zeros(num_rows, dtype=torch.long) for f in self.column_index}
+        end = {f: torch.zeros(num_rows, dtype=torch.long) for f in self.column_index}
+        for f in self.column_index:
+            for name, r0, r1 in row_adapters:
+                if name in self.columns[f]:
+                    first[f][r0:r1], end[f][r0:r1] = self.columns[f][name]
+        return LoraBatch.from_ranges(self, {f: v.to(self.device) for f, v in first.items()},
+                                     {f: v.to(self.device) for f, v in end.items()})
 
 
 @dataclass
@@ -129,13 +129,12 @@ class LoraBatch:
     masks: dict[str, torch.Tensor]  # fused layer -> [rows, C]
 
     @classmethod
-    def from_ranges(cls, lora: LoraSet, columns: dict[str, torch.Tensor], first: dict[str, torch.Tensor],
-                    end: dict[str, torch.Tensor]) -> LoraBatch:
+    def from_ranges(cls, lora: LoraSet, first: dict[str, torch.Tensor], end: dict[str, torch.Tensor]) -> LoraBatch:
         """The masks built on the device from each row's column range per fused layer (``first``/``end`` [rows],
-        equal for a row without an adapter there; ``columns``: arange(C) per fused layer): what a captured CUDA
-        graph replays (backends.torch.cuda_graphs), its ranges uploaded as numbers each step."""
+        equal for a row without an adapter there): the ranges are numbers, so a captured CUDA graph replays any mix
+        of adapters with them uploaded each step (backends.torch.cuda_graphs)."""
         return cls(lora, {f: ((cols[None, :] >= first[f][:, None]) & (cols[None, :] < end[f][:, None])).to(lora.dtype)
-                          for f, cols in columns.items()})
+                          for f, cols in lora.column_index.items()})
 
     def project(self, layer: int, name: str, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         """The fused layer ``name``'s output for ``x``, each row with its adapter (``base``: the plain weight)."""

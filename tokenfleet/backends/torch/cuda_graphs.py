@@ -36,7 +36,7 @@ row by a static flag.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -71,6 +71,32 @@ def buckets(max_batch: int) -> list[int]:
         b += 8 if b < 64 else 16 if b < 128 else 32
     sizes.append(max_batch)
     return sizes
+
+
+def capture_buckets(device: torch.device, sizes: Sequence[int], forward: Callable[[int], None], pool: Any = None,
+                    mode: str = "global") -> tuple[dict[int, torch.cuda.CUDAGraph], Any]:
+    """One graph of ``forward(size)`` per size, largest first, all in one memory pool (``pool``, or a new one: the
+    pool is returned). Each forward runs twice eagerly first, on a side stream: kernels compile and libraries create
+    their handles outside the capture. ``mode``: CUDA's capture error mode ("thread_local" while other threads may
+    use the device)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for size in reversed(sizes):
+            forward(size)
+            forward(size)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graphs = {}
+    for size in reversed(sizes):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):  # type: ignore[arg-type]
+            forward(size)
+        if pool is None:
+            pool = graph.pool()
+        graphs[size] = graph
+    torch.cuda.synchronize(device)
+    return graphs, pool
 
 
 class DecodeGraphs:
@@ -119,7 +145,6 @@ class DecodeGraphs:
         self._lora_host = torch.zeros(2 * len(FUSED) * n, dtype=torch.long, pin_memory=cuda)
         self._lora_host_np = self._lora_host.numpy()
         self._lora_dev = torch.zeros(self._lora_host.shape, dtype=torch.long, device=self.device)
-        self._lora_columns: dict[str, torch.Tensor] = {}
 
     @property
     def memory_pool(self) -> Any:
@@ -157,8 +182,6 @@ class DecodeGraphs:
         self._lora_graphs = {}
         self.lora = lora
         self.lora_version = -1
-        self._lora_columns = {f: torch.arange(width, dtype=torch.long, device=self.device)
-                              for f, width in lora.width.items() if width}
         if self._uploaded is not None:  # no CUDA (tests): the eager forward stands in for the graphs
             # every row a padding row (the scratch block) while capturing: the warm-up forwards write K/V too. A step
             # queued before this (overlapped scheduling) replays first: these copies follow it on the stream
@@ -176,23 +199,7 @@ class DecodeGraphs:
         self.lora_version = lora.version
 
     def _capture_buckets(self, lora: bool, mode: str = "global") -> dict[int, torch.cuda.CUDAGraph]:
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for b in reversed(self.buckets):
-                self._forward(b, lora)
-                self._forward(b, lora)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        graphs = {}
-        for b in reversed(self.buckets):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=mode):  # type: ignore[arg-type]
-                self._forward(b, lora)
-            if self._pool is None:
-                self._pool = graph.pool()
-            graphs[b] = graph
-        torch.cuda.synchronize(self.device)
+        graphs, self._pool = capture_buckets(self.device, self.buckets, lambda b: self._forward(b, lora), self._pool, mode)
         return graphs
 
     def _forward(self, b: int, lora: bool = False) -> None:
@@ -210,7 +217,7 @@ class DecodeGraphs:
             n = self.max_batch
             first = {f: self._lora_dev[2 * k * n: 2 * k * n + b] for k, f in enumerate(FUSED)}
             end = {f: self._lora_dev[(2 * k + 1) * n: (2 * k + 1) * n + b] for k, f in enumerate(FUSED)}
-            batch.lora = LoraBatch.from_ranges(self.lora, self._lora_columns, first, end)
+            batch.lora = LoraBatch.from_ranges(self.lora, first, end)
         self.logits[:b].copy_(self.model.forward(self.tokens[:b], batch, self.kv))
 
     def run(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request],

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from tokenfleet import envs
+from tokenfleet.backends.torch.cuda_graphs import capture_buckets
 from tokenfleet.engine.request import Request
 from tokenfleet.engine.scheduler import ScheduledRequest
 from tokenfleet.models.attention import ForwardBatch, PagedQueries
@@ -142,28 +143,12 @@ class MixedGraphs:
         return tokens <= self.max_tokens
 
     def capture(self, pool: Any = None) -> Any:
-        """Capture every bucket, largest first, in ``pool`` (the decode graphs'); returns the pool. Each forward
-        runs twice eagerly first (kernels compile outside the capture)."""
+        """Capture every bucket in ``pool`` (the decode graphs'); returns the pool."""
         self._fill(0, self.max_tokens, 0)
         self.host("work")[:self.max_work] = -1  # no request: every program exits
         self._dev.copy_(self._host)
         self.tables[:, 0] = self.scratch_block
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for t in reversed(self.buckets):
-                self._forward(t)
-                self._forward(t)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        for t in reversed(self.buckets):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(t)
-            if pool is None:
-                pool = graph.pool()
-            self._graphs[t] = graph
-        torch.cuda.synchronize(self.device)
+        self._graphs, pool = capture_buckets(self.device, self.buckets, self._forward, pool)
         self.captured = True
         return pool
 
