@@ -33,6 +33,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -116,7 +117,7 @@ def run_rounds(args, records: list[dict], log, deadline: float, save) -> None:  
     try:
         for record in records:  # started together: each loads its model while the others do
             port = free_port()
-            cache = f"/tmp/gpu-serve-{record['variant']}-{port}"
+            cache = tempfile.mkdtemp(prefix=f"gpu-serve-{record['variant']}-")  # its own state file and ledger
             live[record["variant"]] = (start_up(args.model, args.model_name, port, record["up_args"], log, cache,
                                                 VARIANT_ENV.get(record["variant"])),
                                        f"http://127.0.0.1:{port}")
