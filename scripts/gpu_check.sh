@@ -46,7 +46,7 @@ if [ "$t" -gt 0 ]; then
   # the newest paths first, in case the cap cuts the run short
   timeout -k 10 "$t" python3 -m pytest -v --tb=short -p no:cacheprovider tests/gpu/test_graphs_device.py \
       tests/unit/models/test_kv_fp8.py tests/unit/models/test_triton_attention.py tests/unit/models/test_triton_ops.py \
-      tests/unit/models/test_triton_linear.py \
+      tests/unit/models/test_triton_linear.py tests/unit/models/test_triton_logits.py \
       tests/gpu/test_cuda_engine.py tests/gpu/test_controls_device.py tests/gpu/test_kv_transfer_device.py \
       > "$OUT/pytest.txt" 2>&1
   echo "pytest rc=$?" | tee -a "$LOG"

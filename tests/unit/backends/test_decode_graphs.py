@@ -332,3 +332,31 @@ def test_adapters_loaded_before_the_graphs_are_captured_get_lora_graphs_with_the
     assert runner.adapters is not None and graphs.lora_version == runner.adapters.version
     out = run_adapters(core, [("x0", [3, 4, 5, 6, 7], "a", 6), ("x1", [3, 4, 5, 6, 7], "", 6)])
     assert graphs.lora_replays >= 5 and out["x0"] != out["x1"]
+
+
+def test_bf16_steps_with_the_triton_logits_kernels_generate_what_torch_s_top_k_does(monkeypatch):
+    """A bf16 model's greedy rows (and the logprobs row) get their top logits refined: through the static buffers'
+    flags (graph path) or the runner's row list (eager steps with prefill chunks), by models.triton_logits (CUDA;
+    here forced on, in the interpreter), and the greedy picks by its argmax. Same tokens as torch's versions."""
+    from tokenfleet.models import triton_logits
+
+    prompts = PROMPTS[2:4]
+    params = [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)]
+    reference = run(engine(True, torch.bfloat16, monkeypatch)[0], prompts, params)
+    calls = {"refine_rows": 0, "refine_flags": 0, "argmax": 0}
+    refine, argmax = triton_logits.refine_top_logits_, triton_logits.argmax_rows
+
+    def counted_refine(*args, rows=None, flags=None, **kwargs):
+        calls["refine_flags" if flags is not None else "refine_rows"] += 1
+        return refine(*args, rows=rows, flags=flags, **kwargs)
+
+    def counted_argmax(logits):
+        calls["argmax"] += 1
+        return argmax(logits)
+
+    monkeypatch.setattr(triton_logits, "serves", lambda *tensors: True)
+    monkeypatch.setattr(triton_logits, "refine_top_logits_", counted_refine)
+    monkeypatch.setattr(triton_logits, "argmax_rows", counted_argmax)
+    assert run(engine(True, torch.bfloat16, monkeypatch)[0], prompts, params) == reference
+    assert calls["refine_flags"] >= 4 and calls["refine_rows"] >= 1 and calls["argmax"] >= 6
