@@ -38,12 +38,18 @@ def check_device(kv_cache_dtype: str, device: torch.device) -> None:
     """An FP8 cache on CUDA is read and written by Triton kernels with e4m3 conversions: compute capability 8.9 or
     newer (Ada, Hopper and later). Older GPUs get a clear error at load instead of a kernel failing at the first
     forward."""
-    if kv_cache_dtype != "fp8" or device.type != "cuda":
+    if kv_cache_dtype == "fp8":
+        check_fp8_device("an FP8 KV cache", device, "use kv_cache_dtype ''")
+
+
+def check_fp8_device(what: str, device: torch.device, instead: str) -> None:
+    """e4m3 on CUDA (``torch._scaled_mm``, Triton's fp8e4nv conversions) needs compute capability 8.9 or newer."""
+    if device.type != "cuda":
         return
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
-        raise ValueError(f"an FP8 KV cache needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
-                         f"{torch.cuda.get_device_name(device)} is {major}.{minor}: use kv_cache_dtype ''")
+        raise ValueError(f"{what} needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                         f"{torch.cuda.get_device_name(device)} is {major}.{minor}: {instead}")
 
 
 def is_fp8(cache: torch.Tensor) -> bool:

@@ -113,6 +113,9 @@ def select_linear(dtype: torch.dtype, device: torch.device, quantization: str = 
     if quantization == "fp8":
         if dtype == torch.float32:
             raise ValueError("fp8 weights run with bfloat16 or float16 activations, not float32")
+        from tokenfleet.models.kv_fp8 import check_fp8_device
+
+        check_fp8_device("FP8 weights", device, "serve the model without quantization")
         from tokenfleet.models import triton_linear
 
         return Fp8Linear(triton_linear.select(device))

@@ -110,3 +110,16 @@ def test_llama_8b_layer_shapes_with_the_default_settings(rows, monkeypatch):
         ref = x.float() @ w.dequantize(torch.float32).t()
         out = kernel(x, w).float()
         assert ((out - ref).norm() / ref.norm()).item() < 4e-3, (n, k)
+
+
+def test_fp8_weights_on_a_gpu_without_e4m3_are_refused_at_load(monkeypatch):
+    """torch._scaled_mm and the kernel's e4m3 loads need compute capability 8.9: an A100 gets a clear error when the
+    model is loaded, not a failing first forward (the device is only a name here: nothing runs)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match="FP8 weights need.*8.9 or newer.*A100 is 8.0"):
+        select_linear(torch.bfloat16, torch.device("cuda"), "fp8")
+    select_linear(torch.bfloat16, torch.device("cuda"), "")  # bf16 weights: anywhere
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv("TOKENFLEET_FP8_MATMUL", "0,32,256,4,4")  # nothing compiled: _scaled_mm only
+    assert isinstance(select_linear(torch.bfloat16, torch.device("cuda"), "fp8"), Fp8Linear)
