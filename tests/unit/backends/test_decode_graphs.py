@@ -360,3 +360,38 @@ def test_bf16_steps_with_the_triton_logits_kernels_generate_what_torch_s_top_k_d
     monkeypatch.setattr(triton_logits, "argmax_rows", counted_argmax)
     assert run(engine(True, torch.bfloat16, monkeypatch)[0], prompts, params) == reference
     assert calls["refine_flags"] >= 4 and calls["refine_rows"] >= 1 and calls["argmax"] >= 6
+
+
+def test_buckets_whose_warm_up_runs_out_of_memory_are_dropped_and_the_smaller_ones_kept():
+    """A worker whose weights and cache leave too little memory for its largest bucket keeps graphs for the batch
+    sizes that fit (each warmed twice, largest first) instead of losing them all."""
+    from tokenfleet.backends.torch.cuda_graphs import warm_up
+
+    ran: list[int] = []
+
+    def forward(size: int) -> None:
+        ran.append(size)
+        if size > 8:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    assert warm_up([1, 2, 4, 8, 16, 24], forward) == [1, 2, 4, 8]
+    assert ran == [24, 16, 8, 8, 4, 4, 2, 2, 1, 1]
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="no CUDA-graph bucket"):
+        warm_up([16, 24], forward)
+
+    def odd(size: int) -> None:  # a small size failing after a larger one fit: not a matter of size
+        if size == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        warm_up([1, 2, 4], odd)
+
+
+def test_batches_over_the_largest_bucket_kept_run_eagerly(monkeypatch, graphed):
+    """After a warm-up kept buckets 1, 2 and 4 of 8: the 5-request steps run eagerly, the rest replay."""
+    core, runner = engine(True, torch.float32, monkeypatch)
+    assert runner.graphs is not None
+    runner.graphs.buckets = [1, 2, 4]
+    tokens = run(core, PROMPTS, PARAMS)
+    assert tokens == graphed[0]
+    assert 0 < runner.graphs.replays < graphed[1]

@@ -29,9 +29,9 @@ failed), its steps run eagerly.
 
 What falls back to the eager forward: steps with a prefill chunk (unless TOKENFLEET_CUDA_GRAPHS_MIXED=1 replays
 them from backends.torch.mixed_graphs) or speculative verification rows, prompt logprobs, and batches over the
-largest bucket. Greedy rows (and rows reporting
-logprobs) get their top logits recomputed exactly as in eager mode (llama.refine_top_logits), chosen per
-row by a static flag.
+largest bucket captured (a bucket whose warm-up forward runs out of device memory is not captured: ``warm_up``).
+Greedy rows (and rows reporting logprobs) get their top logits recomputed exactly as in eager mode
+(llama.refine_top_logits; models.triton_logits on CUDA), chosen per row by a static flag.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import structlog
 import torch
 
 from tokenfleet import envs
@@ -46,6 +47,8 @@ from tokenfleet.engine.request import Request
 from tokenfleet.engine.scheduler import ScheduledRequest
 from tokenfleet.models.attention import ForwardBatch, PagedQueries
 from tokenfleet.models.lora import FUSED, LoraBatch, LoraSet
+
+log = structlog.get_logger(__name__)
 
 TABLE_BYTES = 64 << 20  # the static block tables' bound (their staging twins take as much again)
 
@@ -73,20 +76,43 @@ def buckets(max_batch: int) -> list[int]:
     return sizes
 
 
+def warm_up(sizes: Sequence[int], forward: Callable[[int], None]) -> list[int]:
+    """Run each size's forward twice, largest first (kernels compile and libraries create their handles outside a
+    capture). A size whose forward runs out of device memory is dropped, with the warning, and the smaller ones are
+    tried: a worker whose weights and KV cache leave too little for its largest bucket's activations keeps graphs for
+    the batches that fit, rather than none. Returns the sizes kept, ascending; raises if none fits, or if a smaller
+    size fails after a larger one fit (not a matter of size)."""
+    kept: list[int] = []
+    for size in reversed(sizes):
+        try:
+            forward(size)
+            forward(size)
+        except torch.cuda.OutOfMemoryError as e:
+            if kept:
+                raise
+            log.warning("cuda_graph_bucket_out_of_memory", size=size, error=str(e).splitlines()[0][:200])
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            continue
+        kept.append(size)
+    if not kept:
+        raise torch.cuda.OutOfMemoryError(f"no CUDA-graph bucket's forward fits in device memory (sizes {list(sizes)})")
+    return sorted(kept)
+
+
 def capture_buckets(device: torch.device, sizes: Sequence[int], forward: Callable[[int], None], pool: Any = None,
                     mode: str = "global") -> tuple[dict[int, torch.cuda.CUDAGraph], Any]:
-    """One graph of ``forward(size)`` per size, largest first, all in one memory pool (``pool``, or a new one: the
-    pool is returned). Each forward runs twice eagerly first, on a side stream: kernels compile and libraries create
-    their handles outside the capture. ``mode``: CUDA's capture error mode ("thread_local" while other threads may
-    use the device)."""
+    """One graph of ``forward(size)`` per size that fits (``warm_up``, on a side stream), largest first, all in one
+    memory pool (``pool``, or a new one: the pool is returned). The warm-ups' memory goes back to the device before
+    the captures, which take theirs from the graphs' own pool. ``mode``: CUDA's capture error mode ("thread_local"
+    while other threads may use the device)."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        for size in reversed(sizes):
-            forward(size)
-            forward(size)
+        sizes = warm_up(sizes, forward)
     torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
     graphs = {}
     for size in reversed(sizes):
         graph = torch.cuda.CUDAGraph()
@@ -152,9 +178,10 @@ class DecodeGraphs:
         return self._pool
 
     def supports(self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]) -> bool:
-        if not 0 < len(scheduled) <= self.max_batch:
+        if not 0 < len(scheduled) <= self.buckets[-1]:  # the largest bucket captured (warm_up may drop some)
             return False
         lora_ready = self.lora is not None and self.lora.version == self.lora_version
+        adapters = False
         for entry in scheduled:
             if entry.num_new_tokens != 1 or entry.draft or not entry.samples:
                 return False
@@ -163,9 +190,15 @@ class DecodeGraphs:
             request = requests[entry.request_id]
             if request.sampling_params.prompt_logprobs is not None:
                 return False
-            if getattr(request, "adapter", "") and not lora_ready:
-                return False
-        return True
+            if getattr(request, "adapter", ""):
+                if not lora_ready:
+                    return False
+                adapters = True
+        # the adapters' graphs may cover fewer buckets (captured later, with less memory free); no CUDA: none at all
+        return not adapters or self._uploaded is None or self._bucket(len(scheduled)) in self._lora_graphs
+
+    def _bucket(self, rows: int) -> int:
+        return next(size for size in self.buckets if size >= rows)
 
     def capture(self) -> None:
         """Capture every bucket, largest first (they share one memory pool). Each forward runs once eagerly
@@ -174,6 +207,7 @@ class DecodeGraphs:
         self._dev.copy_(self._host)
         self._tables[:, :, 0] = self.scratch_block
         self._graphs = self._capture_buckets(lora=False)
+        self.buckets = sorted(self._graphs)  # those whose forward fit in memory
         self.captured = True
 
     def capture_lora(self, lora: LoraSet) -> None:
@@ -226,7 +260,7 @@ class DecodeGraphs:
         ``source``: (device token ids, [(entry index, index in them)]): entries whose input token is still on the
         device (the step before, queued and not read back: overlapped scheduling); gathered there, no host wait."""
         real = len(scheduled)
-        b = next(size for size in self.buckets if size >= real)
+        b = self._bucket(real)
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's upload has read the host buffer
         n, bs, cols, g = self.max_batch, self.block_size, self._columns, len(self.windows)

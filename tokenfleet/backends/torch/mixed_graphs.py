@@ -140,7 +140,7 @@ class MixedGraphs:
             if -(-end // self.block_size) > self.max_blocks or (entry.num_new_tokens == 1 and end > MAX_DECODE_CONTEXT):
                 return False
             tokens += entry.num_new_tokens
-        return tokens <= self.max_tokens
+        return tokens <= self.buckets[-1]  # the largest bucket captured (cuda_graphs.warm_up may drop some)
 
     def capture(self, pool: Any = None) -> Any:
         """Capture every bucket in ``pool`` (the decode graphs'); returns the pool."""
@@ -149,6 +149,7 @@ class MixedGraphs:
         self._dev.copy_(self._host)
         self.tables[:, 0] = self.scratch_block
         self._graphs, pool = capture_buckets(self.device, self.buckets, self._forward, pool)
+        self.buckets = sorted(self._graphs)
         self.captured = True
         return pool
 
