@@ -141,7 +141,8 @@ def profile_run(geometry: str, mode: str, batch: int, context: int) -> str:
 # settings read when a model is built (tokenfleet.envs): each variant's replace the caller's, then go
 VARIANT_ENV = {"attn_pv": ("TOKENFLEET_ATTN_PV", ",", "pv"), "attn_tuning": ("TOKENFLEET_ATTN_TUNING", ";", "tune"),
                "fp8_matmul": ("TOKENFLEET_FP8_MATMUL", ";", "fp8mm"),
-               "mixed_graphs": ("TOKENFLEET_CUDA_GRAPHS_MIXED", ",", "mixed")}
+               "mixed_graphs": ("TOKENFLEET_CUDA_GRAPHS_MIXED", ",", "mixed"),
+               "logits_kernels": ("TOKENFLEET_LOGITS_KERNELS", ",", "logits")}
 
 
 def set_env(values: dict[str, str | None]) -> None:
@@ -153,8 +154,9 @@ def set_env(values: dict[str, str | None]) -> None:
 
 
 def variants(args) -> list[tuple[str, str, dict[str, str]]]:  # type: ignore[no-untyped-def]
-    """(mode, row label, environment) for each mode x --attn-pv x --attn-tuning x --fp8-matmul: the kernels read
-    TOKENFLEET_ATTN_PV, TOKENFLEET_ATTN_TUNING and TOKENFLEET_FP8_MATMUL when a model is built."""
+    """(mode, row label, environment) for each mode x --attn-pv x --attn-tuning x --fp8-matmul x --mixed-graphs x
+    --logits-kernels: the kernels read TOKENFLEET_ATTN_PV, TOKENFLEET_ATTN_TUNING and TOKENFLEET_FP8_MATMUL when a
+    model is built, TOKENFLEET_LOGITS_KERNELS when a graph is captured and at each eager step."""
     out = [(mode, mode, {}) for mode in args.modes.split(",")]
     for attr, (key, sep, short) in VARIANT_ENV.items():
         values = [v for v in getattr(args, attr).split(sep) if v] or [""]
@@ -273,6 +275,8 @@ def main() -> None:
                         "batches in turn that many rounds (reversed on odd rounds); rows are the median round")
     p.add_argument("--mixed-graphs", default="", help="comma-separated TOKENFLEET_CUDA_GRAPHS_MIXED values (0,1) "
                    "to measure each mode with")
+    p.add_argument("--logits-kernels", default="", help="comma-separated TOKENFLEET_LOGITS_KERNELS values (1,0: "
+                   "models.triton_logits against torch's topk and argmax) to measure each mode with")
     p.add_argument("--mixed-prompt", type=int, default=0, help="> 0: after each decode run, the same batch with a "
                    "fresh prompt of this many tokens arriving every --mixed-every steps; steps holding its prefill "
                    "chunk timed apart (modes without overlap)")
@@ -339,6 +343,7 @@ def main() -> None:
             print(results["errors"][-1], flush=True)
             continue
         engines = {}
+        envs_of = {label: env for _, label, env in todo}
         for mode, label, env in todo:
             built = build_variant(mode, label, env)
             if built is not None:
@@ -347,6 +352,7 @@ def main() -> None:
         order = run_order(list(engines), batches, args.rounds)
         for k, (rnd, label, b) in enumerate(order):
             if b in mode_batches[label]:
+                set_env({**caller_env, **envs_of[label]})  # settings read per step too (the sampler's argmax)
                 measure(results, geometry, label, engines[label][0], engines[label][1], b, args, card, num_blocks,
                         seed=1000 * rnd + b, rnd=rnd)
             if k + 1 == len(order) or order[k + 1][0] != rnd:

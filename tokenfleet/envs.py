@@ -85,6 +85,12 @@ def attn_pv() -> str:
     return os.environ.get("TOKENFLEET_ATTN_PV", "model")
 
 
+def logits_kernels() -> bool:
+    """Greedy rows' exact top logits and the argmax through models.triton_logits on CUDA; "0": torch's topk, scatter
+    and argmax (the A/B of benchmarks/gpu_step.py --logits-kernels)."""
+    return os.environ.get("TOKENFLEET_LOGITS_KERNELS", "1") not in ("0", "false", "no")
+
+
 def fp8_matmul() -> str:
     """FP8-weight models' matmuls at few rows on CUDA (models.triton_linear): "rows,block_n,block_k,num_warps,
     num_stages"; steps of up to ``rows`` rows run the Triton weight-only kernel instead of ``torch._scaled_mm``

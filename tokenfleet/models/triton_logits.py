@@ -45,12 +45,12 @@ _checked: dict[str, bool] = {}  # device -> whether the kernels compiled there a
 
 def serves(logits: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether these kernels take fp32 ``logits`` (and the other operands) here: CUDA tensors with contiguous rows,
-    unless TOKENFLEET_KERNELS=torch asks for the reference paths. The first call on a device runs both kernels on a
-    small case against torch (``self_check``); if they fail to compile or disagree, torch serves from then on, with
-    a warning, rather than every step failing. (Never first inside a CUDA graph capture: the capture's warm-up
-    forwards run eagerly before it.)"""
+    unless TOKENFLEET_KERNELS=torch or TOKENFLEET_LOGITS_KERNELS=0 asks for torch's. The first call on a device runs
+    both kernels on a small case against torch (``self_check``); if they fail to compile or disagree, torch serves
+    from then on, with a warning, rather than every step failing. (Never first inside a CUDA graph capture: the
+    capture's warm-up forwards run eagerly before it.)"""
     if not (available() and logits.is_cuda and logits.dtype == torch.float32 and envs.kernels() != "torch"
-            and all(t.stride(-1) == 1 for t in (logits, *others))):
+            and envs.logits_kernels() and all(t.stride(-1) == 1 for t in (logits, *others))):
         return False
     key = str(logits.device)
     ok = _checked.get(key)
