@@ -142,7 +142,8 @@ def profile_run(geometry: str, mode: str, batch: int, context: int) -> str:
 VARIANT_ENV = {"attn_pv": ("TOKENFLEET_ATTN_PV", ",", "pv"), "attn_tuning": ("TOKENFLEET_ATTN_TUNING", ";", "tune"),
                "fp8_matmul": ("TOKENFLEET_FP8_MATMUL", ";", "fp8mm"),
                "mixed_graphs": ("TOKENFLEET_CUDA_GRAPHS_MIXED", ",", "mixed"),
-               "logits_kernels": ("TOKENFLEET_LOGITS_KERNELS", ",", "logits")}
+               "logits_kernels": ("TOKENFLEET_LOGITS_KERNELS", ",", "logits"),
+               "attn_merge": ("TOKENFLEET_ATTN_MERGE", ",", "merge")}
 
 
 def set_env(values: dict[str, str | None]) -> None:
@@ -155,7 +156,7 @@ def set_env(values: dict[str, str | None]) -> None:
 
 def variants(args) -> list[tuple[str, str, dict[str, str]]]:  # type: ignore[no-untyped-def]
     """(mode, row label, environment) for each mode x --attn-pv x --attn-tuning x --fp8-matmul x --mixed-graphs x
-    --logits-kernels: the kernels read TOKENFLEET_ATTN_PV, TOKENFLEET_ATTN_TUNING and TOKENFLEET_FP8_MATMUL when a
+    --logits-kernels x --attn-merge: the kernels read TOKENFLEET_ATTN_PV, TOKENFLEET_ATTN_TUNING and TOKENFLEET_FP8_MATMUL when a
     model is built, TOKENFLEET_LOGITS_KERNELS when a graph is captured and at each eager step."""
     out = [(mode, mode, {}) for mode in args.modes.split(",")]
     for attr, (key, sep, short) in VARIANT_ENV.items():
@@ -275,6 +276,8 @@ def main() -> None:
                         "batches in turn that many rounds (reversed on odd rounds); rows are the median round")
     p.add_argument("--mixed-graphs", default="", help="comma-separated TOKENFLEET_CUDA_GRAPHS_MIXED values (0,1) "
                    "to measure each mode with")
+    p.add_argument("--attn-merge", default="", help="comma-separated TOKENFLEET_ATTN_MERGE values (kernel,fused: the "
+                   "split-K partitions merged by a second kernel or by the last partition) to measure each mode with")
     p.add_argument("--logits-kernels", default="", help="comma-separated TOKENFLEET_LOGITS_KERNELS values (1,0: "
                    "models.triton_logits against torch's topk and argmax) to measure each mode with")
     p.add_argument("--mixed-prompt", type=int, default=0, help="> 0: after each decode run, the same batch with a "

@@ -77,6 +77,13 @@ def attn_tuning() -> str:
     return os.environ.get("TOKENFLEET_ATTN_TUNING", "64,256,4,3")
 
 
+def attn_merge() -> str:
+    """How the Triton paged-attention kernel's split-K partitions are combined: "kernel" (a second kernel per
+    layer, the default) or "fused" (the last partition of each request and KV head to finish merges, counted with an
+    atomic: one launch fewer per layer; opt-in until a GPU measures it: benchmarks/gpu_step.py --attn-merge)."""
+    return os.environ.get("TOKENFLEET_ATTN_MERGE", "kernel")
+
+
 def attn_pv() -> str:
     """How the Triton paged-attention kernel multiplies probabilities by values in 16-bit models (always
     accumulating in fp32; fp32 models keep fp32 operands): "model" (probabilities rounded to the model's bf16/fp16,

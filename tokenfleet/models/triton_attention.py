@@ -112,18 +112,20 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, ctx_ptr, qstart_ptr,
         sm_scale, window,
         stride_qt, stride_qh, stride_kh, stride_kb, stride_ks, stride_ot, stride_oh, stride_table,
-        part_m_ptr, part_l_ptr, part_acc_ptr, num_kv_heads, num_parts, work_req_ptr, work_tile_ptr,
+        part_m_ptr, part_l_ptr, part_acc_ptr, num_kv_heads, num_parts, work_req_ptr, work_tile_ptr, counter_ptr,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
         INTERPRETED: tl.constexpr, PARTITION: tl.constexpr, FP8_KV: tl.constexpr, PV: tl.constexpr,
-        WORK: tl.constexpr,
+        WORK: tl.constexpr, FUSED_MERGE: tl.constexpr,
     ):
         """PARTITION > 0 (split-K, "flash decoding"): program_id(0) is one of ``num_parts`` partitions of the
         request's keys instead of a tile of query rows (TOKENS then covers every row). A partition spans the keys
         divided evenly over the grid in whole tiles, at least PARTITION keys, so the grid stays the same for any
         context (a captured graph) while short contexts use fewer partitions: those past the keys exit without
         writing. Each used one writes its softmax state to the part_* buffers and ``_merge_partitions`` combines
-        them.
+        them; with FUSED_MERGE the last used partition of a request and KV head to finish combines them instead
+        (it counts arrivals in ``counter_ptr``, one int32 per request x KV head, and sets its count back to 0):
+        one launch fewer per layer.
 
         WORK (``PagedQueries.work``): program_id(0) is an entry of a list of (request, tile) pairs, request -1 for
         none, instead of a tile of every request."""
@@ -148,8 +150,10 @@ if triton is not None:
         first_row = tile * TOKENS
         start, end = _key_range(context, count, first_row, TOKENS, window, BLOCK_N)
         used = (first_row < count) & listed
+        num_used = 1
         if PARTITION > 0:
             chunk = _chunk(end - start, num_parts, PARTITION, BLOCK_N)
+            num_used = (end - start + chunk - 1) // chunk  # the partitions holding keys: 0 .. num_used - 1
             start = start + part * chunk
             end = tl.minimum(end, start + chunk)
             used = used & (start < end)
@@ -185,6 +189,16 @@ if triton is not None:
                 tl.store(part_m_ptr + at, m_i)
                 tl.store(part_l_ptr + at, l_i)
                 tl.store(part_acc_ptr + at[:, None] * HEAD_PAD + d[None, :], acc)
+                if FUSED_MERGE:
+                    tl.debug_barrier()  # every thread's stores above come before the release below
+                    slot = counter_ptr + req * num_kv_heads + kv_head
+                    arrived = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
+                    tl.debug_barrier()
+                    if arrived == num_used - 1:  # the last to finish: the others' states are visible (acquire)
+                        tl.atomic_xchg(slot, 0)  # ready for the next layer, step, or graph replay
+                        _merge_rows(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, req, kv_head, num_kv_heads,
+                                    num_parts, num_used, q_first, count, stride_ot, stride_oh, GROUP, GROUP_PAD,
+                                    TOKENS, HEAD_DIM, HEAD_PAD, INTERPRETED)
             else:
                 l_i = tl.where(l_i == 0.0, 1.0, l_i)
                 out = acc / l_i[:, None]
@@ -193,32 +207,24 @@ if triton is not None:
 
     @triton.jit
     def _merge_one(part_m_ptr, part_l_ptr, part_acc_ptr, at0, m, d, top, total, acc, HEAD_PAD: tl.constexpr):
-        """One partition's state into the running one (a row that saw no keys there: m = -1e30, l = 0, weighs 0)."""
+        """One partition's state into the running one (a row that saw no keys there: m = -1e30, l = 0, weighs 0).
+        Loads skip L1 (.cg): other programs wrote these, maybe on other multiprocessors, just before."""
         at = at0 + m
-        m_p = tl.load(part_m_ptr + at)
-        l_p = tl.load(part_l_ptr + at)
-        acc_p = tl.load(part_acc_ptr + at[:, None] * HEAD_PAD + d[None, :])
+        m_p = tl.load(part_m_ptr + at, cache_modifier=".cg")
+        l_p = tl.load(part_l_ptr + at, cache_modifier=".cg")
+        acc_p = tl.load(part_acc_ptr + at[:, None] * HEAD_PAD + d[None, :], cache_modifier=".cg")
         new = tl.maximum(top, m_p)
         keep = tl.exp(top - new)
         take = tl.exp(m_p - new)
         return new, total * keep + l_p * take, acc * keep[:, None] + acc_p * take[:, None]
 
     @triton.jit
-    def _merge_partitions(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, ctx_ptr, qstart_ptr, window, num_kv_heads,
-                          num_parts, stride_ot, stride_oh,
-                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
-                          INTERPRETED: tl.constexpr):
-        """One request x KV head: the used partitions' (max, sum, accumulator), folded one by one into a running
-        softmax state (rescaled to the running max). The same arithmetic as the partition kernel tells how many
-        partitions hold keys, so the merge's work follows the context, not the grid."""
-        req = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        q_first = tl.load(qstart_ptr + req)
-        count = tl.load(qstart_ptr + req + 1) - q_first
-        start, end = _key_range(tl.load(ctx_ptr + req), count, 0, TOKENS, window, BLOCK_N)
-        chunk = _chunk(end - start, num_parts, PARTITION, BLOCK_N)
-        used = (end - start + chunk - 1) // chunk
+    def _merge_rows(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, req, kv_head, num_kv_heads, num_parts, used,
+                    q_first, count, stride_ot, stride_oh,
+                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    HEAD_PAD: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Request ``req`` x ``kv_head``: the first ``used`` partitions' (max, sum, accumulator), folded one by one
+        into a running softmax state (rescaled to the running max), divided out and written."""
         m = tl.arange(0, TOKENS * GROUP_PAD)
         row = m // GROUP_PAD
         head = kv_head * GROUP + m % GROUP_PAD
@@ -243,6 +249,25 @@ if triton is not None:
         out = acc / total[:, None]
         tl.store(out_ptr + (q_first + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _merge_partitions(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, ctx_ptr, qstart_ptr, window, num_kv_heads,
+                          num_parts, stride_ot, stride_oh,
+                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
+                          INTERPRETED: tl.constexpr):
+        """One program per request x KV head, after the partition kernel. The same arithmetic as that kernel tells
+        how many partitions hold keys, so the merge's work follows the context, not the grid."""
+        req = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        q_first = tl.load(qstart_ptr + req)
+        count = tl.load(qstart_ptr + req + 1) - q_first
+        start, end = _key_range(tl.load(ctx_ptr + req), count, 0, TOKENS, window, BLOCK_N)
+        chunk = _chunk(end - start, num_parts, PARTITION, BLOCK_N)
+        used = (end - start + chunk - 1) // chunk
+        _merge_rows(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, req, kv_head, num_kv_heads, num_parts, used,
+                    q_first, count, stride_ot, stride_oh, GROUP, GROUP_PAD, TOKENS, HEAD_DIM, HEAD_PAD, INTERPRETED)
+
 
 PV_MODES = {"fp32": 0, "tf32x3": 1, "model": 2}  # envs.attn_pv -> the kernel's PV
 
@@ -273,13 +298,20 @@ class TritonPagedAttention:
     prefix_spans = True
 
     def __init__(self, block_n: int = 0, prefill_tokens: int = 32, partition: int = 0, split_below: int | None = None,
-                 num_warps: int = 0, num_stages: int = 0, pv: str = ""):
+                 num_warps: int = 0, num_stages: int = 0, pv: str = "", merge: str = ""):
         """Zeros take TOKENFLEET_ATTN_TUNING ("block_n,partition,num_warps,num_stages", benchmarks/attention_sweep.py)
-        or the defaults 64, 256, 4, 3; ``pv`` "" takes TOKENFLEET_ATTN_PV (envs.attn_pv)."""
+        or the defaults 64, 256, 4, 3; ``pv`` "" takes TOKENFLEET_ATTN_PV (envs.attn_pv), ``merge`` ""
+        TOKENFLEET_ATTN_MERGE (envs.attn_merge: "kernel", a second launch, or "fused", the last partition)."""
         tuned = [int(v) for v in envs.attn_tuning().split(",")]
         self.pv = pv or envs.attn_pv()
         if self.pv not in PV_MODES:
             raise ValueError(f"TOKENFLEET_ATTN_PV={self.pv!r}: one of {', '.join(PV_MODES)}")
+        self.merge = merge or envs.attn_merge()
+        if self.merge not in ("kernel", "fused"):
+            raise ValueError(f"TOKENFLEET_ATTN_MERGE={self.merge!r}: kernel or fused")
+        # fused merges: arrival counts per request x KV head, zero between calls (the last arrival resets its own);
+        # one buffer per device, allocated by the first split call (a graph capture's warm-up, not the capture)
+        self._counters: dict[torch.device, torch.Tensor] = {}
         self.block_n = block_n or tuned[0]
         self.partition = partition or tuned[1]
         self.num_warps = num_warps or tuned[2]
@@ -327,6 +359,8 @@ class TritonPagedAttention:
             partition = 0
             grid = (-(-meta.max_query_len // tokens), meta.num_requests, num_kv_heads)
             part_m = part_l = part_acc = out  # unused
+        fused = parts > 1 and self.merge == "fused"
+        counters = self._counter_buffer(q.device, programs) if fused else meta.query_start  # else unread
         work = meta.work if parts == 1 else None
         if work is not None:
             grid = (work.shape[1], 1, num_kv_heads)
@@ -339,21 +373,30 @@ class TritonPagedAttention:
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
             out.stride(1), table.stride(0), part_m, part_l, part_acc, num_kv_heads, parts,
             work[0] if work is not None else meta.query_start, work[1] if work is not None else meta.query_start,
-            **constants,
+            counters, **constants,
             BLOCK_SIZE=block_size, BLOCK_N=self.block_n,
             # the interpreter runs bf16 dots wrong (numpy has no bf16): there, upcast as fp32 runs do
             FP32_DOT=q.dtype == torch.float32 or _interpreted(),
-            INTERPRETED=_interpreted(), PARTITION=partition, FP8_KV=fp8, WORK=work is not None, num_warps=self.num_warps,
-            num_stages=self.num_stages,
+            INTERPRETED=_interpreted(), PARTITION=partition, FP8_KV=fp8, WORK=work is not None, FUSED_MERGE=fused,
+            num_warps=self.num_warps, num_stages=self.num_stages,
             # fp32 models (and the interpreter, whose 16-bit dots are wrong) keep fp32 operands
             PV=0 if q.dtype == torch.float32 or _interpreted() else PV_MODES[self.pv],
         )
-        if parts > 1:
+        if parts > 1 and not fused:
             _merge_partitions[(meta.num_requests, num_kv_heads)](
                 part_m, part_l, part_acc, out, meta.context_lens, meta.query_start, meta.window, num_kv_heads, parts,
                 out.stride(0), out.stride(1), **constants, BLOCK_N=self.block_n, PARTITION=partition,
                 INTERPRETED=_interpreted())
         return out
+
+    def _counter_buffer(self, device: torch.device, programs: int) -> torch.Tensor:
+        counters = self._counters.get(device)
+        if counters is None or counters.numel() < programs:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("fused attention merges need their counters allocated before a graph capture")
+            counters = self._counters[device] = torch.zeros(max(programs, self._split_below(device)),
+                                                            dtype=torch.int32, device=device)
+        return counters
 
     def _split_below(self, device: torch.device) -> int:
         if self.split_below is not None:

@@ -59,18 +59,21 @@ def test_triton_paged_attention_matches_reference(case, dtype):
     # P.V's operands (envs.attn_pv): on a GPU in bf16 each way; the interpreter computes them all in fp32
     pvs = ("fp32", "tf32x3", "model") if torch.device(DEVICE).type == "cuda" and dtype == torch.bfloat16 else ("fp32",)
     # one program per request x KV head; partitions of 64 keys (as many as the table holds); three partitions per
-    # request x KV head, each spanning a third of the context in whole tiles
+    # request x KV head, each spanning a third of the context in whole tiles; split ones merged by a second kernel
+    # or by their last partition (envs.attn_merge)
     splits = (0, 1 << 20, 3 * len(counts) * kv_heads)
-    for split, pv in itertools.product(splits, pvs):
+    runs = [(split, pv, merge) for split, pv in itertools.product(splits, pvs)
+            for merge in (("kernel", "fused") if split == splits[-1] else ("kernel",))]
+    for split, pv, merge in runs:
         attend = triton_attention.TritonPagedAttention(block_n=32, prefill_tokens=8, partition=64, split_below=split,
-                                                       pv=pv)
+                                                       pv=pv, merge=merge)
         out = attend(q, k_cache, v_cache, meta)
         assert out.dtype == dtype and out.shape == q.shape
         assert torch.isfinite(out.float()).all()
         err = ((out.float() - ref).norm() / ref.norm()).item()
         # fp32: same math in another order; bf16: both accumulate in fp32 and round once at the output (P rounded
         # to bf16 too with pv "model")
-        assert err < (1e-5 if dtype == torch.float32 else 8e-3 if pv != "model" else 1.2e-2), (split, pv, err)
+        assert err < (1e-5 if dtype == torch.float32 else 8e-3 if pv != "model" else 1.2e-2), (split, pv, merge, err)
 
 
 def test_triton_kernel_ignores_padding_rows_and_stale_table_columns():
@@ -89,8 +92,9 @@ def test_triton_kernel_ignores_padding_rows_and_stale_table_columns():
     assert torch.equal(after[:2], before)
 
 
+@pytest.mark.parametrize("merge", ["kernel", "fused"])
 @pytest.mark.parametrize("split_below", [1 << 20, 2 * 3], ids=["64-key-partitions", "two-partitions"])
-def test_split_decode_over_a_wide_table_merges_only_the_partitions_that_hold_keys(split_below):
+def test_split_decode_over_a_wide_table_merges_only_the_partitions_that_hold_keys(split_below, merge):
     """A captured graph's table is as wide as the longest context the model allows (128k tokens: 8k columns), while
     the contexts decoded are short. The grid's partitions cover the table's width (or fill the GPU); most find no
     keys and exit without writing their state, and the merge must fold exactly the ones that wrote. Their state
@@ -109,7 +113,7 @@ def test_split_decode_over_a_wide_table_merges_only_the_partitions_that_hold_key
     def poisoned_like(*args, **kwargs):
         return empty_like(*args, **kwargs).fill_(float("nan"))
 
-    attend = triton_attention.TritonPagedAttention(block_n=16, partition=32, split_below=split_below)
+    attend = triton_attention.TritonPagedAttention(block_n=16, partition=32, split_below=split_below, merge=merge)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(triton_attention.torch, "empty", poisoned)
         patch.setattr(triton_attention.torch, "empty_like", poisoned_like)
@@ -145,3 +149,23 @@ def test_an_unknown_pv_mode_is_refused(monkeypatch):
         triton_attention.TritonPagedAttention()
     monkeypatch.setenv("TOKENFLEET_ATTN_PV", "tf32x3")
     assert triton_attention.TritonPagedAttention().pv == "tf32x3"
+
+
+def test_fused_merges_leave_their_counters_at_zero_for_the_next_call():
+    """The last partition of each request x KV head to finish merges and resets its arrival count: the next layer
+    (or graph replay) finds zeros, and the same inputs give the same output again; an unsplit call touches none."""
+    q, k_cache, v_cache, meta = random_step([1, 1, 1], [5, 100, 300], 6, 3, 64, 16, torch.float32, seed=12,
+                                            num_blocks=120)
+    attend = triton_attention.TritonPagedAttention(block_n=16, partition=32, split_below=1 << 10, merge="fused")
+    first = attend(q, k_cache, v_cache, meta)
+    counters = attend._counters[q.device]
+    assert counters.numel() >= 9 and int(counters.abs().sum()) == 0
+    assert torch.equal(attend(q, k_cache, v_cache, meta), first)
+    reference = triton_attention.TritonPagedAttention(block_n=16, partition=32, split_below=1 << 10, merge="kernel")
+    assert ((first - reference(q, k_cache, v_cache, meta)).abs().max()).item() < 1e-6
+
+
+def test_an_unknown_merge_is_refused(monkeypatch):
+    monkeypatch.setenv("TOKENFLEET_ATTN_MERGE", "atomic")
+    with pytest.raises(ValueError, match="TOKENFLEET_ATTN_MERGE"):
+        triton_attention.TritonPagedAttention()
