@@ -68,6 +68,19 @@ def test_graph_replays_generate_what_eager_steps_do(monkeypatch, dtype):
     core.scheduler.block_manager.check_invariants()
 
 
+def test_fused_split_k_merges_replay_what_the_merge_kernel_generates(monkeypatch):
+    """TOKENFLEET_ATTN_MERGE=fused with 32-key partitions (several per request, racing to be the last): fp32 graph
+    replays generate exactly what the merge kernel's do (the same partitions folded in the same order)."""
+    monkeypatch.setenv("TOKENFLEET_ATTN_TUNING", "16,32,4,2")
+    monkeypatch.setenv("TOKENFLEET_ATTN_MERGE", "kernel")
+    expected = generate(engine(torch.float32, graphs=True, monkeypatch=monkeypatch)[0])
+    monkeypatch.setenv("TOKENFLEET_ATTN_MERGE", "fused")
+    core, runner = engine(torch.float32, graphs=True, monkeypatch=monkeypatch)
+    assert runner.model.attention.merge == "fused"
+    assert generate(core) == expected
+    assert runner.graphs is not None and runner.graphs.replays > 20
+
+
 def test_fp8_weights_track_bf16_logits(monkeypatch):
     core_bf16, _ = engine(torch.bfloat16, graphs=True, monkeypatch=monkeypatch)
     core_fp8, runner = engine(torch.bfloat16, graphs=True, quantization="fp8", monkeypatch=monkeypatch)

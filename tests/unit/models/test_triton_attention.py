@@ -169,3 +169,16 @@ def test_an_unknown_merge_is_refused(monkeypatch):
     monkeypatch.setenv("TOKENFLEET_ATTN_MERGE", "atomic")
     with pytest.raises(ValueError, match="TOKENFLEET_ATTN_MERGE"):
         triton_attention.TritonPagedAttention()
+
+
+def test_fused_merges_agree_with_the_merge_kernel_call_after_call():
+    """On a GPU the partitions race to be last: many calls, each the merge kernel's output (the same states folded in
+    the same order; a stale or missing state would be far off). The interpreter runs programs in turn: one call."""
+    q, k_cache, v_cache, meta = random_step([1] * 6, [700, 33, 260, 1, 515, 128], 8, 2, 64, 16, torch.float32,
+                                            seed=13, num_blocks=300)
+    fused = triton_attention.TritonPagedAttention(block_n=16, partition=32, split_below=1 << 10, merge="fused")
+    kernel = triton_attention.TritonPagedAttention(block_n=16, partition=32, split_below=1 << 10, merge="kernel")
+    expected = kernel(q, k_cache, v_cache, meta)
+    for _ in range(200 if DEVICE == "cuda" else 1):
+        torch.testing.assert_close(fused(q, k_cache, v_cache, meta), expected, rtol=1e-6, atol=1e-6)
+    assert int(fused._counters[q.device].abs().sum()) == 0
