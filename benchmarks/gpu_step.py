@@ -83,19 +83,45 @@ def fp8_kv(mode: str) -> bool:
     return mode.endswith("fp8kv")
 
 
+# (geometry, FP8 weights?) -> the random weights built for it: variants that differ only in kernels and settings
+# share them, so --rounds can keep a dozen 8B engines on one card (cleared per geometry)
+SHARED_WEIGHTS: dict[tuple[str, bool], object] = {}
+
+
+def model_for(geometry: str, mode: str):  # type: ignore[no-untyped-def]
+    """A model of ``geometry`` for ``mode``: its kernels chosen now (under the variant's settings), its weights the
+    ones already built for the same geometry and weight format if any."""
+    from tokenfleet.models.attention import select_attention
+    from tokenfleet.models.layer_ops import select_layer_ops
+    from tokenfleet.models.linear import select_linear
+    from tokenfleet.models.llama import LlamaModel
+    from tokenfleet.models.loader import random_model
+
+    config = ModelConfig.from_dict(GEOMETRIES[geometry])
+    quantization, kv_dtype, device = "fp8" if fp8_weights(mode) else "", "fp8" if fp8_kv(mode) else "", torch.device("cuda")
+    weights = SHARED_WEIGHTS.get((geometry, bool(quantization)))
+    if weights is None:
+        model = random_model(config, torch.bfloat16, device, quantization, kv_cache_dtype=kv_dtype)
+        SHARED_WEIGHTS[(geometry, bool(quantization))] = model.weights
+        return model
+    device = weights.embed.device  # type: ignore[attr-defined]
+    model = LlamaModel(config, weights, torch.bfloat16, device, select_linear(torch.bfloat16, device, quantization),
+                       select_attention(torch.bfloat16, device, kv_dtype), select_layer_ops(config, torch.bfloat16, device))
+    model.kv_cache_dtype = kv_dtype
+    return model
+
+
 def build(geometry: str, mode: str, batch_cap: int, num_blocks: int, max_model_len: int):
     from tokenfleet.backends.torch.runner import TorchModelRunner
     from tokenfleet.engine.block_manager import BlockManager
     from tokenfleet.engine.core import EngineCore
     from tokenfleet.engine.runner import ModelInfo
     from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig
-    from tokenfleet.models.loader import random_model
 
     os.environ["TOKENFLEET_KERNELS"] = "torch" if mode == "eager-torch" else "auto"
     os.environ["TOKENFLEET_CUDA_GRAPHS"] = "1" if mode.startswith("graphs") else "0"
     config = ModelConfig.from_dict(GEOMETRIES[geometry])
-    model = random_model(config, torch.bfloat16, torch.device("cuda"), "fp8" if fp8_weights(mode) else "",
-                         kv_cache_dtype="fp8" if fp8_kv(mode) else "")
+    model = model_for(geometry, mode)
     runner = TorchModelRunner(model, num_blocks, 16, cuda_graph_batch=batch_cap, max_model_len=max_model_len,
                               mixed_graph_tokens=8192)  # TOKENFLEET_CUDA_GRAPHS_MIXED=1: up to 2,048 (mixed_graphs)
     t0 = time.perf_counter()
@@ -133,6 +159,7 @@ def profile_run(geometry: str, mode: str, batch: int, context: int) -> str:
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70)
     del runner, core
+    SHARED_WEIGHTS.clear()
     gc.collect()
     torch.cuda.empty_cache()
     return table
@@ -311,9 +338,13 @@ def main() -> None:
         per_block = 16 * 2 * config_probe.num_layers * config_probe.num_kv_heads * config_probe.head_dim * 2
         want = max(batches) * -(-(args.context + args.steps + 16) // 16) + 64
         free = torch.cuda.mem_get_info()[0]
-        weights = (linear_params(config_probe) + 2 * config_probe.vocab_size * config_probe.hidden_size) * 2
+        head = 2 * config_probe.vocab_size * config_probe.hidden_size * 2  # embedding + LM head, bf16
+        kinds = {fp8_weights(mode) for mode, _, _ in todo}  # weights built once per format (SHARED_WEIGHTS)
+        weights = sum(linear_params(config_probe) * (1 if fp8 else 2) + head for fp8 in kinds)
         resident = len(todo) if args.rounds > 1 else 1  # engines on the GPU at once share what is free
-        num_blocks = int(min(want, (free - resident * weights - (6 << 30)) // resident // per_block))
+        if args.rounds <= 1:
+            weights = max(linear_params(config_probe) * (1 if fp8 else 2) + head for fp8 in kinds)
+        num_blocks = int(min(want, (free - weights - (6 << 30) * (1 + (resident - 1) // 4)) // resident // per_block))
         mode_batches = {label: [b for b in batches if mode != "eager-torch" or str(b) in args.torch_batches.split(",")]
                         for mode, label, _ in todo}
 
@@ -335,6 +366,7 @@ def main() -> None:
                     measure(results, geometry, label, mode, built, b, args, card, num_blocks, seed=b)
                 prefill(results, geometry, label, mode, built, args, card)
                 del built
+                SHARED_WEIGHTS.clear()  # one engine at a time: as much KV as the card holds for each
                 save()  # so far
                 gc.collect()
                 torch.cuda.empty_cache()
@@ -363,6 +395,7 @@ def main() -> None:
         for label in list(engines):
             prefill(results, geometry, label, engines[label][0], engines[label][1], args, card)
         engines.clear()  # every engine's weights and KV off the GPU before the next geometry
+        SHARED_WEIGHTS.clear()
         save()
         gc.collect()
         torch.cuda.empty_cache()
