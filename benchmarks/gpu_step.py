@@ -168,6 +168,7 @@ def profile_run(geometry: str, mode: str, batch: int, context: int) -> str:
 # settings read when a model is built (tokenfleet.envs): each variant's replace the caller's, then go
 VARIANT_ENV = {"attn_pv": ("TOKENFLEET_ATTN_PV", ",", "pv"), "attn_tuning": ("TOKENFLEET_ATTN_TUNING", ";", "tune"),
                "fp8_matmul": ("TOKENFLEET_FP8_MATMUL", ";", "fp8mm"),
+               "bf16_matmul": ("TOKENFLEET_BF16_MATMUL", ";", "bf16mm"),
                "mixed_graphs": ("TOKENFLEET_CUDA_GRAPHS_MIXED", ",", "mixed"),
                "logits_kernels": ("TOKENFLEET_LOGITS_KERNELS", ",", "logits"),
                "attn_merge": ("TOKENFLEET_ATTN_MERGE", ",", "merge")}
@@ -182,9 +183,10 @@ def set_env(values: dict[str, str | None]) -> None:
 
 
 def variants(args) -> list[tuple[str, str, dict[str, str]]]:  # type: ignore[no-untyped-def]
-    """(mode, row label, environment) for each mode x --attn-pv x --attn-tuning x --fp8-matmul x --mixed-graphs x
-    --logits-kernels x --attn-merge: the kernels read TOKENFLEET_ATTN_PV, TOKENFLEET_ATTN_TUNING and TOKENFLEET_FP8_MATMUL when a
-    model is built, TOKENFLEET_LOGITS_KERNELS when a graph is captured and at each eager step."""
+    """(mode, row label, environment) for each mode x --attn-pv x --attn-tuning x --fp8-matmul x --bf16-matmul x
+    --mixed-graphs x --logits-kernels x --attn-merge: the kernels read TOKENFLEET_ATTN_PV, TOKENFLEET_ATTN_TUNING and
+    the matmul settings when a model is built, TOKENFLEET_LOGITS_KERNELS when a graph is captured and at each eager
+    step."""
     out = [(mode, mode, {}) for mode in args.modes.split(",")]
     for attr, (key, sep, short) in VARIANT_ENV.items():
         values = [v for v in getattr(args, attr).split(sep) if v] or [""]
@@ -192,6 +194,8 @@ def variants(args) -> list[tuple[str, str, dict[str, str]]]:  # type: ignore[no-
         def applies(mode: str, attr: str = attr) -> bool:  # else the variants would be the same engine again
             if attr == "fp8_matmul":
                 return fp8_weights(mode)
+            if attr == "bf16_matmul":
+                return not fp8_weights(mode) and mode != "eager-torch"
             if attr == "mixed_graphs":  # only --mixed-prompt's runs have steps with prefill chunks, without overlap
                 return mode.startswith("graphs") and not mode.endswith("overlap")
             return mode != "eager-torch"
@@ -303,6 +307,8 @@ def main() -> None:
                         "batches in turn that many rounds (reversed on odd rounds); rows are the median round")
     p.add_argument("--mixed-graphs", default="", help="comma-separated TOKENFLEET_CUDA_GRAPHS_MIXED values (0,1) "
                    "to measure each mode with")
+    p.add_argument("--bf16-matmul", default="", help="semicolon-separated TOKENFLEET_BF16_MATMUL values (as "
+                   "--fp8-matmul's, for bf16 weights; rows 0: cuBLAS only, the default) for each bf16 mode")
     p.add_argument("--attn-merge", default="", help="comma-separated TOKENFLEET_ATTN_MERGE values (kernel,fused: the "
                    "split-K partitions merged by a second kernel or by the last partition) to measure each mode with")
     p.add_argument("--logits-kernels", default="", help="comma-separated TOKENFLEET_LOGITS_KERNELS values (1,0: "

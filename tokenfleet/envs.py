@@ -105,6 +105,12 @@ def fp8_matmul() -> str:
     return os.environ.get("TOKENFLEET_FP8_MATMUL", "16,32,256,4,4")
 
 
+def bf16_matmul() -> str:
+    """16-bit models' matmuls at few rows on CUDA (models.triton_linear.WeightMatmul), as ``fp8_matmul``'s setting;
+    rows 0, the default: cuBLAS for all (opt-in until a GPU compares them: benchmarks/gpu_step.py --bf16-matmul)."""
+    return os.environ.get("TOKENFLEET_BF16_MATMUL", "0,32,256,4,4")
+
+
 def kernels() -> str:
     """Which kernels the torch engine runs for attention and the layers' element-wise steps: "auto" (the native
     C kernels on CPU in bf16, Triton on CUDA, else torch), "torch" (the torch reference everywhere: the engine as it

@@ -33,10 +33,18 @@ class LinearKernel(Protocol):
 
 
 class DenseLinear:
+    """``F.linear``; with ``few_rows`` (models.triton_linear.WeightMatmul, CUDA, opt-in: TOKENFLEET_BF16_MATMUL),
+    steps of that many rows or fewer go through the Triton weight-streaming kernel instead."""
+
+    def __init__(self, few_rows: Any = None):
+        self.few_rows = few_rows
+
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         return weight
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.few_rows is not None and self.few_rows.takes(x) and x.dtype == weight.dtype:
+            return self.few_rows(x, weight)
         return F.linear(x, weight)
 
 
@@ -121,6 +129,10 @@ def select_linear(dtype: torch.dtype, device: torch.device, quantization: str = 
         return Fp8Linear(triton_linear.select(device))
     if device.type == "cpu" and dtype == torch.bfloat16 and _packed_available():
         return PackedOneDNNLinear()
+    if dtype != torch.float32 and device.type == "cuda":
+        from tokenfleet.models import triton_linear
+
+        return DenseLinear(triton_linear.select(device, triton_linear.WeightMatmul))
     return DenseLinear()
 
 

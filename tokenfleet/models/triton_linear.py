@@ -44,9 +44,11 @@ if triton is not None:
     @triton.jit
     def _fp8_weight_matmul_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, rows, stride_x, stride_o,
                                   N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr):
-        """out[:rows, n] = (x[:rows] @ w[n]) * scale[n] for this program's BLOCK_N channels n; w is [N, K] e4m3.
-        The weight's shape is constant (a model has a few), so the loop's trip count is known when compiling."""
+                                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
+                                  HAS_SCALE: tl.constexpr):
+        """out[:rows, n] = (x[:rows] @ w[n]) * scale[n] for this program's BLOCK_N channels n; w is [N, K] e4m3 (or,
+        without HAS_SCALE, in the activations' dtype: the 16-bit few-rows path). The weight's shape is constant (a
+        model has a few), so the loop's trip count is known when compiling."""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
@@ -68,8 +70,10 @@ if triton is not None:
                 acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-        scale = tl.load(scale_ptr + rn, mask=n_ok, other=0.0)
-        out = acc * scale[None, :]
+        if HAS_SCALE:
+            out = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        else:
+            out = acc
         tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
@@ -83,30 +87,26 @@ class Fp8WeightMatmul:
 
     def __init__(self, rows: int, block_n: int, block_k: int, num_warps: int, num_stages: int):
         if rows < 0 or rows > 64:
-            raise ValueError(f"TOKENFLEET_FP8_MATMUL rows={rows}: 0 (off) to 64")
+            raise ValueError(f"{self.env} rows={rows}: 0 (off) to 64")
         for name, value in (("block_n", block_n), ("block_k", block_k)):
             if value < 16 or value & (value - 1):
-                raise ValueError(f"TOKENFLEET_FP8_MATMUL {name}={value}: a power of two, at least 16")
+                raise ValueError(f"{self.env} {name}={value}: a power of two, at least 16")
         self.rows, self.block_n, self.block_k = rows, block_n, block_k
         self.num_warps, self.num_stages = num_warps, num_stages
 
+    env = "TOKENFLEET_FP8_MATMUL"
+
     @classmethod
     def from_env(cls) -> Fp8WeightMatmul:
-        raw = envs.fp8_matmul()
-        try:
-            values = [int(v) for v in raw.split(",")]
-        except ValueError:
-            values = []
-        if len(values) != 5:
-            raise ValueError(f"TOKENFLEET_FP8_MATMUL={raw!r}: rows,block_n,block_k,num_warps,num_stages")
-        return cls(*values)
+        return cls(*_parse(envs.fp8_matmul(), cls.env))
 
     def takes(self, x: torch.Tensor) -> bool:
         return 0 < x.shape[0] <= self.rows and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
     def __call__(self, x: torch.Tensor, weight: Any) -> torch.Tensor:
-        """``weight``: a ``models.linear.Fp8Weight`` (data [N, K] e4m3, scale [1, N] fp32)."""
-        data, scale = weight.data, weight.scale
+        """``weight``: a ``models.linear.Fp8Weight`` (data [N, K] e4m3, scale [1, N] fp32), or (``WeightMatmul``) a
+        [N, K] tensor in x's dtype."""
+        data, scale = (weight, None) if isinstance(weight, torch.Tensor) else (weight.data, weight.scale)
         n, k = data.shape
         if x.stride(-1) != 1:
             x = x.contiguous()
@@ -114,17 +114,45 @@ class Fp8WeightMatmul:
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         block_m = max(16, 1 << max(0, rows - 1).bit_length())
         _fp8_weight_matmul_kernel[(triton.cdiv(n, self.block_n),)](
-            x, data, scale, out, rows, x.stride(0), out.stride(0), N=n, K=k,
+            x, data, scale if scale is not None else data, out, rows, x.stride(0), out.stride(0), N=n, K=k,
             BLOCK_M=block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, EVEN_K=k % self.block_k == 0,
-            FP32_DOT=x.dtype == torch.float32 or _interpreted(), num_warps=self.num_warps, num_stages=self.num_stages)
+            FP32_DOT=x.dtype == torch.float32 or _interpreted(), HAS_SCALE=scale is not None,
+            num_warps=self.num_warps, num_stages=self.num_stages)
         return out
 
 
-def select(device: torch.device) -> Fp8WeightMatmul | None:
-    """The few-rows kernel where Triton runs it (CUDA, or the interpreter under TOKENFLEET_KERNELS=triton), unless
-    TOKENFLEET_FP8_MATMUL turns it off or TOKENFLEET_KERNELS=torch asks for the reference paths."""
+class WeightMatmul(Fp8WeightMatmul):
+    """The same kernel over 16-bit weights (``models.linear.DenseLinear``'s few-rows path, opt-in): one launch per
+    layer at decode batch sizes, where cuBLAS at one row picks split-K tiles and a reduction kernel for some layers
+    (the H100 profile of the 8B batch-1 step: 64 reductions, ~0.12 ms). Settings: TOKENFLEET_BF16_MATMUL, as
+    TOKENFLEET_FP8_MATMUL's; rows 0 (the default) leaves every matmul to cuBLAS until a GPU compares them."""
+
+    env = "TOKENFLEET_BF16_MATMUL"
+
+    @classmethod
+    def from_env(cls) -> WeightMatmul:
+        return cls(*_parse(envs.bf16_matmul(), cls.env))
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return 0 < x.shape[0] <= self.rows and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _parse(raw: str, env: str) -> list[int]:
+    try:
+        values = [int(v) for v in raw.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != 5:
+        raise ValueError(f"{env}={raw!r}: rows,block_n,block_k,num_warps,num_stages")
+    return values
+
+
+def select(device: torch.device, kind: type[Fp8WeightMatmul] = Fp8WeightMatmul) -> Fp8WeightMatmul | None:
+    """The few-rows kernel (``kind``: FP8 weights, or ``WeightMatmul`` for 16-bit ones) where Triton runs it (CUDA,
+    or the interpreter under TOKENFLEET_KERNELS=triton), unless its setting's rows are 0 or TOKENFLEET_KERNELS=torch
+    asks for the reference paths."""
     choice = envs.kernels()
     if not available() or choice == "torch" or (device.type != "cuda" and choice != "triton"):
         return None
-    kernel = Fp8WeightMatmul.from_env()
+    kernel = kind.from_env()
     return kernel if kernel.rows > 0 else None

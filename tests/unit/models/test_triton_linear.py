@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tokenfleet.models import triton_linear
-from tokenfleet.models.linear import Fp8Linear, select_linear
+from tokenfleet.models.linear import DenseLinear, Fp8Linear, select_linear
 
 pytestmark = pytest.mark.skipif(not triton_linear.available(), reason="triton is not installed")
 
@@ -110,6 +110,10 @@ def test_llama_8b_layer_shapes_with_the_default_settings(rows, monkeypatch):
         ref = x.float() @ w.dequantize(torch.float32).t()
         out = kernel(x, w).float()
         assert ((out - ref).norm() / ref.norm()).item() < 4e-3, (n, k)
+        dense = w.dequantize(torch.bfloat16)  # the 16-bit path (TOKENFLEET_BF16_MATMUL) at the same shapes
+        out = triton_linear.WeightMatmul(16, 32, 256, 4, 4)(x, dense).float()
+        ref = x.float() @ dense.float().t()
+        assert ((out - ref).norm() / ref.norm()).item() < 4e-3, (n, k)
 
 
 def test_fp8_weights_on_a_gpu_without_e4m3_are_refused_at_load(monkeypatch):
@@ -123,3 +127,34 @@ def test_fp8_weights_on_a_gpu_without_e4m3_are_refused_at_load(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setenv("TOKENFLEET_FP8_MATMUL", "0,32,256,4,4")  # nothing compiled: _scaled_mm only
     assert isinstance(select_linear(torch.bfloat16, torch.device("cuda"), "fp8"), Fp8Linear)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("n,k,block_k", [(48, 80, 64), (64, 128, 32)], ids=["ragged", "even"])
+def test_the_16_bit_few_rows_path_is_the_matmul(rows, n, k, block_k):
+    """TOKENFLEET_BF16_MATMUL's kernel: the same program over bf16 weights, no scale."""
+    g = torch.Generator().manual_seed(n * k + rows)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(DEVICE, torch.bfloat16)
+    x = activations(rows, k, torch.bfloat16, seed=rows)
+    kernel = triton_linear.WeightMatmul(rows=16, block_n=32, block_k=block_k, num_warps=4, num_stages=2)
+    out = kernel(x, w)
+    ref = x.float() @ w.float().t()
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    assert ((out.float() - ref).abs() / ref.abs().amax()).amax().item() < 2 * torch.finfo(torch.bfloat16).eps
+    linear = DenseLinear(kernel)
+    assert torch.equal(linear(x, w), out)
+    many = activations(17, k, torch.bfloat16, seed=17)  # over its rows: F.linear
+    assert torch.equal(linear(many, w), torch.nn.functional.linear(many, w))
+
+
+def test_the_16_bit_few_rows_path_is_opt_in(monkeypatch):
+    monkeypatch.setenv("TOKENFLEET_KERNELS", "triton")
+    monkeypatch.delenv("TOKENFLEET_BF16_MATMUL", raising=False)
+    cpu = torch.device("cpu")
+    assert triton_linear.select(cpu, triton_linear.WeightMatmul) is None  # rows 0 by default: cuBLAS serves
+    monkeypatch.setenv("TOKENFLEET_BF16_MATMUL", "8,64,128,4,3")
+    chosen = triton_linear.select(cpu, triton_linear.WeightMatmul)
+    assert isinstance(chosen, triton_linear.WeightMatmul) and (chosen.rows, chosen.block_n) == (8, 64)
+    monkeypatch.setenv("TOKENFLEET_BF16_MATMUL", "8,24,128,4,3")
+    with pytest.raises(ValueError, match="TOKENFLEET_BF16_MATMUL block_n=24"):
+        triton_linear.select(cpu, triton_linear.WeightMatmul)
