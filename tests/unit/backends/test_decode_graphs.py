@@ -386,6 +386,18 @@ def test_buckets_whose_warm_up_runs_out_of_memory_are_dropped_and_the_smaller_on
     with pytest.raises(torch.cuda.OutOfMemoryError):
         warm_up([1, 2, 4], odd)
 
+    def cublas(size: int) -> None:  # cuBLAS's workspace allocation failing: a RuntimeError
+        if size > 2:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+
+    assert warm_up([1, 2, 4], cublas) == [1, 2]
+
+    def broken(size: int) -> None:  # any other error is not about size
+        raise RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory"):
+        warm_up([1, 2, 4], broken)
+
 
 def test_batches_over_the_largest_bucket_kept_run_eagerly(monkeypatch, graphed):
     """After a warm-up kept buckets 1, 2 and 4 of 8: the 5-request steps run eagerly, the rest replay."""
@@ -395,3 +407,25 @@ def test_batches_over_the_largest_bucket_kept_run_eagerly(monkeypatch, graphed):
     tokens = run(core, PROMPTS, PARAMS)
     assert tokens == graphed[0]
     assert 0 < runner.graphs.replays < graphed[1]
+
+
+def test_adapter_rows_replay_only_buckets_whose_lora_graphs_exist(monkeypatch):
+    """The adapters' graphs are captured later, with less memory free, and may keep fewer buckets than the plain
+    ones: a step with adapter rows at a bucket without one runs eagerly; plain rows there still replay."""
+    from types import SimpleNamespace
+
+    from tokenfleet.engine.scheduler import ScheduledRequest
+
+    _, runner = engine(True, torch.float32, monkeypatch)
+    graphs = runner.graphs
+    assert graphs is not None and graphs.buckets == [1, 2, 4, 8]
+    graphs.lora, graphs.lora_version = SimpleNamespace(version=3), 3
+    graphs._uploaded = object()  # as on CUDA: the adapters' graphs are real ones
+    graphs._lora_graphs = {1: None, 2: None}  # buckets 4 and 8 did not fit
+    requests = {f"r{i}": SimpleNamespace(adapter="a" if i == 0 else "", sampling_params=SamplingParams(max_tokens=4))
+                for i in range(3)}
+    entries = [ScheduledRequest(f"r{i}", start=5, num_new_tokens=1, block_ids=(1, 2), samples=True) for i in range(3)]
+    assert graphs.supports(entries[:2], requests)  # bucket 2: captured for adapters
+    assert not graphs.supports(entries, requests)  # bucket 4 with an adapter row: eager
+    assert graphs.supports(entries[1:] + [ScheduledRequest("r3", 5, 1, (1, 2), True)],
+                           {**requests, "r3": requests["r1"]})  # bucket 4 without adapter rows: the plain graph

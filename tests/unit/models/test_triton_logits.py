@@ -96,6 +96,8 @@ def test_argmax_is_torch_argmax_ties_and_all(vocab):
     logits[4] = logits[4].round()  # many ties
     logits[5, vocab - 1] = 99.0  # the very last entry
     assert torch.equal(triton_logits.argmax_rows(logits), logits.argmax(dim=-1))
+    logits[0, vocab // 2] = float("nan")  # a broken row: torch takes the NaN as the largest, so do these
+    assert triton_logits.argmax_rows(logits)[0].item() == logits.argmax(dim=-1)[0].item() == vocab // 2
 
 
 def test_empty_batches_and_strided_rows():
@@ -116,3 +118,10 @@ def test_the_first_use_on_a_device_checks_the_kernels_against_torch(monkeypatch)
 
     monkeypatch.setattr(triton_logits, "refine_top_logits_", broken)
     assert not triton_logits.self_check(torch.device(DEVICE))
+
+    def short_of_memory(*args, **kwargs):  # not a verdict on the kernels: the caller sees it
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(triton_logits, "refine_top_logits_", short_of_memory)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        triton_logits.self_check(torch.device(DEVICE))

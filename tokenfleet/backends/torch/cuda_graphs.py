@@ -87,10 +87,11 @@ def warm_up(sizes: Sequence[int], forward: Callable[[int], None]) -> list[int]:
         try:
             forward(size)
             forward(size)
-        except torch.cuda.OutOfMemoryError as e:
-            if kept:
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+            # cuBLAS's allocation failures come as RuntimeErrors; any other error is not about size
+            if kept or not (isinstance(e, torch.cuda.OutOfMemoryError) or "ALLOC_FAILED" in str(e)):
                 raise
-            log.warning("cuda_graph_bucket_out_of_memory", size=size, error=str(e).splitlines()[0][:200])
+            log.warning("cuda_graph_bucket_out_of_memory", size=size, error=(str(e).splitlines() or [""])[0][:200])
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             continue
