@@ -7,7 +7,6 @@ step, and the sampler.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping, Sequence
 
 import structlog
@@ -16,6 +15,7 @@ import torch
 from tokenfleet.backends.torch.cuda_graphs import DecodeGraphs, graphs_supported
 from tokenfleet.backends.torch.device import to_device
 from tokenfleet.backends.torch.draft import DraftModel
+from tokenfleet.backends.torch.kv_io import KVBlockIO
 from tokenfleet.backends.torch.mixed_graphs import MixedGraphs
 from tokenfleet.backends.torch.sampler import PendingSample, Sampler
 from tokenfleet.engine.kv_tier import PendingBlock
@@ -54,7 +54,7 @@ class TorchModelRunner:
         self.mixed = MixedGraphs.beside(self.graphs, mixed_graph_tokens) if self.graphs is not None else None
         self.sampler = Sampler(model.device)
         self._prompt_spans: list[tuple[str, int, int]] = []
-        self._copy_stream: torch.cuda.Stream | None = None  # CUDA: evicted blocks go to host on it
+        self.kv_io = KVBlockIO(model.device)
         self.drafter: DraftModel | None = None  # speculative decoding with a draft model (backends.torch.draft)
         # LoRA adapters (models.lora), many per batch; None until the first is loaded
         self.adapters: LoraSet | None = None
@@ -253,79 +253,25 @@ class TorchModelRunner:
         if self.drafter is not None:
             self.drafter.release(request_id)
 
-    # ---- KV transfer (disaggregated prefill) --------------------------------------------------
+    # ---- raw KV out and in (backends.torch.kv_io): KV transfer between replicas, the second KV tier ------------
     def kv_geometry(self) -> tuple[int, int, int, str]:
-        """(num_layers, num_kv_heads, head_dim, dtype name) of the cache ("fp8_e4m3": models.kv_fp8's rows)."""
-        kv_heads = self.kv.k.shape[1]
-        dtype = "fp8_e4m3" if self.kv.kv_cache_dtype == "fp8" else str(self.kv.k.dtype).removeprefix("torch.")
-        return len(self.kv.layer_slots), kv_heads, self.kv.head_dim, dtype
+        return self.kv_io.geometry(self.kv)
 
     def export_kv(self, layer: int, block_ids: Sequence[int]) -> tuple[bytes, bytes]:
-        """K and V of ``block_ids`` (of the layer's group) in one layer as raw [kv_heads, n, block_size,
-        head_dim] values (an FP8 cache: its packed rows, scales included). Safe off the engine thread for blocks
-        nobody writes (held, full or owned by a finished request)."""
-        index, slot = self._tensor(list(block_ids)), self.kv.layer_slots[layer][1]
-        return tuple(_raw(cache[slot].index_select(1, index)) for cache in (self.kv.k, self.kv.v))  # type: ignore[return-value]
+        return self.kv_io.export_layer(self.kv, layer, self._tensor(list(block_ids)))
 
     def import_kv(self, layer: int, block_ids: Sequence[int], k: bytes, v: bytes) -> None:
-        """Write received blocks into the cache (engine thread: the blocks are reserved, not yet read)."""
-        index, slot = self._tensor(list(block_ids)), self.kv.layer_slots[layer][1]
-        _, kv_heads, _, block_size, width = self.kv.k.shape
-        shape = (kv_heads, len(block_ids), block_size, width)
-        for cache, raw in ((self.kv.k, k), (self.kv.v, v)):
-            values = torch.frombuffer(bytearray(raw), dtype=cache.dtype).view(shape)
-            cache[slot].index_copy_(1, index, values.to(self.device))
+        self.kv_io.import_layer(self.kv, layer, self._tensor(list(block_ids)), k, v)
 
-    # ---- second KV tier: whole blocks, every layer, K then V ----------------------------------------
     def export_blocks(self, block_ids: Sequence[int], wait: bool = True) -> list[bytes] | list[PendingBlock]:
-        """Each block's K and V in every layer as one raw [2, layers, kv_heads, block_size, head_dim] value.
-        ``wait=False`` on CUDA: the copy to host runs on a side stream into pinned memory and each value is a
-        ``PendingBlock`` (the step goes on; whoever needs the bytes waits for the copy). The gather itself
-        is ordered on the current stream, so the pool's blocks may be overwritten right after."""
-        index = self._tensor(list(block_ids))
-        both = torch.stack([self.kv.k.index_select(2, index), self.kv.v.index_select(2, index)])
-        both = both.permute(3, 0, 1, 2, 4, 5).contiguous()  # [n, 2, layers, kv_heads, block_size, head_dim]
-        if wait or self.device.type != "cuda":
-            return [_raw(block) for block in both.cpu()]
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # the gather is done before the copy reads it
-        with torch.cuda.stream(stream):
-            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-            host.copy_(both, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(stream)
-        both.record_stream(stream)  # the allocator keeps the gathered copy until the side stream is done with it
-
-        def result(i: int) -> bytes:
-            copied.synchronize()
-            return _raw(host[i])
-
-        size = self.block_bytes()
-        return [PendingBlock(size, functools.partial(result, i)) for i in range(len(block_ids))]
+        return self.kv_io.export_blocks(self.kv, self._tensor(list(block_ids)), wait)
 
     def block_bytes(self) -> int:
-        """Size of one ``export_blocks`` value."""
-        slots, kv_heads, _, block_size, width = self.kv.k.shape
-        return self.kv.k.dtype.itemsize * 2 * slots * kv_heads * block_size * width
+        return self.kv_io.block_bytes(self.kv)
 
     def import_blocks(self, pairs: Sequence[tuple[int, bytes]]) -> None:
-        """Write blocks ``export_blocks`` produced back into the pool (before the forward reads them)."""
-        if not pairs:
-            return
-        slots, kv_heads, _, block_size, width = self.kv.k.shape
-        shape = (len(pairs), 2, slots, kv_heads, block_size, width)
-        size = self.block_bytes()
-        if any(len(data) != size for _, data in pairs):
-            raise ValueError(f"a stored KV block is not {size} bytes: another layout")
-        values = torch.frombuffer(bytearray(b"".join(data for _, data in pairs)), dtype=self.kv.k.dtype).view(shape)
-        if self.device.type == "cuda":  # from pinned memory the upload is asynchronous, ordered before the forward
-            values = values.pin_memory()
-        values = values.to(self.device, non_blocking=True).permute(1, 2, 3, 0, 4, 5)  # [2, layers, kv_heads, n, ...]
-        index = self._tensor([block for block, _ in pairs])
-        self.kv.k.index_copy_(2, index, values[0])
-        self.kv.v.index_copy_(2, index, values[1])
+        if pairs:
+            self.kv_io.import_blocks(self.kv, self._tensor([block for block, _ in pairs]), [data for _, data in pairs])
 
     def build_batch(
         self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request],
@@ -498,7 +444,3 @@ class Launched:
 def _table(entry: ScheduledRequest, group: int) -> tuple[int, ...]:
     return entry.block_ids if group == 0 else entry.other_block_ids[group - 1]
 
-
-def _raw(t: torch.Tensor) -> bytes:
-    """A tensor's values as bytes (little-endian on every platform we run on)."""
-    return t.contiguous().cpu().view(torch.uint8).numpy().tobytes()
