@@ -54,6 +54,11 @@ def add_commands(sub: Any) -> None:
     up_cmd.add_argument("--warm-pool", type=int, default=0, help="with --autoscale: keep this many extra workers "
                         "loaded and warmed up but out of the fleet (within --max-workers); a scale-up activates one "
                         "in about a second instead of a cold start")
+    up_cmd.add_argument("--scale-down-after", type=float, default=20.0, help="with --autoscale: seconds the load must "
+                        "fit one worker fewer before one is drained (the stabilization window; the autoscale service's "
+                        "down_stable)")
+    up_cmd.add_argument("--scale-down-cooldown", type=float, default=30.0, help="with --autoscale: seconds after any "
+                        "change before a scale-down")
     up_cmd.add_argument("--ttft-objective", type=float, default=0.0, help="with --autoscale: seconds; add a worker "
                         "when a newcomer's predicted wait (queued prompt tokens / prefill rate) or the recent TTFT "
                         "while requests wait exceeds it (0: off)")
@@ -196,7 +201,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
             from tokenfleet.cluster.autoscale import ScalePolicy
 
             policy = ScalePolicy(target_concurrency=args.target_concurrency, min_replicas=args.workers,
-                                 max_replicas=max(args.max_workers, args.workers), ttft_objective=args.ttft_objective)
+                                 max_replicas=max(args.max_workers, args.workers), ttft_objective=args.ttft_objective,
+                                 down_stable=args.scale_down_after, down_cooldown=args.scale_down_cooldown)
             scaler = launcher.LocalAutoscaler(cluster, name, policy, launcher.operator_plane(args.certs, args.insecure),
                                               metrics_port=args.autoscale_metrics_port, warm_pool=args.warm_pool)
             scaler.start()

@@ -63,8 +63,9 @@ def client_of(up: UpCluster) -> openai.OpenAI:
 
 
 def test_up_autoscale_adds_a_worker_under_load_and_drains_it_after(default_model_dir, tmp_path):
+    """With a shorter stabilization window and cooldown than the defaults (20 and 30 s): the same path, sooner."""
     up = start_up(tmp_path, *AUTOSCALED, "--model", str(default_model_dir), "--target-concurrency", "2",
-                  wait=ANNOUNCED)
+                  "--scale-down-after", "5", "--scale-down-cooldown", "8", wait=ANNOUNCED)
     metrics = up.announced["autoscaler metrics:"]
     try:
         client = client_of(up)

@@ -39,7 +39,7 @@ def headline(quick: bool) -> Scenario:
     parser = argparse.ArgumentParser()
     add_scenario_flags(parser)
     args = parser.parse_args(["--rate", "1"])
-    args.warmup, args.duration, args.drain = (1.0, 2.0, 2.0) if quick else (15.0, 30.0, 15.0)
+    args.warmup, args.duration, args.drain = (0.5, 1.0, 1.0) if quick else (15.0, 30.0, 15.0)
     if quick:  # small cells, short conversations: seconds, not an hour
         args.replicas, args.system_tokens, args.user_tokens, args.output_tokens = 2, 200, 30, 40
     return scenario_from_args(args)

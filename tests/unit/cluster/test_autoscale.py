@@ -101,6 +101,8 @@ def test_helpers():
     assert capacity_from_plan(10, 0.01, 8) == 8
     with pytest.raises(ValueError):
         ScalePolicy(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="cooldowns"):
+        ScalePolicy(down_stable=-1.0)
 
 
 def test_prefill_and_decode_pools_get_their_own_policies():

@@ -174,8 +174,9 @@ def test_an_unknown_merge_is_refused(monkeypatch):
 def test_fused_merges_agree_with_the_merge_kernel_call_after_call():
     """On a GPU the partitions race to be last: many calls, each the merge kernel's output (the same states folded in
     the same order; a stale or missing state would be far off). The interpreter runs programs in turn: one call."""
-    q, k_cache, v_cache, meta = random_step([1] * 6, [700, 33, 260, 1, 515, 128], 8, 2, 64, 16, torch.float32,
-                                            seed=13, num_blocks=300)
+    contexts = [700, 33, 260, 1, 515, 128] if DEVICE == "cuda" else [200, 33, 1, 130]
+    q, k_cache, v_cache, meta = random_step([1] * len(contexts), contexts, 8, 2, 64, 16, torch.float32, seed=13,
+                                            num_blocks=300)
     fused = triton_attention.TritonPagedAttention(block_n=16, partition=32, split_below=1 << 10, merge="fused")
     kernel = triton_attention.TritonPagedAttention(block_n=16, partition=32, split_below=1 << 10, merge="kernel")
     expected = kernel(q, k_cache, v_cache, meta)
