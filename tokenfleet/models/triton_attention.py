@@ -365,6 +365,7 @@ class TritonPagedAttention:
         if work is not None:
             grid = (work.shape[1], 1, num_kv_heads)
         constants = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens, HEAD_DIM=head_dim, HEAD_PAD=head_pad)
+        num_warps = self.warps_for(rows)
         fp8 = kv_fp8.is_fp8(k_cache)  # packed rows: their scales read through fp32 views of the same memory
         k_scales, v_scales = (k_cache.view(torch.float32), v_cache.view(torch.float32)) if fp8 else (k_cache, v_cache)
         paged_attention_kernel[grid](
@@ -378,7 +379,7 @@ class TritonPagedAttention:
             # the interpreter runs bf16 dots wrong (numpy has no bf16): there, upcast as fp32 runs do
             FP32_DOT=q.dtype == torch.float32 or _interpreted(),
             INTERPRETED=_interpreted(), PARTITION=partition, FP8_KV=fp8, WORK=work is not None, FUSED_MERGE=fused,
-            num_warps=self.num_warps, num_stages=self.num_stages,
+            num_warps=num_warps, num_stages=self.num_stages,
             # fp32 models (and the interpreter, whose 16-bit dots are wrong) keep fp32 operands
             PV=0 if q.dtype == torch.float32 or _interpreted() else PV_MODES[self.pv],
         )
@@ -388,6 +389,12 @@ class TritonPagedAttention:
                 out.stride(0), out.stride(1), **constants, BLOCK_N=self.block_n, PARTITION=partition,
                 INTERPRETED=_interpreted())
         return out
+
+    def warps_for(self, rows: int) -> int:
+        """Warps for a program of ``rows`` query rows (TOKENS x GROUP_PAD). A tile of 128 (prefill over a cached
+        prefix, mixed steps) keeps a [128, head_dim] fp32 accumulator: over 4 warps it spills (the 8B geometry: 255
+        registers and 488 bytes of stack on sm_90a, scripts/triton_sm90.py), over 8 it fits (233, none)."""
+        return self.num_warps if rows < 128 else max(self.num_warps, 8)
 
     def _counter_buffer(self, device: torch.device, programs: int) -> torch.Tensor:
         counters = self._counters.get(device)
