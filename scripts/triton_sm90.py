@@ -17,6 +17,7 @@ pointer; strides and sizes that are multiples of 16 in these shapes), as a real 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -74,13 +75,14 @@ def attention(geometry: str, *, partition: int, fused: bool = False, fp8: bool =
                    {"stride_qt", "stride_qh", "stride_kh", "stride_kb", "stride_ks", "stride_ot", "stride_oh"})
 
 
-def specs() -> list[Variant]:
+def specs(attention_warps: int = 0) -> list[Variant]:
     out = []
+    w = attention_warps
     for geometry in ("8b", "smollm2"):
-        out += [attention(geometry, partition=256), attention(geometry, partition=256, fused=True),
-                attention(geometry, partition=64), attention(geometry, partition=256, stages=2),
-                attention(geometry, partition=0), attention(geometry, partition=256, fp8=True),
-                attention(geometry, partition=0, work=True, tokens=32)]
+        out += [attention(geometry, partition=256, warps=w), attention(geometry, partition=256, fused=True, warps=w),
+                attention(geometry, partition=64, warps=w), attention(geometry, partition=256, stages=2, warps=w),
+                attention(geometry, partition=0, warps=w), attention(geometry, partition=256, fp8=True, warps=w),
+                attention(geometry, partition=0, work=True, tokens=32, warps=w)]
         group, head_dim = (4, 128) if geometry == "8b" else (3, 64)
         out.append(Variant(f"attention merge {geometry}", triton_attention._merge_partitions,
                            {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "out_ptr": "*bf16",
@@ -149,12 +151,16 @@ def compile_variant(v: Variant, folder: Path) -> dict:
                             options=dict(num_warps=v.num_warps, num_stages=v.num_stages))
     cubin = folder / f"{abs(hash(v.name))}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
+    # global -> shared copies by width: how wide the tiles' loads are vectorized (16 bytes at best)
+    copies = collections.Counter(int(n, 16) for n in re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], "
+                                                                 r"(0x[0-9a-f]+)", kernel.asm["ptx"]))
     usage = subprocess.run([str(CUOBJDUMP), "-res-usage", str(cubin)], capture_output=True, text=True,
                            check=True).stdout
     found = {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
     return {"name": v.name, "registers": found.get("REG"), "stack": found.get("STACK"), "local": found.get("LOCAL"),
             "shared": max(found.get("SHARED", 0), kernel.metadata.shared), "warps": v.num_warps,
-            "stages": v.num_stages, "seconds": round(time.time() - started, 1)}
+            "stages": v.num_stages, "async_copy_bytes": dict(sorted(copies.items())),
+            "seconds": round(time.time() - started, 1)}
 
 
 def spills(row: dict) -> bool:
@@ -165,11 +171,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", default="", help="variants whose name contains this")
     p.add_argument("--json", default="", help="write the table here too")
+    p.add_argument("--attention-warps", type=int, default=0, help="force the attention kernel's warps (0: what its "
+                   "launch picks)")
     args = p.parse_args()
     rows, failed = [], []
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TRITON_CACHE_DIR"] = tmp  # a fresh compile each run, not a cached one
-        for v in specs():
+        for v in specs(args.attention_warps):
             if args.only not in v.name:
                 continue
             try:
@@ -182,7 +190,7 @@ def main() -> int:
             spill = " SPILLS" if spills(row) else ""
             print(f"{row['name']:48s} regs {row['registers']:3d}  stack {row['stack']:4d} B  local {row['local']:4d} B"
                   f"  shared {row['shared']:6d} B  ({row['warps']} warps, {row['stages']} stages, {row['seconds']} s)"
-                  f"{spill}", flush=True)
+                  f"  async copies {row['async_copy_bytes']}{spill}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"target": "sm_90a", "triton": triton.__version__, "rows": rows,
                                                "failed": failed}, indent=1))
