@@ -92,6 +92,7 @@ def model_for(geometry: str, mode: str):  # type: ignore[no-untyped-def]
     """A model of ``geometry`` for ``mode``: its kernels chosen now (under the variant's settings), its weights the
     ones already built for the same geometry and weight format if any."""
     from tokenfleet.models.attention import select_attention
+    from tokenfleet.models.kv_fp8 import check_device
     from tokenfleet.models.layer_ops import select_layer_ops
     from tokenfleet.models.linear import select_linear
     from tokenfleet.models.llama import LlamaModel
@@ -105,10 +106,18 @@ def model_for(geometry: str, mode: str):  # type: ignore[no-untyped-def]
         SHARED_WEIGHTS[(geometry, bool(quantization))] = model.weights
         return model
     device = weights.embed.device  # type: ignore[attr-defined]
+    check_device(kv_dtype, device)
     model = LlamaModel(config, weights, torch.bfloat16, device, select_linear(torch.bfloat16, device, quantization),
                        select_attention(torch.bfloat16, device, kv_dtype), select_layer_ops(config, torch.bfloat16, device))
     model.kv_cache_dtype = kv_dtype
     return model
+
+
+def mode_env(mode: str) -> dict[str, str]:
+    """The settings a mode's engine is built and stepped under (the Triton logits kernels read TOKENFLEET_KERNELS at
+    every step: an eager-torch engine measured between others must get its own back)."""
+    return {"TOKENFLEET_KERNELS": "torch" if mode == "eager-torch" else "auto",
+            "TOKENFLEET_CUDA_GRAPHS": "1" if mode.startswith("graphs") else "0"}
 
 
 def build(geometry: str, mode: str, batch_cap: int, num_blocks: int, max_model_len: int):
@@ -118,8 +127,7 @@ def build(geometry: str, mode: str, batch_cap: int, num_blocks: int, max_model_l
     from tokenfleet.engine.runner import ModelInfo
     from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig
 
-    os.environ["TOKENFLEET_KERNELS"] = "torch" if mode == "eager-torch" else "auto"
-    os.environ["TOKENFLEET_CUDA_GRAPHS"] = "1" if mode.startswith("graphs") else "0"
+    os.environ.update(mode_env(mode))
     config = ModelConfig.from_dict(GEOMETRIES[geometry])
     model = model_for(geometry, mode)
     runner = TorchModelRunner(model, num_blocks, 16, cuda_graph_batch=batch_cap, max_model_len=max_model_len,
@@ -394,11 +402,14 @@ def main() -> None:
         for k, (rnd, label, b) in enumerate(order):
             if b in mode_batches[label]:
                 set_env({**caller_env, **envs_of[label]})  # settings read per step too (the sampler's argmax)
+                os.environ.update(mode_env(engines[label][0]))
                 measure(results, geometry, label, engines[label][0], engines[label][1], b, args, card, num_blocks,
                         seed=1000 * rnd + b, rnd=rnd)
             if k + 1 == len(order) or order[k + 1][0] != rnd:
                 save()  # after each round: a run cut short keeps the rounds it finished
         for label in list(engines):
+            set_env({**caller_env, **envs_of[label]})
+            os.environ.update(mode_env(engines[label][0]))
             prefill(results, geometry, label, engines[label][0], engines[label][1], args, card)
         engines.clear()  # every engine's weights and KV off the GPU before the next geometry
         SHARED_WEIGHTS.clear()

@@ -55,21 +55,24 @@ class Variant:
 
 def attention(geometry: str, *, partition: int, fused: bool = False, fp8: bool = False, work: bool = False,
               tokens: int = 4, block_n: int = 64, warps: int = 0, stages: int = 3) -> Variant:
-    """``warps`` 0: what the kernel's launch picks for the tile's rows (tokens x 4 heads)."""
+    """``warps`` 0: what the kernel's launch picks for the tile's rows (tokens x 4 heads) and cache (its stages too)."""
     group, head_dim = (4, 128) if geometry == "8b" else (3, 64)
-    warps = warps or triton_attention.TritonPagedAttention(block_n=block_n, num_warps=4).warps_for(tokens * 4)
+    if not warps:
+        attend = triton_attention.TritonPagedAttention(block_n=block_n, num_warps=4, num_stages=stages)
+        warps, stages = attend.launch_shape(tokens * 4, fp8)
     cache = "*u8" if fp8 else "*bf16"
     types = {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "ks_ptr": "*fp32" if fp8 else cache,
              "vs_ptr": "*fp32" if fp8 else cache, "out_ptr": "*bf16", "table_ptr": "*i64", "ctx_ptr": "*i64",
              "qstart_ptr": "*i64", "sm_scale": "fp32", "window": "i32", "stride_qt": "i32", "stride_qh": "i32",
-             "stride_kh": "i64", "stride_kb": "i32", "stride_ks": "i32", "stride_ot": "i32", "stride_oh": "i32",
+             "stride_kh": "i32", "stride_kb": "i32", "stride_ks": "i32", "stride_ot": "i32", "stride_oh": "i32",
              "stride_table": "i32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
              "num_kv_heads": "i32", "num_parts": "i32", "work_req_ptr": "*i64", "work_tile_ptr": "*i64",
              "counter_ptr": "*i32"}
     consts = dict(GROUP=group, GROUP_PAD=4, TOKENS=tokens, HEAD_DIM=head_dim, HEAD_PAD=head_dim, BLOCK_SIZE=16,
                   BLOCK_N=block_n, FP32_DOT=False, INTERPRETED=False, PARTITION=partition, FP8_KV=fp8, PV=2,
                   WORK=work, FUSED_MERGE=fused)
-    label = (f"attention {geometry} " + ("work-list" if work else f"split {partition}" if partition else "unsplit")
+    label = (f"attention {geometry} " + ("work-list" if work else f"split {partition}" if partition else
+                                        "prefix-prefill" if tokens > 4 else "unsplit")
              + (" fused-merge" if fused else "") + (" fp8-kv" if fp8 else "") + f" [{block_n},{warps},{stages}]")
     return Variant(label, triton_attention.paged_attention_kernel, types, consts, warps, stages,
                    {"stride_qt", "stride_qh", "stride_kh", "stride_kb", "stride_ks", "stride_ot", "stride_oh"})
@@ -82,7 +85,10 @@ def specs(attention_warps: int = 0) -> list[Variant]:
         out += [attention(geometry, partition=256, warps=w), attention(geometry, partition=256, fused=True, warps=w),
                 attention(geometry, partition=64, warps=w), attention(geometry, partition=256, stages=2, warps=w),
                 attention(geometry, partition=0, warps=w), attention(geometry, partition=256, fp8=True, warps=w),
-                attention(geometry, partition=0, work=True, tokens=32, warps=w)]
+                attention(geometry, partition=0, work=True, tokens=32, warps=w),
+                attention(geometry, partition=0, work=True, tokens=32, fp8=True, warps=w),
+                attention(geometry, partition=0, tokens=32, warps=w),  # a prefill chunk over a cached prefix
+                attention(geometry, partition=0, tokens=32, fp8=True, warps=w)]
         group, head_dim = (4, 128) if geometry == "8b" else (3, 64)
         out.append(Variant(f"attention merge {geometry}", triton_attention._merge_partitions,
                            {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "out_ptr": "*bf16",
@@ -97,7 +103,7 @@ def specs(attention_warps: int = 0) -> list[Variant]:
                             "slot_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16",
                             "k_cache_ptr": "*u8" if fp8 else "*bf16", "v_cache_ptr": "*u8" if fp8 else "*bf16",
                             "ks_ptr": "*fp32" if fp8 else "*bf16", "vs_ptr": "*fp32" if fp8 else "*bf16",
-                            "stride_qkv": "i32", "stride_cache_head": "i64"},
+                            "stride_qkv": "i32", "stride_cache_head": "i32"},
                            dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=128, HEADS_PAD=32, FP8_KV=fp8,
                                 ROW=144 if fp8 else 128), 4, 3, {"stride_qkv", "stride_cache_head"}))
     out += [Variant("add + rms norm 8b", triton_ops._add_rms_norm_kernel,
@@ -128,15 +134,19 @@ def specs(attention_warps: int = 0) -> list[Variant]:
             Variant("argmax pick", triton_logits._pick_max_kernel,
                     {"val_ptr": "*fp32", "idx_ptr": "*i32", "out_ptr": "*i64", "num_chunks": "i32"},
                     dict(BLOCK_C=64), 4, 3)]
-    for n, k, layer in ((6144, 4096, "qkv"), (28672, 4096, "gate_up"), (4096, 14336, "down")):
-        for fp8 in (True, False):
-            out.append(Variant(f"few-rows matmul 8b {layer} {'fp8' if fp8 else 'bf16'}",
-                               triton_linear._fp8_weight_matmul_kernel,
-                               {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16",
-                                "scale_ptr": "*fp32" if fp8 else "*bf16", "out_ptr": "*bf16", "rows": "i32",
-                                "stride_x": "i32", "stride_o": "i32"},
-                               dict(N=n, K=k, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, EVEN_K=True, FP32_DOT=False,
-                                    HAS_SCALE=fp8), 4, 4, {"stride_x", "stride_o"}))
+    # the 8B layers, the 8B LM head (bf16 path only: FP8 models keep it in bf16 for cuBLAS), SmolLM2's qkv (K = 576:
+    # not a multiple of block_k); one row as a batch-1 launch gets it (Triton makes an int argument of 1 a constant)
+    for n, k, layer, rows in ((6144, 4096, "8b qkv", 0), (6144, 4096, "8b qkv", 1), (4096, 4096, "8b o_proj", 0),
+                              (28672, 4096, "8b gate_up", 0), (4096, 14336, "8b down", 0),
+                              (128256, 4096, "8b lm_head", 0), (960, 576, "smollm2 qkv", 0)):
+        for fp8 in ((False,) if "lm_head" in layer else (True, False)):
+            consts = dict(N=n, K=k, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, EVEN_K=k % 256 == 0, FP32_DOT=False,
+                          HAS_SCALE=fp8, **({"rows": 1} if rows else {}))
+            types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "scale_ptr": "*fp32" if fp8 else "*bf16",
+                     "out_ptr": "*bf16", "rows": "i32", "stride_x": "i32", "stride_o": "i32"}
+            out.append(Variant(f"few-rows matmul {layer} {'fp8' if fp8 else 'bf16'}{' (1 row)' if rows else ''}",
+                               triton_linear._fp8_weight_matmul_kernel, types, consts, 4, 4,
+                               {"stride_x", "stride_o"} if k % 16 == 0 else set()))
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Any
@@ -104,7 +105,8 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []
     argv += ["--autoscale", "--max-workers", str(args.max_workers), "--target-concurrency",
              str(args.target_concurrency), "--warm-pool", str(args.warm_pool), "--ttft-objective",
-             str(args.ttft_objective)] if args.autoscale else []
+             str(args.ttft_objective), "--scale-down-after", str(args.scale_down_after), "--scale-down-cooldown",
+             str(args.scale_down_cooldown)] if args.autoscale else []
     argv += ["--batch-slots", str(args.batch_slots), "--batch-concurrency", str(args.batch_concurrency)]
     argv += ["--autoscale-metrics-port", str(args.autoscale_metrics_port)] if args.autoscale_metrics_port is not None else []
     return argv
@@ -128,6 +130,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from tokenfleet.models.gguf_import import DEFAULT_MODEL_NAME
 
     launcher.check_auth(args.host, args.auth == "on", args.insecure_no_auth)  # before anything starts
+    if args.autoscale and not all(math.isfinite(v) and v >= 0 for v in (args.scale_down_after, args.scale_down_cooldown)):
+        print("--scale-down-after and --scale-down-cooldown are seconds >= 0", file=sys.stderr)
+        return 2
     if args.tracing:  # every service inherits the environment (telemetry.tracing reads it)
         if not 0.0 <= args.trace_sample <= 1.0:
             print("--trace-sample must be between 0 and 1", file=sys.stderr)

@@ -68,7 +68,7 @@ class ScalePolicy:
             raise ValueError(f"need 1 <= min_replicas <= max_replicas, got {self.min_replicas}..{self.max_replicas}")
         if self.target_concurrency <= 0 or self.max_step < 1:
             raise ValueError("target_concurrency must be > 0 and max_step >= 1")
-        if min(self.up_cooldown, self.down_cooldown, self.down_stable) < 0:
+        if not all(math.isfinite(v) and v >= 0 for v in (self.up_cooldown, self.down_cooldown, self.down_stable)):
             raise ValueError("cooldowns and down_stable are seconds >= 0")
 
 

@@ -365,8 +365,8 @@ class TritonPagedAttention:
         if work is not None:
             grid = (work.shape[1], 1, num_kv_heads)
         constants = dict(GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens, HEAD_DIM=head_dim, HEAD_PAD=head_pad)
-        num_warps = self.warps_for(rows)
         fp8 = kv_fp8.is_fp8(k_cache)  # packed rows: their scales read through fp32 views of the same memory
+        num_warps, num_stages = self.launch_shape(rows, fp8)
         k_scales, v_scales = (k_cache.view(torch.float32), v_cache.view(torch.float32)) if fp8 else (k_cache, v_cache)
         paged_attention_kernel[grid](
             q, k_cache, v_cache, k_scales, v_scales, out, table, meta.context_lens, meta.query_start,
@@ -379,7 +379,7 @@ class TritonPagedAttention:
             # the interpreter runs bf16 dots wrong (numpy has no bf16): there, upcast as fp32 runs do
             FP32_DOT=q.dtype == torch.float32 or _interpreted(),
             INTERPRETED=_interpreted(), PARTITION=partition, FP8_KV=fp8, WORK=work is not None, FUSED_MERGE=fused,
-            num_warps=num_warps, num_stages=self.num_stages,
+            num_warps=num_warps, num_stages=num_stages,
             # fp32 models (and the interpreter, whose 16-bit dots are wrong) keep fp32 operands
             PV=0 if q.dtype == torch.float32 or _interpreted() else PV_MODES[self.pv],
         )
@@ -390,11 +390,15 @@ class TritonPagedAttention:
                 INTERPRETED=_interpreted())
         return out
 
-    def warps_for(self, rows: int) -> int:
-        """Warps for a program of ``rows`` query rows (TOKENS x GROUP_PAD). A tile of 128 (prefill over a cached
-        prefix, mixed steps) keeps a [128, head_dim] fp32 accumulator: over 4 warps it spills (the 8B geometry: 255
-        registers and 488 bytes of stack on sm_90a, scripts/triton_sm90.py), over 8 it fits (233, none)."""
-        return self.num_warps if rows < 128 else max(self.num_warps, 8)
+    def launch_shape(self, rows: int, fp8: bool) -> tuple[int, int]:
+        """(warps, pipeline stages) for a program of ``rows`` query rows (TOKENS x GROUP_PAD). A tile of 128 (prefill
+        over a cached prefix, mixed steps) keeps a [128, head_dim] fp32 accumulator: over 4 warps it spills (the 8B
+        geometry: 255 registers and 480 bytes of stack on sm_90a, 672 reading an FP8 cache: scripts/triton_sm90.py,
+        benchmarks/reports/2026-11-26-sm90-kernel-resources.md); over 8 warps it fits (232 registers), and so does the
+        FP8 cache's with 2 pipeline stages instead of 3 (64 bytes of stack with 3)."""
+        if rows < 128:
+            return self.num_warps, self.num_stages
+        return max(self.num_warps, 8), min(self.num_stages, 2) if fp8 else self.num_stages
 
     def _counter_buffer(self, device: torch.device, programs: int) -> torch.Tensor:
         counters = self._counters.get(device)
