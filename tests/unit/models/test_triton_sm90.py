@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 triton = pytest.importorskip("triton")
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -27,7 +27,8 @@ def _runs(tool: Path) -> bool:
         return False
 
 
-@pytest.mark.skipif(not _runs(PTXAS), reason="Triton's bundled ptxas does not run on this machine")
+@pytest.mark.skipif(not (_runs(BIN / "ptxas") and _runs(BIN / "cuobjdump")),
+                    reason="Triton's bundled ptxas or cuobjdump does not run on this machine")
 def test_every_kernel_variant_compiles_for_sm90_without_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "sm90.json"
