@@ -7,6 +7,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+import structlog
+
 SERVICE_COMMANDS = ("decode", "prefill", "router", "gateway", "registry")
 
 
@@ -33,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SERVICE_COMMANDS:
         return _run_service(argv[0], argv[1:])
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))  # stdout: the command's output
     parser = _parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):
