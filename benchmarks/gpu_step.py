@@ -398,18 +398,21 @@ def main() -> None:
             if built is not None:
                 engines[label] = (mode, built)
         built = None
+
+        def use_variant(label: str) -> None:
+            set_env({**caller_env, **envs_of[label]})
+            os.environ.update(mode_env(engines[label][0]))
+
         order = run_order(list(engines), batches, args.rounds)
         for k, (rnd, label, b) in enumerate(order):
             if b in mode_batches[label]:
-                set_env({**caller_env, **envs_of[label]})  # settings read per step too (the sampler's argmax)
-                os.environ.update(mode_env(engines[label][0]))
+                use_variant(label)  # settings read per step too (the sampler's argmax)
                 measure(results, geometry, label, engines[label][0], engines[label][1], b, args, card, num_blocks,
                         seed=1000 * rnd + b, rnd=rnd)
             if k + 1 == len(order) or order[k + 1][0] != rnd:
                 save()  # after each round: a run cut short keeps the rounds it finished
         for label in list(engines):
-            set_env({**caller_env, **envs_of[label]})
-            os.environ.update(mode_env(engines[label][0]))
+            use_variant(label)
             prefill(results, geometry, label, engines[label][0], engines[label][1], args, card)
         engines.clear()  # every engine's weights and KV off the GPU before the next geometry
         SHARED_WEIGHTS.clear()

@@ -27,6 +27,7 @@ import torch
 from tokenfleet import envs
 from tokenfleet.models import kv_fp8
 from tokenfleet.models.attention import PagedQueries
+from tokenfleet.models.triton_ops import _pow2
 
 try:  # CUDA builds of torch bring triton; CPU installs have it with the dev extras (interpreter tests)
     import triton
@@ -276,8 +277,6 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 class TritonPagedAttention:

@@ -24,6 +24,7 @@ import structlog
 import torch
 
 from tokenfleet import envs
+from tokenfleet.models.triton_ops import _pow2
 
 try:
     import triton
@@ -92,10 +93,6 @@ def self_check(device: torch.device) -> bool:
     except Exception as e:  # noqa: BLE001 - a kernel that cannot compile here: torch serves
         log.warning("triton_logits_failed", device=str(device), error=repr(e), note="torch serves instead")
         return False
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 if triton is not None:
