@@ -146,6 +146,7 @@ async def warm_up(engine: AsyncEngine) -> None:
     start = time.monotonic()
     async for _ in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=1, temperature=0.0), "warm-up"):
         pass
+    await engine.forget_prefill_rate()  # the cold start's rate, not the engine's
     log.info("warmed up", seconds=round(time.monotonic() - start, 3))
 
 

@@ -159,6 +159,13 @@ class AsyncEngine:
     def count_peer_failure(self) -> None:
         self.post(lambda core: setattr(core.stats, "num_peer_fetch_failures", core.stats.num_peer_fetch_failures + 1))
 
+    async def forget_prefill_rate(self) -> None:
+        """EngineStats.forget_prefill_rate on the engine thread; stats() shows it once this returns."""
+        def forget(core: EngineCore) -> None:
+            core.stats.forget_prefill_rate()
+            self._snapshot(core)
+        await self.call(forget)
+
     def _snapshot(self, core: EngineCore, busy: bool = False) -> None:
         self._stats = core.snapshot()
         bm, tier = core.scheduler.block_manager, core.tier

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 from tokenfleet.engine.request import Request
 
+# Seconds a prefill rate is trusted to refuse a prompt that has nothing queued ahead of it (see predicted_wait).
+PREFILL_RATE_FRESH_S = 10.0
+
 
 @dataclass
 class EngineStats:
@@ -57,6 +60,7 @@ class EngineStats:
     last_step_seconds: float = 0.0
     num_queued_prompt_tokens: int = 0  # prompt tokens waiting to be computed
     prefill_tokens_per_s: float = 0.0  # recent rate of steps that prefilled (EMA)
+    prefill_rate_at: float = 0.0  # time.monotonic() of prefill_tokens_per_s's last sample
     # the second KV tier (engine.kv_tier; zeros without one): counters, then gauges
     tier_hit_blocks: int = 0  # restored into the pool instead of recomputed
     tier_stored_blocks: int = 0
@@ -88,15 +92,29 @@ class EngineStats:
         self.total_step_seconds += seconds
         self.last_step_seconds = seconds
 
-    def record_prefill_rate(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:
+    def record_prefill_rate(self, tokens: int, seconds: float, alpha: float = 0.2, now: float | None = None) -> None:
         if seconds > 0:
             rate = tokens / seconds
             self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else (
                 alpha * rate + (1 - alpha) * self.prefill_tokens_per_s)
+            self.prefill_rate_at = time.monotonic() if now is None else now
 
-    def predicted_wait(self, prompt_tokens: int) -> float:
-        """Seconds before a new prompt's prefill would be done, at the recent rate (0 when unknown)."""
+    def forget_prefill_rate(self) -> None:
+        """Unknown again, e.g. after the warm-up: its step built the kernels, and a rate measured while they
+        compiled (seconds for a few tokens) would predict minutes for every real prompt."""
+        self.prefill_tokens_per_s = 0.0
+        self.prefill_rate_at = 0.0
+
+    def predicted_wait(self, prompt_tokens: int, now: float | None = None,
+                       fresh_for: float = PREFILL_RATE_FRESH_S) -> float:
+        """Seconds before a new prompt's prefill would be done, at the recent rate. 0 when unknown, and when
+        nothing is queued ahead of the prompt and the rate is older than ``fresh_for`` seconds: only prefills
+        update the rate, so one measured while the GPU was shared or a kernel compiled would otherwise refuse
+        every prompt for good; an idle replica serves one to find out (a queue drains by itself first)."""
         if not self.prefill_tokens_per_s:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        if not self.num_queued_prompt_tokens and now - self.prefill_rate_at > fresh_for:
             return 0.0
         return (self.num_queued_prompt_tokens + prompt_tokens) / self.prefill_tokens_per_s
 

@@ -122,6 +122,16 @@ def test_greedy_stream_equals_offline_run(engine, tokenizer, llm, question):
     assert all(o.request_id == f"stream-{question}" and o.num_prompt_tokens == len(prompt) for o in outs)
 
 
+def test_a_forgotten_prefill_rate_is_unknown_in_the_next_stats(engine, tokenizer):
+    """The worker's warm-up forgets its own prefill's rate (a cold start's: kernels compiling), so early
+    rejection cannot judge real prompts by it; stats() must show that as soon as the call returns."""
+    asyncio.run(collect(engine, chat_ids(tokenizer, "Hello there."), GREEDY, "rate-1"))
+    assert engine.stats().prefill_tokens_per_s > 0
+    asyncio.run(engine.forget_prefill_rate())
+    assert engine.stats().prefill_tokens_per_s == 0.0
+    assert engine.stats().predicted_wait(1000) == 0.0
+
+
 def test_length_limit_is_reported(engine, tokenizer):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     outs = asyncio.run(collect(engine, chat_ids(tokenizer, "Count to ten."), params, "len-4"))
