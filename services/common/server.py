@@ -31,6 +31,14 @@ log = structlog.get_logger()
 
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own default; each service passes what its messages need
+# Our clients ping idle connections every 10 s (the gateway's WORKER_CHANNEL_OPTIONS: a partitioned peer is
+# noticed). gRPC servers by default refuse pings on a connection without calls and more often than every 5 min:
+# after two such pings they send GOAWAY "too_many_pings", the connection drops, and the client doubles its ping
+# interval each time, so partitions went unnoticed for longer and longer. Accept them, at up to one per 5 s.
+SERVER_KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),  # the server-side minimum
+]
 
 
 class GrpcServer:
@@ -42,7 +50,7 @@ class GrpcServer:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, public_tls: tuple[bytes, bytes] | None = None):
         secure = plane is not None and plane.secure
         self.server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", max_message_bytes)],
+            options=[("grpc.max_receive_message_length", max_message_bytes), *SERVER_KEEPALIVE_OPTIONS],
             interceptors=[Authorizer(audit or AuditLog())] if secure else None,
         )
         self.health = health.aio.HealthServicer()
