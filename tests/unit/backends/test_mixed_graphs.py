@@ -77,8 +77,13 @@ ARRIVALS = {
 }
 
 
-def test_token_buckets():
-    assert token_buckets(2048) == [64, 128, 256, 512, 1024, 2048]
+def test_token_buckets_pad_a_step_by_at_most_an_eighth_above_the_ridge():
+    buckets = token_buckets(2048)
+    assert buckets[:9] == [64, 128, 192, 256, 320, 384, 448, 512, 576] and buckets[-3:] == [1792, 1920, 2048]
+    assert len(buckets) == 24  # each one captured at start: a bounded count
+    for tokens in range(1, 2049):
+        bucket = min(b for b in buckets if b >= tokens)
+        assert bucket - tokens < max(64, tokens / 8), tokens  # e.g. 8 decode rows + a 512-token chunk: 576
     assert token_buckets(40) == [40] and token_buckets(100) == [64, 100]
 
 
