@@ -11,7 +11,8 @@ from collections import Counter
 
 import pytest
 
-from tokenfleet.engine.kv_tier import DiskStore, MemoryStore, PendingBlock, SecondTier, open_store, read_key
+from tokenfleet.engine.kv_store import DiskStore, MemoryStore, open_store, read_key
+from tokenfleet.engine.kv_tier import PendingBlock, SecondTier
 
 NS = "ns-a"
 

@@ -48,7 +48,7 @@ def test_a_drained_replica_leaves_and_its_work_still_counts():
 def test_a_replica_reports_the_wait_its_queued_prompts_predict():
     from tokenfleet.engine.request import Request
     from tokenfleet.engine.sampling_params import SamplingParams
-    from tokenfleet.planning.sim import FleetConfig, SimReplica
+    from tokenfleet.planning.fleet import FleetConfig, SimReplica
 
     replica = SimReplica("d000", ("decode", "prefill"), FleetConfig(), "sim")
     assert replica.load(1000.0).prefill_wait_s == 0.0

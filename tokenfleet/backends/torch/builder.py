@@ -6,7 +6,7 @@ import structlog
 
 from tokenfleet.backends.torch.device import configure_threads, resolve_device
 from tokenfleet.backends.torch.runner import TorchModelRunner
-from tokenfleet.engine import kv_tier
+from tokenfleet.engine import kv_store, kv_tier
 from tokenfleet.engine.block_manager import BlockManager
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.core import EngineCore
@@ -76,7 +76,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     if config.kv_tier:
         if len(groups) > 1:
             raise ValueError("a second KV tier is not supported yet for models with sliding-window layers")
-        namespace = kv_tier.namespace(core.kv_layout().key(), config.model)
-        core.attach_tier(kv_tier.SecondTier(kv_tier.open_store(config.kv_tier, namespace), config.kv_tier_bytes, namespace,
-                                            config.kv_tier_tenant_bytes, kv_tier.read_key(config.kv_tier_key_file)))
+        namespace = kv_store.namespace(core.kv_layout().key(), config.model)
+        core.attach_tier(kv_tier.SecondTier(kv_store.open_store(config.kv_tier, namespace), config.kv_tier_bytes, namespace,
+                                            config.kv_tier_tenant_bytes, kv_store.read_key(config.kv_tier_key_file)))
     return core
