@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from typing import Any
@@ -130,9 +129,17 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from tokenfleet.models.gguf_import import DEFAULT_MODEL_NAME
 
     launcher.check_auth(args.host, args.auth == "on", args.insecure_no_auth)  # before anything starts
-    if args.autoscale and not all(math.isfinite(v) and v >= 0 for v in (args.scale_down_after, args.scale_down_cooldown)):
-        print("--scale-down-after and --scale-down-cooldown are seconds >= 0", file=sys.stderr)
-        return 2
+    policy = None
+    if args.autoscale:  # ScalePolicy checks the settings: refused before anything starts
+        from tokenfleet.cluster.autoscale import ScalePolicy
+
+        try:
+            policy = ScalePolicy(target_concurrency=args.target_concurrency, min_replicas=args.workers,
+                                 max_replicas=max(args.max_workers, args.workers), ttft_objective=args.ttft_objective,
+                                 down_stable=args.scale_down_after, down_cooldown=args.scale_down_cooldown)
+        except ValueError as e:
+            print(f"--autoscale: {e}", file=sys.stderr)
+            return 2
     if args.tracing:  # every service inherits the environment (telemetry.tracing reads it)
         if not 0.0 <= args.trace_sample <= 1.0:
             print("--trace-sample must be between 0 and 1", file=sys.stderr)
@@ -202,12 +209,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
                   flush=True)
         if args.ask and not auth:
             print(launcher.ask(cluster.gateway_url, name, args.ask), flush=True)
-        if args.autoscale:
-            from tokenfleet.cluster.autoscale import ScalePolicy
-
-            policy = ScalePolicy(target_concurrency=args.target_concurrency, min_replicas=args.workers,
-                                 max_replicas=max(args.max_workers, args.workers), ttft_objective=args.ttft_objective,
-                                 down_stable=args.scale_down_after, down_cooldown=args.scale_down_cooldown)
+        if policy is not None:
             scaler = launcher.LocalAutoscaler(cluster, name, policy, launcher.operator_plane(args.certs, args.insecure),
                                               metrics_port=args.autoscale_metrics_port, warm_pool=args.warm_pool)
             scaler.start()

@@ -27,7 +27,7 @@ import torch
 from tokenfleet import envs
 from tokenfleet.models import kv_fp8
 from tokenfleet.models.attention import PagedQueries
-from tokenfleet.models.triton_ops import _pow2
+from tokenfleet.models.triton_ops import pow2
 
 try:  # CUDA builds of torch bring triton; CPU installs have it with the dev extras (interpreter tests)
     import triton
@@ -277,8 +277,6 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-
-
 class TritonPagedAttention:
     """The ``PagedAttention`` interface on CUDA. Decode and verification rows go through the kernel; prefill
     chunks without earlier context keep SDPA (flash attention, faster for a fresh causal block), and chunks
@@ -323,9 +321,9 @@ class TritonPagedAttention:
     def rows_per_program(self, num_heads: int, num_kv_heads: int, max_query_len: int) -> int:
         """Query rows of one request a program takes (TOKENS): a work list (``PagedQueries.work``) has one entry
         per tile of that many rows of a request."""
-        group_pad = _pow2(num_heads // num_kv_heads)
+        group_pad = pow2(num_heads // num_kv_heads)
         if max_query_len <= 4:  # decode / verification: every row of a request in one program
-            tokens = _pow2(max_query_len)
+            tokens = pow2(max_query_len)
         else:
             tokens = max(1, self.prefill_tokens * 4 // group_pad)
         return max(tokens, -(-16 // group_pad))  # tl.dot wants 16 rows at least
@@ -334,14 +332,14 @@ class TritonPagedAttention:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads, _, block_size, _ = k_cache.shape
         group = num_heads // num_kv_heads
-        group_pad = _pow2(group)
+        group_pad = pow2(group)
         tokens = self.rows_per_program(num_heads, num_kv_heads, meta.max_query_len)
         out = torch.empty_like(q)
         if q.stride(-1) != 1:
             q = q.contiguous()
         table = meta.block_table
         rows = tokens * group_pad
-        head_pad = _pow2(max(head_dim, 16))
+        head_pad = pow2(max(head_dim, 16))
         parts = 1
         programs = meta.num_requests * num_kv_heads
         split_below = self._split_below(q.device)

@@ -125,7 +125,8 @@ class WeightMatmul(Fp8WeightMatmul):
     """The same kernel over 16-bit weights (``models.linear.DenseLinear``'s few-rows path, opt-in): one launch per
     layer at decode batch sizes, where cuBLAS at one row picks split-K tiles and a reduction kernel for some layers
     (the H100 profile of the 8B batch-1 step: 64 reductions, ~0.12 ms). Settings: TOKENFLEET_BF16_MATMUL, as
-    TOKENFLEET_FP8_MATMUL's; rows 0 (the default) leaves every matmul to cuBLAS until a GPU compares them."""
+    TOKENFLEET_FP8_MATMUL's; rows 0 (the default) leaves every matmul to cuBLAS (16,32,256,4,4 was 2.8 % faster at
+    8B batch 1 on one H100: benchmarks/reports/2026-11-26-h100-gpu-data-plane.md)."""
 
     env = "TOKENFLEET_BF16_MATMUL"
 

@@ -24,7 +24,7 @@ import structlog
 import torch
 
 from tokenfleet import envs
-from tokenfleet.models.triton_ops import _pow2
+from tokenfleet.models.triton_ops import pow2
 
 try:
     import triton
@@ -196,7 +196,7 @@ def refine_top_logits_(logits: torch.Tensor, hidden: torch.Tensor, head_rows: to
     if programs == 0 or k == 0:
         return logits
     num_chunks = triton.cdiv(vocab, CHUNK)
-    block_k = _pow2(k)
+    block_k = pow2(k)
     values = torch.empty(programs, num_chunks * block_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(programs, num_chunks * block_k, dtype=torch.int32, device=logits.device)
     row_ids = rows if rows is not None else values  # an unread placeholder without rows
@@ -206,7 +206,7 @@ def refine_top_logits_(logits: torch.Tensor, hidden: torch.Tensor, head_rows: to
     _refine_top_kernel[(programs,)](
         logits, hidden, head_rows, row_ids, flags if flags is not None else values, values, ids,
         logits.stride(0), hidden.stride(0), head_rows.stride(0), num_chunks * block_k, HIDDEN=hidden_size, K=k,
-        BLOCK_K=block_k, BLOCK_C=_pow2(num_chunks * block_k), BLOCK_H=min(256, _pow2(hidden_size)),
+        BLOCK_K=block_k, BLOCK_C=pow2(num_chunks * block_k), BLOCK_H=min(256, pow2(hidden_size)),
         HAS_ROW_IDS=rows is not None, HAS_FLAGS=flags is not None)
     return logits
 
@@ -222,5 +222,5 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     values = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
     ids = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
     _chunk_max_kernel[(n, num_chunks)](logits, values, ids, vocab, logits.stride(0), num_chunks, CHUNK_SIZE=CHUNK)
-    _pick_max_kernel[(n,)](values, ids, out, num_chunks, BLOCK_C=_pow2(num_chunks))
+    _pick_max_kernel[(n,)](values, ids, out, num_chunks, BLOCK_C=pow2(num_chunks))
     return out

@@ -39,7 +39,7 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
@@ -153,7 +153,7 @@ class TritonLayerOps:
         rows, hidden = residual.shape
         if rows:
             _add_rms_norm_kernel[(rows,)](residual, delta.contiguous() if delta is not None else residual, weight, out,
-                                          hidden, eps, HAS_DELTA=delta is not None, BLOCK=_pow2(hidden))
+                                          hidden, eps, HAS_DELTA=delta is not None, BLOCK=pow2(hidden))
         return residual, out
 
     def rope_store_kv(self, qkv: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
@@ -169,7 +169,7 @@ class TritonLayerOps:
             _rope_store_kv_kernel[(tokens,)](
                 qkv, batch.positions, cos, sin, batch.slot_mapping, q, k, k_cache, v_cache, k_scales, v_scales,
                 qkv.stride(0), k_cache.stride(0), NUM_HEADS=cfg.num_heads, NUM_KV_HEADS=cfg.num_kv_heads,
-                HEAD_DIM=cfg.head_dim, HEADS_PAD=_pow2(max(cfg.num_heads, cfg.num_kv_heads)), FP8_KV=fp8,
+                HEAD_DIM=cfg.head_dim, HEADS_PAD=pow2(max(cfg.num_heads, cfg.num_kv_heads)), FP8_KV=fp8,
                 ROW=k_cache.shape[-1])
         v = qkv[:, (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim:].view(tokens, cfg.num_kv_heads, cfg.head_dim)
         return q, k, v
@@ -179,7 +179,7 @@ class TritonLayerOps:
         rows, width = gate_up.shape
         inter = width // 2
         out = gate_up.new_empty(rows, inter)
-        block = min(_pow2(inter), 2048)
+        block = min(pow2(inter), 2048)
         if rows:
             _silu_mul_kernel[(rows, -(-inter // block))](gate_up, out, inter, BLOCK=block)
         return out
@@ -192,6 +192,6 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
-        block = _pow2(cols)  # a row per program, in one piece (hidden sizes: up to ~30k)
+        block = pow2(cols)  # a row per program, in one piece (hidden sizes: up to ~30k)
         _quantize_fp8_kernel[(rows,)](x, out, scale, cols, BLOCK=block, num_warps=16 if block >= 8192 else 4)
     return out, scale
