@@ -354,10 +354,9 @@ def main() -> None:
         free = torch.cuda.mem_get_info()[0]
         head = 2 * config_probe.vocab_size * config_probe.hidden_size * 2  # embedding + LM head, bf16
         kinds = {fp8_weights(mode) for mode, _, _ in todo}  # weights built once per format (SHARED_WEIGHTS)
-        weights = sum(linear_params(config_probe) * (1 if fp8 else 2) + head for fp8 in kinds)
+        per_format = [linear_params(config_probe) * (1 if fp8 else 2) + head for fp8 in kinds]
         resident = len(todo) if args.rounds > 1 else 1  # engines on the GPU at once share what is free
-        if args.rounds <= 1:
-            weights = max(linear_params(config_probe) * (1 if fp8 else 2) + head for fp8 in kinds)
+        weights = sum(per_format) if args.rounds > 1 else max(per_format)  # all formats resident, or one at a time
         num_blocks = int(min(want, (free - weights - (6 << 30) * (1 + (resident - 1) // 4)) // resident // per_block))
         mode_batches = {label: [b for b in batches if mode != "eager-torch" or str(b) in args.torch_batches.split(",")]
                         for mode, label, _ in todo}
