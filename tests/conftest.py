@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 # Triton kernels (models.triton_attention) run in Triton's interpreter where there is no GPU; the variable is
 # read when a kernel is defined, at import.
@@ -19,6 +20,14 @@ from tokenfleet.engine.block_manager import BlockManager
 from tokenfleet.engine.request import Request
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig
+
+# Hypothesis profiles of the kernel property tests (tests/unit/models/test_kernel_properties.py), chosen with
+# TOKENFLEET_KERNEL_PROFILE: "kernels" (the default suite: a fixed seed, a few dozen examples a test) or
+# "kernels-long" (manual runs: a thousand fresh random examples a test).
+_KERNEL_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+                      print_blob=True)
+settings.register_profile("kernels", derandomize=True, max_examples=40, **_KERNEL_COMMON)
+settings.register_profile("kernels-long", max_examples=1000, **_KERNEL_COMMON)
 
 _ids = itertools.count()
 

@@ -16,6 +16,7 @@ from tokenfleet.engine.kv_transfer import (
 )
 from tokenfleet.engine.output import RequestOutput, Resume, TokenLogprobs
 from tokenfleet.engine.request import FinishReason, Priority
+from tokenfleet.engine.runner import KernelCheck
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.kvcache.layout import DTYPE_SIZES, KVLayout
 from tokenfleet.kvcache.salt import SCOPE_CHARS
@@ -137,6 +138,12 @@ def responses(out: RequestOutput) -> list[engine_pb2.GenerateResponse]:
 
 def resume(msg: engine_pb2.ResumeState) -> Resume | None:
     return Resume(tuple(msg.output_token_ids), msg.text) if msg.output_token_ids else None
+
+
+def kernel_check_to_proto(check: KernelCheck) -> engine_pb2.KernelCheck:
+    return engine_pb2.KernelCheck(kernel=check.kernel, implementation=check.implementation, passed=check.passed,
+                                  max_error=check.max_error, tolerance=check.tolerance, seconds=check.seconds,
+                                  detail=check.detail, serving=check.serving)
 
 
 def layout_to_proto(layout: KVLayout) -> engine_pb2.KVLayout:

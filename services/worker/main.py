@@ -26,6 +26,7 @@ from tokenfleet.cluster.membership import DRAINING, ReplicaRecord, ReplicaRegist
 from tokenfleet.cluster.registry import ModelRecord
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.engine.config import EngineConfig
+from tokenfleet.engine.runner import KernelCheck
 from tokenfleet.security import plane as plane_args
 from tokenfleet.security.authz import AuditLog
 from tokenfleet.security.plane import Plane
@@ -150,6 +151,19 @@ async def warm_up(engine: AsyncEngine) -> None:
     log.info("warmed up", seconds=round(time.monotonic() - start, 3))
 
 
+def log_kernel_checks(checks: Sequence[KernelCheck]) -> None:
+    """One line per kernel: what was checked against the reference at load, what serves, and the checks' cost (the
+    lines `tokenfleet doctor` prints)."""
+    for c in checks:
+        (log.info if c.passed else log.error)(
+            "kernel", kernel=c.kernel, implementation=c.implementation, serving=c.serving,
+            check="passed" if c.passed else f"FAILED: {c.detail}", max_error=round(c.max_error, 6),
+            tolerance=c.tolerance)
+    if checks:
+        log.info("kernel checks", seconds=round(sum(c.seconds for c in checks), 3),
+                 failed=[c.kernel for c in checks if not c.passed])
+
+
 async def registered_adapter_path(registry: str, plane: Plane, served: ModelRecord, ref: str) -> str:
     """The PEFT folder of the registered adapter ``ref``, when it adapts the model this worker serves."""
     adapter = await fetch_record(registry, ref, plane, wait_s=10)
@@ -190,6 +204,7 @@ async def serve(args: argparse.Namespace) -> None:
         config = engine_config(args, record)
         engine = AsyncEngine(lambda: build_engine_core(config), transfer_timeout=args.transfer_timeout)
     await engine.start()
+    log_kernel_checks(engine.kernel_checks())
     if isinstance(engine, AsyncEngine):
         await warm_up(engine)  # ready (health, etcd) only once a real generation has run
     server = GrpcServer([engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name], args.host, args.port,

@@ -375,6 +375,7 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             model_bytes=stats.model_bytes,
             peak_flops=self.peaks[0],
             peak_bytes_per_s=self.peaks[1],
+            kernel_checks=[convert.kernel_check_to_proto(c) for c in self.engine.kernel_checks()],
         )
 
 

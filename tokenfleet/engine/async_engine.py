@@ -30,6 +30,7 @@ from tokenfleet.engine.interface import EngineOverloadedError, EngineStoppedErro
 from tokenfleet.engine.kv_transfer import KVSource, PrefillEvent
 from tokenfleet.engine.output import RequestOutput, Resume
 from tokenfleet.engine.request import Priority
+from tokenfleet.engine.runner import KernelCheck
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import QueueFullError
 from tokenfleet.engine.stats import EngineStats
@@ -133,6 +134,9 @@ class AsyncEngine:
 
     def kv_layout(self) -> KVLayout:
         return self.core.kv_layout()
+
+    def kernel_checks(self) -> tuple[KernelCheck, ...]:
+        return self.core.model.kernel_checks
 
     def cached_block_hashes(self) -> frozenset[bytes]:
         return self._held[0]

@@ -11,6 +11,7 @@ from typing import Protocol, runtime_checkable
 from tokenfleet.engine.kv_transfer import KVSource, PrefillEvent
 from tokenfleet.engine.output import RequestOutput, Resume
 from tokenfleet.engine.request import Priority
+from tokenfleet.engine.runner import KernelCheck
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.stats import EngineStats
 from tokenfleet.kvcache.layout import KVLayout
@@ -78,6 +79,10 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats:
         """Counters and gauges (running, waiting, KV blocks, prefix hits, step time)."""
+
+    def kernel_checks(self) -> tuple[KernelCheck, ...]:
+        """How each compiled kernel did against its reference where it was built, at load (() for an engine whose
+        library checks its own kernels)."""
 
     async def drain(self) -> None:
         """Stop taking new requests and return when in-flight ones have finished."""

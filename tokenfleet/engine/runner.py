@@ -57,8 +57,24 @@ class TierRunner(Protocol):
 
 
 @dataclass(frozen=True)
+class KernelCheck:
+    """A kernel's known-answer check where it was built (tokenfleet.models.kernel_check): which implementation
+    was checked, whether it agreed with the torch reference, and what serves."""
+
+    kernel: str  # the role: "paged_attention", "layer_ops", "temperature_sampling"
+    implementation: str  # what was checked, e.g. "native paged attention (AVX-512 BF16)"
+    passed: bool
+    max_error: float  # the largest |kernel - reference| seen (token mismatches for a sampler)
+    tolerance: str
+    seconds: float  # what the check cost
+    detail: str = ""  # a failure: the case (shapes) and its error
+    serving: str = ""  # what the engine uses in this role: the implementation, or what replaced it after a failure
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     layer_windows: tuple[int, ...] = ()  # per layer: sliding window, or 0 for full attention; () = all full
+    kernel_checks: tuple[KernelCheck, ...] = ()  # the runner's kernels, checked at load

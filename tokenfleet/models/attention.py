@@ -155,12 +155,26 @@ class NativePagedAttention:
 
     handles_prefill = True
 
+    PATHS = ("portable", "avx512-reduce", "avx512-packed")  # the kernel's PATH_* order
+    BUILDS = ("portable C", "AVX-512 BF16", "AVX-512 BF16 emulated")  # tf_paged_attention_build()
+
     def __init__(self, lib: ctypes.CDLL, fp8: bool = False):
         self.fp8 = fp8
         self._fn = lib.tf_paged_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, i64, ctypes.c_int, ctypes.c_int]
+        self._fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, i64, ctypes.c_int, ctypes.c_int, ptr]
         self._fn.restype = ctypes.c_int
+        lib.tf_paged_attention_build.restype = ctypes.c_int
+        self.build = self.BUILDS[lib.tf_paged_attention_build()]
+        self._paths = (ctypes.c_int64 * len(self.PATHS))()  # work items per path, since construction
+
+    @property
+    def name(self) -> str:
+        return f"native paged attention ({self.build}{', FP8 KV' if self.fp8 else ''})"
+
+    def path_counts(self) -> dict[str, int]:
+        """Work items each code path has run since this object was made (the kernel counts them)."""
+        return dict(zip(self.PATHS, self._paths))
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedQueries) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
@@ -173,10 +187,19 @@ class NativePagedAttention:
         rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), meta.context_lens.data_ptr(),
                       meta.query_start.data_ptr(), out.data_ptr(), meta.num_requests, num_heads, num_kv_heads, head_dim,
                       block_size, num_blocks, table.shape[1], head_dim**-0.5, meta.window, torch.get_num_threads(),
-                      int(self.fp8))
+                      int(self.fp8), ctypes.addressof(self._paths))
         if rc != 0:
             raise ValueError("paged attention: inconsistent block table, context lengths or query rows")
         return out
+
+
+def fallbacks(attend: PagedAttention) -> list[PagedAttention]:
+    """What may replace ``attend`` if it fails its check at load (models.kernel_check), before the torch reference:
+    the portable C build after the AVX-512 one."""
+    if isinstance(attend, NativePagedAttention) and attend.build != "portable C":
+        lib = native.load("paged_attention", ("TF_PORTABLE_ONLY",))
+        return [NativePagedAttention(lib, fp8=attend.fp8)] if lib is not None else []
+    return []
 
 
 def select_attention(dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "") -> PagedAttention:

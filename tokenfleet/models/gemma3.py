@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenfleet.engine.runner import KernelCheck
 from tokenfleet.models import kv_fp8
 from tokenfleet.models.attention import ForwardBatch, PagedAttention, paged_attention
 from tokenfleet.models.config import ModelConfig
@@ -68,6 +69,7 @@ class Gemma3Model:
         self.config, self.weights, self.dtype, self.device = config, weights, dtype, device
         self.linear, self.attention = linear, attention
         self.kv_cache_dtype = ""  # as LlamaModel.kv_cache_dtype
+        self.kernel_checks: tuple[KernelCheck, ...] = ()  # as LlamaModel.kernel_checks
         n = config.max_position_embeddings
         self.rope_global = _rope_table(config.rope_theta, config.head_dim, n, dtype, device)
         self.rope_local = _rope_table(config.rope_local_theta, config.head_dim, n, dtype, device)

@@ -66,6 +66,8 @@ class TorchLayerOps:
 class NativeLayerOps:
     """bf16, CPU, contiguous inputs (what the model's linear layers return)."""
 
+    name = "native layer ops (csrc/fused_ops.c)"
+
     def __init__(self, config: ModelConfig, lib: ctypes.CDLL):
         self.config = config
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int

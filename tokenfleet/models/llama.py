@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenfleet.engine.runner import KernelCheck
 from tokenfleet.kvcache.layout import layer_slots
 from tokenfleet.models import triton_logits
 from tokenfleet.models.attention import ForwardBatch, PagedAttention, paged_attention
@@ -144,6 +145,7 @@ class LlamaModel:
         self.linear = linear
         self.source_dir = ""  # the checkpoint folder it was loaded from (LoRA stacks adapters under its weights)
         self.kv_cache_dtype = ""  # "fp8": its runner keeps an FP8 KV cache (models.kv_fp8); set with the attention
+        self.kernel_checks: tuple[KernelCheck, ...] = ()  # how its kernels did against the reference at load
         self.dtype = dtype
         self.device = device
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)

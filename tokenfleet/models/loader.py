@@ -8,11 +8,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tokenfleet.models.attention import select_attention
+from tokenfleet.engine.runner import KernelCheck
+from tokenfleet.models.attention import PagedAttention, TorchPagedAttention, fallbacks, select_attention
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.gemma3 import Gemma3LayerWeights, Gemma3Model, Gemma3Weights
+from tokenfleet.models.kernel_check import checked_attention, checked_layer_ops
 from tokenfleet.models.kv_fp8 import check_device, check_kv_cache_dtype
-from tokenfleet.models.layer_ops import select_layer_ops
+from tokenfleet.models.layer_ops import LayerOps, TorchLayerOps, select_layer_ops
 from tokenfleet.models.linear import Fp8Linear, LinearKernel, select_linear
 from tokenfleet.models.llama import LayerWeights, LlamaModel, LlamaWeights
 
@@ -26,25 +28,42 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, quantization: str = "",
-               kv_cache_dtype: str = "") -> LlamaModel | Gemma3Model:
+               kv_cache_dtype: str = "", block_size: int = 16) -> LlamaModel | Gemma3Model:
     """``quantization``: "" or "fp8" (models.linear: FP8 weights with per-channel scales). ``kv_cache_dtype``: ""
-    (the model's dtype) or "fp8" (models.kv_fp8; the attention kernel is chosen to read it)."""
+    (the model's dtype) or "fp8" (models.kv_fp8; the attention kernel is chosen to read it). The kernels chosen for
+    this device are checked against the torch reference in the model's geometry (``block_size``: the engine's)
+    before use (models.kernel_check; ``model.kernel_checks`` says how each did)."""
     config = ModelConfig.from_dir(model_dir)
     check_kv_cache_dtype(kv_cache_dtype)
     check_device(kv_cache_dtype, device)
     tensors = read_safetensors(Path(model_dir))
     linear = select_linear(dtype, device, quantization)
+    attention, ops, checks = checked_kernels(config, dtype, device, kv_cache_dtype, block_size)
     model: LlamaModel | Gemma3Model
     if config.is_gemma3:
         model = Gemma3Model(config, _gemma3_weights(config, tensors, dtype, device, linear), dtype, device, linear,
-                            select_attention(dtype, device, kv_cache_dtype))
+                            attention)
     else:
         weights = _build_weights(config, tensors, dtype, device, linear)
-        model = LlamaModel(config, weights, dtype, device, linear, select_attention(dtype, device, kv_cache_dtype),
-                           select_layer_ops(config, dtype, device))
+        model = LlamaModel(config, weights, dtype, device, linear, attention, ops)
         model.source_dir = str(model_dir)
     model.kv_cache_dtype = kv_cache_dtype
+    model.kernel_checks = checks
     return model
+
+
+def checked_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "",
+                    block_size: int = 16) -> tuple[PagedAttention, LayerOps, tuple[KernelCheck, ...]]:
+    """The attention and layer-op kernels for this device, each checked against the torch reference here (a failed
+    one is replaced by the reference), and how each check went. Gemma 3 has no fused layer ops to check."""
+    selected = select_attention(dtype, device, kv_cache_dtype)
+    candidates = [] if isinstance(selected, TorchPagedAttention) else [selected, *fallbacks(selected)]
+    attention, attention_checks = checked_attention(candidates, config, dtype, device, kv_cache_dtype, block_size)
+    if config.is_gemma3:
+        return attention, TorchLayerOps(config), attention_checks
+    ops, ops_checks = checked_layer_ops(select_layer_ops(config, dtype, device), TorchLayerOps(config), config, dtype,
+                                        device, kv_cache_dtype)
+    return attention, ops, (*attention_checks, *ops_checks)
 
 
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -156,7 +175,8 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, 
     embed = rand(c.vocab_size, c.hidden_size)
     lm_head = embed if c.tie_word_embeddings else rand(c.vocab_size, c.hidden_size)
     weights = LlamaWeights(embed=embed, layers=layers, norm=ones(), lm_head=_head(linear, lm_head), lm_head_rows=lm_head)
-    model = LlamaModel(config, weights, dtype, device, linear, select_attention(dtype, device, kv_cache_dtype),
-                       select_layer_ops(config, dtype, device))
+    attention, ops, checks = checked_kernels(config, dtype, device, kv_cache_dtype)
+    model = LlamaModel(config, weights, dtype, device, linear, attention, ops)
     model.kv_cache_dtype = kv_cache_dtype
+    model.kernel_checks = checks
     return model

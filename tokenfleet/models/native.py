@@ -40,9 +40,10 @@ def compiler() -> str | None:
 
 
 @functools.cache
-def load(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+def load(name: str, defines: tuple[str, ...] = (), include_dirs: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled ``csrc/<name>.c`` (built once per machine), or None when it cannot be had.
-    ``defines``: preprocessor names to set (tests build e.g. the portable variant of a kernel)."""
+    ``defines``: preprocessor names to set (tests build e.g. the portable variant of a kernel); ``include_dirs``:
+    more header folders (tests' emulated AVX-512 build reads SIMDe's)."""
     if not envs.native_kernels():
         return None
     cc = compiler()
@@ -53,7 +54,7 @@ def load(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 
     source = SOURCE_DIR / f"{name}.c"
     try:
-        path = _build(cc, source, [f"-D{d}" for d in defines])
+        path = _build(cc, source, [f"-D{d}" for d in defines] + [f"-I{d}" for d in include_dirs])
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("native_kernels_unavailable", kernel=name, reason=str(e)[-2000:])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -170,6 +170,22 @@ class WorkerCollector(Collector):
         yield GaugeMetricFamily("tokenfleet_worker_spec_mean_accepted_length",
                                 "Tokens a verification yields on average (accepted + the target's own)",
                                 value=1 + accepted / verifications if verifications else 0.0)
+        yield from _kernel_checks(r.kernel_checks)  # type: ignore[attr-defined]
+
+
+def _kernel_checks(checks: Iterable[Any]) -> Iterator[Metric]:
+    """1 per kernel that passed its known-answer check at load, 0 per kernel that failed it (the torch reference
+    serves in its place: ``serving``), and what each check cost."""
+    passed = GaugeMetricFamily("tokenfleet_worker_kernel_check",
+                               "Kernel agreed with the torch reference at load (1) or failed and was replaced (0)",
+                               labels=["kernel", "implementation", "serving"])
+    seconds = GaugeMetricFamily("tokenfleet_worker_kernel_check_seconds", "What a kernel's check cost at load",
+                                labels=["kernel"])
+    for c in checks:
+        passed.add_metric([c.kernel, c.implementation, c.serving], 1.0 if c.passed else 0.0)
+        seconds.add_metric([c.kernel], c.seconds)
+    yield passed
+    yield seconds
 
 
 class BatchMetrics:

@@ -234,7 +234,7 @@ class LoadRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("state", "num_waiting", "num_running", "num_blocks_used", "num_blocks_free", "num_in_flight", "num_prefix_hit_tokens", "num_preemptions", "num_aborted", "num_steps", "ttft_ms_recent", "tpot_ms_recent", "step_ms_mean", "num_queued_prompt_tokens", "prefill_tokens_per_s", "hashes_reset", "added_block_hashes", "removed_block_hashes", "added_tier_block_hashes", "removed_tier_block_hashes", "layout", "num_prompt_tokens_computed", "num_kv_blocks_sent", "num_kv_blocks_received", "num_remote_prefills", "num_kv_bytes_received", "num_forks", "num_fork_shared_blocks", "num_block_copies", "num_tier_hit_blocks", "num_tier_stored_blocks", "num_tier_dropped_blocks", "num_tier_corrupt_blocks", "tier_bytes_used", "tier_bytes_written", "tier_bytes_read", "tier_restore_seconds", "num_peer_blocks_received", "num_peer_blocks_served", "num_peer_fetch_failures", "num_spec_proposed_tokens", "num_spec_accepted_tokens", "num_spec_verifications", "num_spec_steps", "spec_step_seconds", "num_plain_decode_steps", "plain_decode_step_seconds", "adapters", "busy_seconds", "model_flops", "model_bytes", "peak_flops", "peak_bytes_per_s")
+    __slots__ = ("state", "num_waiting", "num_running", "num_blocks_used", "num_blocks_free", "num_in_flight", "num_prefix_hit_tokens", "num_preemptions", "num_aborted", "num_steps", "ttft_ms_recent", "tpot_ms_recent", "step_ms_mean", "num_queued_prompt_tokens", "prefill_tokens_per_s", "hashes_reset", "added_block_hashes", "removed_block_hashes", "added_tier_block_hashes", "removed_tier_block_hashes", "layout", "num_prompt_tokens_computed", "num_kv_blocks_sent", "num_kv_blocks_received", "num_remote_prefills", "num_kv_bytes_received", "num_forks", "num_fork_shared_blocks", "num_block_copies", "num_tier_hit_blocks", "num_tier_stored_blocks", "num_tier_dropped_blocks", "num_tier_corrupt_blocks", "tier_bytes_used", "tier_bytes_written", "tier_bytes_read", "tier_restore_seconds", "num_peer_blocks_received", "num_peer_blocks_served", "num_peer_fetch_failures", "num_spec_proposed_tokens", "num_spec_accepted_tokens", "num_spec_verifications", "num_spec_steps", "spec_step_seconds", "num_plain_decode_steps", "plain_decode_step_seconds", "adapters", "busy_seconds", "model_flops", "model_bytes", "peak_flops", "peak_bytes_per_s", "kernel_checks")
     STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +288,7 @@ class LoadReport(_message.Message):
     MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_FLOPS_FIELD_NUMBER: _ClassVar[int]
     PEAK_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_CHECKS_FIELD_NUMBER: _ClassVar[int]
     state: WorkerState
     num_waiting: int
     num_running: int
@@ -341,7 +342,28 @@ class LoadReport(_message.Message):
     model_bytes: float
     peak_flops: float
     peak_bytes_per_s: float
-    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., ttft_ms_recent: _Optional[float] = ..., tpot_ms_recent: _Optional[float] = ..., step_ms_mean: _Optional[float] = ..., num_queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., hashes_reset: _Optional[bool] = ..., added_block_hashes: _Optional[_Iterable[bytes]] = ..., removed_block_hashes: _Optional[_Iterable[bytes]] = ..., added_tier_block_hashes: _Optional[_Iterable[bytes]] = ..., removed_tier_block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_kv_blocks_sent: _Optional[int] = ..., num_kv_blocks_received: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_kv_bytes_received: _Optional[int] = ..., num_forks: _Optional[int] = ..., num_fork_shared_blocks: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_tier_hit_blocks: _Optional[int] = ..., num_tier_stored_blocks: _Optional[int] = ..., num_tier_dropped_blocks: _Optional[int] = ..., num_tier_corrupt_blocks: _Optional[int] = ..., tier_bytes_used: _Optional[int] = ..., tier_bytes_written: _Optional[int] = ..., tier_bytes_read: _Optional[int] = ..., tier_restore_seconds: _Optional[float] = ..., num_peer_blocks_received: _Optional[int] = ..., num_peer_blocks_served: _Optional[int] = ..., num_peer_fetch_failures: _Optional[int] = ..., num_spec_proposed_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_verifications: _Optional[int] = ..., num_spec_steps: _Optional[int] = ..., spec_step_seconds: _Optional[float] = ..., num_plain_decode_steps: _Optional[int] = ..., plain_decode_step_seconds: _Optional[float] = ..., adapters: _Optional[_Iterable[str]] = ..., busy_seconds: _Optional[float] = ..., model_flops: _Optional[float] = ..., model_bytes: _Optional[float] = ..., peak_flops: _Optional[float] = ..., peak_bytes_per_s: _Optional[float] = ...) -> None: ...
+    kernel_checks: _containers.RepeatedCompositeFieldContainer[KernelCheck]
+    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_steps: _Optional[int] = ..., ttft_ms_recent: _Optional[float] = ..., tpot_ms_recent: _Optional[float] = ..., step_ms_mean: _Optional[float] = ..., num_queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., hashes_reset: _Optional[bool] = ..., added_block_hashes: _Optional[_Iterable[bytes]] = ..., removed_block_hashes: _Optional[_Iterable[bytes]] = ..., added_tier_block_hashes: _Optional[_Iterable[bytes]] = ..., removed_tier_block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_kv_blocks_sent: _Optional[int] = ..., num_kv_blocks_received: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., num_kv_bytes_received: _Optional[int] = ..., num_forks: _Optional[int] = ..., num_fork_shared_blocks: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_tier_hit_blocks: _Optional[int] = ..., num_tier_stored_blocks: _Optional[int] = ..., num_tier_dropped_blocks: _Optional[int] = ..., num_tier_corrupt_blocks: _Optional[int] = ..., tier_bytes_used: _Optional[int] = ..., tier_bytes_written: _Optional[int] = ..., tier_bytes_read: _Optional[int] = ..., tier_restore_seconds: _Optional[float] = ..., num_peer_blocks_received: _Optional[int] = ..., num_peer_blocks_served: _Optional[int] = ..., num_peer_fetch_failures: _Optional[int] = ..., num_spec_proposed_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_verifications: _Optional[int] = ..., num_spec_steps: _Optional[int] = ..., spec_step_seconds: _Optional[float] = ..., num_plain_decode_steps: _Optional[int] = ..., plain_decode_step_seconds: _Optional[float] = ..., adapters: _Optional[_Iterable[str]] = ..., busy_seconds: _Optional[float] = ..., model_flops: _Optional[float] = ..., model_bytes: _Optional[float] = ..., peak_flops: _Optional[float] = ..., peak_bytes_per_s: _Optional[float] = ..., kernel_checks: _Optional[_Iterable[_Union[KernelCheck, _Mapping]]] = ...) -> None: ...
+
+class KernelCheck(_message.Message):
+    __slots__ = ("kernel", "implementation", "passed", "max_error", "tolerance", "seconds", "detail", "serving")
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    IMPLEMENTATION_FIELD_NUMBER: _ClassVar[int]
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    MAX_ERROR_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    kernel: str
+    implementation: str
+    passed: bool
+    max_error: float
+    tolerance: str
+    seconds: float
+    detail: str
+    serving: str
+    def __init__(self, kernel: _Optional[str] = ..., implementation: _Optional[str] = ..., passed: _Optional[bool] = ..., max_error: _Optional[float] = ..., tolerance: _Optional[str] = ..., seconds: _Optional[float] = ..., detail: _Optional[str] = ..., serving: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

@@ -23,7 +23,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     configure_threads(config.num_threads)
     device = resolve_device(config.device)
     dtype = parse_dtype(config.dtype)
-    model = load_model(config.model, dtype, device, config.quantization, config.kv_cache_dtype)
+    model = load_model(config.model, dtype, device, config.quantization, config.kv_cache_dtype, config.block_size)
     max_model_len = config.max_model_len or model.config.max_position_embeddings
     if max_model_len > model.config.max_position_embeddings:
         raise ValueError(
@@ -59,6 +59,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         max_model_len=max_model_len,
         eos_token_ids=model.config.eos_token_ids,
         layer_windows=model.config.layer_windows,
+        kernel_checks=runner.kernel_checks,
     )
     core = EngineCore(scheduler, runner, tokenizer, info)
     if core.moves_blocks:

@@ -53,6 +53,7 @@ class TorchModelRunner:
         self.windows = tuple(group.window for group in model.config.kv_groups)
         self.mixed = MixedGraphs.beside(self.graphs, mixed_graph_tokens) if self.graphs is not None else None
         self.sampler = Sampler(model.device)
+        self.kernel_checks = (*model.kernel_checks, *self.sampler.kernel_checks)  # each checked at load
         self._prompt_spans: list[tuple[str, int, int]] = []
         self.kv_io = KVBlockIO(model.device)
         self.drafter: DraftModel | None = None  # speculative decoding with a draft model (backends.torch.draft)

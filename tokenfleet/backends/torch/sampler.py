@@ -33,6 +33,7 @@ from tokenfleet.backends.torch.device import to_device
 from tokenfleet.backends.torch.grammar_masks import apply_masks, fill_masks, mask_width
 from tokenfleet.engine.output import TokenLogprobs
 from tokenfleet.engine.request import Request
+from tokenfleet.engine.runner import KernelCheck
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.models import native, triton_logits
 
@@ -95,7 +96,13 @@ class Sampler:
         self.device = device
         self._generators: dict[str, torch.Generator] = {}  # seeded requests' own streams (CPU)
         self._shared_generator = torch.Generator().manual_seed(secrets.randbits(63))
-        self._native = NativeTemperatureSampler.load() if device.type == "cpu" else None
+        # the native kernel, checked where it was built (never drawn from after a failed check), and the check
+        self._native: NativeTemperatureSampler | None = None
+        self.kernel_checks: tuple[KernelCheck, ...] = ()
+        if device.type == "cpu":
+            from tokenfleet.backends.torch.sampler_check import checked_native_sampler
+
+            self._native, self.kernel_checks = checked_native_sampler()
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

@@ -43,6 +43,7 @@ from tokenfleet.engine.kv_transfer import (
 )
 from tokenfleet.engine.output import RequestOutput, Resume
 from tokenfleet.engine.request import FinishReason, Priority
+from tokenfleet.engine.runner import KernelCheck
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.stats import EngineStats
 from tokenfleet.kvcache.layout import KVLayout
@@ -157,6 +158,9 @@ class TrtllmEngine:
 
     def tier_block_hashes(self) -> frozenset[bytes]:
         return frozenset()  # the library's own host offload, if configured, is not reported apart
+
+    def kernel_checks(self) -> tuple[KernelCheck, ...]:
+        return ()  # TensorRT-LLM's engines are built and checked by their own accuracy gate (backends.trtllm.build)
 
     def stats(self) -> EngineStats:
         """Iteration stats arrive only while the library iterates: the last one of a busy spell would

@@ -151,9 +151,17 @@ static inline int64_t first_key(const Args *a, const Item *it, int64_t i, int64_
     return lo > 0 ? lo : 0;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && !defined(TF_PORTABLE_ONLY)
+/* The AVX-512 branch: compiled where the CPU has the instructions (-march=native), or, with TF_EMULATE_AVX512 (tests
+ * only), on any x86-64 CPU through SIMDe's portable versions of the same intrinsics, so the branch's logic is
+ * tested on machines without AVX-512 too. */
+#if defined(TF_EMULATE_AVX512) && !defined(TF_PORTABLE_ONLY)
+#include "simde_avx512.h"
+#define HAVE_AVX512_BF16 2
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && !defined(TF_PORTABLE_ONLY)
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
+#endif
+#ifdef HAVE_AVX512_BF16
 
 /* r[j] = sum of a[j]'s 16 lanes, for 16 vectors at once (a transpose-and-add tree, ~45 ops). */
 static inline __m512 reduce16(const __m512 a[16]) {
@@ -466,6 +474,9 @@ static float *scratch(size_t floats) {
     return scratch_buf;
 }
 
+enum { PATH_PORTABLE, PATH_AVX512_REDUCE, PATH_AVX512_PACKED, NUM_PATHS };
+
+/* Attends one item; returns the path that ran (PATH_*), or -1 when scratch memory ran out. */
 static int attend_item(const Args *a, const Item *it) {
     const int64_t group = a->num_heads / a->num_kv_heads;
     const int64_t num_q = (it->row1 - it->row0) * group;
@@ -475,21 +486,34 @@ static int attend_item(const Args *a, const Item *it) {
         float *scores = scratch((size_t)((num_q + 3) / 4 * 4 * stride));
         if (!scores) return -1;
         attend_hd64(a, it, scores, stride);
-        return 0;
+        return num_q >= PACK_MIN_VECTORS ? PATH_AVX512_PACKED : PATH_AVX512_REDUCE;
     }
 #endif
     float *buf = scratch((size_t)(num_q * (stride + 2 * a->head_dim)));
     if (!buf) return -1;
     attend_portable(a, it, buf, stride);
+    return PATH_PORTABLE;
+}
+
+/* Which branches this build holds: 0 the portable C only, 1 the AVX-512 branch (this CPU's instructions), 2 the
+ * AVX-512 branch emulated through SIMDe (tests). */
+int tf_paged_attention_build(void) {
+#ifdef HAVE_AVX512_BF16
+    return HAVE_AVX512_BF16;
+#else
     return 0;
+#endif
 }
 
 /* Returns 0, or -1 when a shape is out of what this kernel handles (the caller falls back). fp8 = 1: the caches
- * hold FP8 rows (uint8 [num_kv_heads, num_blocks, block_size, head_dim + FP8_ROW_PAD]; head_dim a multiple of 16). */
+ * hold FP8 rows (uint8 [num_kv_heads, num_blocks, block_size, head_dim + FP8_ROW_PAD]; head_dim a multiple of 16).
+ * paths: NULL, or NUM_PATHS counters to which the call adds how many work items each path ran (tests and the
+ * load-time check assert which code computed what they compare). */
 int tf_paged_attention(const uint16_t *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
                        const int64_t *context_lens, const int64_t *query_start, uint16_t *out, int64_t num_requests,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                       int64_t num_blocks, int64_t max_blocks, float scale, int64_t window, int num_threads, int fp8) {
+                       int64_t num_blocks, int64_t max_blocks, float scale, int64_t window, int num_threads, int fp8,
+                       int64_t *paths) {
     if (head_dim > MAX_HEAD_DIM || num_kv_heads <= 0 || num_heads % num_kv_heads || (fp8 && head_dim % FP8_ROW_PAD)) return -1;
     int64_t num_items = 0;
     for (int64_t r = 0; r < num_requests; r++) {
@@ -508,12 +532,23 @@ int tf_paged_attention(const uint16_t *q, const void *k_cache, const void *v_cac
                                        row1 > ROWS_PER_ITEM ? row1 - ROWS_PER_ITEM : 0, row1};
     }
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
+    int64_t portable = 0, reduce = 0, packed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed) \
+    reduction(+ : portable, reduce, packed)
     for (int64_t i = 0; i < num_items; i++) {
         const Args a = {q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_table + items[i].request * max_blocks,
                         out, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, window, fp8};
-        failed |= attend_item(&a, &items[i]) != 0;
+        const int path = attend_item(&a, &items[i]);
+        failed |= path < 0;
+        portable += path == PATH_PORTABLE;
+        reduce += path == PATH_AVX512_REDUCE;
+        packed += path == PATH_AVX512_PACKED;
     }
     free(items);
+    if (paths) {
+        paths[PATH_PORTABLE] += portable;
+        paths[PATH_AVX512_REDUCE] += reduce;
+        paths[PATH_AVX512_PACKED] += packed;
+    }
     return failed ? -1 : 0;
 }

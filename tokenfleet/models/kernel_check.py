@@ -1,0 +1,217 @@
+"""Known-answer checks of compiled kernels where they are built, before the engine uses them.
+
+A native CPU kernel is compiled for the machine it runs on (``-march=native``) and a Triton kernel is JIT-compiled
+for the GPU it runs on: neither is the code any test ran. So when a model is loaded, every kernel that is not the
+torch reference is run on a fixed set of cases in the model's own geometry (its heads, KV heads, head_dim, the
+engine's block size, the KV cache's kind, each of its attention windows) and compared with the torch reference on
+the same inputs. A kernel that disagrees beyond the stated tolerance is not used: the engine serves from the torch
+reference instead, logs an error naming the kernel, the case and the error, and reports the failure
+(``KernelCheck``: the worker's load report, ``tokenfleet_worker_kernel_check`` in /metrics, ``tokenfleet doctor``).
+
+Tolerances (elementwise ``|kernel - reference| <= atol + rtol * |reference|``), against a reference computed in
+fp32 on the same stored inputs:
+  - attention, bf16 output: rtol 2^-7, atol 2^-8 (one bf16 rounding of the output is 2^-8 relative; the rest is
+    room for fp32 sums in another order). fp16 output: rtol 2^-9, atol 2^-10. fp32: rtol 1e-4, atol 1e-5.
+  - layer ops: within one rounding step of the output dtype (they repeat the reference's rounding points, so
+    they are usually bitwise equal).
+A wrong kernel is off by far more: a score moved by 1 shifts a short context's output by ~0.1-0.5.
+
+The cases cover what serving produces: decode rows on both sides of 16-key tiles and blocks, a 37-token prompt
+prefilled in one call (two work items of the native kernel: 32 rows and 5), a chunk after cached context,
+speculative rows, and decode and prefill rows of several requests in one call over shuffled block tables that share
+a prefix block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+import torch
+
+from tokenfleet.engine.runner import KernelCheck
+from tokenfleet.models import kv_fp8
+from tokenfleet.models.attention import ForwardBatch, PagedAttention, PagedQueries, TorchPagedAttention
+from tokenfleet.models.config import ModelConfig
+
+log = structlog.get_logger(__name__)
+
+ATTENTION_CASES: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (  # (context lengths, query rows) per request
+    ((1, 15, 16, 17, 38, 100), (1, 1, 1, 1, 1, 1)),  # decode rows around tile and block edges
+    ((37,), (37,)),  # a fresh 37-token prefill: 32 rows and 5 in two work items
+    ((5,), (5,)),
+    ((100, 33), (37, 33)),  # a chunk after 63 cached tokens; a fresh 33-token prefill
+    ((40, 33, 7), (3, 5, 1)),  # speculative verification rows
+    ((77, 1, 70, 35), (1, 1, 64, 3)),  # decode and prefill rows of several requests in one call
+)
+Q_SCALES = (1.0, 4.0)  # spread and peaked softmaxes
+
+TOLERANCES = {torch.bfloat16: (2**-7, 2**-8), torch.float16: (2**-9, 2**-10), torch.float32: (1e-4, 1e-5)}
+
+
+def tolerance_text(dtype: torch.dtype) -> str:
+    rtol, atol = TOLERANCES[dtype]
+    return f"|kernel - fp32 reference| <= {atol:g} + {rtol:g} * |reference|"
+
+
+def _excess(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> tuple[float, float]:
+    """(max |got - want|, max of |got - want| / (atol + rtol |want|)): the second above 1 fails."""
+    rtol, atol = TOLERANCES[dtype]
+    diff = (got.float() - want.float()).abs()
+    ratio = diff / (atol + rtol * want.float().abs())
+    return float(diff.max()), float(torch.nan_to_num(ratio, nan=float("inf")).max())
+
+
+def _run(kernel: str, implementation: str, dtype: torch.dtype, cases: Callable[[], Any]) -> KernelCheck:
+    """Run ``cases`` (an iterator of (label, got, want)) and summarize; the first case over tolerance fails."""
+    start = time.perf_counter()
+    worst = 0.0
+    detail = ""
+    try:
+        for label, got, want in cases():
+            error, ratio = _excess(got, want, dtype)
+            worst = max(worst, error) if error == error else float("nan")
+            if not ratio <= 1.0:
+                detail = f"{label}: max |error| {error:.4g} ({ratio:.3g}x the tolerance)"
+                break
+    except Exception as e:  # noqa: BLE001 - a kernel that fails to run here is a failed check, not a crash
+        detail = f"raised {e!r}"
+    return KernelCheck(kernel=kernel, implementation=implementation, passed=not detail, max_error=worst,
+                       tolerance=tolerance_text(dtype), seconds=time.perf_counter() - start, detail=detail,
+                       serving=implementation if not detail else "")
+
+
+def implementation_name(obj: object) -> str:
+    return getattr(obj, "name", None) or type(obj).__name__
+
+
+def checked_attention(candidates: list[PagedAttention], config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                      kv_cache_dtype: str = "", block_size: int = 16) -> tuple[PagedAttention, tuple[KernelCheck, ...]]:
+    """The first of ``candidates`` that agrees with the torch reference on the cases (else the reference), and the
+    checks that decided it."""
+    windows = sorted({0, *config.layer_windows})
+    return _first_passing(
+        "paged_attention", candidates, TorchPagedAttention(), dtype,
+        lambda attend: _attention_cases(attend, config, dtype, device, kv_cache_dtype, block_size, windows))
+
+
+def _attention_cases(attend: PagedAttention, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                     kv_cache_dtype: str, block_size: int, windows: list[int]):
+    reference = TorchPagedAttention()
+    g = torch.Generator().manual_seed(1234)
+    for lens, rows in ATTENTION_CASES:
+        q_raw = torch.randn(sum(rows), config.num_heads, config.head_dim, generator=g)
+        k_cache, v_cache, meta = _paged_inputs(list(lens), list(rows), config, dtype, kv_cache_dtype, block_size, g)
+        k_cache, v_cache = k_cache.to(device), v_cache.to(device)
+        for window in windows:
+            m = PagedQueries(meta.block_table.to(device), meta.context_lens.to(device), meta.query_start.to(device),
+                             meta.num_tokens, meta.max_query_len, window)
+            for scale in Q_SCALES:
+                q = (q_raw * scale).to(device, dtype)
+                want = reference(q.float(), k_cache, v_cache, m)
+                got = attend(q, k_cache, v_cache, m)
+                label = (f"context {list(lens)}, query rows {list(rows)}, heads {config.num_heads}/{config.num_kv_heads}"
+                         f", head_dim {config.head_dim}, block {block_size}, window {window}, q scale {scale:g}")
+                yield label, got, want
+
+
+def _paged_inputs(lens: list[int], rows: list[int], config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str,
+                  block_size: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, PagedQueries]:
+    """Caches of shuffled blocks (request 1 shares request 0's first block when both have one full), the last
+    block left for padding, and the queries' metadata."""
+    per_request = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_request) + 2
+    shape = (config.num_kv_heads, num_blocks, block_size, config.head_dim)
+    k = torch.randn(shape, generator=g)
+    v = torch.randn(shape, generator=g)
+    if kv_cache_dtype == "fp8":
+        k_cache, v_cache = kv_fp8.quantize(k), kv_fp8.quantize(v)
+    else:
+        k_cache, v_cache = k.to(dtype), v.to(dtype)
+    order = torch.randperm(num_blocks - 1, generator=g) + 1
+    table = torch.zeros(len(lens), max(per_request), dtype=torch.long)
+    used = 0
+    for r, n in enumerate(per_request):
+        table[r, :n] = order[used: used + n]
+        used += n
+    if len(lens) > 1 and lens[0] > block_size and lens[1] > block_size:
+        table[1, 0] = table[0, 0]  # a shared prefix block
+    starts = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()])
+    return k_cache, v_cache, PagedQueries(table, torch.tensor(lens), starts, int(starts[-1]), max(rows))
+
+
+def checked_layer_ops(ops: Any, reference: Any, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                      kv_cache_dtype: str = "") -> tuple[Any, tuple[KernelCheck, ...]]:
+    """``ops`` (models.layer_ops.LayerOps) if each op agrees with ``reference`` (the torch ops), else the reference."""
+    candidates = [] if type(ops) is type(reference) else [ops]
+    return _first_passing("layer_ops", candidates, reference, dtype,
+                          lambda kernel: _layer_cases(kernel, reference, config, dtype, device, kv_cache_dtype))
+
+
+def _layer_cases(ops: Any, reference: Any, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 kv_cache_dtype: str):
+    from tokenfleet.models.llama import rope_inv_freq
+
+    g = torch.Generator().manual_seed(99)
+    tokens, hidden = 37, config.hidden_size
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(device, dtype)
+
+    residual, delta, weight = rand(tokens, hidden, scale=3.0), rand(tokens, hidden), rand(hidden).abs() + 0.5
+    for d in (delta, None):
+        got, want = ops.add_rms_norm(residual.clone(), d, weight, 1e-5), reference.add_rms_norm(residual.clone(), d,
+                                                                                                  weight, 1e-5)
+        yield f"add_rms_norm over [{tokens}, {hidden}]", torch.cat(got), torch.cat(want)
+    gate_up = rand(tokens, 2 * config.intermediate_size, scale=4.0)
+    yield f"silu_mul over [{tokens}, {2 * config.intermediate_size}]", ops.silu_mul(gate_up), reference.silu_mul(gate_up)
+    angles = torch.arange(config.max_position_embeddings).float()[:, None] * rope_inv_freq(config)[None, :]
+    cos, sin = (f(torch.cat((angles, angles), dim=-1)).to(device, dtype) for f in (torch.cos, torch.sin))
+    width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    qkv = rand(tokens, width)
+    block_size, num_blocks = 16, -(-tokens // 16) + 1
+    positions = torch.randint(0, config.max_position_embeddings, (tokens,), generator=g).to(device)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens].to(device)
+    batch = ForwardBatch(positions, slots, positions[:1])
+    row = kv_fp8.row_width(config.head_dim) if kv_cache_dtype == "fp8" else config.head_dim
+    cache_dtype = torch.uint8 if kv_cache_dtype == "fp8" else dtype
+    caches = [torch.zeros(config.num_kv_heads, num_blocks, block_size, row, dtype=cache_dtype, device=device)
+              for _ in range(4)]
+    got = ops.rope_store_kv(qkv, batch, cos, sin, caches[0], caches[1])
+    want = reference.rope_store_kv(qkv, batch, cos, sin, caches[2], caches[3])
+    label = f"rope_store_kv of {tokens} tokens, heads {config.num_heads}/{config.num_kv_heads}"
+    yield label, torch.cat([x.reshape(tokens, -1) for x in got], 1), torch.cat([x.reshape(tokens, -1) for x in want], 1)
+    for mine, theirs in ((caches[0], caches[2]), (caches[1], caches[3])):
+        if kv_cache_dtype == "fp8":
+            mine, theirs = kv_fp8.dequantize(mine), kv_fp8.dequantize(theirs)
+        yield label + " (the cache it wrote)", mine, theirs
+
+
+def _first_passing(role: str, candidates: list[Any], reference: Any, dtype: torch.dtype,
+                   cases: Callable[[Any], Any]) -> tuple[Any, tuple[KernelCheck, ...]]:
+    """Check ``candidates`` in order until one passes; the reference serves if none does. Every check made is
+    returned, each saying what serves in the end."""
+    checks: list[KernelCheck] = []
+    chosen, serving = reference, "torch reference"
+    for kernel in candidates:
+        check = _run(role, implementation_name(kernel), dtype, lambda k=kernel: cases(k))
+        checks.append(check)
+        if check.passed:
+            chosen, serving = kernel, check.implementation
+            break
+    if not checks:  # the reference itself: nothing to check
+        return reference, (KernelCheck(role, "torch reference", True, 0.0, "the reference", 0.0, "",
+                                       "torch reference"),)
+    checks = [dataclasses.replace(c, serving=serving) for c in checks]
+    for c in checks:
+        if c.passed:
+            log.info("kernel_check", kernel=role, implementation=c.implementation, result="passed",
+                     max_error=round(c.max_error, 6), seconds=round(c.seconds, 3))
+        else:
+            log.error("kernel_check_failed", kernel=role, implementation=c.implementation, case=c.detail,
+                      tolerance=c.tolerance, serving=serving,
+                      note="this kernel computes wrong results on this machine: never used here")
+    return chosen, tuple(checks)
