@@ -34,7 +34,8 @@ FILLER = ("The harbour town woke before the sun. Fishing boats slid out past the
 
 def start_cluster(autoscale: bool, args: argparse.Namespace, cache: Path) -> tuple[subprocess.Popen, str, str]:
     env = {**os.environ, "TOKENFLEET_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "tokenfleet.cli", "up", "--workers", "1", "--threads", "1", "--port", "0"]
+    cmd = [sys.executable, "-m", "tokenfleet.cli", "up", "--workers", "1", "--threads", "1", "--port", "0", "--dtype",
+           "bfloat16"]
     if autoscale:
         cmd += ["--autoscale", "--max-workers", str(args.max_workers), "--target-concurrency",
                 str(args.target_concurrency), "--autoscale-metrics-port", "0", "--warm-pool", str(args.warm_pool),

@@ -52,7 +52,7 @@ TOPICS = ("the sea", "a lighthouse", "autumn rain", "a train at night", "bread",
 
 def start_cluster(args: argparse.Namespace, cache: Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "TOKENFLEET_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "tokenfleet.cli", "up", "--workers", "1", "--threads", "1", "--port", "0",
+    cmd = [sys.executable, "-m", "tokenfleet.cli", "up", "--workers", "1", "--threads", "1", "--port", "0", "--dtype", "bfloat16",
            "--batch-slots", str(args.batch_slots), "--batch-concurrency", str(args.batch_concurrency)]
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(cache / "up.stderr", "w"), text=True, env=env)
     assert up.stdout is not None

@@ -65,7 +65,7 @@ def engine_run(model_dir: str, kv_bytes: int, num_requests: int, context: int, o
     from tokenfleet.engine.config import EngineConfig
     from tokenfleet.engine.sampling_params import SamplingParams
 
-    core = build_engine_core(EngineConfig(model=model_dir, kv_cache_bytes=kv_bytes, max_num_batched_tokens=2048,
+    core = build_engine_core(EngineConfig(model=model_dir, dtype="bfloat16", kv_cache_bytes=kv_bytes, max_num_batched_tokens=2048,
                                           max_prefill_chunk=CHUNK, num_threads=2))
     bm = core.scheduler.block_manager
     for i in range(num_requests):

@@ -151,7 +151,7 @@ def label(args: argparse.Namespace) -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     base_params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop=["\n"])
     for role, path in (("small", ensure_default_model()), ("big", ensure_model("gemma3-270m"))):
-        llm = LLM(str(path), num_threads=args.threads, max_num_running=32)
+        llm = LLM(str(path), dtype="bfloat16", num_threads=args.threads, max_num_running=32)
         t = time.perf_counter()
         if role == "small":  # the instruct model as served: its chat template
             answers = llm.chat([r["messages"] for r in rows], params)
@@ -187,7 +187,7 @@ def rates(args: argparse.Namespace) -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     sample = [r["messages"] for r in rows[:: max(1, len(rows) // args.timing_prompts)]]
     for role, m in labels["models"].items():
-        llm = LLM(m["path"], num_threads=args.threads)
+        llm = LLM(m["path"], dtype="bfloat16", num_threads=args.threads)
         measure_rates(llm, sample[:2], params)  # warm-up
         m["seconds_per_prompt_token"], m["seconds_per_output_token"] = measure_rates(llm, sample, params)
         print(f"{role}: {1 / m['seconds_per_prompt_token']:.0f} prompt tok/s, {1 / m['seconds_per_output_token']:.1f} "

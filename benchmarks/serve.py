@@ -83,7 +83,8 @@ class Tokenfleet(System):
         etcd = children.etcd.endpoint
         self.worker = children.spawn_service(
             "worker", "tokenfleet.services.decode", "--model", model_dir, "--model-name", model_name, "--etcd", etcd,
-            "--role", "both", "--threads", str(threads), "--replica-id", "bench-worker-0", threads=threads)
+            "--role", "both", "--threads", str(threads), "--replica-id", "bench-worker-0", "--dtype", "bfloat16",
+            threads=threads)
         router = children.spawn_service("router", "tokenfleet.services.router", "--etcd", etcd)
         gateway = children.spawn_service("gateway", "tokenfleet.services.gateway", "--router", router.address,
                                          "--model", f"{model_name}={model_dir}")

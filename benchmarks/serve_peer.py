@@ -40,8 +40,11 @@ METRICS = ("ttft", "tpot", "itl")
 
 
 def start_tokenfleet(children: Children, model_name: str, up_args: list[str]) -> tuple[Child, str]:
+    """`tokenfleet up` with ``up_args``; bf16 unless they name a dtype (peers serve bf16; up's CPU default is fp32)."""
     port = free_port()
-    child = children.spawn("tokenfleet-up", [sys.executable, "-m", "tokenfleet.cli", "up", "--port", str(port), *up_args])
+    dtype = [] if "--dtype" in up_args else ["--dtype", "bfloat16"]
+    child = children.spawn("tokenfleet-up", [sys.executable, "-m", "tokenfleet.cli", "up", "--port", str(port), *dtype,
+                                             *up_args])
     url = f"http://127.0.0.1:{port}"
     wait_completion(url, model_name, 600, lambda: child.proc.poll() is None)
     return child, url

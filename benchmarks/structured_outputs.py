@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     model = ensure_default_model()
-    core = build_engine_core(EngineConfig(model=str(model), num_threads=args.threads, device=args.device,
+    core = build_engine_core(EngineConfig(model=str(model), dtype="bfloat16", num_threads=args.threads, device=args.device,
                                           num_blocks=2048))
     tok = core.tokenizer
 

@@ -70,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     reg.add_argument("name", help="model name clients will send")
     reg.add_argument("--path", help="HF model folder (default: the imported default model)")
     reg.add_argument("--version", default="v1")
-    reg.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    reg.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                     help="auto: each worker runs float32 on a CPU, bfloat16 on a GPU")
     reg.add_argument("--backend", default="torch", choices=["torch", "trtllm"])
     reg.add_argument("--base", default="", help="register a LoRA adapter of this model (NAME or NAME@VERSION): --path "
                      "is its PEFT folder; the base's workers load it on first use")
@@ -167,7 +168,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF model folder (default: the imported SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="auto: float32 on CPUs, bfloat16 on GPUs")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -22,8 +22,9 @@ def add_commands(sub: Any) -> None:
     up_cmd.add_argument("--kv-tier", default="", help="each worker's second KV tier: memory or disk:DIR (a folder "
                         "per worker under DIR); blocks the pool evicts are restored from it instead of recomputed")
     up_cmd.add_argument("--kv-tier-bytes", type=int, default=0, help="each worker's second-tier budget (default 4 GiB)")
-    up_cmd.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
-                        help="dtype in the model's registry record")
+    up_cmd.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                        help="dtype in the model's registry record; auto: float32 on CPUs (answers that do not depend "
+                        "on the CPU's rounding), bfloat16 on GPUs; bfloat16 on a CPU with AVX512-BF16 or AMX is faster")
     up_cmd.add_argument("--async-scheduling", action="store_true",
                         help="workers overlap scheduling with the device: the next decode step is queued before this "
                         "one's tokens are read (GPU; off by default)")

@@ -142,7 +142,7 @@ def wait_listening(name: str, proc: subprocess.Popen, before: list[str] | None =
     raise RuntimeError(f"{name} failed to start (exit {proc.poll()})")
 
 
-def register_model(registry: str, name: str, model_dir: str, plane: Plane, dtype: str = "bfloat16",
+def register_model(registry: str, name: str, model_dir: str, plane: Plane, dtype: str = "auto",
                    version: str = "v1", speculative_config: str = "", kv_cache_dtype: str = "") -> None:
     """Register ``name@version`` (a no-op when the identical record exists), as an operator."""
     from tokenfleet.cluster.registry import ModelRecord
@@ -208,7 +208,7 @@ def tier_args(kv_tier: str, kv_tier_bytes: int, replica: str) -> list[str]:
 
 
 def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_port: int,
-       role: str = "both", dtype: str = "bfloat16", prefill_workers: int = 0, record: bool = True,
+       role: str = "both", dtype: str = "auto", prefill_workers: int = 0, record: bool = True,
        insecure: bool = False, certs: Path | None = None, host: str = "127.0.0.1", auth: bool = False,
        no_auth: bool = False, more_models: Sequence[tuple[str, str]] = (), kv_tier: str = "",
        kv_tier_bytes: int = 0, speculative_config: str = "", lora: Sequence[str] = (), batch_slots: int = 8,

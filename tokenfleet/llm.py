@@ -44,7 +44,7 @@ class LLM:
     ) -> list[Completion]:
         """Run every prompt (text or token ids) to completion, batched together; results in input order."""
         batch = [prompts] if _is_single(prompts) else list(prompts)  # type: ignore[list-item]
-        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
+        token_lists = [self.tokenizer.encode_prompt(p) if isinstance(p, str) else list(p) for p in batch]
         return self._run(token_lists, _params_list(sampling_params, len(token_lists)))
 
     def chat(

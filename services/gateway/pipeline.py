@@ -197,7 +197,7 @@ class Gateway:
     def _prepare_completion(self, model: ServedModel, body: CompletionRequest) -> Prepared:
         """In a preparer thread."""
         params = body.sampling_params()
-        prompt = model.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        prompt = model.tokenizer.encode_prompt(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
         check_context(model, len(prompt), params.max_tokens)

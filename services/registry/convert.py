@@ -30,7 +30,7 @@ def record_from_proto(m: registry_pb2.ModelRecord) -> ModelRecord:
     """Unset fields take the record's defaults; invalid values raise ValueError."""
     return ModelRecord(
         name=m.name, version=m.version, path=m.path, architecture=m.architecture or "llama",
-        dtype=m.dtype or "bfloat16", quantization=m.quantization, backend=m.backend or "torch",
+        dtype=m.dtype or "auto", quantization=m.quantization, backend=m.backend or "torch",
         tensor_parallel_size=m.tensor_parallel_size or 1, tokenizer=m.tokenizer, max_model_len=m.max_model_len,
         default_sampling=dict(m.default_sampling),
         status=status_name(m.status) if m.status else "ready", created_at=m.created_at, description=m.description,

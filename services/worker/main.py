@@ -46,8 +46,8 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
                    "as its record says")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
-                   help="default: the registry record's dtype, else bfloat16")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="default: the registry record's dtype, else auto (float32 on CPUs, bfloat16 on GPUs)")
     p.add_argument("--kv-cache-dtype", choices=["", "fp8"],
                    help="fp8: an FP8 KV cache (e4m3, a scale per token and KV head); default: the registry record's, "
                    "else the weights' dtype")
@@ -116,7 +116,7 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
     model = record.path if record is not None else args.model or str(ensure_default_model())
     return EngineConfig(
         model=model,
-        dtype=args.dtype or (record.dtype if record is not None else "bfloat16"),
+        dtype=args.dtype or (record.dtype if record is not None else "auto"),
         max_model_len=args.max_model_len or (record.max_model_len or None if record is not None else None),
         device=args.device,
         num_threads=args.threads,

@@ -29,7 +29,7 @@ from tokenfleet.cluster.etcd import EtcdClient, KeyEvent, mirror_prefix
 
 MODELS, ALIASES = "models/", "aliases/"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: float32 on CPUs, bfloat16 on GPUs (models.loader)
 STATUSES = ("ready", "disabled")
 TOOL_FORMATS = ("hermes", "generic")  # tokenfleet.api.tools.FORMATS
 
@@ -62,7 +62,7 @@ class ModelRecord:
     version: str
     path: str  # artifact location: an HF-style folder (config.json, safetensors, tokenizer)
     architecture: str = "llama"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: float32 on CPUs, bfloat16 on GPUs, resolved by the worker (models.loader.resolve_dtype)
     quantization: str = ""  # "" (none) | "fp8": FP8 weights (torch engine: models.linear.Fp8Linear; trtllm: its engine)
     backend: str = "torch"  # torch | trtllm
     tensor_parallel_size: int = 1

@@ -12,7 +12,9 @@ from tokenfleet.engine.spec_decode import SpecConfig
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # path of an HF folder (config.json, *.safetensors, tokenizer.json)
-    dtype: str = "bfloat16"  # serving default; "float32" for equality tests
+    # "auto": float32 on CPUs (bf16 greedy answers at near-ties depend on the CPU's rounding; fp32 ones do not, and
+    # fp32 is faster where the CPU lacks bf16 dot products), bfloat16 on GPUs and with FP8 weights
+    dtype: str = "auto"
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30  # KV budget; ignored when num_blocks is set
@@ -53,8 +55,8 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
-        if self.dtype not in ("bfloat16", "float32", "float16"):
-            raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
+            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.quantization not in ("", "fp8"):
             raise ValueError(f"quantization must be '' or 'fp8', got {self.quantization!r}")
         if self.kv_cache_dtype not in ("", "fp8"):

@@ -21,6 +21,20 @@ from tokenfleet.models.llama import LayerWeights, LlamaModel, LlamaWeights
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_dtype(name: str, device: torch.device, quantization: str = "") -> str:
+    """``name``, or for "auto" the serving default of ``device``: float32 on CPUs, bfloat16 on GPUs (and with FP8
+    weights, which need 16-bit activations). Why float32 on CPUs: a bf16 forward rounds every activation to 8 bits
+    of mantissa, so where a greedy choice is a near-tie (the default model's first token for "What is the capital of
+    France?" leads by 0.08 in fp32) the winner depends on the CPU's rounding order (its bf16 dot-product
+    instructions, the kernels' vector width): the same prompt answered "The capital of France is Paris." on one
+    machine and "L'Étoile, la Marseillaise, ..." on another. fp32 answers equal HF's fp32 on every machine, and on
+    CPUs without AVX512-BF16 or AMX they are also the faster ones. ``--dtype bfloat16`` keeps the bf16 speed where
+    the CPU has those instructions."""
+    if name != "auto":
+        return name
+    return "bfloat16" if device.type == "cuda" or quantization == "fp8" else "float32"
+
+
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype={name!r}: supported are {sorted(DTYPES)}")

@@ -27,6 +27,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw-text prompt (completions) as the model's tokenizer encodes it by default: with the special tokens
+        its post-processor adds (Gemma's ``<bos>``; none for SmolLM2), as transformers and vLLM's completions do.
+        Chat prompts are rendered by the template, which writes them itself: they use ``encode``."""
+        return self.encode(text, add_special_tokens=True)
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

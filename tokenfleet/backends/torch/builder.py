@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import structlog
 
 from tokenfleet.backends.torch.device import configure_threads, resolve_device
@@ -13,7 +15,7 @@ from tokenfleet.engine.core import EngineCore
 from tokenfleet.engine.runner import ModelInfo
 from tokenfleet.engine.scheduler import Scheduler
 from tokenfleet.models.kv_fp8 import row_bytes
-from tokenfleet.models.loader import load_model, parse_dtype
+from tokenfleet.models.loader import load_model, parse_dtype, resolve_dtype
 from tokenfleet.models.tokenizer import Tokenizer
 
 log = structlog.get_logger()
@@ -22,6 +24,7 @@ log = structlog.get_logger()
 def build_engine_core(config: EngineConfig) -> EngineCore:
     configure_threads(config.num_threads)
     device = resolve_device(config.device)
+    config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, device, config.quantization))
     dtype = parse_dtype(config.dtype)
     model = load_model(config.model, dtype, device, config.quantization, config.kv_cache_dtype, config.block_size)
     max_model_len = config.max_model_len or model.config.max_position_embeddings
