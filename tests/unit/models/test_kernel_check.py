@@ -122,8 +122,8 @@ def test_a_sampler_that_draws_the_next_token_is_caught():
 
 def test_a_failed_check_reads_zero_in_the_workers_metrics_with_what_serves():
     from prometheus_client import CollectorRegistry
-
     from tokenfleet.services.common import convert
+
     from tokenfleet.telemetry.metrics import WorkerCollector
     from tokenfleet.v1 import engine_pb2
 
