@@ -123,6 +123,10 @@ def _parser() -> argparse.ArgumentParser:
 
     rollout_cli.add_parser(models, registry_and_operator)
 
+    from tokenfleet import cli_doctor
+
+    cli_doctor.add_parser(sub)
+
     gen = sub.add_parser("generate", help="complete raw text prompts (offline, in-process engine)")
     gen.add_argument("prompts", nargs="+", help="one or more prompts, batched together")
     _engine_args(gen)
