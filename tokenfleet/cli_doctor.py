@@ -146,7 +146,7 @@ def certificates() -> tuple[list[str], int]:
     pems = sorted(folder.glob("*.pem")) if folder.exists() else []  # tokenfleet certs: ROLE.pem beside ROLE.key
     if not pems:
         return [f"none under {folder} (`tokenfleet certs`; `up` creates them)"], 0
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     lines, expired = [], 0
     for path in pems:
         try:

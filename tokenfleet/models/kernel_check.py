@@ -25,6 +25,7 @@ a prefix block.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -197,7 +198,7 @@ def _first_passing(role: str, candidates: list[Any], reference: Any, dtype: torc
     checks: list[KernelCheck] = []
     chosen, serving = reference, "torch reference"
     for kernel in candidates:
-        check = _run(role, implementation_name(kernel), dtype, lambda k=kernel: cases(k))
+        check = _run(role, implementation_name(kernel), dtype, functools.partial(cases, kernel))
         checks.append(check)
         if check.passed:
             chosen, serving = kernel, check.implementation
