@@ -1,4 +1,5 @@
-"""Greedy chat parity: `tokenfleet up` (defaults, bf16) vs HF transformers' greedy output in fp32 and in bf16.
+"""Greedy chat parity: `tokenfleet up` (bf16, or --up-arg=--dtype --up-arg=float32) vs HF transformers' greedy
+output in fp32 and in bf16.
 
 The chats of tests/model/test_hf_parity.py plus "What is the boiling point of water at sea level?",
 32 tokens, temperature 0, sent one after the other through the server's /v1/chat/completions (so
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 from serve_peer import start_tokenfleet, start_vllm
 from serving.procs import Children
-from serving.report import write_report
+from serving.report import git_head, machine_line, write_report
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -90,8 +91,10 @@ def main() -> None:
                 row["fp32_top2_margin"] = float(top2[0] - top2[1])
         rows.append(row)
     identical = sum(r["equals_fp32"] or r["equals_bf16"] for r in rows)
-    system = "vLLM-CPU bf16" if args.vllm_python else "`tokenfleet up` bf16"
-    result = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "system": system, "rows": rows, "identical": identical,
+    dtype = args.up_arg[args.up_arg.index("--dtype") + 1] if "--dtype" in args.up_arg else "bfloat16"
+    system = "vLLM-CPU bf16" if args.vllm_python else f"`tokenfleet up` {dtype}"
+    result = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "system": system, "machine": machine_line(),
+              "commit": git_head(), "rows": rows, "identical": identical,
               "total": len(rows),
               "pass": identical >= len(rows) - 1}
     write_report(args.out, result, markdown(result))
@@ -101,7 +104,8 @@ def markdown(result: dict) -> str:
     lines = [f"# Greedy chat parity, {result['system']} vs HF transformers ({result['started']})", "",
              f"{MAX_TOKENS} tokens, temperature 0, served. Identical to one reference: "
              f"**{result['identical']} of {result['total']}** (bar: all but one: {'pass' if result['pass'] else 'FAIL'}).",
-             "", "| user | = HF fp32 | = HF bf16 | first divergent token (fp32 top-2 margin) | served reply |",
+             "", f"Machine: {result['machine']}; commit {result['commit']}.", "",
+             "| user | = HF fp32 | = HF bf16 | first divergent token (fp32 top-2 margin) | served reply |",
              "|---|---|---|---|---|"]
     for r in result["rows"]:
         div = "-" if "first_divergent_token" not in r else (

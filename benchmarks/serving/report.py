@@ -15,6 +15,21 @@ def write_report(out: str | Path, result: dict, markdown: str) -> None:
     print(f"wrote {path} and {path.with_suffix('.md')}")
 
 
+def machine_line() -> str:
+    """The machine a figure was measured on: CPU model, usable cores, whether it has AVX-512 BF16 (which decides
+    the native attention build and oneDNN's bf16 GEMMs), torch."""
+    import os
+
+    import torch
+
+    from tokenfleet.cli_doctor import cpu_info
+
+    name, flags = cpu_info()
+    bf16 = all(f in flags for f in ("avx512f", "avx512bw", "avx512_bf16"))
+    return (f"{name}, {len(os.sched_getaffinity(0))} cores, AVX-512 BF16 {'yes' if bf16 else 'no'} (native attention: "
+            f"{'AVX-512 BF16' if bf16 else 'portable C'} build), torch {torch.__version__}")
+
+
 def git_head() -> str:
     """The checkout's short commit, for a report's header."""
     import subprocess

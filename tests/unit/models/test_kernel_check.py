@@ -136,3 +136,21 @@ def test_a_failed_check_reads_zero_in_the_workers_metrics_with_what_serves():
         "kernel": "paged_attention", "implementation": "native paged attention (AVX-512 BF16)",
         "serving": "native paged attention (portable C)"})
     assert value == 0.0
+
+
+def test_auto_dtype_is_float32_on_a_cpu_and_bfloat16_on_a_gpu_or_with_fp8_weights():
+    from tokenfleet.models.loader import resolve_dtype
+
+    assert resolve_dtype("auto", CPU) == "float32"
+    assert resolve_dtype("auto", torch.device("cuda")) == "bfloat16"
+    assert resolve_dtype("auto", CPU, "fp8") == "bfloat16"
+    assert resolve_dtype("bfloat16", CPU) == "bfloat16" and resolve_dtype("float32", torch.device("cuda")) == "float32"
+
+
+def test_the_engine_resolves_auto_before_anything_reads_the_dtype(default_model_dir):
+    from tokenfleet.backends.torch.builder import build_engine_core
+    from tokenfleet.engine.config import EngineConfig
+
+    core = build_engine_core(EngineConfig(model=str(default_model_dir), num_blocks=32, num_threads=2, device="cpu"))
+    assert core.runner.model.dtype == torch.float32  # type: ignore[attr-defined]
+    assert core.kv_layout().dtype == "float32"
