@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import openai
+import pytest
 
 from tests.integration.conftest import UpCluster, start_up, wait_for
 
@@ -63,6 +64,7 @@ def client_of(up: UpCluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=up.announced["gateway:"], api_key="unused", max_retries=0, timeout=300)
 
 
+@pytest.mark.nightly  # the warm-pool test keeps a scale-up in the suite
 def test_up_autoscale_adds_a_worker_under_load_and_drains_it_after(default_model_dir, tmp_path):
     """With a shorter stabilization window and cooldown than the defaults (20 and 30 s): the same path, sooner."""
     up = start_up(tmp_path, *AUTOSCALED, "--model", str(default_model_dir), "--target-concurrency", "2",
@@ -103,6 +105,7 @@ def test_up_autoscale_with_a_warm_pool_activates_the_standby_worker(default_mode
     assert "autoscale activated a standby worker" in said and "autoscale started a worker" not in said
 
 
+@pytest.mark.nightly  # a long scenario; the warm-pool test stays in the suite
 def test_a_scale_down_under_load_finishes_every_stream_of_the_removed_worker_unchanged(default_model_dir, tmp_path):
     """fp32, greedy: streams open on the worker an operator's override removes finish there (drain), each with the
     same text as the same request undisturbed on the remaining worker afterwards."""

@@ -116,6 +116,7 @@ def _chat(client):  # type: ignore[no-untyped-def]
         return None
 
 
+@pytest.mark.nightly  # tests/integration/test_registry.py serves two models on their own workers in the suite
 def test_up_serves_two_models_at_once(default_model_dir, tmp_path):
     """One `tokenfleet up` with the default model and Gemma 3: both listed, both answer chats through the
     official client, streaming and not (Gemma 3 is a base model: its answers are only checked to exist)."""

@@ -161,7 +161,8 @@ def test_worker_metrics_endpoint(default_model_dir, prompt):
             prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=3, temperature=0.0))))
         with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=30) as response:
             text = response.read().decode()
-        samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"}
+        samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line and line[0] != "#"}
         assert samples["tokenfleet_worker_kv_blocks_used"] + samples["tokenfleet_worker_kv_blocks_free"] == 64
         assert samples["tokenfleet_worker_steps_total"] >= 3
         assert samples["tokenfleet_worker_running"] == 0

@@ -2,8 +2,11 @@
 
 Our engine decodes greedily in bf16, reporting each sampled token's logprob (decode steps) and the
 prompt's logprobs (prefill). HF transformers then teacher-forces the same tokens in fp32 (the
-reference) and in bf16. Our mean |logprob - fp32| must be at most 1.1x HF bf16's, on the same
-tokens. Rounding attention scores to bf16 before the softmax failed this (decode: ~1.5-2x).
+reference) and in bf16. In decode our mean |logprob - fp32| must be at most 1.1x HF bf16's, on the same
+tokens (rounding attention scores to bf16 before the softmax failed this: ~1.5-2x). In prefill the same mean moves
+with the machine's rounding (1.01x on a CPU with AVX-512 BF16, 1.19x on one without, where our attention is closer
+to fp32 than HF's in every layer: the next test), so it is held only to 1.5x, which a wrong kernel exceeds by far;
+benchmarks/bf16_numerics.py reports both figures.
 """
 
 from __future__ import annotations
@@ -83,5 +86,43 @@ def test_bf16_decode_and_prefill_as_close_to_fp32_as_hf_bf16(bf16_core, hf_model
         mean_ours = sum(errors["ours"]) / len(errors["ours"])
         mean_hf = sum(errors["hf_bf16"]) / len(errors["hf_bf16"])
         assert mean_hf > 0  # the references differ: the comparison means something
-        assert mean_ours <= 1.1 * mean_hf, (
+        assert mean_ours <= (1.1 if name == "decode" else 1.5) * mean_hf, (
             f"{name}: mean |dlogprob| vs fp32 {mean_ours:.4f} over {len(errors['ours'])} tokens, HF bf16 {mean_hf:.4f}")
+
+
+def test_prefill_attention_is_as_close_to_fp32_as_bf16_sdpa_in_every_layer(bf16_core):
+    """On the real model's own activations (a chat prompt's prefill), each layer's attention output is compared
+    with the fp32 reference on the same stored bf16 inputs: ours may be no further from it than torch's bf16 SDPA
+    (what HF bf16 runs), layer by layer."""
+    from tokenfleet.models.attention import TorchPagedAttention, _gather, _prefill_attention
+
+    model = bf16_core.runner.model
+    attend = model.attention
+    if not attend.handles_prefill:
+        pytest.skip("the torch reference serves attention here: prefill chunks go through SDPA itself")
+    captured = []
+
+    class Record:
+        handles_prefill = attend.handles_prefill
+
+        def __call__(self, q, k_cache, v_cache, meta):
+            captured.append((q.clone(), k_cache.clone(), v_cache.clone(), meta))
+            return attend(q, k_cache, v_cache, meta)
+
+    model.attention = Record()
+    try:
+        prompt = chat_ids(bf16_core, MORE_CHATS[3])
+        bf16_core.add_request(prompt, greedy(1), request_id="layers")
+        while bf16_core.has_unfinished():
+            bf16_core.step()
+    finally:
+        model.attention = attend
+    assert len(captured) == model.config.num_layers
+    for layer, (q, k_cache, v_cache, meta) in enumerate(captured):
+        exact = TorchPagedAttention()(q.float(), k_cache, v_cache, meta)
+        ours_error = (attend(q, k_cache, v_cache, meta).float() - exact).abs().mean()
+        length = int(meta.context_lens[0])
+        k = _gather(k_cache, meta.block_table[0])[:, :length]
+        v = _gather(v_cache, meta.block_table[0])[:, :length]
+        sdpa_error = (_prefill_attention(q, k, v, 0).float() - exact).abs().mean()
+        assert ours_error <= sdpa_error * 1.02, f"layer {layer}: ours {ours_error:.3g}, bf16 SDPA {sdpa_error:.3g}"

@@ -98,6 +98,7 @@ def test_logprob_values_match(base, spec):
     assert [[t for t, _ in x.top] for x in lp["s"]] == [[t for t, _ in x.top] for x in lp["b"]]
 
 
+@pytest.mark.nightly  # the n-gram speculation tests keep greedy equality in the suite
 def test_n_samples_chunked_prefill_and_preemption(default_model_dir, base):
     prompts = {name: prompt_of(base, text) for name, text in (("edit", EDIT), ("quote", QUOTE))}
     expected = {name: run_to_completion(base, {0: [(name, p, greedy(32))]})[name] for name, p in prompts.items()}
@@ -168,6 +169,7 @@ def draft_config(**extra) -> str:
                        "adaptive": False, **extra})
 
 
+@pytest.mark.nightly  # the n-gram speculation tests keep greedy equality in the suite
 def test_a_draft_model_proposes_and_greedy_outputs_stay_identical(default_model_dir, base):
     prompts = [prompt_of(base, EDIT), prompt_of(base, QUOTE)]
     expected = [run_to_completion(base, {0: [(f"b{i}", p, greedy(32))]})[f"b{i}"] for i, p in enumerate(prompts)]
@@ -182,6 +184,7 @@ def test_a_draft_model_proposes_and_greedy_outputs_stay_identical(default_model_
     assert truncated.snapshot().num_spec_proposed_tokens > 0
 
 
+@pytest.mark.nightly  # the n-gram speculation tests keep greedy equality in the suite
 def test_a_draft_model_survives_preemption_and_forks(default_model_dir, base):
     prompts = {name: prompt_of(base, text) for name, text in (("edit", EDIT), ("quote", QUOTE))}
     expected = {name: run_to_completion(base, {0: [(name, p, greedy(24))]})[name] for name, p in prompts.items()}

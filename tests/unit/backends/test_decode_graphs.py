@@ -106,6 +106,7 @@ def test_static_buffer_steps_equal_the_regular_path(monkeypatch, graphed):
     assert replays >= 18  # every decode-only step took the graph path
 
 
+@pytest.mark.nightly  # test_static_buffer_steps_equal_the_regular_path keeps a replay in the suite
 def test_overlapped_steps_carry_tokens_through_the_static_buffers(monkeypatch, graphed):
     """Overlapped scheduling on the graph path: a queued step's input tokens are gathered from the running step's
     samples on the device (the sixth buffer column); the tokens equal the synchronous graph path's."""
@@ -163,6 +164,7 @@ def gemma3_engine(model_dir, graphs: bool, monkeypatch) -> tuple[EngineCore, Tor
                                                          eos_token_ids=())), runner
 
 
+@pytest.mark.nightly  # test_static_buffer_steps_equal_the_regular_path keeps a replay in the suite
 def test_a_model_of_several_kv_groups_replays_with_a_table_per_group(monkeypatch, tiny_gemma3):
     """Gemma 3 (sliding-window layers in their own KV groups, a window of 10 keys over blocks of 4): the static
     buffers hold a slot column and a block table per group, each attended with its group's window; prompts past
@@ -221,6 +223,7 @@ def test_a_capture_that_fails_leaves_the_runner_serving_eagerly(monkeypatch):
     assert [len(out["r0"]), len(out["r1"])] == [6, 10]
 
 
+@pytest.mark.nightly  # test_static_buffer_steps_equal_the_regular_path keeps a replay in the suite
 def test_tables_past_their_byte_bound_are_narrower_and_longer_contexts_run_eagerly(monkeypatch, graphed):
     from tokenfleet.backends.torch import cuda_graphs
 
@@ -276,6 +279,7 @@ def run_adapters(core: EngineCore, jobs: list[tuple[str, list[int], str, int]]) 
     return out
 
 
+@pytest.mark.nightly  # test_static_buffer_steps_equal_the_regular_path keeps a replay in the suite
 def test_lora_steps_replay_graphs_captured_over_the_loaded_adapters(monkeypatch, tmp_path):
     """Steps with adapter rows (mixed with base rows) replay the LoRA graphs, which build each row's adapter mask on
     the device from its uploaded column ranges; loading another adapter rebuilds the stacked matrices and captures
@@ -399,6 +403,7 @@ def test_buckets_whose_warm_up_runs_out_of_memory_are_dropped_and_the_smaller_on
         warm_up([1, 2, 4], broken)
 
 
+@pytest.mark.nightly  # test_static_buffer_steps_equal_the_regular_path keeps a replay in the suite
 def test_batches_over_the_largest_bucket_kept_run_eagerly(monkeypatch, graphed):
     """After a warm-up kept buckets 1, 2 and 4 of 8: the 5-request steps run eagerly, the rest replay."""
     core, runner = engine(True, torch.float32, monkeypatch)

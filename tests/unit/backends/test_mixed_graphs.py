@@ -87,6 +87,7 @@ def test_token_buckets_pad_a_step_by_at_most_an_eighth_above_the_ridge():
     assert token_buckets(40) == [40] and token_buckets(100) == [64, 100]
 
 
+@pytest.mark.nightly  # the decode-graph replay and the mixed-graph decline tests stay in the suite
 def test_steps_with_prefill_chunks_replay_what_the_regular_path_computes(monkeypatch):
     """fp32: chunked prompts, a cached prefix, decode rows beside prefill chunks, a sampled request, logprobs;
     buckets of 40 tokens with padding tokens and padding requests in most steps."""

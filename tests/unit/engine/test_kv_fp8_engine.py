@@ -37,9 +37,10 @@ def test_the_cache_is_packed_fp8_and_holds_1_6x_the_tokens(default_model_dir, co
     assert layout.dtype == "fp8_e4m3" and layout.head_dim == 64
     assert layout.block_bytes == 3 * 16 * 80  # kv heads x block size x (64 values, an fp32 scale, 12 zero bytes)
     budget = 64 << 20
-    bf16 = build_engine_core(EngineConfig(model=str(default_model_dir), kv_cache_bytes=budget, num_threads=1))
-    fp8 = build_engine_core(EngineConfig(model=str(default_model_dir), kv_cache_bytes=budget, num_threads=1,
-                                         kv_cache_dtype="fp8"))
+    bf16 = build_engine_core(EngineConfig(model=str(default_model_dir), dtype="bfloat16", kv_cache_bytes=budget,
+                                          num_threads=1))
+    fp8 = build_engine_core(EngineConfig(model=str(default_model_dir), dtype="bfloat16", kv_cache_bytes=budget,
+                                         num_threads=1, kv_cache_dtype="fp8"))
     ratio = fp8.scheduler.block_manager.num_blocks / bf16.scheduler.block_manager.num_blocks
     assert 1.55 < ratio < 1.62  # 128 bytes a row against 80
     assert fp8.scheduler.hash_salt != bf16.scheduler.hash_salt  # its prefix hashes never match a bf16 cache's

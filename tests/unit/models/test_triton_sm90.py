@@ -29,6 +29,7 @@ def _runs(tool: Path) -> bool:
 
 @pytest.mark.skipif(not (_runs(BIN / "ptxas") and _runs(BIN / "cuobjdump")),
                     reason="Triton's bundled ptxas or cuobjdump does not run on this machine")
+@pytest.mark.nightly  # a compile of every kernel variant for a GPU; the GPU tests and the interpreter tests run the kernels
 def test_every_kernel_variant_compiles_for_sm90_without_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "sm90.json"

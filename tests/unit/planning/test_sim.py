@@ -299,6 +299,7 @@ def test_sizing_regenerates_its_report(tmp_path):
         assert (tmp_path / "sizing" / name).stat().st_size > 0
 
 
+@pytest.mark.nightly  # test_sizing_regenerates_its_report keeps the report check in the suite
 def test_sizing_tiers_regenerates_its_report(tmp_path):
     from tokenfleet.planning.sizing import regenerate_tiers
 
