@@ -70,8 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     reg.add_argument("name", help="model name clients will send")
     reg.add_argument("--path", help="HF model folder (default: the imported default model)")
     reg.add_argument("--version", default="v1")
-    reg.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                     help="auto: each worker runs float32 on a CPU, bfloat16 on a GPU")
+    reg.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"],
+                     help="auto (the default for a new record): each worker runs float32 on a CPU, bfloat16 on a GPU; "
+                     "re-registering a version without --dtype keeps the dtype it was registered with")
     reg.add_argument("--backend", default="torch", choices=["torch", "trtllm"])
     reg.add_argument("--base", default="", help="register a LoRA adapter of this model (NAME or NAME@VERSION): --path "
                      "is its PEFT folder; the base's workers load it on first use")
@@ -280,7 +281,8 @@ def _cmd_register(args: argparse.Namespace) -> int:
             raise ValueError(f"{path} has no adapter_config.json: --base registers a PEFT LoRA adapter folder")
     else:
         ModelConfig.from_dir(path)  # fail here, not in every worker, when the folder is not a model
-    record = ModelRecord(name=args.name, version=args.version, path=str(path), dtype=args.dtype, backend=args.backend,
+    dtype = args.dtype or _registered_dtype(args) or "auto"
+    record = ModelRecord(name=args.name, version=args.version, path=str(path), dtype=dtype, backend=args.backend,
                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, base=args.base,
                          tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
                          tokenizer=args.tokenizer, description=args.description,
@@ -288,6 +290,22 @@ def _cmd_register(args: argparse.Namespace) -> int:
     created, stored = _registry_call(lambda: register_model(_registry_address(args), record, _operator_plane(args)))
     print(f"{'registered' if created else 'already registered'} {stored.name}@{stored.version} ({stored.path})")
     return 0
+
+
+def _registered_dtype(args: argparse.Namespace) -> str | None:
+    """The dtype ``name@version`` is registered with, if it is (a re-registration stays idempotent: the default
+    dtype changed from bfloat16 to auto, and a deployment's init job re-registers on every start)."""
+    import asyncio
+
+    from tokenfleet.cluster.registry import UnknownModelError
+    from tokenfleet.services.registry.client import fetch_record
+
+    try:
+        record = _registry_call(lambda: asyncio.run(fetch_record(_registry_address(args), f"{args.name}@{args.version}",
+                                                                 _operator_plane(args), wait_s=30)))
+    except UnknownModelError:
+        return None
+    return record.dtype
 
 
 def _cmd_list(args: argparse.Namespace) -> int:

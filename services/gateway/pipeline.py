@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
@@ -75,6 +76,7 @@ class Prepared:
     include_usage: bool
     tools: bool = False  # parse tool calls out of the output (chat with tools, tool_choice not "none")
     echo: str = ""  # completions with echo: the prompt's text, sent before each choice's text
+    echo_added: int = 0  # special tokens the tokenizer put before the echoed text's own (Gemma's <bos>): no text
     chat: bool = True
     cache_salt: str = ""  # the request's own prefix-cache isolation (tokenfleet.kvcache.salt)
     requested_model: str = ""  # the routing alias the client named, when the model router chose ``model``
@@ -197,15 +199,17 @@ class Gateway:
     def _prepare_completion(self, model: ServedModel, body: CompletionRequest) -> Prepared:
         """In a preparer thread."""
         params = body.sampling_params()
-        prompt = model.tokenizer.encode_prompt(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        text = body.prompt if isinstance(body.prompt, str) else None
+        prompt = model.tokenizer.encode_prompt(text) if text is not None else list(body.prompt)
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
         check_context(model, len(prompt), params.max_tokens)
-        echo = ""
+        echo, added = "", 0
         if body.echo:
-            echo = body.prompt if isinstance(body.prompt, str) else model.tokenizer.decode(prompt)
+            echo = text if text is not None else model.tokenizer.decode(prompt)
+            added = model.tokenizer.added_prefix(text) if text is not None else 0
         return Prepared(model, f"cmpl-{uuid.uuid4().hex}", prompt, params, _include_usage(body), echo=echo,
-                        chat=False, cache_salt=body.cache_salt or "")
+                        echo_added=added, chat=False, cache_salt=body.cache_salt or "")
 
     async def open(self, call: Call, prepared: Prepared) -> Run:
         """Admit (403, 429), place and wait for the first response: errors before it become proper
@@ -359,6 +363,9 @@ class _Choice:
             values = list(chunk.prompt_logprobs) if chunk is not None else []
             first = ev.Logprob(self.tokenizer.decode(prompt[:1], skip_special_tokens=False), None)
             logprobs = (first, *logprobs_of(self.tokenizer, values))
+            # tokens the tokenizer added (not in the echoed text) get no text: the tokens join up to the echo, offsets hold
+            added = self.prepared.echo_added
+            logprobs = tuple(dataclasses.replace(lp, token="") for lp in logprobs[:added]) + logprobs[added:]
         return [ev.Echo(self.index, self.prepared.echo, logprobs)]
 
     def chunk(self, chunk: engine_pb2.TokenChunk) -> list[ev.ChoiceEvent]:

@@ -97,17 +97,23 @@ def test_up_on_its_defaults_answers_as_the_reference_engine(default_model_dir, t
     finally:
         up.stop()
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # what "auto" picks here
-    ref = reference(default_model_dir, dtype)
+    ref = reference(default_model_dir, "float32")
     lengths = sorted(r["prompt_tokens"] for r in ref.values())
     assert lengths[0] <= 8 and lengths[-1] >= 500, lengths
     found = divergences(served, ref, default_model_dir)
     print(f"default path ({dtype}): {12 - len(found)}/12 identical; divergences (token, reference margin): {found}")
     assert len(found) <= 1, found
-    assert all(margin < 0.05 for _, margin in found.values()), found
+    # in bf16 (a GPU's default) near-ties move by up to ~0.2 with the rounding (the module docstring)
+    assert all(margin < (0.05 if dtype == "float32" else 0.3) for _, margin in found.values()), found
     assert "Paris" in served["france"], served["france"]
 
 
 def test_bf16_native_kernels_answer_as_the_fp32_reference_but_at_near_ties(default_model_dir, tmp_path):
+    from tokenfleet import envs
+    from tokenfleet.models import native
+
+    if torch.cuda.is_available() or native.compiler() is None or not envs.native_kernels():
+        pytest.skip("the native CPU kernels do not serve here (a GPU, no C compiler, or TOKENFLEET_NATIVE_KERNELS=0)")
     up = start_up(tmp_path, "--workers", "1", "--model", str(default_model_dir), "--model-name", "smol",
                   "--dtype", "bfloat16")
     try:
@@ -140,6 +146,9 @@ def test_gemma3_raw_completions_tokenize_with_bos_and_equal_transformers(tmp_pat
     try:
         client = openai.OpenAI(base_url=up.announced["gateway:"], api_key="unused", max_retries=0, timeout=300)
         served = {p: client.completions.create(model="gemma", prompt=p, temperature=0, max_tokens=12) for p in GEMMA_PROMPTS}
+        # echo with logprobs: the <bos> the tokenizer adds is a token with no text, so the tokens join up to the echo
+        echoed = client.completions.create(model="gemma", prompt=GEMMA_PROMPTS[0], echo=True, logprobs=1, max_tokens=1,
+                                           temperature=0).choices[0]
     finally:
         up.stop()
     tok = AutoTokenizer.from_pretrained(str(gemma))
@@ -153,3 +162,6 @@ def test_gemma3_raw_completions_tokenize_with_bos_and_equal_transformers(tmp_pat
         expected = tok.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True)
         assert reply.choices[0].text == expected, (prompt, reply.choices[0].text, expected)
     assert "red" in served["The three primary colors are"].choices[0].text.lower()
+    tokens, offsets = echoed.logprobs.tokens, echoed.logprobs.text_offset
+    assert tokens[0] == "" and offsets[0] == 0 and "".join(tokens) == echoed.text
+    assert all(offsets[i + 1] == offsets[i] + len(tokens[i]) for i in range(len(tokens) - 1))

@@ -110,7 +110,9 @@ def test_cli_register_list_alias(registry, default_model_dir):
     assert cli("alias", "cli-alias", "cli-model@2026-11").returncode == 0
     listing = cli("list").stdout
     assert "cli-model@2026-11" in listing and "float32" in listing and "cli-alias -> cli-model@2026-11" in listing
-    bad = cli("register", "cli-model", "--path", str(default_model_dir), "--version", "2026-11")  # bf16 now: conflict
+    again = cli("register", "cli-model", "--path", str(default_model_dir), "--version", "2026-11")  # keeps its dtype
+    assert again.returncode == 0 and "already registered cli-model@2026-11" in again.stdout, again.stderr
+    bad = cli("register", "cli-model", "--path", str(default_model_dir), "--version", "2026-11", "--dtype", "bfloat16")
     assert bad.returncode == 2 and "immutable" in bad.stderr
     missing = cli("alias", "other", "no-such-model")
     assert missing.returncode == 2 and "not registered" in missing.stderr

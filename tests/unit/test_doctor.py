@@ -5,8 +5,19 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+import structlog
+
 from tokenfleet import cli
 from tokenfleet.models import loader
+
+
+@pytest.fixture(autouse=True)
+def logging_restored():
+    """cli.main points structlog at this test's captured stderr, which closes with the test: put it back after."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
 
 
 def test_doctor_reports_every_section_and_each_kernel_check(capsys, tmp_path, monkeypatch, default_model_dir):

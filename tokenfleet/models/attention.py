@@ -31,6 +31,7 @@ head, zero padding; models.kv_fp8), which every implementation below reads (the 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -193,13 +194,13 @@ class NativePagedAttention:
         return out
 
 
-def fallbacks(attend: PagedAttention) -> list[PagedAttention]:
+def fallbacks(attend: PagedAttention) -> Iterator[PagedAttention]:
     """What may replace ``attend`` if it fails its check at load (models.kernel_check), before the torch reference:
-    the portable C build after the AVX-512 one."""
+    the portable C build after the AVX-512 one. A generator: nothing is built unless the check asks for it."""
     if isinstance(attend, NativePagedAttention) and attend.build != "portable C":
         lib = native.load("paged_attention", ("TF_PORTABLE_ONLY",))
-        return [NativePagedAttention(lib, fp8=attend.fp8)] if lib is not None else []
-    return []
+        if lib is not None:
+            yield NativePagedAttention(lib, fp8=attend.fp8)
 
 
 def select_attention(dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "") -> PagedAttention:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import structlog
@@ -53,27 +53,35 @@ Q_SCALES = (1.0, 4.0)  # spread and peaked softmaxes
 TOLERANCES = {torch.bfloat16: (2**-7, 2**-8), torch.float16: (2**-9, 2**-10), torch.float32: (1e-4, 1e-5)}
 
 
-def tolerance_text(dtype: torch.dtype) -> str:
-    rtol, atol = TOLERANCES[dtype]
+def tolerance(kernel: Any, dtype: torch.dtype, kv_cache_dtype: str = "") -> tuple[float, float]:
+    """(rtol, atol) for ``kernel``'s outputs: the dtype's, or the kernel's own where it declares a looser one
+    (``check_tolerance(dtype, kv_cache_dtype)``: a kernel that rounds more on purpose, e.g. the Triton attention
+    taking P.V in bf16)."""
+    own = getattr(kernel, "check_tolerance", None)
+    return (own(dtype, kv_cache_dtype) if own is not None else None) or TOLERANCES[dtype]
+
+
+def tolerance_text(tol: tuple[float, float]) -> str:
+    rtol, atol = tol
     return f"|kernel - fp32 reference| <= {atol:g} + {rtol:g} * |reference|"
 
 
-def _excess(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> tuple[float, float]:
+def _excess(got: torch.Tensor, want: torch.Tensor, tol: tuple[float, float]) -> tuple[float, float]:
     """(max |got - want|, max of |got - want| / (atol + rtol |want|)): the second above 1 fails."""
-    rtol, atol = TOLERANCES[dtype]
+    rtol, atol = tol
     diff = (got.float() - want.float()).abs()
     ratio = diff / (atol + rtol * want.float().abs())
     return float(diff.max()), float(torch.nan_to_num(ratio, nan=float("inf")).max())
 
 
-def _run(kernel: str, implementation: str, dtype: torch.dtype, cases: Callable[[], Any]) -> KernelCheck:
+def _run(kernel: str, implementation: str, tol: tuple[float, float], cases: Callable[[], Any]) -> KernelCheck:
     """Run ``cases`` (an iterator of (label, got, want)) and summarize; the first case over tolerance fails."""
     start = time.perf_counter()
     worst = 0.0
     detail = ""
     try:
         for label, got, want in cases():
-            error, ratio = _excess(got, want, dtype)
+            error, ratio = _excess(got, want, tol)
             worst = max(worst, error) if error == error else float("nan")
             if not ratio <= 1.0:
                 detail = f"{label}: max |error| {error:.4g} ({ratio:.3g}x the tolerance)"
@@ -81,7 +89,7 @@ def _run(kernel: str, implementation: str, dtype: torch.dtype, cases: Callable[[
     except Exception as e:  # noqa: BLE001 - a kernel that fails to run here is a failed check, not a crash
         detail = f"raised {e!r}"
     return KernelCheck(kernel=kernel, implementation=implementation, passed=not detail, max_error=worst,
-                       tolerance=tolerance_text(dtype), seconds=time.perf_counter() - start, detail=detail,
+                       tolerance=tolerance_text(tol), seconds=time.perf_counter() - start, detail=detail,
                        serving=implementation if not detail else "")
 
 
@@ -89,13 +97,14 @@ def implementation_name(obj: object) -> str:
     return getattr(obj, "name", None) or type(obj).__name__
 
 
-def checked_attention(candidates: list[PagedAttention], config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                      kv_cache_dtype: str = "", block_size: int = 16) -> tuple[PagedAttention, tuple[KernelCheck, ...]]:
+def checked_attention(candidates: Iterable[PagedAttention], config: ModelConfig, dtype: torch.dtype,
+                      device: torch.device, kv_cache_dtype: str = "", block_size: int = 16
+                      ) -> tuple[PagedAttention, tuple[KernelCheck, ...]]:
     """The first of ``candidates`` that agrees with the torch reference on the cases (else the reference), and the
-    checks that decided it."""
+    checks that decided it. ``candidates`` is iterated lazily: a fallback is only built when it is needed."""
     windows = sorted({0, *config.layer_windows})
     return _first_passing(
-        "paged_attention", candidates, TorchPagedAttention(), dtype,
+        "paged_attention", candidates, TorchPagedAttention(), lambda attend: tolerance(attend, dtype, kv_cache_dtype),
         lambda attend: _attention_cases(attend, config, dtype, device, kv_cache_dtype, block_size, windows))
 
 
@@ -148,7 +157,7 @@ def checked_layer_ops(ops: Any, reference: Any, config: ModelConfig, dtype: torc
                       kv_cache_dtype: str = "") -> tuple[Any, tuple[KernelCheck, ...]]:
     """``ops`` (models.layer_ops.LayerOps) if each op agrees with ``reference`` (the torch ops), else the reference."""
     candidates = [] if type(ops) is type(reference) else [ops]
-    return _first_passing("layer_ops", candidates, reference, dtype,
+    return _first_passing("layer_ops", candidates, reference, lambda kernel: tolerance(kernel, dtype, kv_cache_dtype),
                           lambda kernel: _layer_cases(kernel, reference, config, dtype, device, kv_cache_dtype))
 
 
@@ -191,14 +200,14 @@ def _layer_cases(ops: Any, reference: Any, config: ModelConfig, dtype: torch.dty
         yield label + " (the cache it wrote)", mine, theirs
 
 
-def _first_passing(role: str, candidates: list[Any], reference: Any, dtype: torch.dtype,
+def _first_passing(role: str, candidates: Iterable[Any], reference: Any, tol: Callable[[Any], tuple[float, float]],
                    cases: Callable[[Any], Any]) -> tuple[Any, tuple[KernelCheck, ...]]:
     """Check ``candidates`` in order until one passes; the reference serves if none does. Every check made is
     returned, each saying what serves in the end."""
     checks: list[KernelCheck] = []
     chosen, serving = reference, "torch reference"
     for kernel in candidates:
-        check = _run(role, implementation_name(kernel), dtype, functools.partial(cases, kernel))
+        check = _run(role, implementation_name(kernel), tol(kernel), functools.partial(cases, kernel))
         checks.append(check)
         if check.passed:
             chosen, serving = kernel, check.implementation

@@ -3,6 +3,7 @@ into ``Gemma3Weights``; the architecture comes from config.json."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import torch
@@ -71,7 +72,7 @@ def checked_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.devic
     """The attention and layer-op kernels for this device, each checked against the torch reference here (a failed
     one is replaced by the reference), and how each check went. Gemma 3 has no fused layer ops to check."""
     selected = select_attention(dtype, device, kv_cache_dtype)
-    candidates = [] if isinstance(selected, TorchPagedAttention) else [selected, *fallbacks(selected)]
+    candidates = () if isinstance(selected, TorchPagedAttention) else itertools.chain([selected], fallbacks(selected))
     attention, attention_checks = checked_attention(candidates, config, dtype, device, kv_cache_dtype, block_size)
     if config.is_gemma3:
         return attention, TorchLayerOps(config), attention_checks

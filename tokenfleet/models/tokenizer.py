@@ -29,9 +29,22 @@ class Tokenizer:
 
     def encode_prompt(self, text: str) -> list[int]:
         """A raw-text prompt (completions) as the model's tokenizer encodes it by default: with the special tokens
-        its post-processor adds (Gemma's ``<bos>``; none for SmolLM2), as transformers and vLLM's completions do.
-        Chat prompts are rendered by the template, which writes them itself: they use ``encode``."""
-        return self.encode(text, add_special_tokens=True)
+        its post-processor adds (Gemma's ``<bos>``; none for SmolLM2), as transformers and vLLM's completions do,
+        except that a text which already starts with them (a prompt rendered by a chat template) does not get them
+        twice. Chat prompts are rendered by our template, which writes them itself: they use ``encode``."""
+        return self._prompt_ids(text)[1]
+
+    def added_prefix(self, text: str) -> int:
+        """How many special tokens ``encode_prompt`` puts before ``text``'s own tokens (0, or Gemma's one ``<bos>``)."""
+        return self._prompt_ids(text)[0]
+
+    def _prompt_ids(self, text: str) -> tuple[int, list[int]]:
+        plain = self.encode(text)
+        ids = self.encode(text, add_special_tokens=True)
+        added = len(ids) - len(plain)
+        if added > 0 and ids[added:] == plain:  # the post-processor put tokens before the text's own
+            return (0, plain) if plain[:added] == ids[:added] else (added, ids)  # unless the text starts with them
+        return 0, ids  # nothing added, or tokens after the text too: as the tokenizer has it
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

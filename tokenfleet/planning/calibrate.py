@@ -108,12 +108,17 @@ def calibrate(model: str | None = None, threads: int = 2, repeats: int = 3,
         shapes, seconds, is_ttft = probe(cluster.gateway_url, name, vocab, repeats, log)
     finally:
         cluster.stop()
+    import torch
+
+    from tokenfleet.models.loader import parse_dtype, resolve_dtype
+
     config = EngineConfig(model=folder)  # the worker's defaults (services/decode)
+    dtype = resolve_dtype(config.dtype, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     model_config = ModelConfig.from_dir(folder)
+    kv_bytes = model_config.kv_bytes_per_token * parse_dtype(dtype).itemsize  # what the worker's cache holds a token in
     engine = {"block_size": config.block_size, "max_num_batched_tokens": config.max_num_batched_tokens,
-              "max_num_running": config.max_num_running, "num_blocks": config.num_kv_blocks(model_config.kv_bytes_per_token * 2),
-              "kv_bytes_per_token": model_config.kv_bytes_per_token * 2, "threads": threads, "model": folder,
-              "dtype": config.dtype}
+              "max_num_running": config.max_num_running, "num_blocks": config.num_kv_blocks(kv_bytes),
+              "kv_bytes_per_token": kv_bytes, "threads": threads, "model": folder, "dtype": dtype}
     return fit_profile(shapes, seconds, engine, extra=[float(t) for t in is_ttft])
 
 

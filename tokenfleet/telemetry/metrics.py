@@ -180,10 +180,10 @@ def _kernel_checks(checks: Iterable[Any]) -> Iterator[Metric]:
                                "Kernel agreed with the torch reference at load (1) or failed and was replaced (0)",
                                labels=["kernel", "implementation", "serving"])
     seconds = GaugeMetricFamily("tokenfleet_worker_kernel_check_seconds", "What a kernel's check cost at load",
-                                labels=["kernel"])
+                                labels=["kernel", "implementation"])
     for c in checks:
         passed.add_metric([c.kernel, c.implementation, c.serving], 1.0 if c.passed else 0.0)
-        seconds.add_metric([c.kernel], c.seconds)
+        seconds.add_metric([c.kernel, c.implementation], c.seconds)
     yield passed
     yield seconds
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
+
 @functools.cache
 def checked_native_sampler() -> tuple[NativeTemperatureSampler | None, tuple[KernelCheck, ...]]:
     """The native kernel (None: none could be built, or it failed its check) and its check, once per process."""

@@ -507,8 +507,8 @@ int tf_paged_attention_build(void) {
 
 /* Returns 0, or -1 when a shape is out of what this kernel handles (the caller falls back). fp8 = 1: the caches
  * hold FP8 rows (uint8 [num_kv_heads, num_blocks, block_size, head_dim + FP8_ROW_PAD]; head_dim a multiple of 16).
- * paths: NULL, or NUM_PATHS counters to which the call adds how many work items each path ran (tests and the
- * load-time check assert which code computed what they compare). */
+ * paths: NULL, or NUM_PATHS counters to which the call adds how many work items each path ran (tests assert which
+ * code computed what they compare). */
 int tf_paged_attention(const uint16_t *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
                        const int64_t *context_lens, const int64_t *query_start, uint16_t *out, int64_t num_requests,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
