@@ -58,8 +58,8 @@ def client(gateway, key: str) -> openai.OpenAI:
 
 
 def ask(c: openai.OpenAI, **extra):  # type: ignore[no-untyped-def]
-    return c.completions.with_raw_response.create(model=MODEL, prompt="The capital of France is", temperature=0,
-                                                  **{"max_tokens": 4, **extra})
+    return c.completions.with_raw_response.create(model=MODEL, temperature=0,
+                                                  **{"prompt": "The capital of France is", "max_tokens": 4, **extra})
 
 
 def test_keys_tenants_models_and_revocation(stack):
@@ -267,7 +267,7 @@ def test_early_rejection_when_the_predicted_wait_exceeds_the_tier_objective(stac
                            "--ledger", str(ledger))
     try:
         c = client(strict, "unused")  # auth off: the anonymous tenant, interactive
-        # the worker knows its prefill rate after one prefill; then any prompt predicts > 1 ms
+        # the worker knows its prefill rate after one prefill of at least 128 tokens; then any prompt predicts > 1 ms
         error = wait_for(lambda: _rejected(c), "an early rejection")
         assert error.status_code == 503 and error.body["code"] == "overloaded"
         assert "exceeds the objective" in error.message and int(error.response.headers["retry-after"]) >= 1
@@ -279,7 +279,7 @@ def test_early_rejection_when_the_predicted_wait_exceeds_the_tier_objective(stac
 
 def _rejected(c: openai.OpenAI):  # type: ignore[no-untyped-def]
     try:
-        ask(c)
+        ask(c, prompt=LONG_PROMPT * 2)  # ~180 tokens: a prefill long enough to measure the rate by
     except openai.APIStatusError as e:
         return e
     return None

@@ -10,6 +10,10 @@ from tokenfleet.engine.request import Request
 
 # Seconds a prefill rate is trusted to refuse a prompt that has nothing queued ahead of it (see predicted_wait).
 PREFILL_RATE_FRESH_S = 10.0
+# A step's fixed cost (launching every layer, sampling, Python) dwarfs a few prompt tokens' compute: a 4-token
+# prefill in 60 ms says "66 tokens/s" of an engine that prefills 1,300, and would refuse every long prompt.
+# Smaller prefill steps do not move the rate.
+MIN_RATE_SAMPLE_TOKENS = 128
 
 
 @dataclass
@@ -93,7 +97,7 @@ class EngineStats:
         self.last_step_seconds = seconds
 
     def record_prefill_rate(self, tokens: int, seconds: float, alpha: float = 0.2, now: float | None = None) -> None:
-        if seconds > 0:
+        if seconds > 0 and tokens >= MIN_RATE_SAMPLE_TOKENS:
             rate = tokens / seconds
             self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else (
                 alpha * rate + (1 - alpha) * self.prefill_tokens_per_s)

@@ -125,7 +125,7 @@ def test_greedy_stream_equals_offline_run(engine, tokenizer, llm, question):
 def test_a_forgotten_prefill_rate_is_unknown_in_the_next_stats(engine, tokenizer):
     """The worker's warm-up forgets its own prefill's rate (a cold start's: kernels compiling), so early
     rejection cannot judge real prompts by it; stats() must show that as soon as the call returns."""
-    asyncio.run(collect(engine, chat_ids(tokenizer, "Hello there."), GREEDY, "rate-1"))
+    asyncio.run(collect(engine, chat_ids(tokenizer, "Hello there. " * 60), GREEDY, "rate-1"))  # >= 128 tokens
     assert engine.stats().prefill_tokens_per_s > 0
     asyncio.run(engine.forget_prefill_rate())
     assert engine.stats().prefill_tokens_per_s == 0.0
