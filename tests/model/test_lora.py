@@ -119,3 +119,29 @@ def test_bad_adapters_and_unknown_names_are_refused(default_model_dir, adapters,
     save_file(tensors, str(nan / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="NaN"):  # it would spread to every row of a step
         core.runner.load_adapter("x", str(nan))
+
+
+def test_an_adapter_matches_peft_generating_with_it_unmerged(default_model_dir, adapters):
+    """Independent of our merge: PEFT's own model, the adapter kept apart (its LoRA layers run as PEFT runs
+    them), greedy `generate` in fp32, against the engine serving the same PEFT folder."""
+    import peft
+    import transformers
+
+    folder, _ = adapters["a1"]
+    core = make_core(default_model_dir)
+    core.runner.load_adapter("a1", str(folder))
+    base = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, torch_dtype=torch.float32)
+    reference = peft.PeftModel.from_pretrained(base, str(folder)).eval()
+    assert not any("merged" in type(m).__name__.lower() for m in reference.modules())
+    for i, text in enumerate(PROMPTS):
+        prompt = prompt_of(core, text)
+        core.add_request(prompt, greedy(16), request_id=f"p{i}", adapter="a1")
+        ours: list[int] = []
+        while core.has_unfinished():
+            for o in core.step():
+                ours += o.new_token_ids
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                                     pad_token_id=base.generation_config.eos_token_id)
+        theirs = out[0, len(prompt):].tolist()
+        assert ours and ours == theirs[:len(ours)] and len(theirs) - len(ours) <= 1, (text, ours, theirs)  # (+ EOS)
