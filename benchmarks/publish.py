@@ -84,13 +84,16 @@ def goodput_section(path: Path) -> tuple[list[str], str]:
         lines.append("")
         for peer, entry in d["ratios"][name].items():
             if entry["median"] is None:
-                lines.append(f"- `{ours}` / `{peer}`: no round where either reached the lowest rate.")
-                parts.append(f"`{name}` objectives: neither reached the lowest rate")
+                lines.append(f"- `{ours}` / `{peer}`: no ratio: in every round neither met the objectives for 90 % "
+                             f"of requests at the lowest rate offered ({a['start_rate']:g}/s).")
+                parts.append(f"on the `{name}` objectives neither met them for 90 % of requests at "
+                             f"{a['start_rate']:g} requests/s")
                 continue
             verdict = f" ({'meets' if entry['median'] >= 1.2 else 'misses'} the 1.2x bar)" if name == "fixed" else ""
             lines.append(f"- `{ours}` / `{peer}`: {fmt_rounds(entry['rounds'])} per round, median "
                          f"**{entry['median']:.2f}x**{verdict}.")
-            parts.append(f"{entry['median']:.2f}x vLLM-CPU (`{peer.removeprefix('vllm:')}`) on the `{name}` objectives")
+            parts.append(f"{entry['median']:.2f}x vLLM-CPU (`{peer.removeprefix('vllm:')}`) on the `{name}` "
+                         "objectives")
     if d.get("answer_match") is not None:
         wrong = [f"{e['system']} round {e['round']}" for e in d["entries"] if not e.get("paris", True)]
         lines += ["", f"Greedy answers were checked before timing. France answers without Paris: "
@@ -109,12 +112,13 @@ def serve_peer_section(path: Path) -> list[str]:
     d = json.loads(path.read_text())
     a = d["args"]
     config = a.get("vllm_config", "bind=0-1")
+    dtype = "fp32" if "dtype=float32" in config else "bf16"
     lines = ["## Closed loop vs vLLM-CPU", "",
              f"`{rel(path)}` ({d['started']}, git {d['git']}; machine: {d.get('machine', 'not recorded')}). "
              f"Command: `benchmarks/serve_peer.py --rounds "
              f"{a['rounds']} --concurrency {' '.join(map(str, a['concurrency']))} --vllm-config {config}`.", "",
-             f"The client is `vllm bench serve`, with random {a['input_len']}-token prompts and {a['output_len']} "
-             f"output tokens. The table gives tokenfleet / vLLM per round, then the median.", "",
+             f"Both engines serve {dtype}. The client is `vllm bench serve`, with random {a['input_len']}-token prompts "
+             f"and {a['output_len']} output tokens. The table gives tokenfleet / vLLM per round, then the median.", "",
              "| conc | out tok/s | TTFT p99 | TPOT p50 | TPOT p99 |", "|---|---|---|---|---|"]
     for c, entry in d["ratios"].items():
         cells = [f"{fmt_rounds([r[k] for r in entry['rounds']])} (**{entry['median'][k]:.2f}**)"
@@ -130,11 +134,12 @@ def sweep_section(path: Path) -> list[str]:
     lines = ["## vLLM-CPU's configuration sweep", "",
              f"`{rel(path)}` ({d['started']}; machine: {d['machine']}). Command: `benchmarks/peer_sweep.py`. "
              f"The closed loop ran at c={d['args']['concurrency']}, one run per configuration; the sweep "
-             f"was pruned stage by stage. Best: `{d['best']}`." if d["best"] else "No configuration served.", "",
+             f"was pruned stage by stage. Best: `{d['best']}`." if d["best"] else "No configuration served.",
+             *([f"Partial: {d['partial']}"] if d.get("partial") else []), "",
              "| stage | configuration | out tok/s | TTFT p99 ms | TPOT p50 ms |", "|---|---|---|---|---|"]
     for r in d["runs"]:
         if "error" in r:
-            lines.append(f"| {r['stage']} | `{r['spec']}` | did not run | | |")
+            lines.append(f"| {r['stage']} | `{r['spec']}` | {'not run' if r['error'].startswith('not run') else 'failed'} | | |")
         else:
             lines.append(f"| {r['stage']} | `{r['spec']}` | {r['out_tok_s']:.1f} | {r['ttft_p99_ms']:.0f} | "
                          f"{r['tpot_p50_ms']:.1f} |")
