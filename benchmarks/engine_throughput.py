@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import time
@@ -66,7 +67,11 @@ def run_vllm(python: str, model_dir: str, dtype: str, batches: list[list[list[in
     """vLLM-CPU's offline API on the same prompts, in its own virtualenv (a subprocess)."""
     spec = {"model": model_dir, "dtype": dtype, "output_len": output_len, "batches": batches}
     script = Path(__file__).parent / "peers" / "vllm_offline.py"
-    done = subprocess.run([python, str(script)], input=json.dumps(spec), capture_output=True, text=True, timeout=1800)
+    # both cores compute, as ours do: vLLM's default CPU binding keeps one core for an API server this offline
+    # run does not have, and would leave it idle
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{len(os.sched_getaffinity(0)) - 1}"}
+    done = subprocess.run([python, str(script)], input=json.dumps(spec), capture_output=True, text=True, timeout=1800,
+                          env=env)
     for line in done.stdout.splitlines():
         if line.startswith("VLLM_RESULT "):
             return json.loads(line.removeprefix("VLLM_RESULT "))

