@@ -108,6 +108,7 @@ def test_up_on_its_defaults_answers_as_the_reference_engine(default_model_dir, t
     assert "Paris" in served["france"], served["france"]
 
 
+@pytest.mark.nightly  # not the CPU default: the kernels it serves are held by the property tests in the default suite
 def test_bf16_native_kernels_answer_as_the_fp32_reference_but_at_near_ties(default_model_dir, tmp_path):
     from tokenfleet import envs
     from tokenfleet.models import native
