@@ -20,6 +20,8 @@ import re
 import sys
 from pathlib import Path
 
+from serving.goodput_report import goodput_cell, objectives_text
+
 REPO = Path(__file__).resolve().parent.parent
 REPORTS = REPO / "benchmarks" / "reports"
 PAGE = REPO / "docs" / "benchmarks.md"
@@ -39,20 +41,6 @@ def rel(path: Path) -> str:
 
 def fmt_rounds(values: list[float]) -> str:
     return " · ".join(f"{v:.2f}" for v in values)
-
-
-def cell(entry: dict, name: str) -> str:
-    if "error" in entry and not entry["runs"]:
-        return "failed to run"
-    value = entry["goodput"][name]
-    if value is None:
-        return "below the lowest rate"
-    return ("≥ " if entry["censored_by"][name] else "") + f"{value:.3f}"
-
-
-def objectives_text(o: dict) -> str:
-    return (f"TTFT <= {o['ttft_s']:g} s + {1000 * o['ttft_per_prompt_token_s']:g} ms per prompt token, "
-            f"TPOT <= {1000 * o['tpot_s']:g} ms")
 
 
 def goodput_section(path: Path) -> tuple[list[str], str]:
@@ -79,7 +67,7 @@ def goodput_section(path: Path) -> tuple[list[str], str]:
     for name in d["objectives"]:
         lines += ["", f"### `{name}` objectives", "", "| system | goodput per round (req/s) |", "|---|---|"]
         for system in a["systems"]:
-            cells = [cell(e, name) for e in d["entries"] if e["system"] == system]
+            cells = [goodput_cell(e, name) for e in d["entries"] if e["system"] == system]
             lines.append(f"| `{system}` | " + " · ".join(cells) + " |")
         lines.append("")
         for peer, entry in d["ratios"][name].items():

@@ -8,6 +8,7 @@ import json
 import random
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,17 @@ def summarize(results: list[RequestResult], wall: float, expected_tokens: int) -
 # Load generators (asyncio): OpenAI /v1/completions over SSE, and tokenfleet's gRPC Generate
 
 
+async def sse_events(response: httpx.Response) -> AsyncIterator[dict]:
+    """The JSON events of an OpenAI server-sent-events stream, up to ``[DONE]``."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def stream_completion(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> RequestResult:
     """One streamed /v1/completions request of exactly ``output_len`` tokens (ignore_eos), timed."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
@@ -86,13 +98,7 @@ async def stream_completion(client: httpx.AsyncClient, model: str, prompt: list[
                 text = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {text[:200]}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
+            async for event in sse_events(response):
                 if event.get("choices"):  # a token chunk (or the last one, with finish_reason)
                     now = time.perf_counter()
                     first = now if first is None else first
