@@ -114,7 +114,7 @@ def bf16_matmul() -> str:
 
 
 def kernels() -> str:
-    """Which kernels the torch engine runs for attention and the layers' element-wise steps: "auto" (the native
-    C kernels on CPU in bf16, Triton on CUDA, else torch), "torch" (the torch reference everywhere: the engine as it
-    was before the GPU kernels) or "triton" (also on CPU, through Triton's interpreter: tests)."""
+    """Which kernels the torch engine runs for attention, the layers' element-wise steps and (fp32 on CPU) few-row
+    matmuls: "auto" (the native C kernels on CPU, Triton on CUDA, else torch), "torch" (the torch reference
+    everywhere: F.linear, torch attention and layer ops) or "triton" (also on CPU, through Triton's interpreter: tests)."""
     return os.environ.get("TOKENFLEET_KERNELS", "auto")

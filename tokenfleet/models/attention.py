@@ -13,8 +13,8 @@ head, zero padding; models.kv_fp8), which every implementation below reads (the 
 - paged queries (decode; several per request for speculative verification): one attention
   interface, ``PagedAttention``, over block tables and context lengths. Two implementations,
   chosen once per model by ``select_attention``:
-  - ``NativePagedAttention`` (CPU, bf16): a C kernel (csrc/paged_attention.c) that reads each
-    request's blocks where they lie, with scores, softmax and P.V accumulated in fp32.
+  - ``NativePagedAttention`` (CPU, bf16 or fp32): a C kernel (csrc/paged_attention.c) that reads
+    each request's blocks where they lie, with scores, softmax and P.V accumulated in fp32.
   - ``TorchPagedAttention`` (the reference, every device and dtype): gathers the requests'
     blocks (padded to the longest) and runs batched matmuls with fp32 scores, softmax and
     accumulation (upcasting the gathered copy, never the cache).
@@ -159,8 +159,14 @@ class NativePagedAttention:
     PATHS = ("portable", "avx512-reduce", "avx512-packed")  # the kernel's PATH_* order
     BUILDS = ("portable C", "AVX-512 BF16", "AVX-512 BF16 emulated")  # tf_paged_attention_build()
 
-    def __init__(self, lib: ctypes.CDLL, fp8: bool = False):
+    KINDS = {torch.bfloat16: 0, torch.float32: 2}  # the kernel's KIND_*: what q, out and the caches hold; FP8 caches: 1
+
+    def __init__(self, lib: ctypes.CDLL, fp8: bool = False, dtype: torch.dtype = torch.bfloat16):
+        if dtype not in self.KINDS or (fp8 and dtype != torch.bfloat16):
+            raise ValueError(f"the native attention kernel runs bf16 (with bf16 or FP8 caches) or fp32, not {dtype}"
+                             f"{' with FP8 caches' if fp8 else ''}")
         self.fp8 = fp8
+        self.dtype = dtype
         self._fn = lib.tf_paged_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, i64, ctypes.c_int, ctypes.c_int, ptr]
@@ -171,6 +177,8 @@ class NativePagedAttention:
 
     @property
     def name(self) -> str:
+        if self.dtype == torch.float32:
+            return "native paged attention (portable C, fp32)"
         return f"native paged attention ({self.build}{', FP8 KV' if self.fp8 else ''})"
 
     def path_counts(self) -> dict[str, int]:
@@ -182,13 +190,15 @@ class NativePagedAttention:
         num_kv_heads, num_blocks, block_size, _ = k_cache.shape
         if kv_fp8.is_fp8(k_cache) != self.fp8:
             raise ValueError(f"this kernel reads {'FP8' if self.fp8 else 'bf16'} caches, not {k_cache.dtype}")
+        if q.dtype != self.dtype or (not self.fp8 and k_cache.dtype != self.dtype):
+            raise ValueError(f"this kernel runs {self.dtype} queries and caches, not {q.dtype} and {k_cache.dtype}")
         q = q.contiguous()
         out = torch.empty_like(q)
         table = meta.block_table.contiguous()
         rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), meta.context_lens.data_ptr(),
                       meta.query_start.data_ptr(), out.data_ptr(), meta.num_requests, num_heads, num_kv_heads, head_dim,
                       block_size, num_blocks, table.shape[1], head_dim**-0.5, meta.window, torch.get_num_threads(),
-                      int(self.fp8), ctypes.addressof(self._paths))
+                      1 if self.fp8 else self.KINDS[self.dtype], ctypes.addressof(self._paths))
         if rc != 0:
             raise ValueError("paged attention: inconsistent block table, context lengths or query rows")
         return out
@@ -200,13 +210,14 @@ def fallbacks(attend: PagedAttention) -> Iterator[PagedAttention]:
     if isinstance(attend, NativePagedAttention) and attend.build != "portable C":
         lib = native.load("paged_attention", ("TF_PORTABLE_ONLY",))
         if lib is not None:
-            yield NativePagedAttention(lib, fp8=attend.fp8)
+            yield NativePagedAttention(lib, fp8=attend.fp8, dtype=attend.dtype)
 
 
 def select_attention(dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "") -> PagedAttention:
-    """The native kernel where it applies (bf16 on CPU, a compiler present), the Triton kernel on CUDA (triton
-    installed), else the torch reference; TOKENFLEET_KERNELS=torch|triton overrides. ``kv_cache_dtype`` "fp8"
-    (models.kv_fp8): the native kernel's FP8 variant on CPU; the Triton and torch ones read both kinds."""
+    """The native kernel where it applies (on CPU: bf16, or fp32 with a cache in the model's dtype; a compiler
+    present), the Triton kernel on CUDA (triton installed), else the torch reference; TOKENFLEET_KERNELS=torch|triton
+    overrides. ``kv_cache_dtype`` "fp8" (models.kv_fp8): the native kernel's FP8 variant on CPU in bf16; the Triton
+    and torch ones read both kinds."""
     choice = envs.kernels()
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"TOKENFLEET_KERNELS={choice!r}: auto, torch or triton")
@@ -219,10 +230,11 @@ def select_attention(dtype: torch.dtype, device: torch.device, kv_cache_dtype: s
             return triton_attention.TritonPagedAttention()
         if choice == "triton":
             raise ValueError("TOKENFLEET_KERNELS=triton but triton is not installed")
-    if device.type == "cpu" and dtype == torch.bfloat16:
+    fp8 = kv_cache_dtype == "fp8"
+    if device.type == "cpu" and (dtype == torch.bfloat16 or (dtype == torch.float32 and not fp8)):
         lib = native.load("paged_attention")
         if lib is not None:
-            return NativePagedAttention(lib, fp8=kv_cache_dtype == "fp8")
+            return NativePagedAttention(lib, fp8=fp8, dtype=dtype)
     return TorchPagedAttention()
 
 

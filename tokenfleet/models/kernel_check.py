@@ -12,6 +12,8 @@ Tolerances (elementwise ``|kernel - reference| <= atol + rtol * |reference|``), 
 fp32 on the same stored inputs:
   - attention, bf16 output: rtol 2^-7, atol 2^-8 (one bf16 rounding of the output is 2^-8 relative; the rest is
     room for fp32 sums in another order). fp16 output: rtol 2^-9, atol 2^-10. fp32: rtol 1e-4, atol 1e-5.
+  - linear layers (fp32 few-row matmul): rtol 1e-4, atol 1e-5, against F.linear in float64 on inputs scaled so
+    outputs are O(1).
   - layer ops: within one rounding step of the output dtype (they repeat the reference's rounding points, so
     they are usually bitwise equal).
 A wrong kernel is off by far more: a score moved by 1 shifts a short context's output by ~0.1-0.5.
@@ -151,6 +153,38 @@ def _paged_inputs(lens: list[int], rows: list[int], config: ModelConfig, dtype: 
         table[1, 0] = table[0, 0]  # a shared prefix block
     starts = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()])
     return k_cache, v_cache, PagedQueries(table, torch.tensor(lens), starts, int(starts[-1]), max(rows))
+
+
+LINEAR_ROWS = (1, 2, 5, 8, 9, 16, 31, 32, 33)  # rows per step: each register-tile width, the limit and one past it
+
+
+def checked_linear(linear: Any, config: ModelConfig, dtype: torch.dtype, device: torch.device
+                   ) -> tuple[Any, tuple[KernelCheck, ...]]:
+    """``linear`` (models.linear.DenseLinear) if its few-rows kernel (compiled here: the native fp32 one on CPU, the
+    Triton one on CUDA) agrees with ``F.linear`` on every layer shape of the model, else ``F.linear`` alone. Matmuls
+    that are torch's own (``F.linear``, oneDNN, FP8's ``_scaled_mm``) have nothing to check."""
+    from tokenfleet.models.linear import DenseLinear
+
+    if not (isinstance(linear, DenseLinear) and linear.few_rows is not None):
+        return linear, ()
+    return _first_passing("linear", [linear], DenseLinear(), lambda kernel: TOLERANCES[dtype],
+                          lambda kernel: _linear_cases(kernel, config, dtype, device))
+
+
+def _linear_cases(linear: Any, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    """Inputs rounded to ``dtype``, the reference in float64 on those rounded values."""
+    g = torch.Generator().manual_seed(7)
+    c = config
+    shapes = {("qkv", (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
+              ("o_proj", c.hidden_size, c.num_heads * c.head_dim), ("gate_up", 2 * c.intermediate_size, c.hidden_size),
+              ("down", c.hidden_size, c.intermediate_size), ("lm_head (first rows)", min(c.vocab_size, 1031), c.hidden_size)}
+    for name, n, k in sorted(shapes):
+        weight = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+        for rows in LINEAR_ROWS:
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            want = torch.nn.functional.linear(x.double(), weight.double())
+            got = linear(x.to(device), weight.to(device).contiguous())
+            yield f"{name} [{n}, {k}] with {rows} rows", got.cpu(), want
 
 
 def checked_layer_ops(ops: Any, reference: Any, config: ModelConfig, dtype: torch.dtype, device: torch.device,

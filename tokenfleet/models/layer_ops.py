@@ -2,8 +2,8 @@
 
 - ``TorchLayerOps``: plain torch ops; every device and dtype (fp32 is what the exact-equality tests
   against HF run).
-- ``NativeLayerOps``: csrc/fused_ops.c for bf16 on CPU: one call per step instead of 3-10 small ops
-  (a 30-layer decode step ran ~1,000 of them, ~5 us each), with the same bf16 rounding points.
+- ``NativeLayerOps``: csrc/fused_ops.c for bf16 or fp32 on CPU: one call per step instead of 3-10
+  small ops (a 30-layer decode step ran ~1,000 of them, ~5 us each), with the same rounding points.
 """
 
 from __future__ import annotations
@@ -64,16 +64,22 @@ class TorchLayerOps:
 
 
 class NativeLayerOps:
-    """bf16, CPU, contiguous inputs (what the model's linear layers return)."""
+    """bf16 or fp32 (``dtype``), CPU, contiguous inputs (what the model's linear layers return)."""
 
-    name = "native layer ops (csrc/fused_ops.c)"
+    SUFFIX = {torch.bfloat16: "", torch.float32: "_f32"}  # the C functions for each dtype
 
-    def __init__(self, config: ModelConfig, lib: ctypes.CDLL):
+    def __init__(self, config: ModelConfig, lib: ctypes.CDLL, dtype: torch.dtype = torch.bfloat16):
+        if dtype not in self.SUFFIX:
+            raise ValueError(f"the native layer ops run bf16 or fp32, not {dtype}")
         self.config = config
+        self.dtype = dtype
+        self.name = f"native layer ops (csrc/fused_ops.c{', fp32' if dtype == torch.float32 else ''})"
+        suffix = self.SUFFIX[dtype]
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-        self._norm = _bind(lib.tf_add_rms_norm, [ptr] * 4 + [i64, i64, f32, i32])
-        self._rope = _bind(lib.tf_rope_store_kv, [ptr] * 9 + [i64] * 5 + [i32, i32])  # last: FP8 rows (models.kv_fp8)
-        self._silu = _bind(lib.tf_silu_mul, [ptr, ptr, i64, i64, i32])
+        self._norm = _bind(getattr(lib, "tf_add_rms_norm" + suffix), [ptr] * 4 + [i64, i64, f32, i32])
+        # last argument: FP8 rows (models.kv_fp8)
+        self._rope = _bind(getattr(lib, "tf_rope_store_kv" + suffix), [ptr] * 9 + [i64] * 5 + [i32, i32])
+        self._silu = _bind(getattr(lib, "tf_silu_mul" + suffix), [ptr, ptr, i64, i64, i32])
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,8 +114,8 @@ class NativeLayerOps:
 
 
 def select_layer_ops(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LayerOps:
-    """Triton kernels on CUDA (models.triton_ops), the native C kernels on CPU in bf16, else torch; TOKENFLEET_KERNELS
-    =torch forces torch."""
+    """Triton kernels on CUDA (models.triton_ops), the native C kernels on CPU in bf16 or fp32, else torch;
+    TOKENFLEET_KERNELS=torch forces torch."""
     choice = envs.kernels()
     if choice == "torch":
         return TorchLayerOps(config)
@@ -119,10 +125,10 @@ def select_layer_ops(config: ModelConfig, dtype: torch.dtype, device: torch.devi
 
         if triton_ops.available():
             return triton_ops.TritonLayerOps(config)
-    if device.type == "cpu" and dtype == torch.bfloat16 and config.head_dim % 2 == 0:
+    if device.type == "cpu" and dtype in NativeLayerOps.SUFFIX and config.head_dim % 2 == 0:
         lib = native.load("fused_ops")
         if lib is not None:
-            return NativeLayerOps(config, lib)
+            return NativeLayerOps(config, lib, dtype)
     return TorchLayerOps(config)
 
 

@@ -2,8 +2,14 @@
 
 On CPU in bf16, oneDNN weights packed ahead of time ("prepacked", as torch's inductor does)
 skip the per-call weight reorder of ``F.linear``: measured here 2x faster at M=1 and 1.3x at
-M=32 (one 3072x576 layer), with bit-identical results. fp32 keeps ``F.linear``: packed fp32
-sums in another order, and fp32 is the dtype of our exact-equality tests against HF.
+M=32 (one 3072x576 layer), with bit-identical results.
+
+On CPU in fp32 (the CPU default), steps of up to 32 rows go through csrc/skinny_linear.c
+(``NativeFewRows``), which streams each weight once from memory: on the 2-core Zen 3 the 60 MLP
+weights of a 30-layer model took 16 ms at one row against MKL's 32 ms, 17 against 56 at 4 rows,
+64 against 82 at 32 (benchmarks/linear_kernels.py). Its dot products sum in another order than
+MKL's (fp32 rounding, ~1e-6 relative); it is checked against ``F.linear`` at load
+(models.kernel_check.checked_linear). Longer steps (prefill) keep MKL, faster there.
 
 ``quantization="fp8"`` (the registry record's field): FP8 e4m3 weights with one scale per output
 channel, activations quantized per token at run time, one ``torch._scaled_mm`` per layer (Hopper's
@@ -14,11 +20,15 @@ The embedding and the LM head stay in the model's dtype.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from tokenfleet import envs
+from tokenfleet.models import native
 
 QUANTIZATIONS = ("", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -33,19 +43,62 @@ class LinearKernel(Protocol):
 
 
 class DenseLinear:
-    """``F.linear``; with ``few_rows`` (models.triton_linear.WeightMatmul, CUDA, opt-in: TOKENFLEET_BF16_MATMUL),
-    steps of that many rows or fewer go through the Triton weight-streaming kernel instead."""
+    """``F.linear``; with ``few_rows`` (models.triton_linear.WeightMatmul, CUDA, opt-in: TOKENFLEET_BF16_MATMUL; or
+    ``NativeFewRows``, CPU fp32), steps of that many rows or fewer go through that weight-streaming kernel instead."""
 
     def __init__(self, few_rows: Any = None):
         self.few_rows = few_rows
+
+    @property
+    def name(self) -> str:
+        return getattr(self.few_rows, "name", None) or "F.linear"
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         return weight
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.few_rows is not None and self.few_rows.takes(x) and x.dtype == weight.dtype and weight.is_contiguous():
+        if (self.few_rows is not None and self.few_rows.takes(x) and isinstance(weight, torch.Tensor)
+                and x.dtype == weight.dtype and weight.is_contiguous()):
             return self.few_rows(x, weight)
         return F.linear(x, weight)
+
+
+class NativeFewRows:
+    """csrc/skinny_linear.c: y = x W^T for fp32 CPU tensors of up to ``rows`` rows (``DenseLinear``'s few-rows path)."""
+
+    BUILDS = ("portable C", "AVX2+FMA")  # tf_skinny_linear_build()
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._fn = lib.tf_skinny_linear
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        self._fn.restype = ctypes.c_int
+        lib.tf_skinny_linear_build.restype = ctypes.c_int
+        self.rows = int(lib.tf_skinny_linear_max_rows())
+        self.build = self.BUILDS[lib.tf_skinny_linear_build()]
+
+    @property
+    def name(self) -> str:
+        return f"native fp32 few-row matmul ({self.build})"
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and 0 < x.shape[0] <= self.rows and x.dtype == torch.float32 and x.device.type == "cpu"
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = x.new_empty(x.shape[0], weight.shape[0])
+        if self._fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], weight.shape[0],
+                    torch.get_num_threads()) != 0:
+            raise ValueError(f"few-row matmul: shapes {tuple(x.shape)} x {tuple(weight.shape)} out of range")
+        return out
+
+
+def native_few_rows() -> NativeFewRows | None:
+    """The native fp32 few-row matmul, unless TOKENFLEET_KERNELS=torch or it cannot be built here."""
+    if envs.kernels() == "torch":
+        return None
+    lib = native.load("skinny_linear")
+    return NativeFewRows(lib) if lib is not None else None
 
 
 class PackedOneDNNLinear:
@@ -133,6 +186,8 @@ def select_linear(dtype: torch.dtype, device: torch.device, quantization: str = 
         from tokenfleet.models import triton_linear
 
         return DenseLinear(triton_linear.select(device, triton_linear.WeightMatmul))
+    if dtype == torch.float32 and device.type == "cpu":
+        return DenseLinear(native_few_rows())
     return DenseLinear()
 
 

@@ -13,7 +13,7 @@ from tokenfleet.engine.runner import KernelCheck
 from tokenfleet.models.attention import PagedAttention, TorchPagedAttention, fallbacks, select_attention
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.gemma3 import Gemma3LayerWeights, Gemma3Model, Gemma3Weights
-from tokenfleet.models.kernel_check import checked_attention, checked_layer_ops
+from tokenfleet.models.kernel_check import checked_attention, checked_layer_ops, checked_linear
 from tokenfleet.models.kv_fp8 import check_device, check_kv_cache_dtype
 from tokenfleet.models.layer_ops import LayerOps, TorchLayerOps, select_layer_ops
 from tokenfleet.models.linear import Fp8Linear, LinearKernel, select_linear
@@ -52,8 +52,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     check_kv_cache_dtype(kv_cache_dtype)
     check_device(kv_cache_dtype, device)
     tensors = read_safetensors(Path(model_dir))
-    linear = select_linear(dtype, device, quantization)
+    linear, linear_checks = checked_linear(select_linear(dtype, device, quantization), config, dtype, device)
     attention, ops, checks = checked_kernels(config, dtype, device, kv_cache_dtype, block_size)
+    checks = (*linear_checks, *checks)
     model: LlamaModel | Gemma3Model
     if config.is_gemma3:
         model = Gemma3Model(config, _gemma3_weights(config, tensors, dtype, device, linear), dtype, device, linear,
@@ -171,7 +172,7 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, 
     if config.is_gemma3:
         raise ValueError("random_model builds Llama-family geometries only")
     check_device(check_kv_cache_dtype(kv_cache_dtype), device)
-    linear = select_linear(dtype, device, quantization)
+    linear, linear_checks = checked_linear(select_linear(dtype, device, quantization), config, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     c = config
 
@@ -193,5 +194,5 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, 
     attention, ops, checks = checked_kernels(config, dtype, device, kv_cache_dtype)
     model = LlamaModel(config, weights, dtype, device, linear, attention, ops)
     model.kv_cache_dtype = kv_cache_dtype
-    model.kernel_checks = checks
+    model.kernel_checks = (*linear_checks, *checks)
     return model

@@ -15,6 +15,7 @@ import platform
 from pathlib import Path
 
 import pytest
+import torch
 
 from tokenfleet.models import native
 from tokenfleet.models.attention import NativePagedAttention
@@ -46,7 +47,7 @@ def simde_include() -> str | None:
     return simde_py.get_include()
 
 
-def attention_build(build: str, fp8: bool = False) -> NativePagedAttention:
+def attention_build(build: str, fp8: bool = False, dtype: torch.dtype = torch.bfloat16) -> NativePagedAttention:
     """The kernel of ``build``, or a skip saying why this machine cannot run it."""
     if native.compiler() is None:
         pytest.skip("no C compiler: only the torch reference runs here")
@@ -66,7 +67,7 @@ def attention_build(build: str, fp8: bool = False) -> NativePagedAttention:
         defines = ("TF_PORTABLE_ONLY",)
     lib = native.load("paged_attention", defines, includes)
     assert lib is not None, f"a compiler is present but the {build} build failed (see the log)"
-    kernel = NativePagedAttention(lib, fp8=fp8)
+    kernel = NativePagedAttention(lib, fp8=fp8, dtype=dtype)
     expected = {"native": "AVX-512 BF16" if has_avx512_bf16() else "portable C", "avx512": "AVX-512 BF16",
                 "emulated-avx512": "AVX-512 BF16 emulated", "portable": "portable C"}[build]
     assert kernel.build == expected, f"{build} build reports {kernel.build!r}"
@@ -80,7 +81,8 @@ def expected_paths(kernel: NativePagedAttention, rows: list[int], num_heads: int
     16 and no window; its packed scores serve items of at least 12 query vectors)."""
     counts = dict.fromkeys(NativePagedAttention.PATHS, 0)
     group = num_heads // num_kv_heads
-    avx = kernel.build != "portable C" and head_dim == 64 and block_size % 16 == 0 and window == 0
+    avx = (kernel.build != "portable C" and kernel.dtype == torch.bfloat16 and head_dim == 64 and block_size % 16 == 0
+           and window == 0)
     for n in rows:
         for row1 in range(n, 0, -ROWS_PER_ITEM):
             vectors = (row1 - max(0, row1 - ROWS_PER_ITEM)) * group

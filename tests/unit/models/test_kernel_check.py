@@ -63,15 +63,17 @@ def test_a_wrong_kernel_is_replaced_by_the_next_candidate_that_passes():
     assert {c.serving for c in checks} == {"planted kernel (one score off)"}
 
 
-def test_this_machines_kernels_pass_and_serve(default_model_dir):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_this_machines_kernels_pass_and_serve(default_model_dir, dtype):
     from tokenfleet import envs
     from tokenfleet.models import native
 
     if native.compiler() is None or not envs.native_kernels():
         pytest.skip("no native kernels here (no C compiler, or TOKENFLEET_NATIVE_KERNELS=0): the reference serves")
-    model = loader.load_model(default_model_dir, torch.bfloat16, CPU)
+    model = loader.load_model(default_model_dir, dtype, CPU)
     checks = {c.kernel: c for c in model.kernel_checks}
-    assert set(checks) == {"paged_attention", "layer_ops"}
+    # fp32 also checks its few-row matmul (bf16's oneDNN matmul is torch's own)
+    assert set(checks) == {"paged_attention", "layer_ops", *(["linear"] if dtype == torch.float32 else [])}
     for c in checks.values():
         assert c.passed and c.serving == c.implementation, c
         assert c.max_error < 0.02
@@ -104,6 +106,32 @@ class WrongSilu(TorchLayerOps):
         out = super().silu_mul(gate_up)
         out[3, 5] += 0.25
         return out
+
+
+class WrongRow:
+    """A few-row matmul (test double) whose outputs for the 9th row of a step are doubled."""
+
+    name = "planted few-row matmul"
+    rows = 32
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.shape[0] <= self.rows
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.linear(x, weight)
+        if out.shape[0] > 8:
+            out[8] *= 2
+        return out
+
+
+def test_a_matmul_wrong_on_one_row_is_caught_and_f_linear_serves():
+    from tokenfleet.models.kernel_check import checked_linear
+    from tokenfleet.models.linear import DenseLinear
+
+    linear, checks = checked_linear(DenseLinear(WrongRow()), ModelConfig.from_dict(SMOL), torch.float32, CPU)
+    assert isinstance(linear, DenseLinear) and linear.few_rows is None
+    (check,) = checks
+    assert not check.passed and check.serving == "torch reference" and "with 9 rows" in check.detail
 
 
 def test_layer_ops_that_move_one_value_are_caught():

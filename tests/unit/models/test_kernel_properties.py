@@ -10,6 +10,10 @@ kernel counts them), so a test of the AVX-512 branch cannot quietly run the port
 Tolerance (as the load-time check's, models.kernel_check): |kernel - fp32 reference| <= 2^-8 + 2^-7 |reference|,
 against the reference computed in fp32 on the same stored (bf16 or FP8) caches.
 
+fp32 (the CPU's default dtype): the same attention steps through the portable code with fp32 queries and caches
+(tolerance |kernel - reference| <= 1e-5 + 1e-4 |reference|), the fused layer ops in fp32, and the few-row matmul
+(csrc/skinny_linear.c, each build) against F.linear in float64 over random shapes and row counts.
+
 Also: the fused layer ops (csrc/fused_ops.c: bitwise equal to the torch ops, which they mirror), the temperature
 sampler (csrc/sampling.c: the torch inverse-CDF draw's token), and the Triton attention kernel in Triton's
 interpreter (or on a GPU).
@@ -63,7 +67,8 @@ def steps(draw: st.DrawFn) -> dict:
     }
 
 
-def make_step(s: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PagedQueries]:
+def make_step(s: dict, dtype: torch.dtype = torch.bfloat16
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PagedQueries]:
     """(q, k_cache, v_cache, its copies with the null block poisoned, meta). Block 0 is the null block: with a
     window, table entries for blocks no row of a request sees any more point there (as sliding-window tables do),
     and the poisoned copies hold NaN in it, so a kernel that read it would return NaN."""
@@ -89,13 +94,13 @@ def make_step(s: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
     if window:
         for r, (c, n) in enumerate(s["requests"]):
             table[r, : max(0, c - n + 1 - window) // bs] = 0
-    q = (torch.randn(sum(rows), heads, hd, generator=g) * s["q_scale"]).bfloat16()
+    q = (torch.randn(sum(rows), heads, hd, generator=g) * s["q_scale"]).to(dtype)
     if s["fp8"]:
         k_cache, v_cache = kv_fp8.quantize(k), kv_fp8.quantize(v)
         nan_row = kv_fp8.quantize(torch.full((hd,), float("nan")))
     else:
-        k_cache, v_cache = k.bfloat16(), v.bfloat16()
-        nan_row = torch.full((hd,), float("nan")).bfloat16()
+        k_cache, v_cache = k.to(dtype), v.to(dtype)
+        nan_row = torch.full((hd,), float("nan")).to(dtype)
     k_bad, v_bad = k_cache.clone(), v_cache.clone()
     k_bad[:, 0], v_bad[:, 0] = nan_row, nan_row
     starts = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()])
@@ -103,8 +108,9 @@ def make_step(s: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
     return q, k_cache, v_cache, k_bad, v_bad, meta
 
 
-def assert_within_tolerance(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    rtol, atol = TOLERANCES[torch.bfloat16]
+def assert_within_tolerance(got: torch.Tensor, want: torch.Tensor, what: str, dtype: torch.dtype = torch.bfloat16
+                            ) -> None:
+    rtol, atol = TOLERANCES[dtype]
     excess = (got.float() - want).abs() - (atol + rtol * want.abs())
     worst = int(torch.nan_to_num(excess, nan=float("inf")).flatten().argmax())
     row, rest = divmod(worst, got[0].numel())
@@ -128,6 +134,25 @@ def test_paged_attention_matches_the_torch_reference(build, step):
                                  step["head_dim"], step["block_size"], step["window"]), f"{build} build ran {ran}"
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     assert_within_tolerance(got, want, f"{build} build, {step}")
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+@PROFILE
+@given(step=steps())
+def test_fp32_paged_attention_matches_the_torch_reference(build, step):
+    """fp32 queries, caches and output (the CPU default): the portable code on every build, within fp32's tolerance."""
+    kernel = attention_build(build, dtype=torch.float32)
+    step = {**step, "fp8": False}
+    q, k_cache, v_cache, k_bad, v_bad, meta = make_step(step, torch.float32)
+    want = TorchPagedAttention()(q.double(), k_cache.double(), v_cache.double(), meta)
+    before = kernel.path_counts()
+    got = kernel(q, k_bad, v_bad, meta)
+    ran = {path: n - before[path] for path, n in kernel.path_counts().items()}
+    items = expected_paths(kernel, [n for _, n in step["requests"]], step["group"] * step["num_kv_heads"],
+                           step["num_kv_heads"], step["head_dim"], step["block_size"], step["window"])
+    assert ran == {**items, "portable": sum(items.values())}, f"{build} build ran {ran}"
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    assert_within_tolerance(got, want.float(), f"{build} build, fp32, {step}", torch.float32)
 
 
 @pytest.mark.parametrize("build", ["avx512", "emulated-avx512"])
@@ -204,6 +229,84 @@ def test_fused_layer_ops_equal_the_torch_ops_bit_for_bit(geo):
     want = ref.rope_store_kv(qkv, batch, cos, sin, caches[2], caches[3])
     assert all(torch.equal(a, b) for a, b in zip(got, want)), "rope_store_kv outputs"
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]), "rope_store_kv cache rows"
+
+
+@PROFILE
+@given(geo=layer_geometries())
+def test_fused_layer_ops_in_fp32_match_the_torch_ops(geo):
+    """The *_f32 functions: the torch ops' steps with no rounding between them; within fp32's tolerance (the RMS
+    statistics and RoPE repeat torch's operations; SiLU's exp is a vectorized polynomial of ~1 ulp)."""
+    from tokenfleet.models import native
+    from tokenfleet.models.attention import ForwardBatch
+    from tokenfleet.models.config import ModelConfig
+    from tokenfleet.models.layer_ops import NativeLayerOps, TorchLayerOps
+    from tokenfleet.models.llama import rope_inv_freq
+
+    lib = native.load("fused_ops")
+    if lib is None:
+        pytest.skip("no C compiler: the torch ops are what runs")
+    config = ModelConfig.from_dict(dict(
+        vocab_size=100, hidden_size=geo["hidden"], intermediate_size=geo["inter"], num_hidden_layers=1,
+        num_attention_heads=geo["heads"], num_key_value_heads=geo["kv_heads"], head_dim=geo["head_dim"],
+        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=100000.0))
+    ops, ref = NativeLayerOps(config, lib, torch.float32), TorchLayerOps(config)
+    rtol, atol = TOLERANCES[torch.float32]
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return bool(((a - b).abs() <= atol + rtol * b.abs()).all())
+
+    g = torch.Generator().manual_seed(geo["seed"])
+    n, hidden = geo["tokens"], geo["hidden"]
+    residual = torch.randn(n, hidden, generator=g) * 3
+    delta = torch.randn(n, hidden, generator=g)
+    weight = torch.rand(hidden, generator=g) + 0.5
+    for d in (delta, None):
+        got, want = ops.add_rms_norm(residual.clone(), d, weight, 1e-5), ref.add_rms_norm(residual.clone(), d, weight, 1e-5)
+        assert torch.equal(got[0], want[0]) and close(got[1], want[1]), "add_rms_norm"
+    gate_up = torch.randn(n, 2 * geo["inter"], generator=g) * 4
+    assert close(ops.silu_mul(gate_up), ref.silu_mul(gate_up)), "silu_mul"
+    angles = torch.arange(4096).float()[:, None] * rope_inv_freq(config)[None, :]
+    cos, sin = (f(torch.cat((angles, angles), dim=-1)) for f in (torch.cos, torch.sin))
+    qkv = torch.randn(n, (geo["heads"] + 2 * geo["kv_heads"]) * geo["head_dim"], generator=g)
+    positions = torch.randint(0, 4096, (n,), generator=g)
+    slots = torch.randperm(8 * 16, generator=g)[:n]
+    batch = ForwardBatch(positions, slots, positions[:1])
+    width = kv_fp8.row_width(geo["head_dim"]) if geo["fp8"] else geo["head_dim"]
+    cache_dtype = torch.uint8 if geo["fp8"] else torch.float32
+    caches = [torch.zeros(geo["kv_heads"], 8, 16, width, dtype=cache_dtype) for _ in range(4)]
+    got = ops.rope_store_kv(qkv, batch, cos, sin, caches[0], caches[1])
+    want = ref.rope_store_kv(qkv, batch, cos, sin, caches[2], caches[3])
+    assert all(close(a, b) for a, b in zip(got, want)), "rope_store_kv outputs"
+    if geo["fp8"]:
+        caches = [kv_fp8.dequantize(c, torch.float32) for c in caches]
+    assert close(caches[0], caches[2]) and close(caches[1], caches[3]), "rope_store_kv cache rows"
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+@PROFILE
+@given(rows=st.one_of(st.sampled_from([1, 2, 7, 8, 9, 16, 31, 32, 33]), st.integers(1, 40)),
+       k=st.one_of(st.sampled_from([576, 1536, 64, 8, 3]), st.integers(1, 700)),
+       n=st.one_of(st.sampled_from([1, 15, 16, 17, 960, 3072]), st.integers(1, 1100)), seed=st.integers(0, 2**31 - 1))
+def test_few_row_matmul_matches_float64(build, rows, k, n, seed):
+    """csrc/skinny_linear.c through the linear layer that serves fp32 on CPU: rows past its limit go to F.linear; k
+    not a multiple of 8 exercises the scalar tail."""
+    from tokenfleet.models import native
+    from tokenfleet.models.linear import DenseLinear, NativeFewRows
+
+    lib = native.load("skinny_linear", ("TF_PORTABLE_ONLY",) if build == "portable" else ())
+    if lib is None:
+        pytest.skip("no C compiler: F.linear is what runs")
+    few = NativeFewRows(lib)
+    assert few.build == ("portable C" if build == "portable" else few.build)
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=g, dtype=torch.float64) * k**-0.5
+    x = torch.randn(rows, k, generator=g, dtype=torch.float64)
+    got = DenseLinear(few)(x.float(), weight.float().contiguous())
+    rtol, atol = TOLERANCES[torch.float32]
+    want = torch.nn.functional.linear(x, weight)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert float(((got.double() - want).abs() - (atol + rtol * want.abs())).max()) <= 0
+    assert few.takes(x.float()) == (rows <= few.rows)
 
 
 @PROFILE

@@ -175,10 +175,22 @@ def test_native_kernels_can_be_switched_off(monkeypatch):
         native.load.cache_clear()
 
 
-def test_fp32_always_takes_the_torch_path():
-    """fp32 is what the exact-equality tests against HF run: never the bf16 kernels."""
-    assert isinstance(select_attention(torch.float32, CPU), TorchPagedAttention)
-    assert isinstance(select_layer_ops(tiny_config(), torch.float32, CPU), TorchLayerOps)
+@needs_compiler
+def test_fp32_takes_the_fp32_kernels_and_torch_kernels_takes_the_reference(monkeypatch):
+    """fp32 (the CPU default) runs the native kernels' fp32 code, never the bf16 code; TOKENFLEET_KERNELS=torch runs
+    the torch reference in every dtype; fp32 with an FP8 cache has no native kernel."""
+    from tokenfleet.models.linear import NativeFewRows, select_linear
+
+    attend = select_attention(torch.float32, CPU)
+    assert isinstance(attend, NativePagedAttention) and attend.dtype == torch.float32
+    assert select_layer_ops(tiny_config(), torch.float32, CPU).dtype == torch.float32
+    assert isinstance(select_linear(torch.float32, CPU).few_rows, NativeFewRows)
+    assert isinstance(select_attention(torch.float32, CPU, "fp8"), TorchPagedAttention)
+    monkeypatch.setenv("TOKENFLEET_KERNELS", "torch")
+    for dtype in (torch.float32, torch.bfloat16):
+        assert isinstance(select_attention(dtype, CPU), TorchPagedAttention)
+        assert isinstance(select_layer_ops(tiny_config(), dtype, CPU), TorchLayerOps)
+    assert select_linear(torch.float32, CPU).few_rows is None
 
 
 @needs_compiler

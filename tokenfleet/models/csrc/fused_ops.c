@@ -1,4 +1,4 @@
-/* The decoder layer's element-wise work, fused, for bf16 tensors on CPU.
+/* The decoder layer's element-wise work, fused, for bf16 tensors on CPU (and, the *_f32 functions, fp32 ones).
  *
  * Each function does in one call what takes the torch path 3 to 10 small ops (each a dispatch,
  * an allocation and a pass over memory: ~5 us apiece, ~30 per layer, 1,000 per step). They
@@ -131,6 +131,15 @@ static void store_fp8_row(const uint16_t *x, uint8_t *dst, int64_t head_dim) {
     memset(dst + head_dim + sizeof scale, 0, FP8_ROW_PAD - sizeof scale);
 }
 
+static void store_fp8_row_f32(const float *x, uint8_t *dst, int64_t head_dim) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < head_dim; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float scale = fmaxf(amax, 1e-12f) / 448.0f;
+    for (int64_t i = 0; i < head_dim; i++) dst[i] = to_e4m3(fminf(fmaxf(x[i] / scale, -448.0f), 448.0f));
+    memcpy(dst + head_dim, &scale, sizeof scale);
+    memset(dst + head_dim + sizeof scale, 0, FP8_ROW_PAD - sizeof scale);
+}
+
 /* fp8 = 0: K and V rows as bf16 into bf16 caches; fp8 = 1: as FP8 rows (k_cache, v_cache: uint8
  * [kv_heads, num_slots, head_dim + FP8_ROW_PAD]). */
 void tf_rope_store_kv(const uint16_t *qkv, const int64_t *positions, const uint16_t *cos_table,
@@ -177,5 +186,67 @@ void tf_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t i
             const float x = bf(g[i]);
             o[i] = to_bf(round_bf(x / (1.0f + exp_f32(-x))) * bf(u[i]));
         }
+    }
+}
+
+/* fp32 versions of the three above: the same steps with no rounding between them (the torch path in fp32 has none
+ * either); the RMS statistics summed in torch's order. */
+void tf_add_rms_norm_f32(float *residual, const float *delta, const float *weight, float *out, int64_t rows,
+                         int64_t hidden, float eps, int num_threads) {
+#pragma omp parallel for num_threads(rows > 8 ? num_threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *x = residual + r * hidden;
+        if (delta) {
+            const float *d = delta + r * hidden;
+            for (int64_t i = 0; i < hidden; i++) x[i] += d[i];
+        }
+        float squares[hidden];
+        for (int64_t i = 0; i < hidden; i++) squares[i] = x[i] * x[i];
+        const float inv = 1.0f / sqrtf(torch_row_sum(squares, hidden) / (float)hidden + eps);
+        float *o = out + r * hidden;
+        for (int64_t i = 0; i < hidden; i++) o[i] = weight[i] * (x[i] * inv);
+    }
+}
+
+void tf_rope_store_kv_f32(const float *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,
+                          const int64_t *slot_mapping, float *q_out, float *k_out, void *k_cache, void *v_cache,
+                          int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t num_slots,
+                          int num_threads, int fp8) {
+    const int64_t half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim, row_bytes = head_dim + FP8_ROW_PAD;
+#pragma omp parallel for num_threads(tokens > 8 ? num_threads : 1) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *row = qkv + t * width;
+        const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
+        const int64_t slot = slot_mapping[t];
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            const float *x = row + h * head_dim;
+            float *dst = h < heads ? q_out + (t * heads + h) * head_dim : k_out + (t * kv_heads + h - heads) * head_dim;
+            for (int64_t i = 0; i < head_dim; i++) {
+                const float rotated = i < half ? -x[i + half] : x[i - half];
+                dst[i] = x[i] * c[i] + rotated * s[i];
+            }
+            if (h < heads) continue;
+            if (fp8)
+                store_fp8_row_f32(dst, (uint8_t *)k_cache + ((h - heads) * num_slots + slot) * row_bytes, head_dim);
+            else
+                memcpy((float *)k_cache + ((h - heads) * num_slots + slot) * head_dim, dst, 4 * (size_t)head_dim);
+        }
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const float *v = row + (heads + kv_heads + h) * head_dim;
+            if (fp8)
+                store_fp8_row_f32(v, (uint8_t *)v_cache + (h * num_slots + slot) * row_bytes, head_dim);
+            else
+                memcpy((float *)v_cache + (h * num_slots + slot) * head_dim, v, 4 * (size_t)head_dim);
+        }
+    }
+}
+
+void tf_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter, int num_threads) {
+#pragma omp parallel for num_threads(rows > 4 ? num_threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
     }
 }

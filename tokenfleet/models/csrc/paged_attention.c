@@ -3,12 +3,13 @@
  * no gather, no padding.
  *
  * bf16 in, bf16 out; scores, softmax and the P.V accumulation in fp32 (one rounding, at the
- * output), as HF's SDPA kernels and vLLM's paged attention keep them.
+ * output), as HF's SDPA kernels and vLLM's paged attention keep them. Or (kind = KIND_F32, the CPU's
+ * default dtype) fp32 queries, caches and output, through the portable code.
  *
  * Layouts (row-major, contiguous):
  *   q, out        [num_queries, num_heads, head_dim]            bf16 as uint16
  *   k/v cache     [num_kv_heads, num_blocks, block_size, head_dim] bf16 as uint16
- *                 or (fp8 = 1) FP8 rows [num_kv_heads, num_blocks, block_size, head_dim + FP8_ROW_PAD]
+ *                 or (kind = KIND_FP8) FP8 rows [num_kv_heads, num_blocks, block_size, head_dim + FP8_ROW_PAD]
  *                 uint8: e4m3 values, the row's fp32 scale, zero padding (tokenfleet/models/kv_fp8.py)
  *   block_table   [num_requests, max_blocks]                    int64
  *   context_lens  [num_requests]  keys the request's last query token sees (its own included)
@@ -31,6 +32,8 @@
 #define FP8_ROW_PAD 16 /* kv_fp8.ROW_PAD: an FP8 row is head_dim e4m3 bytes, its fp32 scale, zeros to 16 bytes */
 #define ROWS_PER_ITEM 32
 
+enum { KIND_BF16 = 0, KIND_FP8 = 1, KIND_F32 = 2 }; /* what q, out and the caches hold */
+
 typedef struct {
     const uint16_t *q, *k_cache, *v_cache; /* FP8 rows: the caches' bytes, cast */
     const int64_t *table; /* this request's block table */
@@ -39,6 +42,7 @@ typedef struct {
     float scale;
     int64_t window; /* 0: every earlier key */
     int fp8;        /* the caches hold FP8 rows */
+    int f32;        /* q, out and the caches are fp32 (the uint16_t pointers above point at floats) */
 } Args;
 
 typedef struct {
@@ -118,21 +122,24 @@ static inline float e4m3_to_f32(uint8_t b) {
     return e ? f : sub;
 }
 
-/* Key or value t of a kv head as fp32: a bf16 row converted, or an FP8 row dequantized with its scale. */
-static inline void load_row(const Args *a, const uint16_t *cache, int64_t kv_head, int64_t t, float *dst) {
+/* Key or value t of a kv head as fp32: the cache's own row (fp32 caches), or a bf16 row converted, or an FP8 row
+ * dequantized with its scale, into dst. */
+static inline const float *load_row(const Args *a, const uint16_t *cache, int64_t kv_head, int64_t t, float *dst) {
     const int64_t hd = a->head_dim;
+    const int64_t block = a->table[t / a->block_size];
+    const int64_t index = (kv_head * a->num_blocks + block) * a->block_size + t % a->block_size;
+    if (a->f32) return (const float *)(const void *)cache + index * hd;
     if (a->fp8) {
-        const int64_t block = a->table[t / a->block_size];
-        const uint8_t *row = (const uint8_t *)cache + ((kv_head * a->num_blocks + block) * a->block_size +
-                                                       t % a->block_size) * (hd + FP8_ROW_PAD);
+        const uint8_t *row = (const uint8_t *)cache + index * (hd + FP8_ROW_PAD);
         float scale;
         memcpy(&scale, row + hd, sizeof scale);
 #pragma omp simd
         for (int64_t d = 0; d < hd; d++) dst[d] = e4m3_to_f32(row[d]) * scale;
-        return;
+        return dst;
     }
-    const uint16_t *row = cache_row(a, cache, kv_head, t);
+    const uint16_t *row = cache + index * hd;
     for (int64_t d = 0; d < hd; d++) dst[d] = bf16_to_f32(row[d]);
+    return dst;
 }
 
 /* Query vector i of an item (rows row0.., then the group's heads): its row in q / out and head. */
@@ -423,17 +430,22 @@ static void attend_portable(const Args *a, const Item *it, float *buf, int64_t s
     const int64_t keys = visible_keys(it, num_q - 1, group), key0 = first_key(a, it, 0, group);
     float kf[MAX_HEAD_DIM];
     for (int64_t i = 0; i < num_q; i++) {
-        const uint16_t *src = a->q + q_offset(a, it, i);
-        for (int64_t d = 0; d < hd; d++) qf[i * hd + d] = bf16_to_f32(src[d]) * a->scale;
+        if (a->f32) {
+            const float *src = (const float *)(const void *)a->q + q_offset(a, it, i);
+            for (int64_t d = 0; d < hd; d++) qf[i * hd + d] = src[d] * a->scale;
+        } else {
+            const uint16_t *src = a->q + q_offset(a, it, i);
+            for (int64_t d = 0; d < hd; d++) qf[i * hd + d] = bf16_to_f32(src[d]) * a->scale;
+        }
         memset(acc + i * hd, 0, sizeof(float) * (size_t)hd);
     }
     for (int64_t t = key0; t < keys; t++) { /* scores; K rows converted once for every query vector */
-        load_row(a, a->k_cache, it->kv_head, t, kf);
+        const float *kr = load_row(a, a->k_cache, it->kv_head, t, kf);
         for (int64_t i = 0; i < num_q; i++) {
             const float *qi = qf + i * hd;
             float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < hd; d++) s += qi[d] * kf[d];
+            for (int64_t d = 0; d < hd; d++) s += qi[d] * kr[d];
             scores[i * stride + t - key0] = s;
         }
     }
@@ -445,18 +457,23 @@ static void attend_portable(const Args *a, const Item *it, float *buf, int64_t s
         memset(row, 0, sizeof(float) * (size_t)skip);
     }
     for (int64_t t = key0; t < keys; t++) {
-        load_row(a, a->v_cache, it->kv_head, t, kf);
+        const float *vr = load_row(a, a->v_cache, it->kv_head, t, kf);
         for (int64_t i = 0; i < num_q; i++) {
             const float p = scores[i * stride + t - key0];
             float *o = acc + i * hd;
 #pragma omp simd
-            for (int64_t d = 0; d < hd; d++) o[d] += p * kf[d];
+            for (int64_t d = 0; d < hd; d++) o[d] += p * vr[d];
         }
     }
     for (int64_t i = 0; i < num_q; i++) {
-        uint16_t *dst = a->out + q_offset(a, it, i);
         const float inv = 1.0f / sums[i];
-        for (int64_t d = 0; d < hd; d++) dst[d] = f32_to_bf16(acc[i * hd + d] * inv);
+        if (a->f32) {
+            float *dst = (float *)(void *)a->out + q_offset(a, it, i);
+            for (int64_t d = 0; d < hd; d++) dst[d] = acc[i * hd + d] * inv;
+        } else {
+            uint16_t *dst = a->out + q_offset(a, it, i);
+            for (int64_t d = 0; d < hd; d++) dst[d] = f32_to_bf16(acc[i * hd + d] * inv);
+        }
     }
 }
 
@@ -482,7 +499,7 @@ static int attend_item(const Args *a, const Item *it) {
     const int64_t num_q = (it->row1 - it->row0) * group;
     const int64_t stride = (visible_keys(it, num_q - 1, group) - first_key(a, it, 0, group) + 15) / 16 * 16;
 #ifdef HAVE_AVX512_BF16
-    if (a->head_dim == 64 && a->block_size % 16 == 0 && a->window == 0) {
+    if (a->head_dim == 64 && a->block_size % 16 == 0 && a->window == 0 && !a->f32) {
         float *scores = scratch((size_t)((num_q + 3) / 4 * 4 * stride));
         if (!scores) return -1;
         attend_hd64(a, it, scores, stride);
@@ -505,15 +522,18 @@ int tf_paged_attention_build(void) {
 #endif
 }
 
-/* Returns 0, or -1 when a shape is out of what this kernel handles (the caller falls back). fp8 = 1: the caches
+/* Returns 0, or -1 when a shape is out of what this kernel handles (the caller falls back). kind: KIND_BF16 (q, out
+ * and the caches bf16), KIND_F32 (all fp32: the pointers typed uint16_t point at floats) or KIND_FP8 (the caches
  * hold FP8 rows (uint8 [num_kv_heads, num_blocks, block_size, head_dim + FP8_ROW_PAD]; head_dim a multiple of 16).
  * paths: NULL, or NUM_PATHS counters to which the call adds how many work items each path ran (tests assert which
  * code computed what they compare). */
 int tf_paged_attention(const uint16_t *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
                        const int64_t *context_lens, const int64_t *query_start, uint16_t *out, int64_t num_requests,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                       int64_t num_blocks, int64_t max_blocks, float scale, int64_t window, int num_threads, int fp8,
+                       int64_t num_blocks, int64_t max_blocks, float scale, int64_t window, int num_threads, int kind,
                        int64_t *paths) {
+    const int fp8 = kind == KIND_FP8, f32 = kind == KIND_F32;
+    if (kind < KIND_BF16 || kind > KIND_F32) return -1;
     if (head_dim > MAX_HEAD_DIM || num_kv_heads <= 0 || num_heads % num_kv_heads || (fp8 && head_dim % FP8_ROW_PAD)) return -1;
     int64_t num_items = 0;
     for (int64_t r = 0; r < num_requests; r++) {
@@ -537,7 +557,7 @@ int tf_paged_attention(const uint16_t *q, const void *k_cache, const void *v_cac
     reduction(+ : portable, reduce, packed)
     for (int64_t i = 0; i < num_items; i++) {
         const Args a = {q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_table + items[i].request * max_blocks,
-                        out, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, window, fp8};
+                        out, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, window, fp8, f32};
         const int path = attend_item(&a, &items[i]);
         failed |= path < 0;
         portable += path == PATH_PORTABLE;
