@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serving import mixed_workload as workload
+from serving.answers import check_answers
 from serving.cores import CoreMonitor
 from serving.goodput_report import TOKENFLEET, answer_match, markdown, plot, ratios
 from serving.load import httpx, sse_events
@@ -48,8 +49,6 @@ from serving.vllm_configs import parse
 from tokenfleet.planning.metrics import ATTAINMENT_TARGET, Objectives, goodput_rate
 
 REPO = Path(__file__).resolve().parent.parent
-CHECK_IDS = ("france", "colors", "water", "town")
-CHECK_TOKENS = 16
 
 
 @dataclass
@@ -206,26 +205,6 @@ def start(children: Children, system: str, model_dir: str, model_name: str, vllm
         raise ValueError(f"unknown system {system!r} (tokenfleet | vllm:SPEC)")
     child.address = url
     return child
-
-
-def check_answers(url: str, model: str) -> dict[str, str]:
-    """Greedy answers (16 tokens) to a few correctness prompts (the report flags a France answer without Paris)."""
-    prompts = {p["id"]: p for p in json.loads((REPO / "tests" / "data" / "correctness_prompts.json").read_text())["prompts"]}
-    answers = {}
-    with httpx.Client(base_url=url, timeout=300) as client:
-        for pid in CHECK_IDS:
-            p = prompts[pid]
-            body = {"model": model, "max_tokens": CHECK_TOKENS, "temperature": 0.0}
-            if "chat" in p:
-                messages = [{"role": "user", "content": p["chat"]}]
-                response = client.post("/v1/chat/completions", json={**body, "messages": messages})
-                response.raise_for_status()
-                answers[pid] = response.json()["choices"][0]["message"]["content"] or ""
-            else:
-                response = client.post("/v1/completions", json={**body, "prompt": p["completion"]})
-                response.raise_for_status()
-                answers[pid] = response.json()["choices"][0]["text"] or ""
-    return answers
 
 
 def run_system(args: argparse.Namespace, children: Children, system: str, round_index: int, model_dir: str,

@@ -34,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from serving.answers import check_answers, match_line
 from serving.cores import CoreMonitor
 from serving.procs import Child, Children, free_port, wait_completion
 from serving.report import machine_line, write_report
@@ -120,13 +121,15 @@ def run_round(args: argparse.Namespace, system: str, round_index: int, children:
     startup = time.monotonic() - started
     rows = []
     try:
+        answers = check_answers(url, model_name)  # before any timing: greedy answers to the correctness prompts
+        print(f"{system} round {round_index} answers: {answers}", flush=True)
         bench(args, url, model_name, model_dir, 8, 16, args.seed + 999_000 + round_index, out_dir)  # warm-up
         for concurrency in args.concurrency:
             seed = args.seed + 1000 * round_index + concurrency
             with CoreMonitor({system: child.proc.pid, "client": os.getpid()}) as monitor:
                 raw = bench(args, url, model_name, model_dir, concurrency, args.num_prompts, seed, out_dir)
             row = {"system": system, "round": round_index, "concurrency": concurrency, "seed": seed,
-                   "startup_s": startup, **summarize(raw), "cpu": monitor.report()}
+                   "startup_s": startup, **summarize(raw), "cpu": monitor.report(), "answers": answers}
             rows.append(row)
             print(one_line(row), flush=True)
     finally:
@@ -202,6 +205,14 @@ def markdown(result: dict) -> str:
             values = " · ".join(f"{p[k]:.2f}" for p in entry["rounds"])
             cells.append(f"{values} (**{entry['median'][k]:.2f}**)")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    lines += ["", "## Answers before speed", "",
+              "Greedy 16-token answers of each server to the committed correctness prompts (France, colors, water, "
+              "town), asked before the round's timed runs; tokenfleet against vLLM, per round:", ""]
+    for r in sorted({run["round"] for run in result["runs"]}):
+        ours = next((x for x in result["runs"] if x["system"] == "tokenfleet" and x["round"] == r and "answers" in x), None)
+        peer = next((x for x in result["runs"] if x["system"] == "vllm-cpu" and x["round"] == r and "answers" in x), None)
+        if ours and peer:
+            lines.append(f"- round {r}: {match_line(ours['answers'], peer['answers'])}")
     lines += ["", "## The bar (medians)", "", "| check | median ratio | pass |", "|---|---|---|"]
     lines += [f"| {b['check']} | {b['median_ratio']:.2f} | {'yes' if b['pass'] else 'NO'} |" for b in result["bar"]]
     return "\n".join(lines) + "\n"
