@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
 
 
-def write_report(out: str | Path, result: dict, markdown: str) -> None:
+def write_report(out: str | Path, result: dict, markdown: str) -> Path:
+    """Write ``result`` (JSON) and ``markdown`` beside it. Never over an earlier report: a second run of the same day
+    to a dated default name gets the time of day after the date (benchmarks/publish.py orders reports by when they
+    started, not by name)."""
     path = Path(out)
+    if path.exists() and re.match(r"\d{4}-\d{2}-\d{2}-", path.name):
+        path = path.with_name(f"{path.name[:10]}-{time.strftime('%H%M%S')}{path.name[10:]}")
+        print(f"{out} exists: writing {path} instead")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     path.with_suffix(".md").write_text(markdown)
     print(markdown)
     print(f"wrote {path} and {path.with_suffix('.md')}")
+    return path
 
 
 def machine_line() -> str:
