@@ -137,6 +137,7 @@ GEMMA_PROMPTS = ["The three primary colors are", "The capital of France is", "Wa
                  "The largest planet in the solar system is", "To make a cup of tea, first"]
 
 
+@pytest.mark.nightly  # ~31 s; tests/model/test_gemma3_parity.py keeps Gemma 3 against transformers in the suite
 def test_gemma3_raw_completions_tokenize_with_bos_and_equal_transformers(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

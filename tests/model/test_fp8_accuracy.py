@@ -67,6 +67,7 @@ def test_fp8_needs_a_16_bit_activation_dtype(default_model_dir):
         make_core(default_model_dir, dtype="float32", quantization="fp8")
 
 
+@pytest.mark.nightly  # ~14 s on CPU; FP8 weights stay here, and the FP8 KV engine tests in tests/unit/engine
 @pytest.mark.timeout(600)
 def test_fp8_kv_cache_agrees_with_bf16_teacher_forced(default_model_dir):
     """FP8 K/V (registry ``kv_cache_dtype: fp8``), alone and with FP8 weights. The text is prefilled in chunks of 16

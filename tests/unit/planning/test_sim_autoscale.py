@@ -3,9 +3,12 @@ follows the traffic, and retired replicas drain (every measured request still ge
 
 from __future__ import annotations
 
+import pytest
+
 from tokenfleet.cli import _parser
 
 
+@pytest.mark.nightly  # a simulated day (~12 s); the replica-level autoscale cases below stay in the suite
 def test_autoscale_day_saves_gpu_hours_and_follows_the_traffic(tmp_path):
     from tokenfleet.planning.commands import _cmd_autoscale_day
 
