@@ -91,10 +91,14 @@ int tf_skinny_linear_max_rows(void) { return MAX_M; }
 /* Returns 0, or -1 when m is out of range (the caller uses its general matmul). */
 int tf_skinny_linear(const float *x, const float *w, float *y, int64_t m, int64_t k, int64_t n, int num_threads) {
     if (m < 1 || m > MAX_M || k < 1 || n < 1) return -1;
-    /* 16 weight rows a chunk: a thread's chunks are contiguous, so its stream is one run */
-    const int64_t chunk = 16, chunks = (n + chunk - 1) / chunk;
+    /* Chunks of weight rows handed out one at a time (dynamic): on a machine whose cores also run the server's other
+     * threads, a thread that loses its core for a while leaves its share to the others instead of holding up the
+     * whole step at the loop's end. About 8 chunks per thread, at least 16 rows each. */
     const int threads = n * k < (1 << 16) ? 1 : num_threads;
-#pragma omp parallel for schedule(static) num_threads(threads)
+    int64_t chunk = n / (8 * (int64_t)threads);
+    chunk = chunk < 16 ? 16 : (chunk + 15) / 16 * 16;
+    const int64_t chunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t r0 = c * chunk, r1 = r0 + chunk < n ? r0 + chunk : n;
         rows_block(x, w, y, m, k, n, r0, r1);
