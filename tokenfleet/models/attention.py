@@ -154,8 +154,6 @@ class NativePagedAttention:
     fp32 math; every row of a step in one call (prefill chunks read their context from the cache, causal rows
     skip keys)."""
 
-    handles_prefill = True
-
     PATHS = ("portable", "avx512-reduce", "avx512-packed")  # the kernel's PATH_* order
     BUILDS = ("portable C", "AVX-512 BF16", "AVX-512 BF16 emulated")  # tf_paged_attention_build()
 

@@ -57,8 +57,7 @@ class DenseLinear:
         return weight
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if (self.few_rows is not None and self.few_rows.takes(x) and isinstance(weight, torch.Tensor)
-                and x.dtype == weight.dtype and weight.is_contiguous()):
+        if self.few_rows is not None and self.few_rows.takes(x) and x.dtype == weight.dtype and weight.is_contiguous():
             return self.few_rows(x, weight)
         return F.linear(x, weight)
 

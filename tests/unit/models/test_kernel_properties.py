@@ -187,11 +187,9 @@ def layer_geometries(draw: st.DrawFn) -> dict:
             "fp8": draw(st.booleans()), "seed": draw(st.integers(0, 2**31 - 1))}
 
 
-@PROFILE
-@given(geo=layer_geometries())
-def test_fused_layer_ops_equal_the_torch_ops_bit_for_bit(geo):
-    """csrc/fused_ops.c repeats the torch ops' rounding points (and torch's order for the RMS sums): every output
-    and every cache row it writes equals theirs exactly."""
+def layer_case(geo: dict, dtype: torch.dtype) -> dict:
+    """The native and torch layer ops for ``geo`` in ``dtype``, and one step's inputs (drawn in the same order for
+    every dtype): residual, delta, norm weight, gate_up, RoPE tables, qkv, the batch and four empty caches."""
     from tokenfleet.models import native
     from tokenfleet.models.attention import ForwardBatch
     from tokenfleet.models.config import ModelConfig
@@ -205,29 +203,52 @@ def test_fused_layer_ops_equal_the_torch_ops_bit_for_bit(geo):
         vocab_size=100, hidden_size=geo["hidden"], intermediate_size=geo["inter"], num_hidden_layers=1,
         num_attention_heads=geo["heads"], num_key_value_heads=geo["kv_heads"], head_dim=geo["head_dim"],
         max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=100000.0))
-    ops, ref = NativeLayerOps(config, lib), TorchLayerOps(config)
     g = torch.Generator().manual_seed(geo["seed"])
     n, hidden = geo["tokens"], geo["hidden"]
-    residual = (torch.randn(n, hidden, generator=g) * 3).bfloat16()
-    delta = torch.randn(n, hidden, generator=g).bfloat16()
-    weight = (torch.rand(hidden, generator=g) + 0.5).bfloat16()
-    for d in (delta, None):
-        got, want = ops.add_rms_norm(residual.clone(), d, weight, 1e-5), ref.add_rms_norm(residual.clone(), d, weight, 1e-5)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), "add_rms_norm"
-    gate_up = (torch.randn(n, 2 * geo["inter"], generator=g) * 4).bfloat16()
-    assert torch.equal(ops.silu_mul(gate_up), ref.silu_mul(gate_up)), "silu_mul"
+    case = {"ops": NativeLayerOps(config, lib, dtype), "ref": TorchLayerOps(config),
+            "residual": (torch.randn(n, hidden, generator=g) * 3).to(dtype),
+            "delta": torch.randn(n, hidden, generator=g).to(dtype),
+            "weight": (torch.rand(hidden, generator=g) + 0.5).to(dtype),
+            "gate_up": (torch.randn(n, 2 * geo["inter"], generator=g) * 4).to(dtype)}
     angles = torch.arange(4096).float()[:, None] * rope_inv_freq(config)[None, :]
-    cos, sin = (f(torch.cat((angles, angles), dim=-1)).bfloat16() for f in (torch.cos, torch.sin))
-    qkv = torch.randn(n, (geo["heads"] + 2 * geo["kv_heads"]) * geo["head_dim"], generator=g).bfloat16()
+    case["cos"], case["sin"] = (f(torch.cat((angles, angles), dim=-1)).to(dtype) for f in (torch.cos, torch.sin))
+    case["qkv"] = torch.randn(n, (geo["heads"] + 2 * geo["kv_heads"]) * geo["head_dim"], generator=g).to(dtype)
     positions = torch.randint(0, 4096, (n,), generator=g)
     slots = torch.randperm(8 * 16, generator=g)[:n] if n <= 128 else torch.arange(n)
-    batch = ForwardBatch(positions, slots, positions[:1])
+    case["batch"] = ForwardBatch(positions, slots, positions[:1])
     width = kv_fp8.row_width(geo["head_dim"]) if geo["fp8"] else geo["head_dim"]
-    cache_dtype = torch.uint8 if geo["fp8"] else torch.bfloat16
-    caches = [torch.zeros(geo["kv_heads"], 8, 16, width, dtype=cache_dtype) for _ in range(4)]
-    got = ops.rope_store_kv(qkv, batch, cos, sin, caches[0], caches[1])
-    want = ref.rope_store_kv(qkv, batch, cos, sin, caches[2], caches[3])
+    cache_dtype = torch.uint8 if geo["fp8"] else dtype
+    case["caches"] = [torch.zeros(geo["kv_heads"], 8, 16, width, dtype=cache_dtype) for _ in range(4)]
+    return case
+
+
+def run_layer_ops(c: dict) -> dict:
+    """Each op of the case, native and torch: {name: (native outputs, torch outputs)}; the caches are written."""
+    out = {}
+    for i, d in enumerate((c["delta"], None)):
+        out[f"add_rms_norm {i}"] = (c["ops"].add_rms_norm(c["residual"].clone(), d, c["weight"], 1e-5),
+                                    c["ref"].add_rms_norm(c["residual"].clone(), d, c["weight"], 1e-5))
+    out["silu_mul"] = ((c["ops"].silu_mul(c["gate_up"]),), (c["ref"].silu_mul(c["gate_up"]),))
+    caches = c["caches"]
+    out["rope_store_kv"] = (c["ops"].rope_store_kv(c["qkv"], c["batch"], c["cos"], c["sin"], caches[0], caches[1]),
+                            c["ref"].rope_store_kv(c["qkv"], c["batch"], c["cos"], c["sin"], caches[2], caches[3]))
+    return out
+
+
+@PROFILE
+@given(geo=layer_geometries())
+def test_fused_layer_ops_equal_the_torch_ops_bit_for_bit(geo):
+    """csrc/fused_ops.c repeats the torch ops' rounding points (and torch's order for the RMS sums): every output
+    and every cache row it writes equals theirs exactly."""
+    c = layer_case(geo, torch.bfloat16)
+    out = run_layer_ops(c)
+    for name in ("add_rms_norm 0", "add_rms_norm 1"):
+        got, want = out[name]
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), "add_rms_norm"
+    assert torch.equal(*(x[0] for x in out["silu_mul"])), "silu_mul"
+    got, want = out["rope_store_kv"]
     assert all(torch.equal(a, b) for a, b in zip(got, want)), "rope_store_kv outputs"
+    caches = c["caches"]
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]), "rope_store_kv cache rows"
 
 
@@ -236,49 +257,22 @@ def test_fused_layer_ops_equal_the_torch_ops_bit_for_bit(geo):
 def test_fused_layer_ops_in_fp32_match_the_torch_ops(geo):
     """The *_f32 functions: the torch ops' steps with no rounding between them; within fp32's tolerance (the RMS
     statistics and RoPE repeat torch's operations; SiLU's exp is a vectorized polynomial of ~1 ulp)."""
-    from tokenfleet.models import native
-    from tokenfleet.models.attention import ForwardBatch
-    from tokenfleet.models.config import ModelConfig
-    from tokenfleet.models.layer_ops import NativeLayerOps, TorchLayerOps
-    from tokenfleet.models.llama import rope_inv_freq
-
-    lib = native.load("fused_ops")
-    if lib is None:
-        pytest.skip("no C compiler: the torch ops are what runs")
-    config = ModelConfig.from_dict(dict(
-        vocab_size=100, hidden_size=geo["hidden"], intermediate_size=geo["inter"], num_hidden_layers=1,
-        num_attention_heads=geo["heads"], num_key_value_heads=geo["kv_heads"], head_dim=geo["head_dim"],
-        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=100000.0))
-    ops, ref = NativeLayerOps(config, lib, torch.float32), TorchLayerOps(config)
     rtol, atol = TOLERANCES[torch.float32]
 
     def close(a: torch.Tensor, b: torch.Tensor) -> bool:
         return bool(((a - b).abs() <= atol + rtol * b.abs()).all())
 
-    g = torch.Generator().manual_seed(geo["seed"])
-    n, hidden = geo["tokens"], geo["hidden"]
-    residual = torch.randn(n, hidden, generator=g) * 3
-    delta = torch.randn(n, hidden, generator=g)
-    weight = torch.rand(hidden, generator=g) + 0.5
-    for d in (delta, None):
-        got, want = ops.add_rms_norm(residual.clone(), d, weight, 1e-5), ref.add_rms_norm(residual.clone(), d, weight, 1e-5)
+    c = layer_case(geo, torch.float32)
+    out = run_layer_ops(c)
+    for name in ("add_rms_norm 0", "add_rms_norm 1"):
+        got, want = out[name]
         assert torch.equal(got[0], want[0]) and close(got[1], want[1]), "add_rms_norm"
-    gate_up = torch.randn(n, 2 * geo["inter"], generator=g) * 4
-    assert close(ops.silu_mul(gate_up), ref.silu_mul(gate_up)), "silu_mul"
-    angles = torch.arange(4096).float()[:, None] * rope_inv_freq(config)[None, :]
-    cos, sin = (f(torch.cat((angles, angles), dim=-1)) for f in (torch.cos, torch.sin))
-    qkv = torch.randn(n, (geo["heads"] + 2 * geo["kv_heads"]) * geo["head_dim"], generator=g)
-    positions = torch.randint(0, 4096, (n,), generator=g)
-    slots = torch.randperm(8 * 16, generator=g)[:n]
-    batch = ForwardBatch(positions, slots, positions[:1])
-    width = kv_fp8.row_width(geo["head_dim"]) if geo["fp8"] else geo["head_dim"]
-    cache_dtype = torch.uint8 if geo["fp8"] else torch.float32
-    caches = [torch.zeros(geo["kv_heads"], 8, 16, width, dtype=cache_dtype) for _ in range(4)]
-    got = ops.rope_store_kv(qkv, batch, cos, sin, caches[0], caches[1])
-    want = ref.rope_store_kv(qkv, batch, cos, sin, caches[2], caches[3])
+    assert close(*(x[0] for x in out["silu_mul"])), "silu_mul"
+    got, want = out["rope_store_kv"]
     assert all(close(a, b) for a, b in zip(got, want)), "rope_store_kv outputs"
+    caches = c["caches"]
     if geo["fp8"]:
-        caches = [kv_fp8.dequantize(c, torch.float32) for c in caches]
+        caches = [kv_fp8.dequantize(x, torch.float32) for x in caches]
     assert close(caches[0], caches[2]) and close(caches[1], caches[3]), "rope_store_kv cache rows"
 
 

@@ -121,23 +121,22 @@ static inline uint8_t to_e4m3(float x) {
 
 #define FP8_ROW_PAD 16 /* kv_fp8.ROW_PAD: after a row's e4m3 values, its fp32 scale and zeros to 16 bytes */
 
-/* One head row (bf16) as an FP8 row: e4m3 of x / (amax / 448), the fp32 scale, zero padding (models/kv_fp8.py). */
-static void store_fp8_row(const uint16_t *x, uint8_t *dst, int64_t head_dim) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < head_dim; i++) amax = fmaxf(amax, fabsf(bf(x[i])));
-    const float scale = fmaxf(amax, 1e-12f) / 448.0f;
-    for (int64_t i = 0; i < head_dim; i++) dst[i] = to_e4m3(fminf(fmaxf(bf(x[i]) / scale, -448.0f), 448.0f));
-    memcpy(dst + head_dim, &scale, sizeof scale);
-    memset(dst + head_dim + sizeof scale, 0, FP8_ROW_PAD - sizeof scale);
-}
-
-static void store_fp8_row_f32(const float *x, uint8_t *dst, int64_t head_dim) {
+/* One head row (fp32 values) as an FP8 row: e4m3 of x / (amax / 448), the fp32 scale, zero padding
+ * (models/kv_fp8.py). */
+static void store_fp8_row(const float *x, uint8_t *dst, int64_t head_dim) {
     float amax = 0.0f;
     for (int64_t i = 0; i < head_dim; i++) amax = fmaxf(amax, fabsf(x[i]));
     const float scale = fmaxf(amax, 1e-12f) / 448.0f;
     for (int64_t i = 0; i < head_dim; i++) dst[i] = to_e4m3(fminf(fmaxf(x[i] / scale, -448.0f), 448.0f));
     memcpy(dst + head_dim, &scale, sizeof scale);
     memset(dst + head_dim + sizeof scale, 0, FP8_ROW_PAD - sizeof scale);
+}
+
+/* A bf16 head row as an FP8 row (its values converted exactly to fp32 first). */
+static void store_fp8_row_bf16(const uint16_t *x, uint8_t *dst, int64_t head_dim) {
+    float row[head_dim];
+    for (int64_t i = 0; i < head_dim; i++) row[i] = bf(x[i]);
+    store_fp8_row(row, dst, head_dim);
 }
 
 /* fp8 = 0: K and V rows as bf16 into bf16 caches; fp8 = 1: as FP8 rows (k_cache, v_cache: uint8
@@ -161,14 +160,14 @@ void tf_rope_store_kv(const uint16_t *qkv, const int64_t *positions, const uint1
             }
             if (h < heads) continue;
             if (fp8)
-                store_fp8_row(dst, (uint8_t *)k_cache + ((h - heads) * num_slots + slot) * row_bytes, head_dim);
+                store_fp8_row_bf16(dst, (uint8_t *)k_cache + ((h - heads) * num_slots + slot) * row_bytes, head_dim);
             else
                 memcpy((uint16_t *)k_cache + ((h - heads) * num_slots + slot) * head_dim, dst, 2 * (size_t)head_dim);
         }
         for (int64_t h = 0; h < kv_heads; h++) {
             const uint16_t *v = row + (heads + kv_heads + h) * head_dim;
             if (fp8)
-                store_fp8_row(v, (uint8_t *)v_cache + (h * num_slots + slot) * row_bytes, head_dim);
+                store_fp8_row_bf16(v, (uint8_t *)v_cache + (h * num_slots + slot) * row_bytes, head_dim);
             else
                 memcpy((uint16_t *)v_cache + (h * num_slots + slot) * head_dim, v, 2 * (size_t)head_dim);
         }
@@ -227,14 +226,14 @@ void tf_rope_store_kv_f32(const float *qkv, const int64_t *positions, const floa
             }
             if (h < heads) continue;
             if (fp8)
-                store_fp8_row_f32(dst, (uint8_t *)k_cache + ((h - heads) * num_slots + slot) * row_bytes, head_dim);
+                store_fp8_row(dst, (uint8_t *)k_cache + ((h - heads) * num_slots + slot) * row_bytes, head_dim);
             else
                 memcpy((float *)k_cache + ((h - heads) * num_slots + slot) * head_dim, dst, 4 * (size_t)head_dim);
         }
         for (int64_t h = 0; h < kv_heads; h++) {
             const float *v = row + (heads + kv_heads + h) * head_dim;
             if (fp8)
-                store_fp8_row_f32(v, (uint8_t *)v_cache + (h * num_slots + slot) * row_bytes, head_dim);
+                store_fp8_row(v, (uint8_t *)v_cache + (h * num_slots + slot) * row_bytes, head_dim);
             else
                 memcpy((float *)v_cache + (h * num_slots + slot) * head_dim, v, 4 * (size_t)head_dim);
         }

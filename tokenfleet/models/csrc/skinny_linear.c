@@ -12,7 +12,7 @@
  */
 #include <stdint.h>
 
-#define MAX_ROWS 8   /* x rows one pass over the weights serves */
+#define TILE_ROWS 8  /* x rows one pass over a weight row serves (accumulators in registers) */
 #define MAX_M 32      /* more rows: the general matmul (MKL) is faster */
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(TF_PORTABLE_ONLY)
@@ -32,7 +32,7 @@ static inline __attribute__((always_inline)) void rows_m(const float *x, const f
     const int64_t kv = k / 8 * 8;
     for (int64_t r = r0; r < r1; r++) {
         const float *wr = w + r * k;
-        __m256 acc[MAX_ROWS];
+        __m256 acc[TILE_ROWS];
         for (int j = 0; j < M; j++) acc[j] = _mm256_setzero_ps();
         for (int64_t i = 0; i < kv; i += 8) {
             const __m256 wv = _mm256_loadu_ps(wr + i);
