@@ -103,7 +103,9 @@ def main() -> None:
     py_spy = str(Path(os.sys.executable).parent / "py-spy")
     result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "runs": []}
     try:
-        up, url = start_tokenfleet(children, DEFAULT_MODEL_NAME, args.up_arg)
+        # `up`'s own default dtype unless --up-arg names one (start_tokenfleet alone would pin bf16 for peers)
+        up_args = args.up_arg if "--dtype" in args.up_arg else ["--dtype", "auto", *args.up_arg]
+        up, url = start_tokenfleet(children, DEFAULT_MODEL_NAME, up_args)
         worker = worker_pid(up.proc.pid)
         bench(args, url, DEFAULT_MODEL_NAME, model_dir, 8, 16, args.seed + 999, out_dir)  # warm-up
         for c in args.concurrency:
