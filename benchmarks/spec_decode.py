@@ -12,10 +12,10 @@ Edit part (bar: TPOT p50 on <= 0.7 x off, median of per-run ratios, on the evalu
 the committed prompts of benchmarks/data/spec_edit_prompts.json (code to return with a small change or renamed
 identifiers, scripts with a variable renamed, paragraphs to repeat with one number changed, documents to quote, JSON
 to return with one field changed), split in halves by the SHA-256 of the prompt text (`--split`: eval, tune or all;
-the rule was committed with the prompts before any tuning), chat completions, stream, temperature 0, --edit-max-
-tokens, one at a time (c=1); every prompt goes to on and to off, alternating which goes first; --runs runs. TPOT per
-request = (last content chunk - first) / (completion tokens - 1) (several tokens can arrive in one chunk when a
-verification accepts them). Reported per run: TPOT p50 on and off and their ratio; outputs equal on/off (count); the
+the rule was committed with the prompts before any tuning), chat completions, stream, temperature 0,
+--edit-max-tokens, one at a time (c=1); every prompt goes to on and to off, alternating which goes first; --runs runs.
+TPOT per request = (last content chunk - first) / (completion tokens - 1) (several tokens can arrive in one chunk when
+a verification accepts them). Reported per run: TPOT p50 on and off and their ratio; outputs equal on/off (count); the
 on worker's proposed/accepted tokens and verifications (acceptance rate, mean accepted length), the mean time of a
 verification step and of a plain decode step; and per prompt the same, from the worker's counters around that prompt's
 request.
