@@ -1,11 +1,14 @@
-"""Autoscaling under a load ramp (issue 23): real processes, `tokenfleet up` with and without --autoscale.
+"""Autoscaling under a load ramp: real processes, `tokenfleet up` with --autoscale against a fixed fleet sized for
+the peak (--max-workers workers, always up).
 
 A ramp of concurrent streaming chat requests, 1 -> --peak over --up seconds, held --hold seconds, back to 0 over
---down seconds; each user sends requests back to back while it is active. Per run: every request's TTFT,
-whether it completed with exactly --max-tokens tokens (nothing failed or truncated), and the serving worker count
-over time (the autoscaler's gauge; 1 for the fixed fleet). Runs alternate autoscaled / fixed; the figure is the
-median over runs of each run's TTFT p99, and the report lists every run and plots the replica count of the
-first autoscaled run.
+--down seconds, then --tail seconds idle; each user sends requests back to back while it is active. Per run: every
+request's TTFT, whether it completed with exactly --max-tokens tokens (nothing failed or truncated), the serving and
+standby (warm pool) worker counts over time (the autoscaler's gauges; --max-workers serving for the fixed fleet), and
+worker-seconds over the whole run (ramp and tail): serving, and serving plus standby (a warm worker holds its memory
+and its weights while it waits). Runs alternate autoscaled / fixed; the figures are the medians over runs of each
+run's TTFT p99 and worker-seconds, and the report lists every run and plots the replica count of the first
+autoscaled run. The policy earns its place if it keeps TTFT near the fixed fleet's with fewer worker-seconds.
 
     .venv/bin/python benchmarks/autoscale_ramp.py --runs 3      # ~25 min here
 """
@@ -34,8 +37,8 @@ FILLER = ("The harbour town woke before the sun. Fishing boats slid out past the
 
 def start_cluster(autoscale: bool, args: argparse.Namespace, cache: Path) -> tuple[subprocess.Popen, str, str]:
     env = {**os.environ, "TOKENFLEET_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "tokenfleet.cli", "up", "--workers", "1", "--threads", "1", "--port", "0", "--dtype",
-           "bfloat16"]
+    workers = 1 if autoscale else args.max_workers  # the fixed fleet is sized for the peak
+    cmd = [sys.executable, "-m", "tokenfleet.cli", "up", "--workers", str(workers), "--threads", "1", "--port", "0"]
     if autoscale:
         cmd += ["--autoscale", "--max-workers", str(args.max_workers), "--target-concurrency",
                 str(args.target_concurrency), "--autoscale-metrics-port", "0", "--warm-pool", str(args.warm_pool),
@@ -73,8 +76,24 @@ def gauge(metrics: str, name: str) -> float | None:
     return None
 
 
-def serving_replicas(metrics: str) -> float | None:
-    return gauge(metrics, "tokenfleet_autoscaler_serving_replicas")
+def replicas(metrics: str, fixed: int) -> tuple[float | None, float | None]:
+    """(serving, standby) workers: the autoscaler's gauges, or the fixed fleet's size (no metrics)."""
+    if not metrics:
+        return float(fixed), 0.0
+    return (gauge(metrics, "tokenfleet_autoscaler_serving_replicas"),
+            gauge(metrics, "tokenfleet_autoscaler_standby_replicas"))
+
+
+def worker_seconds(timeline: list) -> tuple[float, float]:
+    """(serving, serving + standby) worker-seconds: each sample's counts held until the next (a missing reading
+    holds the last one)."""
+    serving = total = 0.0
+    last = (0.0, 0.0)
+    for (t, _, s, w), (t_next, *_) in zip(timeline, timeline[1:]):
+        last = (s if s is not None else last[0], w if w is not None else last[1])
+        serving += last[0] * (t_next - t)
+        total += (last[0] + last[1]) * (t_next - t)
+    return serving, total
 
 
 def concurrency_at(t: float, args: argparse.Namespace) -> int:
@@ -131,18 +150,20 @@ def ramp(gateway: str, metrics: str, args: argparse.Namespace) -> dict:
     timeline = []
     while any(th.is_alive() for th in threads):
         t = time.monotonic() - start
-        timeline.append((t, concurrency_at(t, args), serving_replicas(metrics) if metrics else 1.0))
+        timeline.append((t, concurrency_at(t, args), *replicas(metrics, args.max_workers)))
         time.sleep(1.0)
     for th in threads:
         th.join()
-    after = []  # the scale-down after the ramp
-    while metrics and time.monotonic() - start < total + args.tail:
+    after = []  # the scale-down after the ramp (the fixed fleet stays up: its worker-seconds count the tail too)
+    while time.monotonic() - start < total + args.tail:
         t = time.monotonic() - start
-        after.append((t, 0, serving_replicas(metrics)))
+        after.append((t, 0, *replicas(metrics, args.max_workers)))
         time.sleep(1.0)
     ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
     bad = [r for r in results if r["error"] or r["tokens"] != args.max_tokens]
-    return {"requests": len(results), "failed_or_truncated": len(bad), "bad": bad[:5],
+    serving_s, started_s = worker_seconds(timeline + after)
+    return {"worker_seconds": serving_s, "worker_seconds_with_standby": started_s,
+            "requests": len(results), "failed_or_truncated": len(bad), "bad": bad[:5],
             "per_request": [(round(r["sent"], 2), None if r["ttft"] is None else round(r["ttft"], 3))
                             for r in sorted(results, key=lambda r: r["sent"])],
             "ttft_p50": statistics.median(ttfts) if ttfts else None,
@@ -182,8 +203,13 @@ def main() -> None:
             runs[mode].append(result)
             print(f"run {k} {mode}: {result['requests']} requests, {result['failed_or_truncated']} failed/truncated, "
                   f"TTFT p50 {result['ttft_p50']:.2f} s p99 {result['ttft_p99']:.2f} s, max workers "
-                  f"{max(r for _, _, r in result['timeline'] if r is not None):.0f}", flush=True)
+                  f"{max(r for _, _, r, _ in result['timeline'] if r is not None):.0f}, worker-seconds "
+                  f"{result['worker_seconds']:.0f} (with standby {result['worker_seconds_with_standby']:.0f})",
+                  flush=True)
     summary = {mode: {"ttft_p99_median": statistics.median(r["ttft_p99"] for r in rs),
+                      "worker_seconds_median": statistics.median(r["worker_seconds"] for r in rs),
+                      "worker_seconds_with_standby_median": statistics.median(r["worker_seconds_with_standby"]
+                                                                              for r in rs),
                       "failed_or_truncated": sum(r["failed_or_truncated"] for r in rs),
                       "requests": sum(r["requests"] for r in rs)} for mode, rs in runs.items()}
     stamp = time.strftime("%Y-%m-%d")
@@ -215,28 +241,43 @@ def plot(timeline: list, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def ratio_line(values: list[float]) -> str:
+    return " · ".join(f"{v:.2f}" for v in values) + f" (**{statistics.median(values):.2f}**)"
+
+
 def report(out: dict, png: str) -> str:
     s, a = out["summary"], out["args"]
-    lines = ["## Autoscaling under a load ramp (issue 23)", "",
-             f"`tokenfleet up --workers 1 --threads 1` with `--autoscale --max-workers {a['max_workers']} "
+    lines = ["## Autoscaling under a load ramp, against a fleet sized for the peak", "",
+             f"`tokenfleet up --workers 1 --threads 1 --autoscale --max-workers {a['max_workers']} "
              f"--target-concurrency {a['target_concurrency']:g} --warm-pool {a.get('warm_pool', 0)} --ttft-objective "
-             f"{a.get('ttft_objective', 0):g}` vs the same fleet fixed at one worker. The ramp: "
+             f"{a.get('ttft_objective', 0):g}` vs `tokenfleet up --workers {a['max_workers']} --threads 1` (fixed, "
+             f"sized for the peak). The ramp: "
              f"1 -> {a['peak']} concurrent streams over {a['up']:.0f} s, held {a['hold']:.0f} s, down to 0 over "
              f"{a['down']:.0f} s; each request sends a prompt of about {a.get('prompt_chars', 0) // 4 + 20} tokens "
              f"(unique from its first block: no prefix-cache hits) and streams exactly {a['max_tokens']} tokens. "
-             f"The runs alternate, on one 2-core machine.", "",
-             "| mode | TTFT p99 (median of runs) | requests | failed or truncated |", "|---|---|---|---|"]
+             f"Worker-seconds cover the ramp and {a['tail']:.0f} s after it. The runs alternate, on one 2-core "
+             f"machine.", "",
+             "| mode | TTFT p99 (median of runs) | worker-seconds serving (median) | with standby (median) | requests "
+             "| failed or truncated |", "|---|---|---|---|---|---|"]
     for mode in ("autoscale", "fixed"):
-        lines.append(f"| {mode} | {s[mode]['ttft_p99_median']:.2f} s | {s[mode]['requests']} | "
+        lines.append(f"| {mode} | {s[mode]['ttft_p99_median']:.2f} s | {s[mode]['worker_seconds_median']:.0f} | "
+                     f"{s[mode]['worker_seconds_with_standby_median']:.0f} | {s[mode]['requests']} | "
                      f"{s[mode]['failed_or_truncated']} |")
-    lines += ["", "Every run:", "", "| run | mode | requests | failed/truncated | TTFT p50 | TTFT p99 | max workers |",
-              "|---|---|---|---|---|---|---|"]
+    pairs = list(zip(out["runs"]["autoscale"], out["runs"]["fixed"]))
+    lines += ["", "Autoscaled / fixed, per run (median): TTFT p99 "
+              + ratio_line([a_["ttft_p99"] / f["ttft_p99"] for a_, f in pairs])
+              + "; worker-seconds with standby "
+              + ratio_line([a_["worker_seconds_with_standby"] / f["worker_seconds_with_standby"] for a_, f in pairs]),
+              "", "Every run:", "",
+              "| run | mode | requests | failed/truncated | TTFT p50 | TTFT p99 | max workers | worker-seconds "
+              "(with standby) |", "|---|---|---|---|---|---|---|---|"]
     for mode, rs in out["runs"].items():
         for k, r in enumerate(rs):
             top = max((x[2] for x in r["timeline"] if x[2] is not None), default=1)
             end = next((x[2] for x in reversed(r["timeline"]) if x[2] is not None), None)
             lines.append(f"| {k} | {mode} | {r['requests']} | {r['failed_or_truncated']} | {r['ttft_p50']:.2f} s | "
-                         f"{r['ttft_p99']:.2f} s | {top:.0f} (at the end: {end if end is not None else '-'}) |")
+                         f"{r['ttft_p99']:.2f} s | {top:.0f} (at the end: {end if end is not None else '-'}) | "
+                         f"{r['worker_seconds']:.0f} ({r['worker_seconds_with_standby']:.0f}) |")
     if png:
         lines += ["", f"![workers over time, first autoscaled run]({png})"]
     return "\n".join(lines) + "\n"
