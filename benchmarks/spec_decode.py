@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 from serving.load import httpx
-from serving.report import git_head, write_report
+from serving.report import git_head, machine_line, write_report
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -211,7 +211,8 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 def markdown(result: dict, args: argparse.Namespace) -> str:
     lines = [f"# Speculative decoding through `tokenfleet up` ({args.dtype}, {args.threads} torch thread(s) per worker)",
-             "", f"git {result['git']}, {result['date']}. Command: `{result['command']}`", ""]
+             "", f"git {result['git']}, {result['date']}. Command: `{result['command']}`. Machine: "
+             f"{result.get('machine', 'not recorded')}.", ""]
     if "edit" in result:
         e = result["edit"]
         lines += [f"## Edit / quote workload, c=1, {e.get('split', 'all')} prompts (bar: TPOT p50 on <= 0.7 x off, "
@@ -281,6 +282,7 @@ def main() -> None:
     wanted = ["on", "off"] + (["always"] if "chat" in parts else [])
     clusters = {}
     result: dict = {"git": git_head(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
+                    "machine": machine_line(), "args": vars(args),
                     "configs": {k: configs[k] for k in wanted}}
     try:
         for name in wanted:
