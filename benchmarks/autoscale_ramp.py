@@ -4,11 +4,15 @@ the peak (--max-workers workers, always up).
 A ramp of concurrent streaming chat requests, 1 -> --peak over --up seconds, held --hold seconds, back to 0 over
 --down seconds, then --tail seconds idle; each user sends requests back to back while it is active. Per run: every
 request's TTFT, whether it completed with exactly --max-tokens tokens (nothing failed or truncated), the serving and
-standby (warm pool) worker counts over time (the autoscaler's gauges; --max-workers serving for the fixed fleet), and
-worker-seconds over the whole run (ramp and tail): serving, and serving plus standby (a warm worker holds its memory
-and its weights while it waits). Runs alternate autoscaled / fixed; the figures are the medians over runs of each
-run's TTFT p99 and worker-seconds, and the report lists every run and plots the replica count of the first
-autoscaled run. The policy earns its place if it keeps TTFT near the fixed fleet's with fewer worker-seconds.
+started worker counts over time (serving: the autoscaler's gauge, --max-workers for the fixed fleet; started: the
+worker processes alive, counted from the process table: serving, standby in the warm pool, and starting), and
+worker-seconds over the whole run (ramp and tail) of each (a warm or starting worker holds its memory and weights,
+and a starting one also loads them on the same cores). Runs alternate autoscaled / fixed; the figures are the
+medians over runs of each run's TTFT p99 and worker-seconds, and the report lists every run and plots the replica
+count of the first autoscaled run. The policy earns its place if it keeps TTFT near the fixed fleet's with fewer
+worker-seconds. With --max-workers 2 and --warm-pool 1 (the defaults here) the started count cannot fall below two
+workers: the serving count shows what scaling saves, the started one what the warm pool costs (--warm-pool 0 trades
+it for cold starts under load).
 
     .venv/bin/python benchmarks/autoscale_ramp.py --runs 3      # ~25 min here
 """
@@ -28,6 +32,7 @@ import urllib.request
 from pathlib import Path
 
 import openai
+import psutil
 
 REPORTS = Path(__file__).parent / "reports"
 FILLER = ("The harbour town woke before the sun. Fishing boats slid out past the breakwater while the baker lit his "
@@ -76,24 +81,38 @@ def gauge(metrics: str, name: str) -> float | None:
     return None
 
 
-def replicas(metrics: str, fixed: int) -> tuple[float | None, float | None]:
-    """(serving, standby) workers: the autoscaler's gauges, or the fixed fleet's size (no metrics)."""
-    if not metrics:
-        return float(fixed), 0.0
-    return (gauge(metrics, "tokenfleet_autoscaler_serving_replicas"),
-            gauge(metrics, "tokenfleet_autoscaler_standby_replicas"))
+def started_workers(up_pid: int) -> int:
+    """Engine worker processes alive under ``up``: serving, standby and starting alike."""
+    try:
+        children = psutil.Process(up_pid).children(recursive=True)
+    except psutil.Error:
+        return 0
+    count = 0
+    for child in children:
+        try:
+            count += "tokenfleet.services.decode" in " ".join(child.cmdline())
+        except psutil.Error:  # exited meanwhile
+            pass
+    return count
+
+
+def replicas(metrics: str, fixed: int, up_pid: int) -> tuple[float | None, float]:
+    """(serving, started) workers: the autoscaler's serving gauge (the fixed fleet's size without one) and the worker
+    processes alive."""
+    serving = gauge(metrics, "tokenfleet_autoscaler_serving_replicas") if metrics else float(fixed)
+    return serving, float(started_workers(up_pid))
 
 
 def worker_seconds(timeline: list) -> tuple[float, float]:
-    """(serving, serving + standby) worker-seconds: each sample's counts held until the next (a missing reading
-    holds the last one)."""
-    serving = total = 0.0
+    """(serving, started) worker-seconds: each sample's counts held until the next (a missing reading holds the
+    last one)."""
+    serving = started = 0.0
     last = (0.0, 0.0)
     for (t, _, s, w), (t_next, *_) in zip(timeline, timeline[1:]):
         last = (s if s is not None else last[0], w if w is not None else last[1])
         serving += last[0] * (t_next - t)
-        total += (last[0] + last[1]) * (t_next - t)
-    return serving, total
+        started += last[1] * (t_next - t)
+    return serving, started
 
 
 def concurrency_at(t: float, args: argparse.Namespace) -> int:
@@ -106,7 +125,7 @@ def concurrency_at(t: float, args: argparse.Namespace) -> int:
     return 0
 
 
-def ramp(gateway: str, metrics: str, args: argparse.Namespace) -> dict:
+def ramp(gateway: str, metrics: str, up_pid: int, args: argparse.Namespace) -> dict:
     client = openai.OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=300)
     start = time.monotonic()
     results: list[dict] = []
@@ -150,19 +169,19 @@ def ramp(gateway: str, metrics: str, args: argparse.Namespace) -> dict:
     timeline = []
     while any(th.is_alive() for th in threads):
         t = time.monotonic() - start
-        timeline.append((t, concurrency_at(t, args), *replicas(metrics, args.max_workers)))
+        timeline.append((t, concurrency_at(t, args), *replicas(metrics, args.max_workers, up_pid)))
         time.sleep(1.0)
     for th in threads:
         th.join()
     after = []  # the scale-down after the ramp (the fixed fleet stays up: its worker-seconds count the tail too)
     while time.monotonic() - start < total + args.tail:
         t = time.monotonic() - start
-        after.append((t, 0, *replicas(metrics, args.max_workers)))
+        after.append((t, 0, *replicas(metrics, args.max_workers, up_pid)))
         time.sleep(1.0)
     ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
     bad = [r for r in results if r["error"] or r["tokens"] != args.max_tokens]
     serving_s, started_s = worker_seconds(timeline + after)
-    return {"worker_seconds": serving_s, "worker_seconds_with_standby": started_s,
+    return {"worker_seconds": serving_s, "worker_seconds_started": started_s,
             "requests": len(results), "failed_or_truncated": len(bad), "bad": bad[:5],
             "per_request": [(round(r["sent"], 2), None if r["ttft"] is None else round(r["ttft"], 3))
                             for r in sorted(results, key=lambda r: r["sent"])],
@@ -194,7 +213,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as cache:
                 up, gateway, metrics = start_cluster(mode == "autoscale", args, Path(cache))
                 try:
-                    result = ramp(gateway, metrics, args)
+                    result = ramp(gateway, metrics, up.pid, args)
                 finally:
                     up.terminate()
                     up.wait(timeout=120)
@@ -203,13 +222,12 @@ def main() -> None:
             runs[mode].append(result)
             print(f"run {k} {mode}: {result['requests']} requests, {result['failed_or_truncated']} failed/truncated, "
                   f"TTFT p50 {result['ttft_p50']:.2f} s p99 {result['ttft_p99']:.2f} s, max workers "
-                  f"{max(r for _, _, r, _ in result['timeline'] if r is not None):.0f}, worker-seconds "
-                  f"{result['worker_seconds']:.0f} (with standby {result['worker_seconds_with_standby']:.0f})",
+                  f"{max((r for _, _, r, _ in result['timeline'] if r is not None), default=0):.0f}, worker-seconds "
+                  f"{result['worker_seconds']:.0f} serving, {result['worker_seconds_started']:.0f} started",
                   flush=True)
     summary = {mode: {"ttft_p99_median": statistics.median(r["ttft_p99"] for r in rs),
                       "worker_seconds_median": statistics.median(r["worker_seconds"] for r in rs),
-                      "worker_seconds_with_standby_median": statistics.median(r["worker_seconds_with_standby"]
-                                                                              for r in rs),
+                      "worker_seconds_started_median": statistics.median(r["worker_seconds_started"] for r in rs),
                       "failed_or_truncated": sum(r["failed_or_truncated"] for r in rs),
                       "requests": sum(r["requests"] for r in rs)} for mode, rs in runs.items()}
     stamp = time.strftime("%Y-%m-%d")
@@ -234,8 +252,10 @@ def plot(timeline: list, path: Path) -> None:
     ax2 = ax.twinx()
     ax2.step(t, [x[2] if x[2] is not None else float("nan") for x in timeline], where="post", color="tab:blue",
              label="serving workers")
+    ax2.step(t, [x[3] for x in timeline], where="post", color="tab:orange", linestyle="--",
+             label="started workers (with standby and starting)")
     ax2.set_ylabel("workers")
-    ax2.set_ylim(0, 3)
+    ax2.set_ylim(0, max([x[3] for x in timeline] + [x[2] or 0 for x in timeline] + [2]) + 1)
     fig.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -257,27 +277,27 @@ def report(out: dict, png: str) -> str:
              f"(unique from its first block: no prefix-cache hits) and streams exactly {a['max_tokens']} tokens. "
              f"Worker-seconds cover the ramp and {a['tail']:.0f} s after it. The runs alternate, on one 2-core "
              f"machine.", "",
-             "| mode | TTFT p99 (median of runs) | worker-seconds serving (median) | with standby (median) | requests "
+             "| mode | TTFT p99 (median of runs) | worker-seconds serving (median) | started (median) | requests "
              "| failed or truncated |", "|---|---|---|---|---|---|"]
     for mode in ("autoscale", "fixed"):
         lines.append(f"| {mode} | {s[mode]['ttft_p99_median']:.2f} s | {s[mode]['worker_seconds_median']:.0f} | "
-                     f"{s[mode]['worker_seconds_with_standby_median']:.0f} | {s[mode]['requests']} | "
+                     f"{s[mode]['worker_seconds_started_median']:.0f} | {s[mode]['requests']} | "
                      f"{s[mode]['failed_or_truncated']} |")
     pairs = list(zip(out["runs"]["autoscale"], out["runs"]["fixed"]))
     lines += ["", "Autoscaled / fixed, per run (median): TTFT p99 "
               + ratio_line([a_["ttft_p99"] / f["ttft_p99"] for a_, f in pairs])
-              + "; worker-seconds with standby "
-              + ratio_line([a_["worker_seconds_with_standby"] / f["worker_seconds_with_standby"] for a_, f in pairs]),
+              + "; worker-seconds started "
+              + ratio_line([a_["worker_seconds_started"] / f["worker_seconds_started"] for a_, f in pairs]),
               "", "Every run:", "",
-              "| run | mode | requests | failed/truncated | TTFT p50 | TTFT p99 | max workers | worker-seconds "
-              "(with standby) |", "|---|---|---|---|---|---|---|---|"]
+              "| run | mode | requests | failed/truncated | TTFT p50 | TTFT p99 | max workers | worker-seconds serving "
+              "(started) |", "|---|---|---|---|---|---|---|---|"]
     for mode, rs in out["runs"].items():
         for k, r in enumerate(rs):
             top = max((x[2] for x in r["timeline"] if x[2] is not None), default=1)
             end = next((x[2] for x in reversed(r["timeline"]) if x[2] is not None), None)
             lines.append(f"| {k} | {mode} | {r['requests']} | {r['failed_or_truncated']} | {r['ttft_p50']:.2f} s | "
                          f"{r['ttft_p99']:.2f} s | {top:.0f} (at the end: {end if end is not None else '-'}) | "
-                         f"{r['worker_seconds']:.0f} ({r['worker_seconds_with_standby']:.0f}) |")
+                         f"{r['worker_seconds']:.0f} ({r['worker_seconds_started']:.0f}) |")
     if png:
         lines += ["", f"![workers over time, first autoscaled run]({png})"]
     return "\n".join(lines) + "\n"
