@@ -105,6 +105,7 @@ def main() -> None:
     try:
         # `up`'s own default dtype unless --up-arg names one (start_tokenfleet alone would pin bf16 for peers)
         up_args = args.up_arg if "--dtype" in args.up_arg else ["--dtype", "auto", *args.up_arg]
+        result["up_args"] = up_args
         up, url = start_tokenfleet(children, DEFAULT_MODEL_NAME, up_args)
         worker = worker_pid(up.proc.pid)
         bench(args, url, DEFAULT_MODEL_NAME, model_dir, 8, 16, args.seed + 999, out_dir)  # warm-up

@@ -145,21 +145,22 @@ def edit_part(args: argparse.Namespace, on: launcher.Cluster, off: launcher.Clus
         per_prompt = []
         for i, p in enumerate(prompts):
             order = [("on", on), ("off", off)] if (run + i) % 2 == 0 else [("off", off), ("on", on)]
+            mine: dict[str, float] = {}  # the on worker's counters for this prompt's request
             for name, cluster in order:
                 start = spec_counters(on) if name == "on" else None
                 got, _ = asyncio.run(load(cluster.gateway_url, [p["prompt"]], 1, args.edit_max_tokens, 0.0, False))
                 results[name].append(got[0])
                 if start is not None:  # c=1: the worker's counters moved for this request alone
-                    counters = delta(spec_counters(on), start)
+                    mine = delta(spec_counters(on), start)
             tpot_on, tpot_off = results["on"][-1]["tpot_s"], results["off"][-1]["tpot_s"]
-            verify_ms, plain_ms = per_step_ms(counters)
+            verify_ms, plain_ms = per_step_ms(mine)
             per_prompt.append({"kind": p["kind"], "split": p["split"], "tokens": results["on"][-1]["tokens"],
                                "tpot_on_ms": tpot_on and 1000 * tpot_on, "tpot_off_ms": tpot_off and 1000 * tpot_off,
                                "ratio": tpot_on / tpot_off if tpot_on and tpot_off else None,
                                "equal": results["on"][-1]["text"] == results["off"][-1]["text"],
-                               "acceptance_rate": counters["acceptance_rate"],
-                               "mean_accepted_length": counters["mean_accepted_length"],
-                               "verifications": counters["num_spec_verifications"],
+                               "acceptance_rate": mine["acceptance_rate"],
+                               "mean_accepted_length": mine["mean_accepted_length"],
+                               "verifications": mine["num_spec_verifications"],
                                "verify_step_ms": verify_ms, "plain_step_ms": plain_ms})
         counters = delta(spec_counters(on), before)
         tpot = {k: p50([r["tpot_s"] * 1000 for r in v if r["tpot_s"] is not None]) for k, v in results.items()}
