@@ -80,10 +80,12 @@ def goodput_section(path: Path) -> tuple[list[str], str]:
                              f"{a['start_rate']:g} requests/s")
                 continue
             verdict = f" ({'meets' if entry['median'] >= 1.2 else 'misses'} the 1.2x bar)" if name == "fixed" else ""
-            lines.append(f"- `{ours}` / `{peer}`: {fmt_rounds(entry['rounds'])} per round, median "
-                         f"**{entry['median']:.2f}x**{verdict}.")
-            parts.append(f"{entry['median']:.2f}x vLLM-CPU (`{peer.removeprefix('vllm:')}`) on the `{name}` "
-                         "objectives")
+            cells = " · ".join(entry["cells"]) if "cells" in entry else fmt_rounds(entry["rounds"])
+            median = entry.get("median_text") or f"{entry['median']:.2f}"
+            skipped = (f"; rounds where neither met the objectives at the lowest rate: "
+                       f"{', '.join(map(str, entry['skipped_rounds']))}" if entry.get("skipped_rounds") else "")
+            lines.append(f"- `{ours}` / `{peer}`: {cells} per round{skipped}; median **{median}x**{verdict}.")
+            parts.append(f"{median}x vLLM-CPU (`{peer.removeprefix('vllm:')}`) on the `{name}` objectives")
     if d.get("answer_match") is not None:
         wrong = [f"{e['system']} round {e['round']}" for e in d["entries"] if not e.get("paris", True)]
         lines += ["", f"Greedy answers were checked before timing. France answers without Paris: "

@@ -12,10 +12,32 @@ from tokenfleet.planning.metrics import ATTAINMENT_TARGET
 TOKENFLEET = {"tokenfleet": ["--dtype", "auto"], "tokenfleet:bf16": ["--dtype", "bfloat16"]}  # `up` arguments
 
 
+def round_ratio(ours: dict, theirs: dict, name: str) -> tuple[str, float] | None:
+    """One round's tokenfleet / peer goodput as (text, conservative value), or None when both missed at the lowest
+    rate. A goodput below the lowest rate offered is only known to lie in [0, lowest), and one reached at the last
+    rate tried only to be at least that (``censored_by``), so the ratio may be a bound: "> x" / ">= x" (at least
+    x; its value for the median is x) or "< x" / "<= x" (at most x; its value for the median is 0: nothing
+    lower is ruled out)."""
+    a, b = ours["goodput"][name], theirs["goodput"][name]
+    if a is None and b is None:
+        return None
+    lowest = min(r["rate"] for e in (ours, theirs) for r in e["runs"])
+    if b is None:  # the peer's goodput is under the lowest rate: the ratio exceeds a / lowest
+        return f"> {a / lowest:.2f}", a / lowest
+    if a is None:
+        return f"< {lowest / b:.2f}", 0.0
+    if theirs["censored_by"][name] and not ours["censored_by"][name]:
+        return f"<= {a / b:.2f}", 0.0
+    if ours["censored_by"][name] and not theirs["censored_by"][name]:
+        return f">= {a / b:.2f}", a / b
+    return f"{a / b:.2f}", a / b
+
+
 def ratios(entries: list[dict], systems: list[str], rounds: int, name: str = "fixed") -> dict[str, dict]:
-    """Per peer: each round's tokenfleet goodput / the peer's, and their median (the bar). A system that missed
-    at the lowest rate has goodput 0 there (ratio 0 or infinite: the median still counts the round); a round
-    where either failed to run, or both missed at the lowest rate, has no ratio and is listed as skipped."""
+    """Per peer: each round's tokenfleet goodput / the peer's (``round_ratio``: exact or a bound), and the lower
+    median of their conservative values (the bar: a bound never counts for more than it proves; with a bound among
+    the rounds the median reads ">= x"). A round where either failed to run, or both missed at the lowest rate, has
+    no ratio and is listed as skipped."""
     out: dict[str, dict] = {}
     ours_name = next((s for s in systems if s in TOKENFLEET), None)
     for peer in systems:
@@ -28,13 +50,17 @@ def ratios(entries: list[dict], systems: list[str], rounds: int, name: str = "fi
             if not ours or not theirs or "error" in ours or "error" in theirs:
                 skipped.append(r)
                 continue
-            a, b = ours["goodput"][name] or 0.0, theirs["goodput"][name] or 0.0
-            if a == b == 0.0:
+            ratio = round_ratio(ours, theirs, name)
+            if ratio is None:
                 skipped.append(r)
                 continue
-            per_round.append(a / b if b else float("inf"))
-        out[peer] = {"rounds": per_round, "skipped_rounds": skipped,
-                     "median": statistics.median(per_round) if per_round else None}
+            per_round.append(ratio)
+        # every conservative value is at most its round's true ratio, so their lower median is at most the true one
+        median = statistics.median_low(v for _, v in per_round) if per_round else None
+        exact = all(t[0] not in "<>" for t, _ in per_round)
+        median_text = None if median is None else f"{median:.2f}" if exact else f">= {median:.2f}"
+        out[peer] = {"rounds": [v for _, v in per_round], "cells": [t for t, _ in per_round],
+                     "skipped_rounds": skipped, "median": median, "median_text": median_text}
     return out
 
 
@@ -107,8 +133,9 @@ def markdown(result: dict) -> str:
             lines.append(f"| {system} | " + " | ".join(cells) + " |")
         lines += ["", f"{result['ratio_of']} / peer, per round (median; the bar is >= 1.2 on `fixed`):"]
         for peer, entry in result["ratios"][name].items():
-            rounds = " · ".join(f"{x:.2f}" for x in entry["rounds"]) or "–"
-            median = f"**{entry['median']:.2f}**" if entry["median"] is not None else "–"
+            rounds = " · ".join(entry.get("cells") or [f"{x:.2f}" for x in entry["rounds"]]) or "–"
+            median = f"**{entry.get('median_text') or format(entry['median'], '.2f')}**" \
+                if entry["median"] is not None else "–"
             skipped = f"; rounds without a ratio: {entry['skipped_rounds']}" if entry["skipped_rounds"] else ""
             lines.append(f"- vs `{peer}`: {rounds} (median {median}{skipped})")
         lines.append("")

@@ -92,3 +92,26 @@ def test_a_flight_meets_only_when_it_finished_cleanly_within_both_objectives():
     streaming = Flight(req, scheduled=0.0, sent=0.0, first=0.2, last=0.9)
     assert not streaming.certain_miss(5.0)  # all 11 tokens may yet come at once: TPOT >= 0.07 only
     assert Flight(req, scheduled=0.0, sent=0.0, first=0.2, last=1.3).certain_miss(1.3)  # >= 0.11 s per token
+
+
+def _entry(system, r, goodput, censored=False, lowest=0.05):
+    return {"system": system, "round": r, "runs": [{"rate": lowest}], "goodput": {"machine": goodput},
+            "censored_by": {"machine": censored}}
+
+
+def test_a_peer_below_the_lowest_rate_gives_a_bound_not_an_infinite_ratio():
+    from serving.goodput_report import ratios
+
+    systems = ["tokenfleet", "vllm:x"]
+    entries = [_entry("tokenfleet", 0, 0.075), _entry("vllm:x", 0, None),  # > 0.075 / 0.05
+               _entry("tokenfleet", 1, None), _entry("vllm:x", 1, None),  # neither: no ratio
+               _entry("tokenfleet", 2, 0.075), _entry("vllm:x", 2, 0.075)]
+    got = ratios(entries, systems, 3, "machine")["vllm:x"]
+    assert got["cells"] == ["> 1.50", "1.00"] and got["skipped_rounds"] == [1]
+    assert got["median"] == 1.0 and got["median_text"] == ">= 1.00"  # the lower median: a bound proves no more
+    entries[1] = _entry("vllm:x", 0, 0.1)
+    entries[0] = _entry("tokenfleet", 0, None)  # tokenfleet under the lowest rate: at most 0.05 / 0.1, counted as 0
+    got = ratios(entries, systems, 3, "machine")["vllm:x"]
+    assert got["cells"] == ["< 0.50", "1.00"] and got["median"] == 0.0 and got["median_text"] == ">= 0.00"
+    exact = ratios([_entry("tokenfleet", 0, 0.1), _entry("vllm:x", 0, 0.05)], systems, 1, "machine")["vllm:x"]
+    assert exact["cells"] == ["2.00"] and exact["median_text"] == "2.00"
