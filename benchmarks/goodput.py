@@ -43,7 +43,7 @@ from serving.cores import CoreMonitor
 from serving.goodput_report import TOKENFLEET, answer_match, markdown, plot, ratios
 from serving.load import httpx, sse_events
 from serving.procs import Child, Children
-from serving.report import git_head, machine_line, write_report
+from serving.report import git_head, machine_line, report_path, write_report
 from serving.vllm_configs import parse
 
 from tokenfleet.planning.metrics import ATTAINMENT_TARGET, Objectives, goodput_rate
@@ -329,9 +329,10 @@ def main() -> None:
     result["ratios"] = {name: ratios(result["entries"], args.systems, args.rounds, name) for name in result["objectives"]}
     result["ratio_of"] = next((s for s in args.systems if s in TOKENFLEET), "tokenfleet")
     result["answer_match"] = answer_match(result["entries"])
-    result["plot"] = str(out.with_suffix(".png"))
+    final = report_path(out)  # the plot is named after the report, never over an earlier report's
+    result["plot"] = str(final.with_suffix(".png"))
     plot(result, Path(result["plot"]))
-    write_report(out, result, markdown(result))
+    write_report(final, result, markdown(result))
     out.with_suffix(".partial.json").unlink(missing_ok=True)
 
 

@@ -8,14 +8,20 @@ import time
 from pathlib import Path
 
 
-def write_report(out: str | Path, result: dict, markdown: str) -> Path:
-    """Write ``result`` (JSON) and ``markdown`` beside it. Never over an earlier report: a second run of the same day
-    to a dated default name gets the time of day after the date (benchmarks/publish.py orders reports by when they
-    started, not by name)."""
+def report_path(out: str | Path) -> Path:
+    """Where a report asked for at ``out`` goes: there, unless an earlier report has that dated name; then the time
+    of day after the date (benchmarks/publish.py orders reports by when they started, not by name). A script that
+    writes files beside its report (a plot) names them after this path before writing any."""
     path = Path(out)
     if path.exists() and re.match(r"\d{4}-\d{2}-\d{2}-", path.name):
         path = path.with_name(f"{path.name[:10]}-{time.strftime('%H%M%S')}{path.name[10:]}")
         print(f"{out} exists: writing {path} instead")
+    return path
+
+
+def write_report(out: str | Path, result: dict, markdown: str) -> Path:
+    """Write ``result`` (JSON) and ``markdown`` beside it, never over an earlier report (``report_path``)."""
+    path = report_path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     path.with_suffix(".md").write_text(markdown)
