@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 import openai
-import psutil
+from serving.procs import worker_pids
 
 REPORTS = Path(__file__).parent / "reports"
 FILLER = ("The harbour town woke before the sun. Fishing boats slid out past the breakwater while the baker lit his "
@@ -83,17 +83,7 @@ def gauge(metrics: str, name: str) -> float | None:
 
 def started_workers(up_pid: int) -> int:
     """Engine worker processes alive under ``up``: serving, standby and starting alike."""
-    try:
-        children = psutil.Process(up_pid).children(recursive=True)
-    except psutil.Error:
-        return 0
-    count = 0
-    for child in children:
-        try:
-            count += "tokenfleet.services.decode" in " ".join(child.cmdline())
-        except psutil.Error:  # exited meanwhile
-            pass
-    return count
+    return len(worker_pids(up_pid))
 
 
 def replicas(metrics: str, fixed: int, up_pid: int) -> tuple[float | None, float]:

@@ -24,10 +24,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import psutil
 from serve_peer import bench, start_tokenfleet
 from serving.cores import CoreMonitor
-from serving.procs import Children
+from serving.procs import Children, worker_pids
 from serving.report import write_report
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,10 +55,10 @@ def classify(frames: list[str]) -> str:
 
 
 def worker_pid(up_pid: int) -> int:
-    for child in psutil.Process(up_pid).children(recursive=True):
-        if "tokenfleet.services.decode" in " ".join(child.cmdline()):
-            return child.pid
-    raise RuntimeError("no worker process under `tokenfleet up`")
+    pids = worker_pids(up_pid)
+    if not pids:
+        raise RuntimeError("no worker process under `tokenfleet up`")
+    return pids[0]
 
 
 def read_raw(path: Path) -> dict[str, Counter]:

@@ -144,3 +144,22 @@ def wait_completion(url: str, model: str, timeout: float, alive: Callable[[], bo
     raise TimeoutError(f"{url} not serving after {timeout}s")
 
 
+
+
+def worker_pids(up_pid: int) -> list[int]:
+    """The engine worker processes alive under ``tokenfleet up`` (serving, standby or starting alike); none when up
+    itself is gone."""
+    import psutil
+
+    try:
+        children = psutil.Process(up_pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    pids = []
+    for child in children:
+        try:
+            if "tokenfleet.services.decode" in " ".join(child.cmdline()):
+                pids.append(child.pid)
+        except psutil.Error:  # exited meanwhile
+            pass
+    return pids

@@ -30,6 +30,8 @@ def test_a_fixed_fleet_serves_with_its_size_and_started_counts_live_worker_proce
 def test_started_workers_counts_only_engine_worker_processes(tmp_path):
     import subprocess
 
+    import psutil
+
     # a process tree like up's: one engine worker (by its module name in the command line) and one other service
     script = ("import subprocess, sys, time; "
               "ps = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)', "
@@ -40,12 +42,12 @@ def test_started_workers_counts_only_engine_worker_processes(tmp_path):
         import time
 
         for _ in range(100):
-            if len(autoscale_ramp.psutil.Process(parent.pid).children()) == 2:
+            if len(psutil.Process(parent.pid).children()) == 2:
                 break
             time.sleep(0.05)
         assert autoscale_ramp.started_workers(parent.pid) == 1
     finally:
-        for child in autoscale_ramp.psutil.Process(parent.pid).children(recursive=True):
+        for child in psutil.Process(parent.pid).children(recursive=True):
             child.kill()
         parent.kill()
     assert autoscale_ramp.started_workers(parent.pid) == 0  # gone: nothing counted, no error
