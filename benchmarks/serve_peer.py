@@ -91,7 +91,8 @@ def bench(args: argparse.Namespace, url: str, model_name: str, model_dir: str, c
             "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts),
             "--max-concurrency", str(concurrency), "--num-warmups", "0", "--ignore-eos", "--seed", str(seed),
             "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99", "--disable-tqdm",
-            "--save-result", "--result-dir", str(out_dir), "--result-filename", name]
+            "--save-result", "--result-dir", str(out_dir), "--result-filename", name,
+            *(["--header", *args.header] if getattr(args, "header", None) else [])]  # e.g. Connection=close
     done = subprocess.run(argv, capture_output=True, text=True, timeout=3600,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     if done.returncode != 0:

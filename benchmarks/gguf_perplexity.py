@@ -1,0 +1,155 @@
+"""Our perplexity against llama.cpp's `llama-perplexity` on the original GGUF: the model import checked by a second,
+independent implementation (its own GGUF reader, tokenizer, kernels).
+
+The text is committed (benchmarks/data/perplexity_text.txt, the Mozilla Public License 2.0, ~3,000 tokens). Both
+sides score the same token ids, llama.cpp's own tokenization of it (`llama-tokenize`), with llama-perplexity's
+protocol: the ids cut into chunks of --ctx tokens, each chunk's first token replaced by BOS, the second half of
+each chunk scored (the log-probability of token i+1 given tokens 0..i, for i from ctx/2 to ctx-2). Ours: the
+served engine (`tokenfleet.llm.LLM`, the paged KV, chunked prefill and kernels a worker runs) in --dtype, the
+logprobs of the prompt tokens (`prompt_logprobs`). Whether our tokenizer gives the same ids is reported too.
+
+llama.cpp computes with its quantized weights (Q4_K / Q4_1 blocks against Q8 activations) and an f16 KV cache,
+we with the weights dequantized to fp32: perplexities close to, not equal to, each other are the expected
+result; --tolerance (2 %) is the pass line.
+
+    benchmarks/peers/build_llama_cpp.sh          # prints LLAMA_BIN
+    .venv/bin/python benchmarks/gguf_perplexity.py --llama-bin LLAMA_BIN [--models gemma3-270m smollm2-135m-instruct]
+        [--ctx 512 1024] [--out benchmarks/reports/DATE-cpu-gguf-perplexity.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from serving.report import git_head, machine_line, write_report
+
+REPO = Path(__file__).resolve().parent.parent
+TEXT = REPO / "benchmarks" / "data" / "perplexity_text.txt"
+
+
+def llama_tokens(bin_dir: Path, gguf: Path, text: Path, bos: bool = True) -> list[int]:
+    """llama.cpp's token ids of ``text`` (with BOS where the model asks for one, unless ``bos`` is False)."""
+    done = subprocess.run([str(bin_dir / "llama-tokenize"), "-m", str(gguf), "-f", str(text), "--ids", "--log-disable",
+                           "--no-escape", *([] if bos else ["--no-bos"])],
+                          capture_output=True, text=True, check=True, timeout=600)
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("[")][-1]
+    return [int(t) for t in line.strip("[] \n").split(",") if t.strip()]
+
+
+def llama_perplexity(bin_dir: Path, gguf: Path, text: Path, ctx: int, threads: int) -> dict:
+    started = time.monotonic()
+    done = subprocess.run([str(bin_dir / "llama-perplexity"), "-m", str(gguf), "-f", str(text), "-c", str(ctx),
+                           "-b", str(ctx), "-t", str(threads)], capture_output=True, text=True, timeout=3600)
+    out = done.stdout + done.stderr
+    found = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", out)
+    if done.returncode != 0 or not found:
+        raise RuntimeError(f"llama-perplexity failed ({done.returncode}):\n{out[-3000:]}")
+    chunks = re.search(r"calculating perplexity over (\d+) chunks", out)
+    return {"ppl": float(found.group(1)), "ppl_error": float(found.group(2)),
+            "chunks": int(chunks.group(1)) if chunks else None, "seconds": time.monotonic() - started}
+
+
+def chunks_of(tokens: list[int], ctx: int, bos: int | None) -> list[list[int]]:
+    """llama-perplexity's chunks: whole ``ctx``-token slices, the first token of each replaced by BOS (for a model
+    that adds one)."""
+    chunks = [tokens[i * ctx:(i + 1) * ctx] for i in range(len(tokens) // ctx)]
+    return [[bos, *c[1:]] if bos is not None else c for c in chunks]
+
+
+def scored_logprobs(prompt_logprobs: list[float], ctx: int) -> list[float]:
+    """The logprobs llama-perplexity scores in one chunk: of tokens ctx/2+1 .. ctx-1 (prompt_logprobs[i] is token
+    i+1's)."""
+    first = ctx // 2
+    return prompt_logprobs[first:ctx - 1]
+
+
+def our_perplexity(llm, tokens: list[int], ctx: int, bos: int | None) -> dict:  # type: ignore[no-untyped-def]
+    from tokenfleet.engine.sampling_params import SamplingParams
+
+    started = time.monotonic()
+    chunks = chunks_of(tokens, ctx, bos)
+    outs = llm.generate(chunks, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
+    values: list[float] = []
+    for chunk, out in zip(chunks, outs):
+        logprobs = [p.logprob for p in out.prompt_logprobs]
+        assert len(logprobs) == len(chunk) - 1 and [p.token_id for p in out.prompt_logprobs] == chunk[1:]
+        values += scored_logprobs(logprobs, ctx)
+    return {"ppl": math.exp(-sum(values) / len(values)), "scored_tokens": len(values), "chunks": len(chunks),
+            "seconds": time.monotonic() - started}
+
+
+def markdown(result: dict) -> str:
+    a = result["args"]
+    lines = [f"# Perplexity: tokenfleet vs llama.cpp on the original GGUF ({result['started']})", "",
+             f"Text: `{a['text']}` ({result['text_chars']} characters). Both sides score llama.cpp's tokenization of "
+             "it with llama-perplexity's protocol (chunks of `ctx` tokens, first token replaced by BOS, second half "
+             f"of each chunk scored). tokenfleet: the engine in {a['dtype']}, weights dequantized from the GGUF by our "
+             "import; llama.cpp: `llama-perplexity -c ctx -b ctx` on the GGUF itself (its quantized kernels, f16 KV "
+             f"cache), {a['threads']} threads. Machine: {result['machine']}. git {result['git']}.", "",
+             "| model | GGUF | tokens | same ids from our tokenizer | ctx | chunks | llama.cpp PPL | tokenfleet PPL | "
+             "ratio | pass (within {:.0%}) |".format(a["tolerance"]),
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['model']} | `{Path(r['gguf']).name}` | {r['tokens']} | {r['same_ids']} | {r['ctx']} | "
+                     f"{r['llama']['chunks']} | {r['llama']['ppl']:.4f} ± {r['llama']['ppl_error']:.4f} | "
+                     f"{r['ours']['ppl']:.4f} | {r['ratio']:.4f} | {'yes' if r['pass'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-bin", required=True, help="folder of llama-perplexity and llama-tokenize")
+    parser.add_argument("--models", nargs="+", default=["gemma3-270m", "smollm2-135m-instruct"])
+    parser.add_argument("--ctx", type=int, nargs="+", default=[512, 1024])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tolerance", type=float, default=0.02)
+    parser.add_argument("--text", default=str(TEXT))
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "reports" /
+                                             f"{time.strftime('%Y-%m-%d')}-cpu-gguf-perplexity.json"))
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENFLEET_THREADS", str(args.threads))
+
+    from tokenfleet.llm import LLM
+    from tokenfleet.models.gguf_import import ensure_model, source
+
+    bin_dir = Path(args.llama_bin)
+    # llama-perplexity's -f drops one trailing newline and llama-tokenize's does not: give both a text without one
+    content = Path(args.text).read_text().rstrip("\n")
+    text = Path(tempfile.mkdtemp(prefix="ppl-")) / "text.txt"
+    text.write_text(content)
+    result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "git": git_head(),
+                    "machine": machine_line(), "text_chars": len(content), "rows": []}
+    for name in args.models:
+        gguf = source(name).path
+        tokens = llama_tokens(bin_dir, gguf, text)
+        llm = LLM(model=str(ensure_model(name)), dtype=args.dtype, max_model_len=max(args.ctx))
+        ours_ids = llm.tokenizer.encode_prompt(content)
+        bos = tokens[0] if len(tokens) == len(llama_tokens(bin_dir, gguf, text, bos=False)) + 1 else None
+        same = "yes" if ours_ids == tokens else f"no ({sum(a != b for a, b in zip(ours_ids, tokens))} differ, " \
+                                                f"{len(ours_ids)} vs {len(tokens)} ids)"
+        for ctx in args.ctx:
+            if len(tokens) < 2 * ctx:
+                print(f"{name}: {len(tokens)} tokens, fewer than 2 x ctx {ctx}: skipped")
+                continue
+            theirs = llama_perplexity(bin_dir, gguf, text, ctx, args.threads)
+            ours = our_perplexity(llm, tokens, ctx, bos)
+            ratio = ours["ppl"] / theirs["ppl"]
+            row = {"model": name, "gguf": str(gguf), "tokens": len(tokens), "same_ids": same, "ctx": ctx,
+                   "llama": theirs, "ours": ours, "ratio": ratio, "pass": abs(ratio - 1) <= args.tolerance}
+            result["rows"].append(row)
+            print(f"{name} ctx {ctx}: llama.cpp {theirs['ppl']:.4f}, tokenfleet {ours['ppl']:.4f} ({ratio:.4f})",
+                  flush=True)
+        del llm
+    write_report(args.out, result, markdown(result))
+
+
+if __name__ == "__main__":
+    main()
