@@ -166,7 +166,7 @@ def _convert(source: GGUFSource, out: Path) -> None:
     if gemma:
         tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
     tokenizer.save_pretrained(str(out))
-    _restore_digit_split(source.path, out / "tokenizer.json")
+    restore_digit_split(source.path, out / "tokenizer.json")
     _write_tokenizer_config(out, tokenizer, "GemmaTokenizerFast" if gemma else "GPT2Tokenizer")
     eos = config.get("eos_token_id")
     if gemma:  # a chat reply ends at <end_of_turn>, not only at <eos>
@@ -188,7 +188,7 @@ def gguf_pre_tokenizer(path: Path) -> str | None:
     return bytes(field.parts[field.data[0]]).decode() if field is not None else None
 
 
-def _restore_digit_split(gguf_path: Path, tokenizer_json: Path) -> None:
+def restore_digit_split(gguf_path: Path, tokenizer_json: Path) -> None:
     """Put the individual-digit split back in front of the byte-level pre-tokenizer transformers wrote."""
     if gguf_pre_tokenizer(gguf_path) not in DIGIT_SPLIT_PRE:
         return
