@@ -48,8 +48,7 @@ def same_ids(tokenizer, ours: list[int], theirs: list[int]) -> str:  # type: ign
     if ours == theirs:
         return "yes"
     at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    pieces = [repr(" · ".join(re.sub(" {2,}", lambda m: f"␣×{len(m.group())}", tokenizer.decode([t]))
-                              for t in ids[at:at + 4])) for ids in (ours, theirs)]
+    pieces = [repr(" · ".join(tokenizer.decode([t]) for t in ids[at:at + 4])) for ids in (ours, theirs)]
     return f"no: {len(ours)} vs {len(theirs)} ids, first apart at id {at}: ours {pieces[0]}, llama.cpp's {pieces[1]}"
 
 

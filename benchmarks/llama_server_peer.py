@@ -28,12 +28,11 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from serve_peer import RATIO_KEYS, _git_head, bench, start_tokenfleet, summarize
+from serve_peer import RATIO_KEYS, _git_head, bench, ratios, start_tokenfleet, summarize
 from serving.answers import check_answers, match_line
 from serving.cores import CoreMonitor
 from serving.procs import Child, Children, free_port, wait_completion
@@ -107,25 +106,22 @@ def sweep(args: argparse.Namespace, children: Children, gguf: Path, model_name: 
               f"{row['out_tok_s']:6.1f} tok/s TPOT p50 {row['tpot_p50_ms']:.1f} ms CPU {row['cpu_pct']:.0f}%"),
               flush=True)
 
-    def best(concurrency: int, key: str, lowest: bool) -> str:
-        ok = [r for r in rows if r["concurrency"] == concurrency and "error" not in r and not r["failed"]]
-        if not ok:
-            raise RuntimeError(f"no llama-server configuration served c={concurrency}")
-        return (min if lowest else max)(ok, key=lambda r: r[key])["spec"]
-
     for threads in (1, 2):
         run(1, f"t={threads},np=4,b=2048", 1)
-    top = best(1, "tpot_p50_ms", lowest=True)
+    top = best_of(rows, 1)
     for slots in (4, 16, 32):
         run(2, with_setting(top, "np", slots), 32)
-    top32 = best(32, "out_tok_s", lowest=False)
+    top32 = best_of(rows, 32)
     for batch in (512, 2048):
         run(3, with_setting(top32, "b", batch), 32)
     return rows
 
 
 def best_of(rows: list[dict], concurrency: int) -> str:
+    """The sweep's best configuration at ``concurrency``: lowest TPOT p50 at c=1, highest output tok/s above."""
     ok = [r for r in rows if r["concurrency"] == concurrency and "error" not in r and not r["failed"]]
+    if not ok:
+        raise RuntimeError(f"no llama-server configuration served c={concurrency}")
     if concurrency == 1:
         return min(ok, key=lambda r: r["tpot_p50_ms"])["spec"]
     return max(ok, key=lambda r: r["out_tok_s"])["spec"]
@@ -157,21 +153,6 @@ def round_runs(args: argparse.Namespace, system: str, round_index: int, children
         finally:
             children.stop(child, timeout=60)
     return rows
-
-
-def ratios(runs: list[dict], rounds: int, concurrencies: list[int]) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for c in concurrencies:
-        per_round = []
-        for r in range(rounds):
-            ours = next((x for x in runs if x["system"] == "tokenfleet" and x["round"] == r and x["concurrency"] == c), None)
-            peer = next((x for x in runs if x["system"] == "llama-server" and x["round"] == r and x["concurrency"] == c),
-                        None)
-            if ours and peer:
-                per_round.append({k: ours[k] / peer[k] for k in RATIO_KEYS if peer[k]})
-        if per_round:
-            out[c] = {"rounds": per_round, "median": {k: statistics.median(p[k] for p in per_round) for k in RATIO_KEYS}}
-    return out
 
 
 def markdown(result: dict) -> str:
@@ -260,7 +241,7 @@ def main() -> None:
                                              specs)
     finally:
         children.stop_all()
-    result["ratios"] = ratios(result["runs"], args.rounds, args.concurrency)
+    result["ratios"] = ratios(result["runs"], args.rounds, args.concurrency, "llama-server")
     write_report(args.out, result, markdown(result))
 
 

@@ -75,12 +75,15 @@ def physical_limits() -> dict:
 
 def worker_counters(address: str) -> dict[str, float]:
     """The worker's cumulative counters from its /metrics (Prometheus text)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=30).read().decode()
+    wanted = {f"tokenfleet_worker_{name}_total": name for name in COUNTERS}
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        for name in COUNTERS:
-            if line.startswith(f"tokenfleet_worker_{name}_total ") or line.startswith(f"tokenfleet_worker_{name}_total{{"):
-                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                values[wanted[sample.name]] = values.get(wanted[sample.name], 0.0) + sample.value
     return values
 
 

@@ -109,6 +109,16 @@ def goodput_section(path: Path) -> tuple[list[str], str]:
     return lines, summary
 
 
+def ratio_table(ratios: dict) -> list[str]:
+    """Per concurrency: the per-round tokenfleet / peer ratios of the bar's metrics, then their median."""
+    lines = ["| conc | out tok/s | TTFT p99 | TPOT p50 | TPOT p99 |", "|---|---|---|---|---|"]
+    for c, entry in ratios.items():
+        cells = [f"{fmt_rounds([r[k] for r in entry['rounds']])} (**{entry['median'][k]:.2f}**)"
+                 for k in ("out_tok_s", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def serve_peer_section(path: Path) -> list[str]:
     d = json.loads(path.read_text())
     a = d["args"]
@@ -120,11 +130,7 @@ def serve_peer_section(path: Path) -> list[str]:
              f"{a['rounds']} --concurrency {' '.join(map(str, a['concurrency']))} --vllm-config {config}`.", "",
              f"Both engines serve {dtype}. The client is `vllm bench serve`, with random {a['input_len']}-token prompts "
              f"and {a['output_len']} output tokens. The table gives tokenfleet / vLLM per round, then the median.", "",
-             "| conc | out tok/s | TTFT p99 | TPOT p50 | TPOT p99 |", "|---|---|---|---|---|"]
-    for c, entry in d["ratios"].items():
-        cells = [f"{fmt_rounds([r[k] for r in entry['rounds']])} (**{entry['median'][k]:.2f}**)"
-                 for k in ("out_tok_s", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")]
-        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+             *ratio_table(d["ratios"])]
     lines += ["", "| check | median ratio | pass |", "|---|---|---|"]
     lines += [f"| {b['check']} | {b['median_ratio']:.2f} | {'yes' if b['pass'] else 'NO'} |" for b in d["bar"]]
     return [*lines, ""]
@@ -187,11 +193,7 @@ def llama_server_section(path: Path) -> list[str]:
              "configuration per concurrency, from its sweep (threads, slots, batch): "
              + ", ".join(f"c={c}: `{spec}`" for c, spec in d["best"].items())
              + ". The table gives tokenfleet / llama-server per round, then the median.", "",
-             "| conc | out tok/s | TTFT p99 | TPOT p50 | TPOT p99 |", "|---|---|---|---|---|"]
-    for c, entry in d["ratios"].items():
-        cells = [f"{fmt_rounds([r[k] for r in entry['rounds']])} (**{entry['median'][k]:.2f}**)"
-                 for k in ("out_tok_s", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")]
-        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+             *ratio_table(d["ratios"])]
     return [*lines, ""]
 
 

