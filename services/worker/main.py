@@ -17,6 +17,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 from tokenfleet.services.common.server import GrpcServer, run_service, serve_metrics
 from tokenfleet.services.registry.client import fetch_record
+from tokenfleet.services.worker.identity import expand_kv_tier, worker_identity
 from tokenfleet.services.worker.servicer import MAX_MESSAGE_BYTES, EngineWorker
 from tokenfleet.services.worker.sources import PrefillSources
 
@@ -73,7 +74,7 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
                    help="after a drain, keep sending cached blocks to peers until none has fetched for this long "
                    "(within the grace period; 0: exit once drained)")
     p.add_argument("--kv-tier", default="", help="second KV tier for blocks the pool evicts: memory or disk:DIR "
-                   "(restored on prefix hits instead of recomputed)")
+                   "(restored on prefix hits instead of recomputed); {replica} in DIR: the replica id")
     p.add_argument("--kv-tier-bytes", type=int, default=4 << 30, help="the second tier's byte budget")
     p.add_argument("--kv-tier-tenant-bytes", type=int, default=0, help="per-tenant bytes in the second tier (0: none)")
     p.add_argument("--kv-tier-key-file", default="", help="AES key (16/24/32 bytes or hex; chmod 600) sealing the "
@@ -88,16 +89,22 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
                    "the fleet (registering in etcd): a warm-pool replica the autoscaler activates")
     p.add_argument("--lease-ttl", type=int, default=10, help="seconds a dead worker stays registered")
     p.add_argument("--model-name", help="registered model name (default: the model folder's name)")
-    p.add_argument("--replica-id", help="default: <hostname>-<port>")
+    p.add_argument("--replica-id", help="default: <hostname>-<port>; `hostname`: this host's name (a container's)")
     p.add_argument("--advertise-address", help="host:port others use to reach this worker (default: the bound "
-                   "address; set it when binding 0.0.0.0, e.g. in containers)")
+                   "address; set it when binding 0.0.0.0, e.g. in containers); host `hostname`: this host's name, "
+                   "`auto`: the IP address it resolves to (a container's on its network; refused if loopback)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = any free port)")
     p.add_argument("--backend", choices=["torch", "trtllm"],
                    help="engine implementation (default: the registry record's, else torch); trtllm needs the "
                    "tokenfleet[trtllm] extra on a GPU node")
     _add_trtllm_arguments(p)
     plane_args.add_arguments(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:  # before the engine opens the tier: its folder must not wait for the bound port
+        args.kv_tier = expand_kv_tier(args.kv_tier, args.replica_id, socket.gethostname())
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 def _add_trtllm_arguments(p: argparse.ArgumentParser) -> None:
@@ -210,12 +217,13 @@ async def serve(args: argparse.Namespace) -> None:
     server = GrpcServer([engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name], args.host, args.port,
                         plane=plane, audit=AuditLog(args.audit_log, f"worker-{args.role}"),
                         max_message_bytes=MAX_MESSAGE_BYTES)
-    address = args.advertise_address or server.address
+    replica_id, address = worker_identity(args.replica_id, args.advertise_address, server.address)
     etcd = EtcdClient(args.etcd, args.etcd_root, identity=plane.identity) if args.etcd else None
     layout = engine.kv_layout()
     layout_key = layout.key() if layout is not None else ""
     model_name, model_version = _model_name(args, config, record)
-    registration = await register(args, etcd, config, address, record, layout_key) if etcd is not None else None
+    registration = (await register(args, etcd, config, replica_id, address, record, layout_key)
+                    if etcd is not None else None)
     sources = PrefillSources(etcd, model_name, model_version, layout_key)
     await sources.start()
 
@@ -294,12 +302,12 @@ def _model_name(args: argparse.Namespace, config: EngineConfig, model: ModelReco
     return args.model_name or Path(config.model).name, ""
 
 
-async def register(args: argparse.Namespace, etcd: EtcdClient, config: EngineConfig, address: str,
+async def register(args: argparse.Namespace, etcd: EtcdClient, config: EngineConfig, replica_id: str, address: str,
                    model: ModelRecord | None, layout_key: str) -> ReplicaRegistration:
     roles = ("decode", "prefill") if args.role == "both" else (args.role,)
     name, version = _model_name(args, config, model)
     record = ReplicaRecord(
-        replica_id=args.replica_id or f"{socket.gethostname()}-{address.rpartition(':')[2]}",
+        replica_id=replica_id,
         model=name,
         model_version=version,
         address=address,

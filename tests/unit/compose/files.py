@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from tokenfleet.services.worker.identity import AUTO, HOSTNAME
 
 from tokenfleet import cli
 
@@ -30,6 +31,7 @@ COMPOSE_WHEEL = "docker_compose-1.29.2-py2.py3-none-any.whl"
 COMPOSE_SPEC_MEMBER = "compose/config/compose_spec.json"
 
 ADDRESS_FLAGS = ("--etcd", "--registry", "--router", "--advertise-address")
+DERIVED_HOSTS = (AUTO, HOSTNAME)  # --advertise-address hosts a worker takes from its container
 LISTEN_FLAGS = ("--port", "--grpc-port", "--metrics-port")
 WORKER_ROLES = ("decode", "prefill")
 
@@ -128,6 +130,18 @@ def server_argv(name: str) -> list[str] | None:
     if len(lines) == 1 and len(lines[0]) > 1 and lines[0][1] in cli.SERVICE_COMMANDS:
         return lines[0]
     return None
+
+
+def replicas(svc: dict[str, Any]) -> int:
+    """How many containers `docker compose up` starts for a service (`deploy.replicas`, else `scale`, else 1)."""
+    return int(svc.get("deploy", {}).get("replicas", svc.get("scale", 1)))
+
+
+def is_scalable(argv: list[str]) -> bool:
+    """A worker command every replica of one service can run: it takes its replica id and advertised address from
+    its container, not from the command."""
+    advertised = flag(argv, "--advertise-address")
+    return flag(argv, "--replica-id") == HOSTNAME and advertised is not None and advertised.split(":")[0] == AUTO
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -10,6 +10,7 @@ import importlib.util
 import io
 import re
 import shlex
+import socket
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ import pytest
 
 from tests.unit.compose.files import (
     ADDRESS_FLAGS,
+    DERIVED_HOSTS,
     HEALTHCHECK_SCRIPT,
     WORKER_ROLES,
     _words,
@@ -28,7 +30,9 @@ from tests.unit.compose.files import (
     dockerfile_env,
     exposed_ports,
     flag,
+    is_scalable,
     listening_ports,
+    replicas,
     server_argv,
     services,
     split_address,
@@ -129,10 +133,42 @@ def test_addresses_reach_services_that_listen_there() -> None:
                 if (address := flag(argv, f)) is None:
                     continue
                 host, port = split_address(address)
+                if f == "--advertise-address":
+                    assert port == int(flag(argv, "--port") or 0), f"{name} advertises {address}"
+                    if host in DERIVED_HOSTS:  # the container's own name or address
+                        continue
+                    assert host == name, f"{name} advertises {address}"
                 assert host in services(), f"{name} {f} {address}: no service {host}"
                 assert port in exposed_ports(services()[host]), f"{name} {f} {address}: {host} does not listen on {port}"
-                if f == "--advertise-address":
-                    assert (host, port) == (name, int(flag(argv, "--port") or 0)), f"{name} advertises {address}"
+
+
+def test_decode_workers_are_one_scalable_service() -> None:
+    """`docker compose up --scale decode=N` (and the autoscaler's compose driver) runs N decode workers of one
+    command: each takes its replica id, advertised address and tier folder from its container."""
+    decode = services()["decode"]
+    argv = server_argv("decode")
+    assert argv is not None and worker_role(argv) == "decode"
+    assert replicas(decode) >= 2
+    assert flag(argv, "--replica-id") == "hostname"
+    assert flag(argv, "--advertise-address") == f"auto:{flag(argv, '--port')}"
+    assert flag(argv, "--kv-tier") == "disk:/cache/kv-tier/{replica}"
+    args = parse(argv)
+    assert args.kv_tier == f"disk:/cache/kv-tier/{socket.gethostname()}"  # a folder per replica
+    assert not [n for n in services() if n.startswith("decode-")], "per-worker decode services remain"
+
+
+def test_only_scalable_workers_run_more_than_one_replica() -> None:
+    """Replicas of a command with a fixed --replica-id or --advertise-address would all register under one name;
+    they cannot share a tier folder, a container name or a published host port either."""
+    scaled = [name for name, svc in services().items() if replicas(svc) > 1]
+    assert "decode" in scaled
+    for name in scaled:
+        svc = services()[name]
+        argv = server_argv(name) if name in tokenfleet_services() else None
+        assert argv is not None and argv[1] in WORKER_ROLES, f"{name}: {replicas(svc)} replicas of a non-worker"
+        assert is_scalable(argv), f"{name}: {replicas(svc)} replicas that would share one identity"
+        assert "{replica}" in (flag(argv, "--kv-tier") or "{replica}"), f"{name}: replicas would share a tier folder"
+        assert "container_name" not in svc and not svc.get("ports"), f"{name}: replicas would clash"
 
 
 def test_healthchecks_probe_the_service_port() -> None:

@@ -20,6 +20,7 @@ from tests.unit.compose.files import (
     exposed_ports,
     flag,
     mounts,
+    replicas,
     server_argv,
     services,
     split_address,
@@ -31,16 +32,41 @@ from tests.unit.compose.files import (
 # (c) Prometheus and Grafana
 
 
+def relabel(labels: dict[str, str], rules: list[dict[str, Any]]) -> dict[str, str]:
+    """Prometheus' `replace` relabeling (its default action; the only one prometheus.yml may use here)."""
+    out = dict(labels)
+    for rule in rules:
+        assert rule.get("action", "replace") == "replace", f"unsupported relabel action in {rule}"
+        value = rule.get("separator", ";").join(out.get(name, "") for name in rule.get("source_labels", []))
+        match = re.fullmatch(rule.get("regex", "(.*)"), value)
+        if match:
+            out[rule["target_label"]] = match.expand(rule.get("replacement", "$1").replace("$", "\\"))
+    return out
+
+
 def prometheus_targets() -> dict[str, dict[str, str]]:
-    """target -> its labels (job and static labels)."""
+    """target -> its labels (job, static labels, relabeling). A DNS-discovered name stands for every address it
+    resolves to: `dns:NAME:PORT`."""
     config = yaml.safe_load(PROMETHEUS_FILE.read_text())
     targets: dict[str, dict[str, str]] = {}
     for job in config["scrape_configs"]:
-        for static in job["static_configs"]:
-            for target in static["targets"]:
-                assert target not in targets, f"{target} scraped twice"
-                targets[target] = {"job": job["job_name"], **static.get("labels", {})}
+        found = [(target, static.get("labels", {})) for static in job.get("static_configs", [])
+                 for target in static["targets"]]
+        for dns in job.get("dns_sd_configs", []):
+            assert dns["type"] == "A", f"{dns['names']}: Docker's DNS answers a service name with A records"
+            found += [(f"dns:{name}:{dns['port']}", {"__meta_dns_name": name}) for name in dns["names"]]
+        for target, labels in found:
+            assert target not in targets, f"{target} scraped twice"
+            kept = relabel({"job": job["job_name"], **labels}, job.get("relabel_configs", []))
+            targets[target] = {k: v for k, v in kept.items() if not k.startswith("__")}
     return targets
+
+
+def test_relabel() -> None:
+    rules = [{"source_labels": ["__meta_dns_name"], "regex": "decode", "target_label": "role", "replacement": "decode"},
+             {"source_labels": ["job", "role"], "regex": "(.*);(.*)", "target_label": "both", "replacement": "$2-$1"}]
+    assert relabel({"job": "w", "__meta_dns_name": "decode"}, rules)["both"] == "decode-w"
+    assert "role" not in relabel({"job": "w", "__meta_dns_name": "decoder"}, rules)
 
 
 def test_prometheus_config_is_mounted() -> None:
@@ -51,11 +77,15 @@ def test_prometheus_config_is_mounted() -> None:
 
 
 def test_prometheus_scrapes_ports_services_expose() -> None:
+    """Static targets name one-container services; a scaled service is found through DNS (a static target would
+    reach one replica of it, a different one each time)."""
     targets = prometheus_targets()
     for target in targets:
-        host, port = split_address(target)
+        host, port = split_address(target.removeprefix("dns:"))
         assert host in services(), f"scrape target {target}: no service {host}"
         assert port in exposed_ports(services()[host]), f"scrape target {target}: {host} does not expose {port}"
+        if not target.startswith("dns:"):
+            assert replicas(services()[host]) == 1, f"scrape target {target}: {host} has replicas; discover them by DNS"
     gateway = server_argv("gateway")
     assert gateway is not None
     assert f"gateway:{flag(gateway, '--metrics-port')}" in targets, "the gateway's metrics port is not scraped"
@@ -66,7 +96,8 @@ def test_prometheus_scrapes_ports_services_expose() -> None:
         metrics_port = flag(argv, "--metrics-port")
         assert metrics_port is not None, f"{name} serves no metrics"
         role = worker_role(argv)
-        assert targets.get(f"{name}:{metrics_port}", {}).get("role") == role, f"{name}'s metrics are not scraped as {role}"
+        target = f"dns:{name}:{metrics_port}" if replicas(services()[name]) > 1 else f"{name}:{metrics_port}"
+        assert targets.get(target, {}).get("role") == role, f"{name}'s metrics are not scraped as {role} ({target})"
 
 
 def test_grafana_provisioning_points_at_prometheus_and_the_dashboards() -> None:
