@@ -54,6 +54,7 @@ POLICY: Mapping[str, frozenset[str]] = {
 }
 ADMIN = frozenset({
     "/tokenfleet.v1.EngineService/Abort", "/tokenfleet.v1.EngineService/Drain",
+    "/tokenfleet.v1.EngineService/LoadAdapter",  # loads a filesystem path into a worker
     "/tokenfleet.v1.RegistryService/RegisterModel", "/tokenfleet.v1.RegistryService/SetAlias",
     "/tokenfleet.v1.RegistryService/DeleteAlias", "/tokenfleet.v1.RegistryService/SetModelStatus",
 })

@@ -29,6 +29,10 @@ def test_every_internal_rpc_has_a_policy_and_the_public_api_none():
     assert POLICY["/tokenfleet.v1.EngineService/Prefill"] == {"worker"}
     assert "gateway" not in POLICY["/tokenfleet.v1.EngineService/Drain"]
     assert POLICY["/tokenfleet.v1.RegistryService/RegisterModel"] == {"operator"}
+    # every call that changes what a worker serves, or what it loads from its disk, is audited
+    changes = {m for m, roles in POLICY.items() if roles <= {"operator", "autoscaler"} and ".EngineService/" in m}
+    assert changes == {"/tokenfleet.v1.EngineService/" + m for m in ("Abort", "Drain", "LoadAdapter")}
+    assert changes <= ADMIN
 
 
 @pytest.fixture
