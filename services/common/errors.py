@@ -51,6 +51,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
     if code is grpc.StatusCode.INTERNAL and not isinstance(exc, APIError):
         log.exception("handler failed", method=method)
         await context.abort(code, f"internal error: {type(exc).__name__}")
+    if isinstance(exc, APIError) and "retry-after" in exc.headers:  # an overload refusal says when to come back
+        context.set_trailing_metadata((("retry-after", exc.headers["retry-after"]),))
     await context.abort(code, str(exc))
 
 

@@ -13,7 +13,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from tokenfleet.services.gateway.openai_encoder import OpenAIEncoder
-from tokenfleet.services.gateway.pipeline import Call, Gateway, request_trace, trace_request, validate_body
+from tokenfleet.services.gateway.pipeline import Call, Gateway, client_deadline, request_trace, trace_request, validate_body
 
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
 from tokenfleet.batch.store import BatchStore
@@ -119,6 +119,7 @@ async def _serve(gateway: Gateway, request: Request, chat: bool) -> Response:
     operation = "chat" if chat else "text_completion"  # gen_ai.operation.name
     call = request.state.call = Call(request.state.request_id, request.url.path, trace=request_trace(
         operation, request.state.request_id, attributes={"http.request.method": "POST", "url.path": request.url.path}))
+    call.deadline = client_deadline(request.headers)
     timer = RequestTimer(gateway.metrics)
     authenticated = False
     try:
@@ -127,7 +128,7 @@ async def _serve(gateway: Gateway, request: Request, chat: bool) -> Response:
         structlog.contextvars.bind_contextvars(tenant=call.caller.tenant.name, key_id=call.caller.key_id)
         gateway.admission.precheck(call.caller, call.request_id, call.endpoint, call.headers)  # cheap checks first
         body = await _parse(request, ChatCompletionRequest if chat else CompletionRequest)
-        prepared = await gateway.prepare(body, call.caller.tenant)
+        prepared = await gateway.prepare(body, call.caller.tenant, call.deadline)
         trace_request(call.trace, operation, call.caller.tenant, prepared, body)
         run = await gateway.open(call, prepared)
         encoder = OpenAIEncoder.of(prepared)

@@ -5,6 +5,7 @@ replica when one is lost mid-stream."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
@@ -28,6 +29,9 @@ log = structlog.get_logger()
 PICK_TIMEOUT_S = 10.0
 MAX_PLACEMENTS = 3  # a request tries at most this many replicas before its first token
 RESUME_PICK_WAIT_S = 3.0  # a stream being resumed waits this long for the fleet to show a replica
+# A new request that no router can place yet (a router restarting, the fleet's only worker restarting) waits this long
+# (within its deadline) for one to; the client gets 503 with Retry-After after that.
+OUTAGE_WAIT_S = 5.0
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
 # Toward routers and workers: HTTP/2 pings find a silently partitioned peer (no RST, no FIN) within
 # ~15 s, and its streams fail (UNAVAILABLE) instead of hanging.
@@ -37,15 +41,16 @@ WORKER_CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-# A worker that has not produced a request's first response after this many times its tier's TTFT
-# objective (at least FIRST_RESPONSE_MIN_S) is given up on for that request (placed again), whatever
-# the reason it is silent. Workers refuse at once what they predict to miss the objective itself.
+# A request whose client stated no deadline (a batch line): a worker that has not produced its first response after
+# this many times its tier's TTFT objective (at least FIRST_RESPONSE_MIN_S) is given up on for that request (placed
+# again), whatever the reason it is silent. With a deadline, the worker has until then; a worker refuses at once what
+# it predicts would miss it (or its tier's objective, when the operator set one).
 FIRST_RESPONSE_DEADLINE_FACTOR = 2.0
 FIRST_RESPONSE_MIN_S = 60.0
 # How a stream looks when its replica died mid-way (connection reset, RST_STREAM, server gone).
 LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
         grpc.StatusCode.CANCELLED)
-# Generous for a CPU development cluster (the serving benchmark's load must pass); set per fleet.
+# Batch lines' first-response deadline (above); early rejection uses only objectives an operator sets.
 DEFAULT_TTFT_OBJECTIVES = {"interactive": 30.0, "batch": 300.0}
 TIER_PRIORITY = {"interactive": common_pb2.PRIORITY_INTERACTIVE, "batch": common_pb2.PRIORITY_BATCH}
 
@@ -75,6 +80,16 @@ class Job:
     adapter: str = ""  # a LoRA adapter on the workers ("" = the base model)
     trace: Trace = field(default_factory=Trace)  # the request's span: router and worker calls are its children
     spare_only: bool = False  # a batch line: placed only where the fleet has spare capacity (PickRequest.spare_only)
+    deadline: float | None = None  # time.monotonic() when the client stops waiting for the first response
+
+
+@dataclass
+class _Sample:
+    """One sample's output passed on to the client (n > 1: one per index)."""
+
+    delivered: list[int] = field(default_factory=list)  # output tokens passed on
+    text: str = ""  # and their text
+    finished: bool = False  # its final passed on
 
 
 @dataclass
@@ -83,10 +98,34 @@ class _Progress:
 
     failed: list[str] = field(default_factory=list)  # replicas left: refused, failed before responding, or lost
     lost: list[str] = field(default_factory=list)  # of those, lost mid-stream: a resume avoids only these
-    delivered: list[int] = field(default_factory=list)  # output tokens passed on
-    text: str = ""  # and their text
+    samples: dict[int, _Sample] = field(default_factory=dict)  # by index
     resumes: int = 0
     last_error: grpc.aio.AioRpcError | None = None
+
+    def sample(self, index: int) -> _Sample:
+        return self.samples.setdefault(index, _Sample())
+
+    @property
+    def delivered(self) -> list[int]:
+        """Sample 0's tokens passed on (n = 1: the stream's)."""
+        return self.sample(0).delivered
+
+    @property
+    def started(self) -> bool:
+        """Some output passed on: placing it again is a resume."""
+        return any(s.delivered for s in self.samples.values())
+
+    def note(self, response: engine_pb2.GenerateResponse) -> None:
+        if response.HasField("chunk"):
+            sample = self.sample(response.chunk.index)
+            sample.delivered.extend(response.chunk.token_ids)
+            sample.text += response.chunk.text
+        elif response.HasField("final"):
+            self.sample(response.final.index).finished = True
+
+    def all_tokens_delivered(self, n: int, limit: int) -> bool:
+        """Every unfinished sample has its every token passed on: only finals are missing."""
+        return all(self.sample(i).finished or len(self.sample(i).delivered) >= limit for i in range(n))
 
 
 @dataclass
@@ -95,8 +134,9 @@ class Dispatcher:
     metrics: GatewayMetrics
     channels: Channels  # to the router and the workers, over the internal plane
     max_resumes: int = 2  # a stream whose replica dies is continued elsewhere at most this many times
-    # Early rejection: a worker refuses a request it predicts would wait longer than its tier's objective.
-    ttft_objectives: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TTFT_OBJECTIVES))
+    # Early rejection: a worker refuses a request it predicts would wait longer than its tier's objective (only those
+    # an operator set: by default, only past the client's deadline).
+    ttft_objectives: dict[str, float] = field(default_factory=dict)
     _turn: Iterator[int] = field(default_factory=itertools.count)
 
     async def pick(self, job: Job, exclude: Sequence[str] = (), colocated: bool = False, resuming: bool = False
@@ -142,9 +182,14 @@ class Dispatcher:
     async def _place(self, job: Job, progress: _Progress) -> router_pb2.PickResponse:
         """A placement avoiding the replicas this request left; when resuming a stream whose replica
         was lost, a fleet with no replica right now (a lease renewing, a worker restarting) is given
-        up to RESUME_PICK_WAIT_S to show one. Every replica refused: the refusal is the error."""
-        resuming = bool(progress.delivered)
-        deadline = time.monotonic() + (RESUME_PICK_WAIT_S if resuming else 0)
+        up to RESUME_PICK_WAIT_S to show one, and a new request that no router could place up to OUTAGE_WAIT_S
+        (a router restarting). Every replica refused: the refusal is the error."""
+        resuming = progress.started
+        wait = RESUME_PICK_WAIT_S if resuming else OUTAGE_WAIT_S if progress.last_error is None and not job.spare_only \
+            else 0.0
+        deadline = time.monotonic() + wait
+        if job.deadline is not None:
+            deadline = min(deadline, job.deadline)
         while True:
             try:
                 return await self.pick(job, progress.lost if resuming else progress.failed, colocated=resuming,
@@ -163,13 +208,14 @@ class Dispatcher:
                                              sampling=sampling_to_proto(job.params), tenant=job.tenant.name,
                                              priority=TIER_PRIORITY[job.tenant.tier], cache_scope=job.cache_scope,
                                              adapter=job.adapter)
-        if progress.delivered:
+        if progress.started:
             request.resume.output_token_ids.extend(progress.delivered)
-            request.resume.text = progress.text
+            request.resume.text = progress.sample(0).text
             log.warning("resuming the stream on another replica", replica=picked.replica_id, lost=progress.failed,
                         tokens_delivered=len(progress.delivered), resume=progress.resumes)
         else:
-            request.ttft_objective_ms = int(1000 * self.ttft_objectives.get(job.tenant.tier, 0))
+            objective = self.first_token_budget(job)
+            request.ttft_objective_ms = max(1, int(1000 * objective)) if objective is not None else 0
             if picked.prefill_address:
                 request.prefill.replica_id = picked.prefill_replica_id
                 request.prefill.address = picked.prefill_address
@@ -179,16 +225,22 @@ class Dispatcher:
                 request.prefix_source.num_blocks = picked.prefix_blocks
         return request
 
-    async def generate(self, job: Job) -> AsyncGenerator[engine_pb2.GenerateResponse, None]:
+    async def generate(self, job: Job, progress: _Progress | None = None
+                       ) -> AsyncGenerator[engine_pb2.GenerateResponse, None]:
         """The worker's response stream, kept whole across replica failures.
 
         A replica that fails before its first response (gone, draining, full) is excluded and
         the request placed again, up to MAX_PLACEMENTS times. A replica lost mid-stream is
         excluded too and the request continues on another one, which re-prefills the prompt
         plus the tokens already streamed (``resume``) and streams only what follows, at most
-        ``max_resumes`` times; after that the stream ends with an error."""
-        progress = _Progress()
+        ``max_resumes`` times; after that the stream ends with an error. With n > 1 each
+        unfinished sample continues as a request of its own (``_resume_samples``)."""
+        progress = progress if progress is not None else _Progress()
         while True:
+            if job.params.n > 1 and progress.started:
+                async for response in self._resume_samples(job, progress):
+                    yield response
+                return
             picked = await self._place(job, progress)
             stub = engine_pb2_grpc.EngineServiceStub(self.channels.get(picked.address, "worker"))
             span = job.trace.child("worker.generate", "client", {
@@ -204,9 +256,7 @@ class Dispatcher:
                         log.error("worker reported an error", replica=picked.replica_id, error=response.error.message)
                         raise APIError(500, "The server had an error while processing your request.", "server_error")
                     responded = True
-                    if response.HasField("chunk"):
-                        progress.delivered.extend(response.chunk.token_ids)
-                        progress.text += response.chunk.text
+                    progress.note(response)
                     finals += response.HasField("final")
                     finished = finals >= job.params.n  # n > 1: every sample's final
                     yield response
@@ -227,12 +277,26 @@ class Dispatcher:
                 call.cancel()  # no-op when finished; aborts the request when the client went away
                 span.end(None if finished else failure or "the stream ended early")
 
+    def first_token_budget(self, job: Job) -> float | None:
+        """Seconds the request may wait for its first token (the worker refuses it at once when it predicts a longer
+        wait): the least of its tier's objective, when an operator set one, and what is left of its client's deadline.
+        None: no bound."""
+        bounds = [self.ttft_objectives[job.tenant.tier]] if job.tenant.tier in self.ttft_objectives else []
+        if job.deadline is not None:
+            bounds.append(max(0.001, job.deadline - time.monotonic()))
+        return min(bounds) if bounds else None
+
     async def _with_first_deadline(self, call: grpc.aio.UnaryStreamCall, job: Job
                                    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        """The call's responses; DEADLINE_EXCEEDED (the call cancelled) when the first takes longer than
-        FIRST_RESPONSE_DEADLINE_FACTOR x the tier's TTFT objective (at least FIRST_RESPONSE_MIN_S)."""
+        """The call's responses; DEADLINE_EXCEEDED (the call cancelled) when the first has not come by the client's
+        deadline, or without one (a batch line) after FIRST_RESPONSE_DEADLINE_FACTOR x the tier's TTFT objective (at
+        least FIRST_RESPONSE_MIN_S)."""
         responses = call.__aiter__()
-        deadline = max(FIRST_RESPONSE_MIN_S, FIRST_RESPONSE_DEADLINE_FACTOR * self.ttft_objectives.get(job.tenant.tier, 0))
+        if job.deadline is not None:
+            deadline = max(0.001, job.deadline - time.monotonic())
+        else:
+            objective = self.ttft_objectives.get(job.tenant.tier, DEFAULT_TTFT_OBJECTIVES.get(job.tenant.tier, 0))
+            deadline = max(FIRST_RESPONSE_MIN_S, FIRST_RESPONSE_DEADLINE_FACTOR * objective)
         try:
             first = await asyncio.wait_for(anext(responses), deadline)
         except StopAsyncIteration:
@@ -252,7 +316,7 @@ class Dispatcher:
         context = {"replica": replica, "code": e.code().name, "details": e.details()}
         if not responded and e.code() in RETRYABLE and len(progress.failed) + 1 < MAX_PLACEMENTS:
             log.warning("replica failed before responding; placing again", **context)
-        elif lost and job.params.n == 1 and progress.resumes < self.max_resumes and len(progress.delivered) < job.limit:
+        elif lost and progress.resumes < self.max_resumes and not progress.all_tokens_delivered(job.params.n, job.limit):
             progress.resumes += 1
             self.metrics.resumes.labels("ok").inc()
             log.warning("replica lost mid-stream; continuing on another", **context,
@@ -261,7 +325,7 @@ class Dispatcher:
         elif lost:
             log.warning("replica lost mid-stream; not resuming", **context, tokens_delivered=len(progress.delivered),
                         resumes=progress.resumes, max_resumes=self.max_resumes)
-            if len(progress.delivered) >= job.limit:  # every token delivered, only the final lost
+            if progress.all_tokens_delivered(job.params.n, job.limit):  # every token delivered, only the final lost
                 raise APIError(503, f"the request's replica was lost after its last token: {e.details()}",
                                "server_error", code="replica_lost") from e
             self.metrics.resumes.labels("exhausted").inc()
@@ -274,6 +338,41 @@ class Dispatcher:
         if lost:
             progress.lost.append(replica)
         progress.last_error = e
+
+
+    async def _resume_samples(self, job: Job, progress: _Progress) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        """n > 1 after a replica was lost: each unfinished sample continues as a request of its own (n = 1, the seed a
+        seeded request's sample has, its own output resumed), their responses merged under the sample's index. Each
+        of them is resumed again if its replica is lost, from the resumes the group has left."""
+        queue: asyncio.Queue[engine_pb2.GenerateResponse | BaseException | None] = asyncio.Queue()
+
+        async def run(index: int) -> None:
+            params = dataclasses.replace(job.params, n=1, seed=None if job.params.seed is None
+                                         else (job.params.seed + index) % 2**64)
+            sample = progress.sample(index)
+            own = _Progress(list(progress.failed), list(progress.lost), {0: _Sample(sample.delivered, sample.text)},
+                            progress.resumes, progress.last_error)
+            try:
+                async for response in self.generate(dataclasses.replace(job, params=params,
+                                                                        request_id=f"{job.request_id}-{index}"), own):
+                    getattr(response, response.WhichOneof("kind")).index = index
+                    await queue.put(response)
+            except BaseException as e:  # noqa: BLE001 - handed to the merged stream
+                await queue.put(e)
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(run(i)) for i in range(job.params.n) if not progress.sample(i).finished]
+        try:
+            for _ in range(len(tasks)):
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def trace_metadata() -> tuple[tuple[str, str], ...]:

@@ -9,6 +9,7 @@ aborts the request.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -17,7 +18,15 @@ import structlog
 from google.protobuf.message import Message
 from tokenfleet.services.common.errors import map_errors, status_for
 from tokenfleet.services.gateway.grpc_encoder import GrpcEncoder
-from tokenfleet.services.gateway.pipeline import Call, Gateway, Prepared, request_trace, trace_request, validate_body
+from tokenfleet.services.gateway.pipeline import (
+    DEFAULT_DEADLINE_S,
+    Call,
+    Gateway,
+    Prepared,
+    request_trace,
+    trace_request,
+    validate_body,
+)
 
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
 from tokenfleet.telemetry.metrics import RequestTimer
@@ -110,7 +119,7 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
         return self.gateway.admission.authenticate(metadata.get("authorization"), context.peer())
 
     async def _serve(self, context: grpc.aio.ServicerContext, endpoint: str,
-                     prepare: Callable[[Tenant], Awaitable[Prepared]], chat: bool) -> AsyncIterator[Message]:
+                     prepare: Callable[[Tenant, float], Awaitable[Prepared]], chat: bool) -> AsyncIterator[Message]:
         """What both streaming calls share: the request id, the caller, metrics, the pipeline, the encoder."""
         request_id = new_request_id(from_metadata(context.invocation_metadata()))
         with structlog.contextvars.bound_contextvars(request_id=request_id):
@@ -121,7 +130,9 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
             try:
                 call.caller = self.authenticate(context)
                 self.gateway.admission.precheck(call.caller, call.request_id, call.endpoint, call.headers)
-                prepared = await prepare(call.caller.tenant)  # its name: a canary split's fallback key; its tier
+                remaining = context.time_remaining()  # the client's gRPC deadline, None without one
+                call.deadline = time.monotonic() + (DEFAULT_DEADLINE_S if remaining is None else remaining)
+                prepared = await prepare(call.caller.tenant, call.deadline)  # its name: a canary split's fallback key; its tier
                 trace_request(call.trace, operation, call.caller.tenant, prepared)
                 run = await self.gateway.open(call, prepared)
             except APIError as e:  # becomes a status in map_errors
@@ -144,15 +155,16 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
     @map_errors
     async def ChatCompletion(self, request: inference_pb2.ChatCompletionRequest, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[Message]:
-        async for chunk in self._serve(context, CHAT, lambda tenant: self.gateway.prepare(chat_request(request), tenant),
-                                       chat=True):
+        async for chunk in self._serve(context, CHAT, lambda tenant, deadline: self.gateway.prepare(
+                chat_request(request), tenant, deadline), chat=True):
             yield chunk
 
     @map_errors
     async def Completion(self, request: inference_pb2.CompletionRequest, context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[Message]:
         async for chunk in self._serve(context, COMPLETION,
-                                       lambda tenant: self.gateway.prepare(completion_request(request), tenant),
+                                       lambda tenant, deadline: self.gateway.prepare(
+                                           completion_request(request), tenant, deadline),
                                        chat=False):
             yield chunk
 

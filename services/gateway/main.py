@@ -17,10 +17,10 @@ from tokenfleet.services.common.server import GrpcServer, run_service, serve_met
 from tokenfleet.services.gateway.app import MAX_BODY_BYTES, create_app
 from tokenfleet.services.gateway.batch_runner import BatchRunner
 from tokenfleet.services.gateway.catalog import ModelCatalog, ServedModel, load_served
-from tokenfleet.services.gateway.dispatch import DEFAULT_TTFT_OBJECTIVES
 from tokenfleet.services.gateway.grpc_api import InferenceAPI
 from tokenfleet.services.gateway.http_protocol import HeadTimeoutH11Protocol
 from tokenfleet.services.gateway.pipeline import Gateway
+from tokenfleet.services.gateway.preparer import DEFAULT_MAX_QUEUED, Preparer
 from tokenfleet.services.registry.client import watch_registry
 
 from tokenfleet.batch.formats import Limits as BatchLimits
@@ -84,7 +84,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "pass to another gateway this long after its last renewal (a restarted one takes its own at once)")
     p.add_argument("--ttft-objective", action="append", default=[], metavar="TIER=SECONDS",
                    help="early rejection: a request whose predicted wait for its first token exceeds its tier's "
-                   "objective gets 503 at once (defaults: interactive=30, batch=300, for CPU clusters)")
+                   "objective gets 503 (Retry-After) at once; without one, only a request predicted to wait past its "
+                   "client's deadline (x-request-timeout, the openai client's x-stainless-read-timeout, a gRPC "
+                   "deadline; default 600 s) is refused")
+    p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED,
+                   help="requests waiting to be prepared (template, tokens) past which a new one gets 503 (Retry-After) "
+                   "at once; below it a burst waits its turn until each client's deadline")
     p.add_argument("--grace-seconds", type=float, default=30.0,
                    help="on SIGTERM: stop accepting, let open streams finish for this long")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = any free port; "
@@ -154,7 +159,7 @@ async def serve(args: argparse.Namespace) -> None:
     admission = Admission(directory, ledger, share=peers.share if peers is not None else lambda: 1.0)
     routers = [a.strip() for given in args.router for a in given.split(",") if a.strip()]
     gateway = Gateway(routers, catalog, metrics=metrics, plane=plane, max_resumes=args.max_resumes,
-                      admission=admission,
+                      admission=admission, preparer=Preparer(max_queued=args.max_queued_requests),
                       ttft_objectives=ttft_objectives(args.ttft_objective))
     log.info("gateway admission", auth=args.auth, ledger=args.ledger)
     store = runner = None
@@ -249,7 +254,7 @@ async def reload_on_change(path: str, directory: Directory, interval: float = 1.
 
 
 def ttft_objectives(specs: list[str]) -> dict[str, float]:
-    objectives = dict(DEFAULT_TTFT_OBJECTIVES)
+    objectives: dict[str, float] = {}
     for spec in specs:
         tier, sep, seconds = spec.partition("=")
         if not sep or tier not in TIERS:

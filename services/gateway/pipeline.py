@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +43,12 @@ from tokenfleet.tenancy.tenants import Tenant
 from tokenfleet.v1 import common_pb2, engine_pb2
 
 log = structlog.get_logger()
+# How long a client waits for its response to start, in seconds: the official openai client sends its timeout as
+# x-stainless-read-timeout; other clients may send x-request-timeout. A request is queued (preparation, the worker's
+# queue) only while it can still start before then.
+DEADLINE_HEADERS = ("x-request-timeout", "x-stainless-read-timeout")
+DEFAULT_DEADLINE_S = 600.0  # the official client's default timeout
+MAX_DEADLINE_S = 3600.0
 FINISH = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -63,6 +71,7 @@ class Call:
     # on the ticket for the runner to write with the line's result
     batch_line: bool = False
     ticket: Ticket | None = None  # its admission (set by Gateway.open): a batch line's record is kept on it
+    deadline: float | None = None  # time.monotonic() when the client stops waiting for the response to start
 
 
 @dataclass
@@ -128,7 +137,7 @@ class Gateway:
     draining: bool = False  # set on SIGTERM: /health says so, open streams finish
     max_resumes: int = 2  # a stream whose replica dies is continued elsewhere at most this many times
     admission: Admission = field(default_factory=Admission)  # API keys, budgets, the ledger
-    ttft_objectives: dict[str, float] | None = None  # per tier; None: dispatch.DEFAULT_TTFT_OBJECTIVES
+    ttft_objectives: dict[str, float] | None = None  # per tier, as the operator set them (early rejection)
     plane: Plane = field(default_factory=Plane.plaintext)  # the internal plane: router and workers
     preparer: Preparer = field(default_factory=Preparer)  # templating, tokenizing, grammars: off the event loop
     dispatcher: Dispatcher = field(init=False)
@@ -140,7 +149,7 @@ class Gateway:
             self.dispatcher.ttft_objectives = dict(self.ttft_objectives)
 
     async def prepare_chat(self, body: ChatCompletionRequest, tenant: str = "", tier: str = "interactive",
-                           pins: Mapping[str, str] | None = None) -> Prepared:
+                           pins: Mapping[str, str] | None = None, deadline: float | None = None) -> Prepared:
         """``tenant``: with the body's ``user``, the conversation's key for an alias's canary split. ``tier``: the
         tenant's, a feature of the model router's when ``body.model`` is a routing alias. ``pins``: the tenant's pinned
         versions (model name -> ref), applied first."""
@@ -150,25 +159,27 @@ class Gateway:
             [(m.role, m.text()) for m in body.messages], tools=body.tool_choice_name != "none",
             json_mode=fmt != "text", tier=tier, max_tokens=limit or 0))
         model = await self.models.get(name, body.user or tenant)
-        prepared = await self.preparer.run(self._prepare_chat, model, body)
+        prepared = await self.preparer.run(self._prepare_chat, model, body, deadline=deadline)
         prepared.requested_model = body.model if name != body.model else ""
         return prepared
 
     async def prepare_completion(self, body: CompletionRequest, tenant: str = "", tier: str = "interactive",
-                                 pins: Mapping[str, str] | None = None) -> Prepared:
+                                 pins: Mapping[str, str] | None = None, deadline: float | None = None) -> Prepared:
         text = body.prompt if isinstance(body.prompt, str) else ""
         name = self._route((pins or {}).get(body.model, body.model),
                            RouteInput([("user", text)], tier=tier, max_tokens=body.max_tokens or 0))
         model = await self.models.get(name, body.user or tenant)
-        prepared = await self.preparer.run(self._prepare_completion, model, body)
+        prepared = await self.preparer.run(self._prepare_completion, model, body, deadline=deadline)
         prepared.requested_model = body.model if name != body.model else ""
         return prepared
 
-    async def prepare(self, body: ChatCompletionRequest | CompletionRequest, tenant: Tenant) -> Prepared:
-        """``body`` prepared for ``tenant`` (its name, tier and pinned versions): chat or completion by its type."""
+    async def prepare(self, body: ChatCompletionRequest | CompletionRequest, tenant: Tenant,
+                      deadline: float | None = None) -> Prepared:
+        """``body`` prepared for ``tenant`` (its name, tier and pinned versions): chat or completion by its type.
+        ``deadline``: the client's (Call.deadline); still waiting for a preparation thread then, it is refused."""
         if isinstance(body, ChatCompletionRequest):
-            return await self.prepare_chat(body, tenant.name, tenant.tier, dict(tenant.pins))
-        return await self.prepare_completion(body, tenant.name, tenant.tier, dict(tenant.pins))
+            return await self.prepare_chat(body, tenant.name, tenant.tier, dict(tenant.pins), deadline)
+        return await self.prepare_completion(body, tenant.name, tenant.tier, dict(tenant.pins), deadline)
 
     def _route(self, name: str, request: RouteInput) -> str:
         """The model router: a routing alias's choice for this request (counted in metrics, logged); other names
@@ -229,7 +240,7 @@ class Gateway:
         call.trace.event("admitted")
         scope = request_scope(tenant.cache_group or tenant.name, prepared.cache_salt)
         job = Job(model.ref, prepared.request_id, prompt, params, limit, tenant, call.placement, scope, model.adapter,
-                  trace=call.trace, spare_only=call.batch_line)
+                  trace=call.trace, spare_only=call.batch_line, deadline=call.deadline)
         stream = self.dispatcher.generate(job)
         try:
             first = await _first(stream)
@@ -291,6 +302,21 @@ def validate_body(schema: type, body: Any) -> Any:
         first = e.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ()))
         raise APIError(400, f"{param}: {first.get('msg')}", param=param or None) from e
+
+
+def client_deadline(headers: Mapping[str, str], now: float | None = None) -> float:
+    """When the client stops waiting (time.monotonic()): its own timeout header (DEADLINE_HEADERS, seconds, at most
+    MAX_DEADLINE_S), else DEFAULT_DEADLINE_S; a header that is not a positive number is ignored."""
+    seconds = DEFAULT_DEADLINE_S
+    for name in DEADLINE_HEADERS:
+        try:
+            value = float(headers.get(name) or "nan")
+        except ValueError:
+            continue
+        if math.isfinite(value) and value > 0:
+            seconds = min(value, MAX_DEADLINE_S)
+            break
+    return (time.monotonic() if now is None else now) + seconds
 
 
 def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:

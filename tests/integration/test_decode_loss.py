@@ -5,15 +5,18 @@ clear error event instead of a cut connection (or a hang)."""
 
 from __future__ import annotations
 
+import json
 import urllib.error
 import urllib.request
 
+import jsonschema
 import openai
 import pytest
 
 from tests.integration.conftest import start_service, wait_for
 from tests.integration.test_fleet import MODEL, REPLICA_HEADER
 from tests.integration.test_fleet import fleet as fleet  # noqa: F401 - the fixture
+from tests.integration.test_membership import replicas
 
 MAX_TOKENS = 60
 MESSAGES = [{"role": "user", "content": "Count slowly from one to one hundred, one number per line."}]
@@ -103,3 +106,71 @@ def test_with_no_resumes_left_the_stream_ends_with_an_error_event(fleet):  # noq
         assert metric(gateway, 'tokenfleet_gateway_resumes_total{result="ok"}') == 0
     finally:
         gateway.stop()
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20}, "country": {"enum": ["FR", "IT", "DE"]}},
+    "required": ["name", "country"], "additionalProperties": False}, "sunny": {"type": "boolean"}},
+    "required": ["city", "sunny"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+CONSTRAINED = {
+    "json_schema": dict(messages=[{"role": "user", "content": "Describe the weather in a European city as JSON."}],
+                        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY,
+                                                                                "strict": True}}),
+    "tool_call": dict(messages=[{"role": "user", "content": "What's the weather in Paris?"}], tools=[WEATHER],
+                      tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False),
+    "json_schema_n2": dict(messages=[{"role": "user", "content": "Describe the weather in a European city as JSON."}],
+                           response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY,
+                                                                                   "strict": True}}, n=2),
+}
+
+
+def constrained(client: openai.OpenAI, kwargs: dict, kill=None) -> tuple[dict, dict, str]:  # type: ignore[no-untyped-def]
+    """({index: text or tool arguments}, {index: finish reason}, replica) of a streamed greedy request;
+    ``kill(replica)`` once every choice has passed on 4 chunks of output."""
+    out: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    seen: dict[int, int] = {}
+    with client.chat.completions.with_streaming_response.create(
+            model=MODEL, max_tokens=100, temperature=0, stream=True, **kwargs) as response:
+        replica = response.headers[REPLICA_HEADER]
+        for chunk in response.parse():
+            for choice in chunk.choices:
+                piece = choice.delta.content or "".join(c.function.arguments or "" for c in choice.delta.tool_calls or [])
+                out[choice.index] = out.get(choice.index, "") + piece
+                seen[choice.index] = seen.get(choice.index, 0) + bool(piece)
+                if choice.finish_reason:
+                    finish[choice.index] = choice.finish_reason
+            if kill is not None and len(seen) == kwargs.get("n", 1) and min(seen.values()) >= 4:
+                kill(replica)
+                kill = None
+    assert kill is None, "the stream ended before the kill"
+    return out, finish, replica
+
+
+def test_a_resumed_constrained_stream_is_valid_and_identical_json_schema_tool_call_and_n2(fleet):  # noqa: F811
+    """Resumed on another replica, a stream's grammar state is rebuilt from the tokens already sent: the JSON
+    still validates, the forced call still parses, and each of n=2 samples continues as it would have."""
+    client = client_of(fleet.url)
+    for name, kwargs in CONSTRAINED.items():
+        undisturbed, finish, _ = constrained(client, kwargs)
+        expected_finish = "tool_calls" if "tools" in kwargs else "stop"
+        assert finish == {i: expected_finish for i in range(kwargs.get("n", 1))}, (name, finish)
+        killed: list[str] = []
+
+        def kill(replica: str, killed: list[str] = killed) -> None:
+            fleet.workers[replica].proc.kill()  # kill -9 mid-stream
+            killed.append(replica)
+
+        resumed, finish, _ = constrained(client, {**kwargs, "stream_options": {"include_usage": True}}, kill)
+        assert killed, name
+        assert resumed == undisturbed, name  # token-identical to the undisturbed run, every sample
+        assert finish == {i: expected_finish for i in range(kwargs.get("n", 1))}, (name, finish)
+        for text in resumed.values():
+            document = json.loads(text)
+            jsonschema.validate(document, CITY if "response_format" in kwargs else WEATHER["function"]["parameters"])
+        fleet.workers[killed[0]] = fleet.start_worker(killed[0])  # back for the next case
+        wait_for(lambda: len(replicas(fleet.etcd.endpoint)) == 2, "both workers registered again", 120)
+    assert metric(fleet.gateway, 'tokenfleet_gateway_resumes_total{result="ok"}') == len(CONSTRAINED)

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import openai
@@ -46,21 +45,30 @@ def test_up_restarts_a_killed_worker_router_and_registry_and_keeps_serving(defau
         def restarted(service: str, times: int = 1) -> bool:
             return log.read_text().count(f"[supervisor] {service} restarted") >= times
 
-        # a worker killed while a stream runs: the stream resumes on the other worker, the killed one comes back
-        done: list[int] = []
+        # the worker serving a stream killed mid-way (the one x-tokenfleet-replica names): the stream resumes on the
+        # other worker and delivers every token it asked for; the killed one comes back
+        done: list[tuple[int, int, str]] = []
 
         def stream() -> None:
-            chunks = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Tell a story."}],
-                                                    max_tokens=120, stream=True, extra_body={"ignore_eos": True})
-            done.append(sum(1 for c in chunks if c.choices and c.choices[0].delta.content))
+            with client.chat.completions.with_streaming_response.create(
+                    model="smol", messages=[{"role": "user", "content": "Tell a story."}], max_tokens=120, stream=True,
+                    temperature=0, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}) as response:
+                replica, content, usage = response.headers["x-tokenfleet-replica"], 0, 0
+                for chunk in response.parse():
+                    content += bool(chunk.choices and chunk.choices[0].delta.content)
+                    usage = chunk.usage.completion_tokens if chunk.usage else usage
+                    if content == 10 and not done:
+                        os.kill(service_pid(up.pid, f"--replica-id {replica} "), signal.SIGKILL)
+                        done.append((0, 0, replica))
+            done.append((content, usage, replica))
 
         reader = threading.Thread(target=stream)
         reader.start()
-        time.sleep(2.0)
-        os.kill(service_pid(up.pid, "--replica-id worker-0"), signal.SIGKILL)
         reader.join(timeout=300)
-        assert done and done[0] > 0  # the stream completed (resumed on worker-1 if worker-0 held it)
-        wait_for(lambda: restarted("worker-0"), "worker-0 restarted", 180)
+        assert len(done) == 2, done  # killed mid-stream, then completed
+        killed, (content, usage, _) = done[0][2], done[1]
+        assert usage == 120 and content >= 100, done  # every token (a chunk may carry a few)
+        wait_for(lambda: restarted(killed), f"{killed} restarted", 180)
 
         for service, needle in (("router", "tokenfleet.services.router"), ("registry", "tokenfleet.services.registry")):
             os.kill(service_pid(up.pid, needle), signal.SIGKILL)

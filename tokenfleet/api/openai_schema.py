@@ -15,6 +15,8 @@ from tokenfleet.api import tools as tool_calls
 from tokenfleet.engine.grammar import GrammarError, Guided, validate
 from tokenfleet.engine.sampling_params import MAX_N, SamplingParams
 
+DEFAULT_RETRY_AFTER = "1"  # seconds
+
 
 class APIError(Exception):
     """An error the gateway returns in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -23,7 +25,9 @@ class APIError(Exception):
                  code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}  # e.g. Retry-After and rate-limit headers of a 429
+        self.headers = {k.lower(): v for k, v in (headers or {}).items()}  # e.g. Retry-After, rate-limit state
+        if status == 503:  # every refusal for load or a passing fault says when to try again
+            self.headers.setdefault("retry-after", DEFAULT_RETRY_AFTER)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from tokenfleet.services.gateway.preparer import Preparer
@@ -48,24 +49,39 @@ def test_request_sizes_are_capped_with_a_400_that_names_the_limit():
         Guided("regex", "a" * (MAX_SPEC_CHARS + 1))
 
 
-def test_the_preparer_runs_off_the_loop_and_refuses_past_its_queue():
-    async def scenario() -> tuple[int, int, APIError]:
-        preparer = Preparer(threads=1, max_pending=2)
+def test_the_preparer_runs_off_the_loop_queues_a_burst_and_refuses_past_its_queue_or_deadline():
+    async def scenario() -> tuple[int, int, list[int], APIError, APIError]:
+        preparer = Preparer(threads=1, max_queued=3)
         release = threading.Event()
         loop_thread = threading.get_ident()
-        blocked = [asyncio.ensure_future(preparer.run(release.wait, 30)) for _ in range(2)]
+        blocked = asyncio.ensure_future(preparer.run(release.wait, 30))
         await asyncio.sleep(0.05)
-        with pytest.raises(APIError) as busy:
+        # a burst behind a busy thread waits its turn (not refused) ...
+        queued = [asyncio.ensure_future(preparer.run(lambda i=i: i)) for i in range(2)]
+        await asyncio.sleep(0.05)
+        assert not any(q.done() for q in queued)
+        with pytest.raises(APIError) as full:  # ... up to max_queued
             await preparer.run(threading.get_ident)
         release.set()
-        await asyncio.gather(*blocked)
+        await blocked
+        done = list(await asyncio.gather(*queued))
+        release.clear()
+        blocked = asyncio.ensure_future(preparer.run(release.wait, 30))
+        await asyncio.sleep(0.05)
+        with pytest.raises(APIError) as late:  # one still waiting at its deadline is refused
+            await preparer.run(threading.get_ident, deadline=time.monotonic() + 0.1)
+        release.set()
+        await blocked
         ran_on = await preparer.run(threading.get_ident)
+        assert preparer.pending == 0
         preparer.shutdown()
-        return loop_thread, ran_on, busy.value
+        return loop_thread, ran_on, done, full.value, late.value
 
-    loop_thread, ran_on, busy = asyncio.run(scenario())
-    assert ran_on != loop_thread
-    assert busy.status == 503 and busy.headers == {"retry-after": "1"} and busy.code == "overloaded"
+    loop_thread, ran_on, done, full, late = asyncio.run(scenario())
+    assert ran_on != loop_thread and done == [0, 1]
+    for refused in (full, late):
+        assert refused.status == 503 and refused.headers == {"retry-after": "1"} and refused.code == "overloaded"
+    assert "deadline" in late.message and "waiting" in full.message
 
 
 def test_the_precheck_refuses_before_preparation_and_takes_nothing():
