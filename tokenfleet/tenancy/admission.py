@@ -8,6 +8,7 @@ gateway's share of each tenant's per-minute budget (``share()``: 1 / live gatewa
 from __future__ import annotations
 
 import math
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,9 +82,21 @@ class Ticket:
         if self.admission.ledger is None:
             return
         if durable:
-            await self.admission.ledger.write(record)
+            try:
+                await self.admission.ledger.write(record)
+            except sqlite3.Error as e:  # a full disk: the result is withheld (it could not be billed), clearly
+                raise ledger_unavailable(str(e)) from e
         else:
             self.admission.ledger.submit(record)
+
+
+LEDGER_RETRY_S = 2.0  # after a failed ledger commit, new requests are refused this long before one is tried again
+
+
+def ledger_unavailable(reason: str) -> APIError:
+    return APIError(503, f"usage cannot be recorded now ({reason}); the request was not billed, and a result not "
+                    "billed is not returned", "server_error", code="ledger_unavailable",
+                    headers={"retry-after": str(math.ceil(LEDGER_RETRY_S))})
 
 
 class Admission:
@@ -129,7 +142,11 @@ class Admission:
 
     def precheck(self, caller: Caller, request_id: str, endpoint: str, headers: dict[str, str] | None = None) -> None:
         """The cheap refusal before a request is prepared: 429 when the tenant could not be admitted
-        now whatever the request (streams at its limit, request or token bucket empty)."""
+        now whatever the request (streams at its limit, request or token bucket empty); 503 while the ledger
+        cannot be written (its last commit failed less than LEDGER_RETRY_S ago): a result that could not be
+        billed would be withheld, so the request is not run."""
+        if self.ledger is not None and self.ledger.failing(LEDGER_RETRY_S):
+            raise ledger_unavailable(self.ledger.last_error)
         budget = self.budget(caller.tenant)
         now = self.clock()
         denied = budget.precheck(now)

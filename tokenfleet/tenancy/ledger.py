@@ -15,12 +15,16 @@ import io
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
+
+log = structlog.get_logger()
 STATUSES = ("ok", "cancelled", "failed", "rejected")
 _COLUMNS = ("request_id", "tenant", "key_id", "model", "endpoint", "status", "prompt_tokens", "cached_tokens",
             "completion_tokens", "ttft_ms", "duration_ms", "started_at", "finished_at", "detail", "requested_model")
@@ -82,6 +86,12 @@ class Ledger:
         self._thread = threading.Thread(target=self._run, name="tokenfleet-ledger", daemon=True)
         self._thread.start()
         self.num_commits = 0
+        self.failed_at: float | None = None  # time.monotonic() of the last failed commit (a full disk); None after one
+        self.last_error = ""  # succeeds
+
+    def failing(self, within: float) -> bool:
+        """Whether a commit failed in the last ``within`` seconds, with none succeeding since."""
+        return self.failed_at is not None and time.monotonic() - self.failed_at < within
 
     async def write(self, record: UsageRecord, guard: tuple[str, tuple] | None = None) -> bool:
         """Returns when the record is on disk. ``guard``: a statement (SQL, parameters) run in the same
@@ -128,7 +138,10 @@ class Ledger:
                 conn.executemany(INSERT,
                                  [record.row() for (record, _, _), ok in zip(items, written, strict=True) if ok])
             self.num_commits += 1
+            self.failed_at = None
         except sqlite3.Error as e:
+            self.failed_at, self.last_error = time.monotonic(), str(e)
+            log.error("the usage ledger cannot be written", error=str(e), records=len(items))
             for _, done, _ in items:
                 _resolve(done, error=e)
             return

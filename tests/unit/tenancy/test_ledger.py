@@ -85,3 +85,33 @@ def test_a_writer_whose_caller_stopped_waiting_keeps_writing(tmp_path):
     ledger.close()
     assert ledger._thread.is_alive() is False  # closed, not died: every record made it
     assert sorted(r.request_id for r in records(tmp_path / "l.sqlite3")) == sorted(f"r{i}" for i in range(1, 40))
+
+
+def test_a_ledger_that_cannot_be_written_withholds_the_result_and_refuses_new_requests_until_it_can(tmp_path):
+    """A full disk (here: the table gone, the same sqlite3.Error): the request that finished is not returned as if
+    billed (503 ledger_unavailable), new ones are refused before they run, and a commit that succeeds again clears it."""
+    from tokenfleet.api.openai_schema import APIError
+    from tokenfleet.tenancy.admission import Admission, Caller
+    from tokenfleet.tenancy.tenants import Tenant
+
+    path = tmp_path / "l.sqlite3"
+    ledger = Ledger(path)
+    admission = Admission(ledger=ledger)
+    caller = Caller(Tenant("t"), "k")
+    with sqlite3.connect(path) as conn:
+        conn.execute("ALTER TABLE usage RENAME TO usage_away")
+    ticket = admission.admit(caller, "smol", "/v1/chat/completions", "r1", 5, 10)
+    with pytest.raises(APIError) as withheld:
+        asyncio.run(ticket.finish("ok", 5, 0, 3, None))
+    assert withheld.value.status == 503 and withheld.value.code == "ledger_unavailable"
+    assert ledger.failing(60) and not ledger.failing(0)
+    with pytest.raises(APIError) as refused:
+        admission.precheck(caller, "r2", "/v1/chat/completions")
+    assert refused.value.status == 503 and refused.value.headers["retry-after"] == "2"
+    with sqlite3.connect(path) as conn:
+        conn.execute("ALTER TABLE usage_away RENAME TO usage")
+    asyncio.run(ledger.write(rec(3)))
+    assert not ledger.failing(60)
+    admission.precheck(caller, "r4", "/v1/chat/completions")  # admitted again
+    assert [r.request_id for r in records(path)] == ["r3"]
+    ledger.close()
