@@ -39,6 +39,8 @@ def add_commands(sub: Any) -> None:
     up_cmd.add_argument("--threads", type=int, default=0,
                         help="torch threads per worker (0 = the machine's cores shared out among the workers)")
     up_cmd.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0 = any free port)")
+    up_cmd.add_argument("--gateways", type=int, default=1, help="gateways (the first on --port, the others on free "
+                        "ports, each printed): one ledger and batch tier, budgets shared out between them")
     up_cmd.add_argument("--host", default="127.0.0.1", help="where the gateway listens (another than loopback needs "
                         "--auth on or --insecure-no-auth)")
     up_cmd.add_argument("--auth", choices=["off", "on"], default="off",
@@ -90,7 +92,8 @@ def add_commands(sub: Any) -> None:
 def detached_up_argv(args: argparse.Namespace) -> list[str]:
     """The `up` command line of the child that runs a --detach cluster: every option but --detach/--ask."""
     argv = ["up", "--workers", str(args.workers), "--prefill-workers", str(args.prefill_workers), "--threads",
-            str(args.threads), "--port", str(args.port), "--role", args.role, "--dtype", args.dtype]
+            str(args.threads), "--port", str(args.port), "--role", args.role, "--dtype", args.dtype,
+            "--gateways", str(args.gateways)]
     argv += [word for model in args.model for word in ("--model", model)]
     argv += ["--model-name", args.model_name] if args.model_name else []
     argv += ["--certs", args.certs] if args.certs else []
@@ -130,6 +133,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from tokenfleet.models.gguf_import import DEFAULT_MODEL_NAME
 
     launcher.check_auth(args.host, args.auth == "on", args.insecure_no_auth)  # before anything starts
+    if args.gateways < 1:
+        print(f"--gateways must be at least 1, got {args.gateways}", file=sys.stderr)
+        return 2
     policy = None
     if args.autoscale:  # ScalePolicy checks the settings: refused before anything starts
         from tokenfleet.cluster.autoscale import ScalePolicy
@@ -195,12 +201,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
                           speculative_config=args.speculative_config, lora=args.lora,
                           kv_cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling,
                           batch_slots=args.batch_slots,
-                          batch_concurrency=args.batch_concurrency)
+                          batch_concurrency=args.batch_concurrency, gateways=args.gateways)
     try:
         prefill = f" + {args.prefill_workers} prefill worker(s)" if args.prefill_workers else ""
         served = ", ".join([name, *(m for m, _ in more)])
         print(f"gateway: {cluster.gateway_url}/v1  (model {served}, {args.workers} worker(s){prefill}, "
               f"etcd {cluster.etcd.endpoint})", flush=True)
+        if len(cluster.gateway_urls) > 1:
+            print(f"more gateways: {' '.join(f'{url}/v1' for url in cluster.gateway_urls[1:])}", flush=True)
         if auth:
             print("API keys required: `tokenfleet tenants add NAME` creates a tenant and prints its key "
                   "(Authorization: Bearer tfk_...)", flush=True)

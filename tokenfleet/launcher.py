@@ -42,8 +42,9 @@ def state_file() -> Path:
 class Cluster:
     etcd: EtcdServer
     processes: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
-    gateway_url: str = ""
+    gateway_url: str = ""  # the first gateway's
     gateway_metrics: str = ""  # host:port of the gateway's /metrics (not on the public API port)
+    gateway_urls: list[str] = field(default_factory=list)  # every gateway's (up --gateways N), the first first
     announced: dict[str, list[str]] = field(default_factory=dict)  # lines each service printed before LISTENING
     owns_state: bool = True  # `tokenfleet up`'s cluster: its state file goes with it
     addresses: dict[str, str] = field(default_factory=dict)  # service name -> the address it listens on
@@ -212,7 +213,8 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
        insecure: bool = False, certs: Path | None = None, host: str = "127.0.0.1", auth: bool = False,
        no_auth: bool = False, more_models: Sequence[tuple[str, str]] = (), kv_tier: str = "",
        kv_tier_bytes: int = 0, speculative_config: str = "", lora: Sequence[str] = (), batch_slots: int = 8,
-       batch_concurrency: int = 8, kv_cache_dtype: str = "", async_scheduling: bool = False) -> Cluster:
+       batch_concurrency: int = 8, kv_cache_dtype: str = "", async_scheduling: bool = False,
+       gateways: int = 1) -> Cluster:
     """``prefill_workers`` > 0 disaggregates: that many prefill workers, and the ``num_workers``
     others decode only (unless ``role`` says otherwise); the router sends long prompts' prefill there.
     ``record``: write the state file `tokenfleet down` reads (off for private clusters, e.g. calibration).
@@ -227,7 +229,10 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
     model's record's ("fp8": models.kv_fp8). ``async_scheduling``: every worker overlaps scheduling with its device
     (EngineCore.enable_overlap). ``batch_slots``: the router gives a
     worker batch lines only while it runs fewer requests (and none waits); ``batch_concurrency``: batch lines the
-    gateway runs at once."""
+    gateway runs at once. ``gateways``: that many gateways (the first on ``gateway_port``, the others on free ports),
+    one database (ledger, batch tier) and one router between them."""
+    if gateways < 1:
+        raise ValueError(f"gateways must be at least 1, got {gateways}")
     check_auth(host, auth, no_auth)
     threads = threads or worker_threads(num_workers + prefill_workers + len(more_models))
     folder = None if insecure else Path(certs or envs.certs_dir())
@@ -260,11 +265,16 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
                           *(["--async-scheduling"] if async_scheduling else []), threads=threads)
         router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", etcd, "--registry", registry, *audit,
                                *METRICS, "--batch-slots", str(batch_slots))
-        keys = ["--auth", "on", "--etcd", etcd] if auth else []
-        gateway = cluster.spawn("gateway", "tokenfleet.services.gateway", "--router", router, "--registry", registry,
-                                "--host", host, "--port", str(gateway_port), "--metrics-port", "0", *keys, *tls,
-                                "--batch-concurrency", str(batch_concurrency))
-        cluster.gateway_url = f"http://{gateway}"
+        # several gateways learn their share of each tenant's budget from each other in etcd
+        keys = ["--auth", "on"] if auth else []
+        peers = ["--etcd", etcd] if auth or gateways > 1 else []
+        for i in range(gateways):
+            gateway = cluster.spawn(f"gateway-{i}" if i else "gateway", "tokenfleet.services.gateway", "--router",
+                                    router, "--registry", registry, "--host", host,
+                                    "--port", str(gateway_port if i == 0 else 0), "--metrics-port", "0", *keys, *peers,
+                                    *tls, "--batch-concurrency", str(batch_concurrency))
+            cluster.gateway_urls.append(f"http://{gateway}")
+        cluster.gateway_url = cluster.gateway_urls[0]
         cluster.gateway_metrics = next((line.split()[1] for line in cluster.announced["gateway"]
                                         if line.startswith("METRICS ")), "")
         gateway_plane = Plane.plaintext() if folder is None else Plane(Identity(folder, "gateway"))
@@ -279,7 +289,8 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
         cluster.stop()
         raise
     if record:
-        state = {"pid": os.getpid(), "gateway": cluster.gateway_url, "etcd": etcd, "registry": registry,
+        state = {"pid": os.getpid(), "gateway": cluster.gateway_url, "gateways": cluster.gateway_urls, "etcd": etcd,
+                 "registry": registry,
                  "certs": str(folder or ""), "insecure": folder is None, "auth": auth,
                  "gateway_metrics": cluster.gateway_metrics, "metrics": cluster.metrics(),
                  "started": _process_start(os.getpid())}
