@@ -69,6 +69,8 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
                    help="seconds a KV transfer may take: prefill-side held blocks are freed after it, and a "
                    "decode worker prefills locally instead")
     p.add_argument("--max-prefill-chunk", type=int, default=0, help="cap each request's prefill chunk (0 = budget)")
+    p.add_argument("--itl-guard", type=float, default=1.5, help="a step beside decoding streams takes at most this "
+                   "times a decode-only step (a long prompt's chunks get the rest, at least a token a step); 0 = off")
     p.add_argument("--grace-seconds", type=float, default=30.0, help="drain deadline on SIGTERM")
     p.add_argument("--handoff-idle-seconds", type=float, default=2.0,
                    help="after a drain, keep sending cached blocks to peers until none has fetched for this long "
@@ -131,6 +133,7 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_waiting=args.max_num_waiting,
         max_prefill_chunk=args.max_prefill_chunk,
+        itl_guard=args.itl_guard,
         max_num_running=args.max_num_running,
         fair_queuing=not args.no_fair_queuing,
         kv_tier=args.kv_tier,

@@ -47,8 +47,13 @@ class EngineConfig:
     # Overlapped scheduling (EngineCore.enable_overlap): the next decode step is queued on the device before the
     # host reads this one's tokens. Off by default until measured on a GPU (benchmarks/gpu_step.py).
     async_scheduling: bool = False
+    # A step beside decoding streams takes at most this times a decode-only step: prompt chunks get the rest
+    # (engine.itl_guard); 0 = off (chunks up to max_num_batched_tokens whatever decodes); off with async_scheduling
+    itl_guard: float = 1.5
 
     def __post_init__(self) -> None:
+        if self.itl_guard and self.itl_guard <= 1:
+            raise ValueError(f"itl_guard must be 0 (off) or above 1, got {self.itl_guard}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:

@@ -17,6 +17,7 @@ import structlog
 
 from tokenfleet.engine.detokenizer import Decoder
 from tokenfleet.engine.guided import GuideCompiler
+from tokenfleet.engine.itl_guard import ItlGuard
 from tokenfleet.engine.kv_connector import KVConnector
 from tokenfleet.engine.kv_tier import SecondTier, StagedBlocks, TierChain
 from tokenfleet.engine.lookahead import lookahead, queueable
@@ -52,6 +53,11 @@ class EngineCore:
         self.tier: SecondTier | None = None
         self.staged: StagedBlocks | None = None  # blocks peers sent (peer fetch), until admission restores them
         self.spec: Speculator | None = None  # speculative decoding (enable_speculation)
+        self.itl_guard: ItlGuard | None = None  # prompt chunks sized to decoding streams' latency (enable_itl_guard)
+
+    def enable_itl_guard(self, guard: ItlGuard) -> None:
+        """Steps beside decoding streams give prompt chunks only ``guard.factor`` x a decode-only step."""
+        self.itl_guard = guard
 
     def enable_speculation(self, config: SpecConfig) -> None:
         """Propose tokens for decoding requests and verify them in the step's forward (engine.spec_decode)."""
@@ -332,6 +338,8 @@ class EngineCore:
         if self.spec is not None:
             self.spec.cost.prefill_per_token = 1.0 / self.stats.prefill_tokens_per_s if self.stats.prefill_tokens_per_s else 0.0
             self.spec.propose(self.scheduler.running, self.scheduler.config.max_num_batched_tokens)
+        if self.itl_guard is not None:
+            self.scheduler.prefill_allowance = self.itl_guard.allowance()
         output = self.scheduler.schedule()
         self.offload_evicted()  # before the restores and the forward overwrite those blocks
         if output.is_empty:
@@ -396,6 +404,8 @@ class EngineCore:
                 outputs.append(self._process(entry.request_id, result, finished))
                 outputs.extend(self._process(fork_id, result, finished) for fork_id in entry.forks)
         self.stats.record_step(self._timer.last, output.num_scheduled_tokens)
+        if self.itl_guard is not None and not self.overlap:
+            self.itl_guard.observe(output.scheduled, self._timer.last)
         if self._step_cost is not None:
             flops, read = self._step_cost(output)
             self.stats.model_flops += flops

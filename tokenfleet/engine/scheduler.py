@@ -35,6 +35,7 @@ from typing import Protocol
 
 from tokenfleet.engine.block_manager import BlockManager
 from tokenfleet.engine.fair_queue import FairQueue
+from tokenfleet.engine.itl_guard import PrefillAllowance
 from tokenfleet.engine.request import FinishReason, Request, RequestStatus
 from tokenfleet.kvcache.block_hash import hash_blocks
 from tokenfleet.kvcache.salt import chain_salt
@@ -292,6 +293,16 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     # ---- one step ------------------------------------------------------------------------
+    # the prefill work a step may take beside decoding streams or a short waiting prompt (engine.itl_guard), set by
+    # the core before ``schedule``; applied only to a step that has either
+    prefill_allowance: PrefillAllowance | None = None
+    _allowance: PrefillAllowance | None = None  # this step's, when applied
+
+    @property
+    def decoding(self) -> bool:
+        """Whether a running request is generating (its next step computes one token)."""
+        return any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
@@ -300,6 +311,15 @@ class Scheduler:
         restores: list[tuple[int, bytes]] = []
         self.running.sort(key=lambda r: self._order[r.request_id])
         owed = self._owed_after() if any(r.draft_token_ids for r in self.running) else None
+        # long prompts' chunks are held to the allowance while something waits on this step: a stream decoding, or a
+        # short prompt (running or next in line), which is computed whole
+        allowance = self.prefill_allowance
+        if allowance is not None and not self.decoding:
+            head = self.waiting.peek()
+            if not any(not allowance.is_long(r.num_tokens - r.num_computed_tokens)
+                       for r in (*self.running, *([head] if head is not None else []))):
+                allowance = None
+        self._allowance = allowance
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -315,10 +335,12 @@ class Scheduler:
             copies.extend(allocation.copies)
             scheduled.append(self._entry(request, n + len(draft), draft))
             budget -= n + len(draft)
+            self._spend(request.num_computed_tokens, n)
             i += 1
         if not preempted:
             budget = self._admit_waiting(budget, scheduled, copies, restores)
         scheduled.sort(key=lambda s: s.num_new_tokens != 1 and not s.draft)  # stable: decodes (and verifications) first
+        self._allowance = None
         self.num_block_copies += len(copies)
         return SchedulerOutput(tuple(scheduled), tuple(copies), tuple(preempted), tuple(restores))
 
@@ -326,7 +348,13 @@ class Scheduler:
         n = min(request.num_tokens - num_computed, budget)
         if self.config.max_prefill_chunk:
             n = min(n, self.config.max_prefill_chunk)
+        if n > 1 and self._allowance is not None and self._allowance.is_long(request.num_tokens - num_computed):
+            n = self._allowance.tokens(num_computed, n)
         return n
+
+    def _spend(self, start: int, n: int) -> None:
+        if n > 1 and self._allowance is not None:
+            self._allowance.spend(start, n)
 
     def _owed_after(self) -> list[int]:
         """Per running request, the tokens the running requests after it need this step (their decode or prefill
@@ -408,6 +436,7 @@ class Scheduler:
             copies.extend(allocation.copies)
             scheduled.append(self._entry(request, n))
             budget -= n
+            self._spend(computed, n)
         return budget
 
     def _entry(self, request: Request, n: int, draft: tuple[int, ...] = ()) -> ScheduledRequest:

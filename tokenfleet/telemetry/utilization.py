@@ -36,6 +36,11 @@ class StepCost:
     attention_flops_per_pair: float  # 4 x layers x query width
     kv_bytes_per_token: float  # K and V of one position, all layers
 
+    @property
+    def pair_cost(self) -> float:
+        """One attention (query, key) pair's FLOPs in tokens through the matmuls (engine.itl_guard's unit)."""
+        return self.attention_flops_per_pair / (2 * self.matmul_params) if self.matmul_params else 0.0
+
     def of(self, tokens: int, samples: int, pairs: int, keys: int) -> tuple[float, float]:
         flops = 2 * self.matmul_params * tokens + self.head_flops_per_sample * samples \
             + self.attention_flops_per_pair * pairs

@@ -12,6 +12,7 @@ from tokenfleet.engine import kv_store, kv_tier
 from tokenfleet.engine.block_manager import BlockManager
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.core import EngineCore
+from tokenfleet.engine.itl_guard import ItlGuard
 from tokenfleet.engine.runner import ModelInfo
 from tokenfleet.engine.scheduler import Scheduler
 from tokenfleet.models.kv_fp8 import row_bytes
@@ -65,6 +66,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         kernel_checks=runner.kernel_checks,
     )
     core = EngineCore(scheduler, runner, tokenizer, info)
+    if config.itl_guard and not config.async_scheduling:  # a queued step is scheduled before the last one's time
+        core.enable_itl_guard(ItlGuard(config.itl_guard, runner.cost.pair_cost))
     if core.moves_blocks:
         core.enable_peer_blocks()
     if spec is not None:

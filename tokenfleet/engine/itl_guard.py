@@ -1,0 +1,110 @@
+"""Keeping streams smooth beside a long prompt. A step runs every running request's next token and the chunks of
+prompts being prefilled; a chunk of 2,048 tokens deep into a long context can make that step many times longer than
+a decode-only one, and every stream in the batch stalls for it. With the guard, a step that has streams decoding
+gives long prompts' chunks only the time ``factor`` allows: at most ``factor`` x a decode-only step in all, measured
+on this replica. Short prompts (``SHORT_PROMPT`` tokens left or fewer) are computed whole, and a step with one (running
+or next in line) holds long prompts back the same way: a question behind a long document starts at once. A long prompt
+always advances (at least one token a step), and takes full chunks whenever nothing decodes and no short prompt
+waits.
+
+Work is counted in token-equivalents: one token through the matmuls, and ``pair_cost`` for each attention (query,
+key) pair (attention FLOPs per pair over matmul FLOPs per token), so a chunk deep into a long context costs more than
+one at its start. Pure arithmetic over plain numbers; the core feeds it each step's shape and time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+PROBE_WORK = 64.0  # token-equivalents a step may add before this replica's prefill speed is known
+SHORT_PROMPT = 512  # a prompt with at most this many tokens left to compute is short: computed whole, never held
+EMA = 0.2  # weight of the newest step in the running estimates
+
+
+class Entry(Protocol):
+    """What the guard reads of a scheduled entry (scheduler.ScheduledRequest)."""
+
+    @property
+    def start(self) -> int: ...
+    @property
+    def num_new_tokens(self) -> int: ...
+    @property
+    def draft(self) -> tuple[int, ...]: ...
+
+
+def chunk_work(start: int, n: int, pair_cost: float) -> float:
+    """Token-equivalents of computing ``n`` tokens from position ``start`` (causal attention over the context)."""
+    return n + pair_cost * (n * start + n * (n + 1) / 2)
+
+
+@dataclass
+class PrefillAllowance:
+    """Prefill work one step may still take (set on the scheduler for that step)."""
+
+    left: float  # token-equivalents
+    pair_cost: float
+
+    @staticmethod
+    def is_long(remaining: int) -> bool:
+        """A prompt with this many tokens left is held to the allowance (a short one is computed whole)."""
+        return remaining > SHORT_PROMPT
+
+    def tokens(self, start: int, limit: int) -> int:
+        """The most tokens (1..``limit``) of a chunk from ``start`` whose work fits what is left; at least 1."""
+        if limit <= 1 or chunk_work(start, limit, self.pair_cost) <= self.left:
+            return limit
+        lo, hi = 1, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if chunk_work(start, mid, self.pair_cost) <= self.left:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def spend(self, start: int, n: int) -> None:
+        self.left -= chunk_work(start, n, self.pair_cost)
+
+
+@dataclass
+class ItlGuard:
+    factor: float  # a step beside decoding streams takes at most this times a decode-only step (> 1)
+    pair_cost: float
+    decode_s: float | None = None  # recent decode-only steps' seconds
+    work_s: float | None = None  # recent seconds per token-equivalent of prefill work
+
+    def __post_init__(self) -> None:
+        if self.factor <= 1:
+            raise ValueError(f"the ITL guard's factor must be above 1, got {self.factor}")
+
+    def allowance(self) -> PrefillAllowance:
+        """The next step's prefill allowance, for the scheduler to apply when the step has streams decoding or a
+        short prompt waiting: while a decode-only step has not been timed, nothing beyond one token per prompt
+        (that step times it); while prefill speed is unknown, a small probe."""
+        if self.decode_s is None:
+            return PrefillAllowance(0.0, self.pair_cost)
+        if self.work_s is None:
+            return PrefillAllowance(PROBE_WORK, self.pair_cost)
+        return PrefillAllowance((self.factor - 1) * self.decode_s / self.work_s, self.pair_cost)
+
+    def observe(self, scheduled: Sequence[Entry], seconds: float) -> None:
+        """A step that ran: decode-only steps time decoding, the others prefill work (their decodes' share
+        taken out). Steps that verify speculated tokens are neither."""
+        if any(e.draft for e in scheduled):
+            return
+        prefill = sum(chunk_work(e.start, e.num_new_tokens, self.pair_cost) for e in scheduled if e.num_new_tokens > 1)
+        decodes = any(e.num_new_tokens == 1 for e in scheduled)
+        if not prefill:
+            if decodes:
+                self.decode_s = _ema(self.decode_s, seconds)
+            return
+        if decodes and self.decode_s is None:
+            return
+        spent = seconds - (self.decode_s if decodes and self.decode_s is not None else 0.0)
+        self.work_s = _ema(self.work_s, max(spent, 0.1 * seconds) / prefill)  # timing noise never makes it free
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EMA) * old + EMA * new
