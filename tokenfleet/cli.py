@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import structlog
 
+from tokenfleet.telemetry.logging import never_failing_stderr
+
 SERVICE_COMMANDS = ("decode", "prefill", "router", "gateway", "registry")
 
 
@@ -35,6 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SERVICE_COMMANDS:
         return _run_service(argv[0], argv[1:])
+    never_failing_stderr()  # `up` supervises the cluster whatever happens to the disk its stderr goes to
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))  # stdout: the command's output
     parser = _parser()
     args = parser.parse_args(argv)
