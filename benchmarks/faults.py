@@ -677,6 +677,7 @@ SCENARIOS = [
                                                                                            "delay", 0.2, 20)),
 ]
 SHORT = ["baseline", "worker-kill-1", "router-kill", "etcd-down-10s", "ledger-disk-full"]
+SHORT_SECONDS, SHORT_RATE = 12.0, 2.5  # the short version's load per scenario (the baseline's covers every request)
 
 
 def summarize(results: list[Result], expected: dict[tuple[str, int], dict[int, str]], ledger: list[tuple[str, str, int]]
@@ -1046,8 +1047,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", nargs="*", default=None,
                    help=f"fault scenarios (default: all): {' '.join(s.name for s in SCENARIOS)}; "
                    "`noisy` and `load` name the last two parts")
-    p.add_argument("--short", action="store_true", help=f"one scenario per kind: {' '.join(SHORT)}, no noisy/load")
-    p.add_argument("--rate", type=float, default=1.5, help="requests/s of the fault scenarios' load")
+    p.add_argument("--short", action="store_true", help=f"one scenario per kind: {' '.join(SHORT)}, no noisy/load, "
+                   f"each {SHORT_SECONDS:g} s of load at {SHORT_RATE:g} requests/s")
+    p.add_argument("--rate", type=float, default=None, help="requests/s of the fault scenarios' load (default 1.5)")
     p.add_argument("--batch-lines", type=int, default=8, help="lines of the batch each scenario submits")
     p.add_argument("--noisy-tokens", type=int, default=0, help="tenant B's prompt length (default: the model's "
                    "context, less room for the template and 16 output tokens)")
@@ -1068,8 +1070,9 @@ def main(argv: list[str] | None = None) -> int:
     if fault_names and "baseline" not in fault_names:
         fault_names.insert(0, "baseline")
     started = time.monotonic()
-    report["faults"] = (run_fault_scenarios(fault_names, args.rate, model_dir, args.batch_lines,
-                                            max_duration=20.0 if args.short else None) if fault_names else {})
+    rate = args.rate or (SHORT_RATE if args.short else 1.5)
+    report["faults"] = (run_fault_scenarios(fault_names, rate, model_dir, args.batch_lines,
+                                            max_duration=SHORT_SECONDS if args.short else None) if fault_names else {})
     if "noisy" in names:
         report["noisy"] = noisy_neighbour(model_dir, b_prompts=4, b_tokens=args.noisy_tokens)
     if "load" in names:

@@ -12,7 +12,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import faults  # noqa: E402
 
-CLEAR = {"503", "429", "connection"} | {f"stream-error:{code}" for code in ("replica_lost", "overloaded")}
+CLEAR = {"503", "429", "connection"} | {f"stream-error:{code}" for code in ("replica_lost", "overloaded",
+                                                                          "ledger_unavailable")}
 
 
 def test_the_short_fault_run_loses_nothing_and_fails_only_with_clear_statuses(default_model_dir, tmp_path):
