@@ -103,11 +103,11 @@ def test_kv_tier_replica_field_needs_a_replica_id() -> None:
         expand_kv_tier("disk:/cache/kv-tier/{replica}", None, "box")
 
 
-def test_the_worker_parser_expands_the_tier_or_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    args = parse_args(["--replica-id", "hostname", "--kv-tier", "disk:/tmp/tier/{replica}"], default_role="decode")
-    assert args.kv_tier == f"disk:/tmp/tier/{socket.gethostname()}"
+def test_the_worker_parser_expands_the_tier_or_exits_2(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    args = parse_args(["--replica-id", "hostname", "--kv-tier", f"disk:{tmp_path}/{{replica}}"], default_role="decode")
+    assert args.kv_tier == f"disk:{tmp_path}/{socket.gethostname()}"
     assert args.replica_id == "hostname"  # resolved with the address, once bound
     with pytest.raises(SystemExit) as exited:
-        parse_args(["--kv-tier", "disk:/tmp/tier/{replica}"], default_role="decode")
+        parse_args(["--kv-tier", f"disk:{tmp_path}/{{replica}}"], default_role="decode")
     assert exited.value.code == 2
     assert "{replica} needs --replica-id" in capsys.readouterr().err
