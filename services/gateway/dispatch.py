@@ -33,10 +33,9 @@ RESUME_PICK_WAIT_S = 3.0  # a stream being resumed waits this long for the fleet
 # (within its deadline) for one to; the client gets 503 with Retry-After after that.
 OUTAGE_WAIT_S = 5.0
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
-# Toward routers and workers: HTTP/2 keepalive pings, meant to fail the streams of a silently partitioned peer (no
-# RST, no FIN) within ~15 s. Measured with grpcio 1.85.3, they do not: a server-streaming call to a stopped (SIGSTOP)
-# server on loopback was still open after 60 s, even with pings every 2 s (benchmarks/faults.py: streams on a stopped
-# or partitioned worker wait the fault out, then complete).
+# Toward routers and workers: HTTP/2 keepalive pings, for idle connections. They do not fail the streams of a stopped
+# (SIGSTOP) or silently partitioned worker (measured with grpcio 1.85.3: a server-streaming call was still open after
+# 60 s of pings every 2 s), so workers are asked for heartbeats instead (Dispatcher.stall_timeout).
 WORKER_CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
@@ -48,6 +47,7 @@ WORKER_CHANNEL_OPTIONS = [
 # again), whatever the reason it is silent. With a deadline, the worker has until then; a worker refuses at once what
 # it predicts would miss it (or its tier's objective, when the operator set one).
 FIRST_RESPONSE_DEADLINE_FACTOR = 2.0
+DEFAULT_STALL_TIMEOUT_S = 10.0
 FIRST_RESPONSE_MIN_S = 60.0
 # How a stream looks when its replica died mid-way (connection reset, RST_STREAM, server gone).
 LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
@@ -139,7 +139,12 @@ class Dispatcher:
     # Early rejection: a worker refuses a request it predicts would wait longer than its tier's objective (only those
     # an operator set: by default, only past the client's deadline).
     ttft_objectives: dict[str, float] = field(default_factory=dict)
+    # A stream whose worker has sent nothing, not even a heartbeat, for this long is given up on there (stopped, hung,
+    # or cut off without a reset) and placed again or resumed elsewhere; workers heartbeat every quarter of it. Held
+    # only to replicas that have shown they heartbeat (a worker that predates heartbeats is never cut). 0: off.
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
     _turn: Iterator[int] = field(default_factory=itertools.count)
+    _heartbeating: set[str] = field(default_factory=set)  # replica ids seen sending heartbeats
 
     async def pick(self, job: Job, exclude: Sequence[str] = (), colocated: bool = False, resuming: bool = False
                    ) -> router_pb2.PickResponse:
@@ -210,6 +215,8 @@ class Dispatcher:
                                              sampling=sampling_to_proto(job.params), tenant=job.tenant.name,
                                              priority=TIER_PRIORITY[job.tenant.tier], cache_scope=job.cache_scope,
                                              adapter=job.adapter)
+        if self.stall_timeout > 0:
+            request.heartbeat_ms = max(1, int(1000 * self.stall_timeout / 4))
         if progress.started:
             request.resume.output_token_ids.extend(progress.delivered)
             request.resume.text = progress.sample(0).text
@@ -253,7 +260,7 @@ class Dispatcher:
             finals = 0
             failure: BaseException | None = None
             try:
-                async for response in self._with_first_deadline(call, job):
+                async for response in self._watched(call, job, picked.replica_id):
                     if response.HasField("error"):
                         log.error("worker reported an error", replica=picked.replica_id, error=response.error.message)
                         raise APIError(500, "The server had an error while processing your request.", "server_error")
@@ -288,27 +295,43 @@ class Dispatcher:
             bounds.append(max(0.001, job.deadline - time.monotonic()))
         return min(bounds) if bounds else None
 
-    async def _with_first_deadline(self, call: grpc.aio.UnaryStreamCall, job: Job
-                                   ) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        """The call's responses; DEADLINE_EXCEEDED (the call cancelled) when the first has not come by the client's
-        deadline, or without one (a batch line) after FIRST_RESPONSE_DEADLINE_FACTOR x the tier's TTFT objective (at
-        least FIRST_RESPONSE_MIN_S)."""
+    async def _watched(self, call: grpc.aio.UnaryStreamCall, job: Job, replica: str
+                       ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        """The call's responses, heartbeats taken out. The call is cancelled and fails with DEADLINE_EXCEEDED when the
+        first response has not come by the client's deadline (without one, a batch line: after
+        FIRST_RESPONSE_DEADLINE_FACTOR x the tier's TTFT objective, at least FIRST_RESPONSE_MIN_S), and with
+        UNAVAILABLE when a replica that heartbeats has sent nothing for ``stall_timeout``."""
         responses = call.__aiter__()
         if job.deadline is not None:
-            deadline = max(0.001, job.deadline - time.monotonic())
+            first_by = job.deadline
         else:
             objective = self.ttft_objectives.get(job.tenant.tier, DEFAULT_TTFT_OBJECTIVES.get(job.tenant.tier, 0))
-            deadline = max(FIRST_RESPONSE_MIN_S, FIRST_RESPONSE_DEADLINE_FACTOR * objective)
-        try:
-            first = await asyncio.wait_for(anext(responses), deadline)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            call.cancel()
-            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       f"no first response within {deadline:.0f} s") from None
-        yield first
-        async for response in responses:
+            first_by = time.monotonic() + max(FIRST_RESPONSE_MIN_S, FIRST_RESPONSE_DEADLINE_FACTOR * objective)
+        first = True
+        while True:
+            held = self.stall_timeout > 0 and replica in self._heartbeating
+            bounds = ([first_by - time.monotonic()] if first else []) + ([self.stall_timeout] if held else [])
+            try:
+                async with asyncio.timeout(max(0.001, min(bounds)) if bounds else None):
+                    response = await anext(responses)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                call.cancel()
+                if first and time.monotonic() >= first_by:
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                               grpc.aio.Metadata(), "no first response by the request's deadline"
+                                               ) from None
+                self.metrics.stalls.inc()
+                log.warning("replica silent, not even heartbeats; giving up on it for this request", replica=replica,
+                            silent_s=self.stall_timeout, request_id=job.request_id)
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           f"no message from the replica for {self.stall_timeout:g} s (stopped, hung "
+                                           "or unreachable)") from None
+            if response.HasField("alive"):
+                self._heartbeating.add(replica)
+                continue
+            first = False
             yield response
 
     def _after_failure(self, job: Job, replica: str, progress: _Progress, e: grpc.aio.AioRpcError,

@@ -17,6 +17,7 @@ from tokenfleet.services.common.server import GrpcServer, run_service, serve_met
 from tokenfleet.services.gateway.app import MAX_BODY_BYTES, create_app
 from tokenfleet.services.gateway.batch_runner import BatchRunner
 from tokenfleet.services.gateway.catalog import ModelCatalog, ServedModel, load_served
+from tokenfleet.services.gateway.dispatch import DEFAULT_STALL_TIMEOUT_S
 from tokenfleet.services.gateway.grpc_api import InferenceAPI
 from tokenfleet.services.gateway.http_protocol import HeadTimeoutH11Protocol
 from tokenfleet.services.gateway.pipeline import Gateway
@@ -57,6 +58,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-resumes", type=int, default=2,
                    help="a stream whose replica dies mid-way continues on another replica (prompt + tokens so "
                    "far re-prefilled there) at most this many times, then ends with an error event")
+    p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="SECONDS",
+                   help="a stream whose worker has sent nothing, not even a heartbeat (workers send one every quarter "
+                   "of this), for this long is given up on there: placed again, or resumed elsewhere like a lost "
+                   "replica's (a stopped, hung or unreachable worker; HTTP/2 keepalive does not catch those). 0: off")
     p.add_argument("--auth", choices=["off", "on"], default="off",
                    help="require API keys (Authorization: Bearer tfk_...): tenants and keys from --tenants-file, "
                    "else from etcd (--etcd). off: every caller is the anonymous, unlimited tenant")
@@ -159,6 +164,7 @@ async def serve(args: argparse.Namespace) -> None:
     admission = Admission(directory, ledger, share=peers.share if peers is not None else lambda: 1.0)
     routers = [a.strip() for given in args.router for a in given.split(",") if a.strip()]
     gateway = Gateway(routers, catalog, metrics=metrics, plane=plane, max_resumes=args.max_resumes,
+                      stall_timeout=args.stall_timeout,
                       admission=admission, preparer=Preparer(max_queued=args.max_queued_requests),
                       ttft_objectives=ttft_objectives(args.ttft_objective))
     log.info("gateway admission", auth=args.auth, ledger=args.ledger)

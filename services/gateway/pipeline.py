@@ -24,7 +24,14 @@ import structlog
 from pydantic import ValidationError
 from tokenfleet.services.gateway import events as ev
 from tokenfleet.services.gateway.catalog import ModelCatalog, ServedModel
-from tokenfleet.services.gateway.dispatch import NO_SPARE_CAPACITY, WORKER_CHANNEL_OPTIONS, Dispatcher, Job, Placement
+from tokenfleet.services.gateway.dispatch import (
+    DEFAULT_STALL_TIMEOUT_S,
+    NO_SPARE_CAPACITY,
+    WORKER_CHANNEL_OPTIONS,
+    Dispatcher,
+    Job,
+    Placement,
+)
 from tokenfleet.services.gateway.preparer import Preparer
 
 from tokenfleet.api.chat_template import render_chat
@@ -136,6 +143,7 @@ class Gateway:
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     draining: bool = False  # set on SIGTERM: /health says so, open streams finish
     max_resumes: int = 2  # a stream whose replica dies is continued elsewhere at most this many times
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S  # a stream whose worker is silent this long goes elsewhere
     admission: Admission = field(default_factory=Admission)  # API keys, budgets, the ledger
     ttft_objectives: dict[str, float] | None = None  # per tier, as the operator set them (early rejection)
     plane: Plane = field(default_factory=Plane.plaintext)  # the internal plane: router and workers
@@ -144,7 +152,7 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.dispatcher = Dispatcher(list(self.routers), self.metrics, Channels(self.plane, WORKER_CHANNEL_OPTIONS),
-                                     self.max_resumes)
+                                     self.max_resumes, stall_timeout=self.stall_timeout)
         if self.ttft_objectives is not None:
             self.dispatcher.ttft_objectives = dict(self.ttft_objectives)
 

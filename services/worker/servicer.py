@@ -24,6 +24,7 @@ import grpc
 import structlog
 from tokenfleet.services.common import convert
 from tokenfleet.services.common.errors import map_errors
+from tokenfleet.services.common.heartbeats import with_heartbeats
 from tokenfleet.services.worker.sources import PrefillSources
 
 from tokenfleet.engine.interface import Engine, EngineOverloadedError, EngineStoppedError
@@ -39,6 +40,7 @@ from tokenfleet.telemetry.tracing import Trace
 from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger()
+ALIVE = engine_pb2.GenerateResponse(alive=engine_pb2.Alive())
 DEFAULT_LOAD_INTERVAL_MS = 500
 PEER_FETCH_TIMEOUT_S = 5.0
 PEER_FETCH_BATCH = 16  # blocks read per engine-thread call while serving a peer
@@ -116,19 +118,18 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         request_id = self._admit(request.request_id)
         start, first, last, count = time.monotonic(), None, None, 0
         final: Any = None
+        outputs: AsyncIterator[Any] = self._outputs(request, params, request_id, kv_source)
+        if request.heartbeat_ms:
+            outputs = with_heartbeats(outputs, request.heartbeat_ms / 1000)
         try:
-            await self._ensure_adapter(request.adapter)
-            if kv_source is None and not request.adapter and request.HasField("prefix_source") \
-                    and request.prefix_source.address:
-                await self._fetch_from_peer(request, request_id)  # in the try: a cancel here still clears in_flight
-            stream = self.engine.generate(
-                list(request.prompt_token_ids), params, request_id, convert.priority(request.priority),
-                resume=convert.resume(request.resume), kv_source=kv_source, tenant=request.tenant,
-                cache_scope=convert.cache_scope(request.cache_scope), adapter=request.adapter,
-            )
+            if request.heartbeat_ms:
+                yield ALIVE  # accepted: from here on the caller may hold this stream to its heartbeats
             # aclosing: a cancelled call closes the engine stream now, which aborts the request.
-            async with contextlib.aclosing(stream) as outputs:
+            async with contextlib.aclosing(outputs) as outputs:  # type: ignore[type-var]
                 async for out in outputs:
+                    if out is None:  # silent for heartbeat_ms
+                        yield ALIVE
+                        continue
                     if out.new_token_ids:
                         last = time.monotonic()
                         if first is None:
@@ -145,6 +146,22 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             log.info("generate finished", engine_request_id=request_id, prompt_tokens=len(request.prompt_token_ids),
                      completion_tokens=count, ttft_ms=round(1000 * (first - start), 1) if first else None,
                      duration_ms=round(1000 * (time.monotonic() - start), 1))
+
+    async def _outputs(self, request: engine_pb2.GenerateRequest, params: Any, request_id: str,
+                       kv_source: RemotePrefill | None) -> AsyncGenerator[Any, None]:
+        """The engine's outputs for a Generate, after what must come first (the adapter, a peer's blocks)."""
+        await self._ensure_adapter(request.adapter)
+        if kv_source is None and not request.adapter and request.HasField("prefix_source") \
+                and request.prefix_source.address:
+            await self._fetch_from_peer(request, request_id)
+        stream = self.engine.generate(
+            list(request.prompt_token_ids), params, request_id, convert.priority(request.priority),
+            resume=convert.resume(request.resume), kv_source=kv_source, tenant=request.tenant,
+            cache_scope=convert.cache_scope(request.cache_scope), adapter=request.adapter,
+        )
+        async with contextlib.aclosing(stream) as outputs:
+            async for out in outputs:
+                yield out
 
     @map_errors
     async def Prefill(

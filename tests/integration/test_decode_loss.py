@@ -6,6 +6,7 @@ clear error event instead of a cut connection (or a hang)."""
 from __future__ import annotations
 
 import json
+import signal
 import urllib.error
 import urllib.request
 
@@ -89,6 +90,37 @@ def test_kill_9_of_the_decode_worker_mid_stream_continues_elsewhere_with_identic
     assert metric(fleet.gateway, 'tokenfleet_gateway_resumes_total{result="exhausted"}') == 0
     wait_for(lambda: any("replica lost mid-stream" in line and killed[0] in line for line in fleet.gateway.stderr_lines),
              "the gateway's warning naming the lost replica", 30)
+
+
+def test_a_stopped_worker_mid_stream_is_given_up_on_and_the_stream_completes_elsewhere_while_it_is_stopped(
+        fleet):  # noqa: F811
+    """SIGSTOP: no reset, no FIN, and HTTP/2 keepalive does not fail the call. The worker's heartbeats stop, the
+    gateway gives up on it after --stall-timeout and resumes the stream on the other worker: the client's stream
+    completes, identical, while the stopped worker is still stopped."""
+    gateway = start_service("tokenfleet.services.gateway", "--router", fleet.router.address, "--registry",
+                            fleet.others[0].address, "--stall-timeout", "3", "--metrics-port", "0")
+    stopped: list[str] = []
+    try:
+        url = f"http://{gateway.address}"
+        wait_for(lambda: healthy(url), "gateway with --stall-timeout 3 ready", 120)
+        client = client_of(url)
+        undisturbed, _, _ = chat(client)
+
+        def stop(replica: str) -> None:
+            fleet.workers[replica].proc.send_signal(signal.SIGSTOP)
+            stopped.append(replica)
+
+        text, chunks, replica = chat(client, stop)
+        assert stopped == [replica]
+        assert fleet.workers[replica].proc.poll() is None  # still there, still stopped: the stream did not wait
+        assert text == undisturbed
+        assert usage_and_finish(chunks) == (MAX_TOKENS, ["length"])
+        assert metric(gateway, "tokenfleet_gateway_stalls_total") == 1
+        assert metric(gateway, 'tokenfleet_gateway_resumes_total{result="ok"}') == 1
+    finally:
+        for replica in stopped:
+            fleet.workers[replica].proc.send_signal(signal.SIGCONT)
+        gateway.stop()
 
 
 def test_with_no_resumes_left_the_stream_ends_with_an_error_event(fleet):  # noqa: F811

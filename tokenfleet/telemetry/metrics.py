@@ -34,6 +34,8 @@ class GatewayMetrics:
                                 ["endpoint", "status"], registry=r)
         self.resumes = Counter("tokenfleet_gateway_resumes", "Streams continued on another replica after theirs was "
                                "lost (ok), or given up after --max-resumes (exhausted)", ["result"], registry=r)
+        self.stalls = Counter("tokenfleet_gateway_stalls", "Streams given up on a worker that sent nothing, not even "
+                              "a heartbeat, for --stall-timeout (then placed again or resumed elsewhere)", registry=r)
         # The model router (routing aliases such as "auto"): which model each request went to.
         self.routed = Counter("tokenfleet_gateway_routed", "Requests a routing alias sent to one of its models",
                               ["alias", "model"], registry=r)

@@ -18,7 +18,7 @@ WORKER_STATE_SERVING: WorkerState
 WORKER_STATE_DRAINING: WorkerState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "prefill", "resume", "tenant", "ttft_objective_ms", "cache_scope", "prefix_source", "adapter")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "prefill", "resume", "tenant", "ttft_objective_ms", "cache_scope", "prefix_source", "adapter", "heartbeat_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class GenerateRequest(_message.Message):
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -41,7 +42,8 @@ class GenerateRequest(_message.Message):
     cache_scope: str
     prefix_source: PrefixSource
     adapter: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., prefill: _Optional[_Union[PrefillSource, _Mapping]] = ..., resume: _Optional[_Union[ResumeState, _Mapping]] = ..., tenant: _Optional[str] = ..., ttft_objective_ms: _Optional[int] = ..., cache_scope: _Optional[str] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
+    heartbeat_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., prefill: _Optional[_Union[PrefillSource, _Mapping]] = ..., resume: _Optional[_Union[ResumeState, _Mapping]] = ..., tenant: _Optional[str] = ..., ttft_objective_ms: _Optional[int] = ..., cache_scope: _Optional[str] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ..., adapter: _Optional[str] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class PrefixSource(_message.Message):
     __slots__ = ("replica_id", "address", "num_blocks")
@@ -208,14 +210,20 @@ class GenerateFinal(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., request_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("chunk", "final", "error")
+    __slots__ = ("chunk", "final", "error", "alive")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
     chunk: TokenChunk
     final: GenerateFinal
     error: _common_pb2.ErrorDetail
-    def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., final: _Optional[_Union[GenerateFinal, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.ErrorDetail, _Mapping]] = ...) -> None: ...
+    alive: Alive
+    def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., final: _Optional[_Union[GenerateFinal, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.ErrorDetail, _Mapping]] = ..., alive: _Optional[_Union[Alive, _Mapping]] = ...) -> None: ...
+
+class Alive(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
