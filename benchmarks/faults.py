@@ -67,11 +67,17 @@ def at(t0: float, seconds: float) -> None:
     time.sleep(max(0.0, t0 + seconds - time.monotonic()))
 
 
+KILL_BURST = 15  # requests sent at once 1.5 s before a worker's kill: it catches many in flight, not one or two
+
+
 def kill_busiest_worker(cluster: Cluster, load: Load, t0: float, notes: dict[str, Any]) -> None:
+    at(t0, 6.5)
+    load.burst(KILL_BURST)
     at(t0, 8)
     replica = load.busiest() or "worker-0"
     before = cluster.restarts(replica)
     notes["killed"] = f"{replica} (with {load.open_streams[replica]} open streams seen by the internal tenant)"
+    notes["killed_replica"] = replica
     os.kill(cluster.pid_of(f"--replica-id {replica} "), signal.SIGKILL)
     notes["fault_at"] = time.monotonic()
     notes["restarted_after_s"] = cluster.wait_restarted(replica, before, since=notes["fault_at"])
@@ -108,12 +114,16 @@ def stop_worker(cluster: Cluster, load: Load, t0: float, notes: dict[str, Any]) 
 def etcd_down(seconds: float) -> Callable[[Cluster, Load, float, dict[str, Any]], None]:
     def fault(cluster: Cluster, load: Load, t0: float, notes: dict[str, Any]) -> None:
         at(t0, 5)
+        before = cluster.members()
+        notes["members_before"] = before
         cmdline = cluster.kill_etcd()
         notes["fault_at"] = time.monotonic()
         at(notes["fault_at"], seconds)
         cluster.start_etcd(cmdline)
         back = time.monotonic()
         notes["served_again_after_return_s"] = probe_until_served(cluster.gateways, load.keys["ops"], back)
+        # every replica and gateway registered again (their leases expired while etcd was down)
+        notes["rejoined_after_return_s"] = cluster.wait_members(before, back) if before else None
     return fault
 
 
@@ -168,18 +178,18 @@ def proxy_fault(cluster: Cluster, load: Load, t0: float, notes: dict[str, Any], 
 
 SCENARIOS = [
     Scenario("baseline", "none", 30, None),
-    Scenario("worker-kill-1", "process", 24, kill_busiest_worker),
-    Scenario("worker-kill-2", "process", 24, kill_busiest_worker),
-    Scenario("worker-kill-3", "process", 24, kill_busiest_worker),
-    Scenario("router-kill", "process", 20, kill_service("router", "tokenfleet.services.router")),
-    Scenario("registry-kill", "process", 20, kill_service("registry", "tokenfleet.services.registry")),
-    Scenario("gateway-kill", "process", 20, kill_service("gateway-1", "")),
+    Scenario("worker-kill-1", "process", 16, kill_busiest_worker),
+    Scenario("worker-kill-2", "process", 16, kill_busiest_worker),
+    Scenario("worker-kill-3", "process", 16, kill_busiest_worker),
+    Scenario("router-kill", "process", 16, kill_service("router", "tokenfleet.services.router")),
+    Scenario("registry-kill", "process", 14, kill_service("registry", "tokenfleet.services.registry")),
+    Scenario("gateway-kill", "process", 14, kill_service("gateway-1", "")),
     Scenario("autoscaler-kill", "process", 0, None, skipped="`tokenfleet up --autoscale` runs the autoscaler inside "
              "its own process (killing it is killing `up`); the standalone `tokenfleet autoscale` service is not "
              "exercised here"),
-    Scenario("worker-sigstop-20s", "process", 32, stop_worker),
-    Scenario("etcd-down-10s", "etcd", 24, etcd_down(10)),
-    Scenario("etcd-down-60s", "etcd", 75, etcd_down(60)),
+    Scenario("worker-sigstop-20s", "process", 26, stop_worker),
+    Scenario("etcd-down-10s", "etcd", 20, etcd_down(10)),
+    Scenario("etcd-down-60s", "etcd", 70, etcd_down(60)),
     Scenario("etcd-disk-full", "disk", 24, disk_full("etcd")),
     Scenario("ledger-disk-full", "disk", 24, disk_full("state")),
     Scenario("kv-tier-disk-full", "disk", 24, disk_full("tier")),
@@ -250,6 +260,11 @@ def run_scenarios(cluster: Cluster, keys: dict[str, str], chosen: list[Scenario]
             caught = [r for r in results if r.started <= fault_at <= r.ended]
             summary["in_flight_at_fault"] = len(caught)
             summary["in_flight_completed"] = sum(r.acknowledged for r in caught)
+            killed = notes.pop("killed_replica", None)
+            if killed is not None:  # those known (the internal tenant's) to be on the killed worker
+                on_killed = [r for r in caught if r.replica == killed]
+                summary["in_flight_on_killed"] = len(on_killed)
+                summary["in_flight_on_killed_completed"] = sum(r.acknowledged for r in on_killed)
         out[scenario.name] = {"kind": scenario.kind, **summary, **notes}
         print(f"[faults] {scenario.name}: {json.dumps({k: v for k, v in summary.items() if k != 'examples'})}"
               f" {notes}", file=sys.stderr, flush=True)
@@ -345,6 +360,7 @@ COLUMNS = [("sent", "sent"), ("completed", "completed"), ("failed", "failed (by 
 def _recovery(s: dict[str, Any]) -> str:
     parts = []
     for key, label in (("recovered_s", "served again"), ("served_again_after_return_s", "served after etcd's return"),
+                       ("rejoined_after_return_s", "every replica and gateway registered again"),
                        ("served_again_after_freed_s", "served after the disk was freed"),
                        ("served_again_after_restored_s", "served after the certificates were restored"),
                        ("served_again_after_healed_s", "served after the path healed"),
@@ -378,8 +394,10 @@ def markdown(report: dict[str, Any]) -> str:
                 b = s.get("batch")
                 cells.append(f"{b['missing']} / {b['duplicated']} ({b['status']})" if b else "-")
             elif key == "in_flight":
-                cells.append(f"{s['in_flight_at_fault']}: {s['in_flight_completed']}" if "in_flight_at_fault" in s
-                             else "-")
+                cell = f"{s['in_flight_at_fault']}: {s['in_flight_completed']}" if "in_flight_at_fault" in s else "-"
+                if "in_flight_on_killed" in s:
+                    cell += f" (on the killed worker: {s['in_flight_on_killed']}: {s['in_flight_on_killed_completed']})"
+                cells.append(cell)
             elif key == "recovery":
                 cells.append(_recovery(s))
             else:

@@ -4,6 +4,7 @@ the ledger read back, the batch in flight, and small file systems to fill."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import io
@@ -146,6 +147,36 @@ class Cluster:
 
     def start_etcd(self, cmdline: list[str]) -> None:
         self.restarted_etcd = subprocess.Popen(cmdline, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def members(self) -> tuple[int, int] | None:
+        """(replicas, gateways) registered in the cluster's etcd now, as the operator reads them; None: unreadable."""
+        from tokenfleet.cluster.etcd import EtcdClient
+        from tokenfleet.security.identity import Identity
+        from tokenfleet.security.plane import Plane
+
+        state = self.state
+        identity = None if state.get("insecure") else Plane(Identity(Path(state["certs"]), "operator")).identity
+
+        async def read() -> tuple[int, int]:
+            client = EtcdClient(state["etcd"], identity=identity)
+            try:
+                return (len(await client.get_prefix("replicas/")), len(await client.get_prefix("gateways/")))
+            finally:
+                await client.close()
+
+        try:
+            return asyncio.run(asyncio.wait_for(read(), 5))
+        except Exception:  # noqa: BLE001 - etcd down or restarting: not yet
+            return None
+
+    def wait_members(self, expected: tuple[int, int], since: float, timeout: float = 60) -> float | None:
+        """Seconds from ``since`` until etcd lists at least ``expected`` (replicas, gateways) again."""
+        while time.monotonic() - since < timeout:
+            now = self.members()
+            if now is not None and now[0] >= expected[0] and now[1] >= expected[1]:
+                return time.monotonic() - since
+            time.sleep(0.25)
+        return None
 
     def add_proxied_worker(self, role: str) -> None:
         """One more worker (as `up`'s worker-0 was started, with ``role``) that advertises a fault proxy's address:

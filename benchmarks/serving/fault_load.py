@@ -181,6 +181,20 @@ class Load:
         self.results: list[Result] = []
         self.open_streams: Counter[str] = Counter()  # replica -> streams open on it
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._extra: list[Any] = []  # futures of burst()
+
+    def burst(self, n: int) -> None:
+        """``n`` more requests of the seeded mix at once (while ``run`` sends): a fault then catches many in flight.
+        They cycle through the kinds and prompts the baseline sent, as the internal tenant (whose responses name
+        their replica)."""
+        assert self._pool is not None, "burst() while run() sends"
+        for j in range(n):
+            k = len(self._extra)
+            spec = Spec.of(k, ("ops",))
+            spec = Spec(100_000 + k, spec.kind, (spec.prompt + k) % len(QUESTIONS), "ops")
+            self._extra.append(self._pool.submit(run_one, spec, self.gateways[j % len(self.gateways)],
+                                                 self.keys["ops"], self._on_replica))
 
     def _on_replica(self, replica: str, delta: int) -> None:
         with self._lock:
@@ -203,9 +217,10 @@ class Load:
         count = int(duration * self.rate)
         t0 = time.monotonic()
         side = threading.Thread(target=during, args=(self, t0), daemon=True) if during else None
-        if side:
-            side.start()
-        with ThreadPoolExecutor(max_workers=64) as pool:
+        with ThreadPoolExecutor(max_workers=96) as pool:
+            self._pool = pool
+            if side:
+                side.start()
             futures = []
             for i in range(count):
                 delay = t0 + i / self.rate - time.monotonic()
@@ -216,9 +231,10 @@ class Load:
                                            self.keys[spec.tenant], self._on_replica,
                                            preamble(i % (len(KINDS) * len(QUESTIONS))) if self.long_prompts else "",
                                            f"{self.long_prompts}-{i}" if self.long_prompts else ""))
-            results = [f.result() for f in futures]
-        if side:
-            side.join()
+            if side:
+                side.join()  # a burst is submitted before the pool closes
+            results = [f.result() for f in futures] + [f.result() for f in self._extra]
+        self._pool = None
         self.results = results
         return results
 

@@ -3,9 +3,10 @@ prompts being prefilled; a chunk of 2,048 tokens deep into a long context can ma
 a decode-only one, and every stream in the batch stalls for it. With the guard, a step that has streams decoding
 gives long prompts' chunks only the time ``factor`` allows: at most ``factor`` x a decode-only step in all, measured
 on this replica. Short prompts (``SHORT_PROMPT`` tokens left or fewer) are computed whole, and a step with one (running
-or next in line) holds long prompts back the same way: a question behind a long document starts at once. A long prompt
-always advances (at least one token a step), and takes full chunks whenever nothing decodes and no short prompt
-waits.
+or next in line) holds long prompts back the same way: a question behind a long document starts at once. The first long
+prompt in line always advances (at least one token a step); the others advance only within what is left, so that
+several long prompts at deep positions (each token of theirs an attention over the whole context) never add up beside
+the streams. Long prompts take full chunks whenever nothing decodes and no short prompt waits.
 
 Work is counted in token-equivalents: one token through the matmuls, and ``pair_cost`` for each attention (query,
 key) pair (attention FLOPs per pair over matmul FLOPs per token), so a chunk deep into a long context costs more than
@@ -21,6 +22,10 @@ from typing import Protocol
 PROBE_WORK = 64.0  # token-equivalents a step may add before this replica's prefill speed is known
 SHORT_PROMPT = 512  # a prompt with at most this many tokens left to compute is short: computed whole, never held
 EMA = 0.2  # weight of the newest step in the running estimates
+# Decode-only steps are what the allowance is a multiple of, and there are none while a long prompt advances beside
+# the streams: every this many steps one is made (long prompts wait a step), so that a stale figure (a neighbour's
+# long-context decodes that have since finished, streams that came or went) is not what the next minutes are held to.
+REFRESH_STEPS = 25
 
 
 class Entry(Protocol):
@@ -32,6 +37,13 @@ class Entry(Protocol):
     def num_new_tokens(self) -> int: ...
     @property
     def draft(self) -> tuple[int, ...]: ...
+    @property
+    def samples(self) -> bool: ...
+
+
+def is_prefill(entry: Entry) -> bool:
+    """A prompt chunk (a single token of a prompt too), not a decode or a verification."""
+    return not entry.draft and (entry.num_new_tokens > 1 or not entry.samples)
 
 
 def chunk_work(start: int, n: int, pair_cost: float) -> float:
@@ -45,6 +57,7 @@ class PrefillAllowance:
 
     left: float  # token-equivalents
     pair_cost: float
+    advanced: bool = False  # a long prompt has taken a chunk this step (the others then wait for what is left)
 
     @staticmethod
     def is_long(remaining: int) -> bool:
@@ -52,8 +65,11 @@ class PrefillAllowance:
         return remaining > SHORT_PROMPT
 
     def tokens(self, start: int, limit: int) -> int:
-        """The most tokens (1..``limit``) of a chunk from ``start`` whose work fits what is left; at least 1."""
-        if limit <= 1 or chunk_work(start, limit, self.pair_cost) <= self.left:
+        """The most tokens (0..``limit``) of a long prompt's chunk from ``start`` whose work fits what is left; at
+        least 1 for the step's first long prompt."""
+        if chunk_work(start, 1, self.pair_cost) > self.left:
+            return 0 if self.advanced else 1
+        if chunk_work(start, limit, self.pair_cost) <= self.left:
             return limit
         lo, hi = 1, limit
         while lo < hi:
@@ -64,8 +80,10 @@ class PrefillAllowance:
                 hi = mid - 1
         return lo
 
-    def spend(self, start: int, n: int) -> None:
+    def spend(self, start: int, n: int, long: bool) -> None:
+        """A prompt's chunk was scheduled (``long``: a long prompt's)."""
         self.left -= chunk_work(start, n, self.pair_cost)
+        self.advanced = self.advanced or (long and n > 0)
 
 
 @dataclass
@@ -74,6 +92,7 @@ class ItlGuard:
     pair_cost: float
     decode_s: float | None = None  # recent decode-only steps' seconds
     work_s: float | None = None  # recent seconds per token-equivalent of prefill work
+    since_decode: int = 0  # steps since the last decode-only one
 
     def __post_init__(self) -> None:
         if self.factor <= 1:
@@ -87,6 +106,8 @@ class ItlGuard:
             return PrefillAllowance(0.0, self.pair_cost)
         if self.work_s is None:
             return PrefillAllowance(PROBE_WORK, self.pair_cost)
+        if self.since_decode >= REFRESH_STEPS:  # long prompts wait this step: it times the decodes afresh
+            return PrefillAllowance(0.0, self.pair_cost, advanced=True)
         return PrefillAllowance((self.factor - 1) * self.decode_s / self.work_s, self.pair_cost)
 
     def observe(self, scheduled: Sequence[Entry], seconds: float) -> None:
@@ -94,12 +115,15 @@ class ItlGuard:
         taken out). Steps that verify speculated tokens are neither."""
         if any(e.draft for e in scheduled):
             return
-        prefill = sum(chunk_work(e.start, e.num_new_tokens, self.pair_cost) for e in scheduled if e.num_new_tokens > 1)
-        decodes = any(e.num_new_tokens == 1 for e in scheduled)
+        prefill = sum(chunk_work(e.start, e.num_new_tokens, self.pair_cost) for e in scheduled if is_prefill(e))
+        decodes = any(not is_prefill(e) for e in scheduled)
         if not prefill:
             if decodes:
-                self.decode_s = _ema(self.decode_s, seconds)
+                # a refresh after a long stretch replaces the old figure outright: it may be minutes old
+                self.decode_s = seconds if self.since_decode >= REFRESH_STEPS else _ema(self.decode_s, seconds)
+                self.since_decode = 0
             return
+        self.since_decode += decodes
         if decodes and self.decode_s is None:
             return
         spent = seconds - (self.decode_s if decodes and self.decode_s is not None else 0.0)

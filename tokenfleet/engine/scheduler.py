@@ -324,6 +324,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._chunk(request, request.num_computed_tokens, budget)
+            if n == 0:  # a long prompt held back this step (the ITL guard): it keeps its blocks
+                i += 1
+                continue
             allocation, draft = None, ()
             if request.draft_token_ids and n == 1 and owed is not None and request.request_id not in self.forks:
                 # proposals take only budget the running requests after this one do not need
@@ -335,7 +338,7 @@ class Scheduler:
             copies.extend(allocation.copies)
             scheduled.append(self._entry(request, n + len(draft), draft))
             budget -= n + len(draft)
-            self._spend(request.num_computed_tokens, n)
+            self._spend(request, request.num_computed_tokens, n)
             i += 1
         if not preempted:
             budget = self._admit_waiting(budget, scheduled, copies, restores)
@@ -352,9 +355,12 @@ class Scheduler:
             n = self._allowance.tokens(num_computed, n)
         return n
 
-    def _spend(self, start: int, n: int) -> None:
-        if n > 1 and self._allowance is not None:
-            self._allowance.spend(start, n)
+    def _spend(self, request: Request, start: int, n: int) -> None:
+        """A prompt chunk's work comes off the step's allowance (a long prompt's single token too)."""
+        if self._allowance is not None:
+            long = self._allowance.is_long(request.num_tokens - start)
+            if n > 1 or long:
+                self._allowance.spend(start, n, long)
 
     def _owed_after(self) -> list[int]:
         """Per running request, the tokens the running requests after it need this step (their decode or prefill
@@ -414,6 +420,8 @@ class Scheduler:
                     held = self.second_tier.held_run(request.block_hashes[len(prefix): limit])
             computed = (len(prefix) + held) * bs
             n = self._chunk(request, computed, budget)
+            if n == 0:
+                break  # a long prompt held back (the ITL guard); what is behind it waits its turn
             allocation = bm.allocate_slots(request.request_id, computed + n, prefix, start=computed)
             if allocation is None:
                 break  # nothing read from the tier: a request that waits for blocks costs no I/O per step
@@ -436,7 +444,7 @@ class Scheduler:
             copies.extend(allocation.copies)
             scheduled.append(self._entry(request, n))
             budget -= n
-            self._spend(computed, n)
+            self._spend(request, computed, n)
         return budget
 
     def _entry(self, request: Request, n: int, draft: tuple[int, ...] = ()) -> ScheduledRequest:

@@ -16,18 +16,30 @@ def test_chunk_work_counts_attention_pairs_so_a_chunk_deep_in_a_context_costs_mo
     assert chunk_work(1000, 4, 0.5) > chunk_work(0, 4, 0.5)
 
 
-def test_the_allowance_gives_the_largest_chunk_that_fits_and_at_least_one_token():
+def test_the_allowance_gives_the_largest_chunk_that_fits_and_one_token_only_to_the_first_long_prompt():
     allowance = PrefillAllowance(left=10.0, pair_cost=0.0)
     assert allowance.tokens(0, 8) == 8
     assert allowance.tokens(0, 64) == 10
-    allowance.spend(0, 10)
-    assert allowance.left == 0 and allowance.tokens(0, 64) == 1  # a prompt always advances
+    allowance.spend(0, 10, long=False)  # a short prompt's work: no long prompt has advanced yet
+    assert allowance.left == 0 and allowance.tokens(0, 64) == 1  # the first long prompt always advances
+    allowance.spend(0, 1, long=True)
+    assert allowance.tokens(0, 64) == 0  # the next long prompt waits
     deep = PrefillAllowance(left=10.0, pair_cost=0.01)
     assert deep.tokens(1000, 64) == 1 and deep.tokens(0, 64) == 9  # 9 + 0.01 * 45 <= 10 < 10 + 0.01 * 55
 
 
 def _entries(*shapes: tuple[int, int]) -> list[ScheduledRequest]:
     return [ScheduledRequest(f"r{i}", start, n, (), True) for i, (start, n) in enumerate(shapes)]
+
+
+def test_a_long_prompts_single_token_is_prefill_work_not_a_decode():
+    """A step of decodes plus one token of a prompt deep in its context must not teach the guard that decoding is
+    slow (the allowance would grow with every such step)."""
+    guard = ItlGuard(1.5, pair_cost=0.01)
+    guard.observe(_entries((10, 1), (12, 1)), seconds=0.1)
+    guard.observe([*_entries((10, 1), (12, 1)), ScheduledRequest("long", 6000, 1, (), False)], seconds=0.4)
+    assert guard.decode_s == pytest.approx(0.1)  # unchanged
+    assert guard.work_s == pytest.approx(0.3 / chunk_work(6000, 1, 0.01))
 
 
 def test_the_guard_learns_a_decode_step_and_prefill_speed_then_allows_factor_minus_one_decode_steps():
@@ -81,3 +93,44 @@ def test_with_nothing_decoding_a_long_prompt_takes_full_chunks_unless_a_short_pr
     sched.prefill_allowance = PrefillAllowance(40.0, 0.0)
     out = sched.schedule()  # a short prompt waits: the long one is held to the allowance, the short one whole
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("long", 40), ("short", 10)]
+
+
+def test_beside_decoding_streams_several_long_prompts_do_not_each_take_a_token_only_the_first_advances():
+    """Four prompts deep into a long context each taking "at least one token" would each cost an attention over the
+    whole context, every step: the streams' steps would be several times longer whatever the allowance said."""
+    sched = make_scheduler(num_blocks=4096, block_size=4, max_num_batched_tokens=2048, max_prefill_chunk=100)
+    stream = make_request(num_prompt_tokens=5, max_tokens=500, request_id="stream")
+    sched.add_request(stream)
+    sched.update(out := sched.schedule(), {s.request_id: 1 for s in out.scheduled if s.samples})
+    for i in range(3):
+        sched.add_request(make_request(num_prompt_tokens=3000, max_tokens=2, request_id=f"long{i}"))
+    sched.prefill_allowance = None  # the guard off for a step: every long prompt is admitted and starts
+    sched.update(out := sched.schedule(), {s.request_id: 1 for s in out.scheduled if s.samples})
+    assert {s.request_id for s in out.scheduled} == {"stream", "long0", "long1", "long2"}
+    sched.prefill_allowance = PrefillAllowance(0.0, 0.0)  # nothing to spare beside the stream
+    out = sched.schedule()
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("stream", 1), ("long0", 1)]
+    sched.update(out, {s.request_id: 1 for s in out.scheduled if s.samples})
+    sched.prefill_allowance = PrefillAllowance(150.0, 0.0)  # enough for one whole chunk and half of the next
+    out = sched.schedule()
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("stream", 1), ("long0", 100), ("long1", 50)]
+    assert sched.requests["long2"].num_computed_tokens == 100  # held back, its blocks kept
+
+
+def test_a_stale_decode_figure_is_refreshed_by_a_decode_only_step_every_refresh_steps():
+    """While a long prompt advances beside the streams no step is decode-only; every REFRESH_STEPS steps the guard
+    makes one (long prompts wait that step) and takes its time as the new figure."""
+    from tokenfleet.engine.itl_guard import REFRESH_STEPS
+
+    guard = ItlGuard(1.5, pair_cost=0.0)
+    guard.observe(_entries((8000, 1), (10, 1)), seconds=0.4)  # a neighbour's long-context decode, since finished
+    guard.observe(_entries((10, 1), (0, 100)), seconds=0.5)  # the first step beside a prompt
+    for _ in range(REFRESH_STEPS - 2):
+        guard.observe(_entries((10, 1), (500, 10)), seconds=0.45)
+        assert guard.allowance().left > 0
+    guard.observe(_entries((10, 1), (500, 10)), seconds=0.45)
+    held = guard.allowance()
+    assert held.left == 0.0 and held.tokens(600, 64) == 0  # even the first long prompt waits
+    guard.observe(_entries((10, 1)), seconds=0.03)  # the decode-only step
+    assert guard.decode_s == pytest.approx(0.03) and guard.since_decode == 0
+    assert guard.allowance().left > 0
