@@ -44,18 +44,30 @@ class FairQueue:
             bisect.insort(queue, (key, request), key=lambda item: item[0])
         self._where[request.request_id] = queue
 
-    def peek(self) -> Request | None:
-        """The request to admit next (not removed). O(tenants with waiting requests)."""
+    def peek(self, skip: frozenset[str] | set[str] = frozenset()) -> Request | None:
+        """The request to admit next (not removed), passing over those in ``skip`` (request ids: held back this
+        step). O(tenants with waiting requests) when nothing is skipped."""
         best: tuple | None = None
         best_request: Request | None = None
         for (_, tenant), queue in self._queues.items():
-            key, request = queue[0]
+            item = next((item for item in queue if item[1].request_id not in skip), None) if skip else queue[0]
+            if item is None:
+                continue
+            key, request = item
             rank = (key[0], self.counters.get(tenant, 0.0) if self.enabled else 0.0, key)
             if best is None or rank < best:
                 best, best_request = rank, request
-        if self._resumed and (best is None or self._resumed[0][0][0] <= best[0]):
-            return self._resumed[0][1]  # admitted before: first in its class
+        resumed = next((item for item in self._resumed if item[1].request_id not in skip), None) if skip \
+            else (self._resumed[0] if self._resumed else None)
+        if resumed is not None and (best is None or resumed[0][0] <= best[0]):
+            return resumed[1]  # admitted before: first in its class
         return best_request
+
+    def requests(self) -> Iterator[Request]:
+        """Every waiting request, in no particular order."""
+        yield from (request for _, request in self._resumed)
+        for queue in self._queues.values():
+            yield from (request for _, request in queue)
 
     def remove(self, request: Request) -> bool:
         queue = self._where.pop(request.request_id, None)

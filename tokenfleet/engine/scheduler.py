@@ -314,11 +314,16 @@ class Scheduler:
         # long prompts' chunks are held to the allowance while something waits on this step: a stream decoding, or a
         # short prompt (running or next in line), which is computed whole
         allowance = self.prefill_allowance
-        if allowance is not None and not self.decoding:
-            head = self.waiting.peek()
-            if not any(not allowance.is_long(r.num_tokens - r.num_computed_tokens)
-                       for r in (*self.running, *([head] if head is not None else []))):
-                allowance = None
+        if allowance is not None:
+            short_waiting = len(self.running) < self.config.max_num_running and any(
+                not allowance.is_long(r.num_tokens - r.num_computed_tokens) for r in self.waiting.requests())
+            if not self.decoding and not short_waiting and all(
+                    allowance.is_long(r.num_tokens - r.num_computed_tokens) for r in self.running):
+                allowance = None  # only long prompts: full chunks
+            elif short_waiting:
+                # a short prompt starts this step, whole, already a long step for the streams: long prompts take
+                # only what it leaves of the allowance, even the first in line (it advances again next step)
+                allowance.advanced = True
         self._allowance = allowance
         i = 0
         while i < len(self.running) and budget > 0:
@@ -403,9 +408,11 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], copies: list,
                        restores: list[tuple[int, bytes]]) -> int:
         bm, bs = self.block_manager, self.block_manager.block_size
+        held_back: set[str] = set()  # long prompts the ITL guard holds back this step: those behind them go ahead
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_running:
-            request = self.waiting.peek()
-            assert request is not None
+            request = self.waiting.peek(held_back)
+            if request is None:
+                break
             samples = len(self.forks.get(request.request_id, ()))
             if samples and self.running and len(self.running) + 1 + samples > self.config.max_num_running:
                 break  # its samples join the batch when forked: admit it when they fit (alone: always)
@@ -421,7 +428,8 @@ class Scheduler:
             computed = (len(prefix) + held) * bs
             n = self._chunk(request, computed, budget)
             if n == 0:
-                break  # a long prompt held back (the ITL guard); what is behind it waits its turn
+                held_back.add(request.request_id)
+                continue
             allocation = bm.allocate_slots(request.request_id, computed + n, prefix, start=computed)
             if allocation is None:
                 break  # nothing read from the tier: a request that waits for blocks costs no I/O per step

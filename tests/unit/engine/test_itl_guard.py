@@ -134,3 +134,54 @@ def test_a_stale_decode_figure_is_refreshed_by_a_decode_only_step_every_refresh_
     guard.observe(_entries((10, 1)), seconds=0.03)  # the decode-only step
     assert guard.decode_s == pytest.approx(0.03) and guard.since_decode == 0
     assert guard.allowance().left > 0
+
+
+def test_a_step_that_starts_a_short_prompt_does_not_also_advance_a_long_one_past_the_allowance():
+    """A short prompt computed whole already makes the streams' step long (the slowest steps, those a p99 sees):
+    the first long prompt's one guaranteed token waits for the next step."""
+    sched = make_scheduler(num_blocks=4096, block_size=4, max_num_batched_tokens=2048)
+    stream = make_request(num_prompt_tokens=5, max_tokens=500, request_id="stream")
+    sched.add_request(stream)
+    sched.update(out := sched.schedule(), {s.request_id: 1 for s in out.scheduled if s.samples})
+    long = make_request(num_prompt_tokens=3000, max_tokens=2, request_id="long")
+    long.tenant = "b"
+    sched.add_request(long)
+    sched.prefill_allowance = PrefillAllowance(0.0, 0.0)
+    sched.update(out := sched.schedule(), {s.request_id: 1 for s in out.scheduled if s.samples})
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("stream", 1), ("long", 1)]
+    short = make_request(num_prompt_tokens=40, max_tokens=2, request_id="short")
+    short.tenant = "a"
+    sched.add_request(short)
+    sched.prefill_allowance = PrefillAllowance(0.0, 0.0)
+    sched.update(out := sched.schedule(), {s.request_id: 1 for s in out.scheduled if s.samples})
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("stream", 1), ("short", 40)]
+    sched.prefill_allowance = PrefillAllowance(0.0, 0.0)
+    out = sched.schedule()  # the long prompt advances again
+    assert ("long", 1) in [(s.request_id, s.num_new_tokens) for s in out.scheduled]
+
+
+def test_a_held_long_prompt_first_in_the_waiting_queue_does_not_keep_a_short_one_behind_it_waiting():
+    """The fair queue may put a long prompt first (its tenant's counter is the smaller); held back by the guard, it
+    must not block the short prompt behind it (else the streams end, nothing decodes, and the long prompts take full
+    chunks for many seconds while the short one waits)."""
+    sched = make_scheduler(num_blocks=4096, block_size=4, max_num_batched_tokens=2048)
+    stream = make_request(num_prompt_tokens=5, max_tokens=500, request_id="stream")
+    stream.tenant = "a"
+    sched.add_request(stream)
+    sched.update(out := sched.schedule(), {s.request_id: 1 for s in out.scheduled if s.samples})
+    for name in ("long1", "long2"):
+        long = make_request(num_prompt_tokens=3000, max_tokens=2, request_id=name)
+        long.tenant = "b"
+        sched.add_request(long)
+    sched.prefill_allowance = PrefillAllowance(0.0, 0.0)
+    sched.update(out := sched.schedule(), {s.request_id: 1 for s in out.scheduled if s.samples})
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("stream", 1), ("long1", 1)]
+    short = make_request(num_prompt_tokens=40, max_tokens=2, request_id="short")
+    short.tenant = "a"
+    sched.add_request(short)
+    sched.waiting.counters["a"] = sched.waiting.counters.get("b", 0.0) + 1000  # b's long2 comes first in line
+    assert sched.waiting.peek().request_id == "long2"
+    sched.prefill_allowance = PrefillAllowance(0.0, 0.0)
+    out = sched.schedule()
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("stream", 1), ("short", 40)]
+    assert [r.request_id for r in sched.waiting.requests()] == ["long2"]
