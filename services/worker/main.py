@@ -69,7 +69,7 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
                    help="seconds a KV transfer may take: prefill-side held blocks are freed after it, and a "
                    "decode worker prefills locally instead")
     p.add_argument("--max-prefill-chunk", type=int, default=0, help="cap each request's prefill chunk (0 = budget)")
-    p.add_argument("--itl-guard", type=float, default=2.0, help="a step beside decoding streams takes at most this "
+    p.add_argument("--itl-guard", type=float, default=1.5, help="a step beside decoding streams takes at most this "
                    "times a decode-only step (a long prompt's chunks get the rest, at least a token a step); 0 = off")
     p.add_argument("--grace-seconds", type=float, default=30.0, help="drain deadline on SIGTERM")
     p.add_argument("--handoff-idle-seconds", type=float, default=2.0,

@@ -49,7 +49,7 @@ class EngineConfig:
     async_scheduling: bool = False
     # A step beside decoding streams takes at most this times a decode-only step: prompt chunks get the rest
     # (engine.itl_guard); 0 = off (chunks up to max_num_batched_tokens whatever decodes); off with async_scheduling
-    itl_guard: float = 2.0
+    itl_guard: float = 1.5
 
     def __post_init__(self) -> None:
         if self.itl_guard and self.itl_guard <= 1:
