@@ -21,11 +21,11 @@ from benchmarks.serving.fault_load import MODEL, QUESTIONS, words
 
 # --- noisy neighbour and load through `up` on its defaults ---------------------------------------------------------
 
-def _streams(url: str, key: str, count: int, max_tokens: int, concurrency: int, content: Callable[[int], str]
-             ) -> list[dict[str, Any]]:
+def _streams(url: str, key: str, count: int, max_tokens: int, concurrency: int, content: Callable[[int], str],
+             timeout: float = 600.0) -> list[dict[str, Any]]:
     """``count`` streaming chats, ``concurrency`` at a time: per request TTFT, inter-token gaps, status."""
     def one(i: int) -> dict[str, Any]:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=600)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=timeout)
         start, stamps, status = time.monotonic(), [], "ok"
         try:
             stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content(i)}],
@@ -49,6 +49,9 @@ def _streams(url: str, key: str, count: int, max_tokens: int, concurrency: int, 
 def _p(values: list[float], q: float) -> float | None:
     values = sorted(v for v in values if v is not None)
     return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+
+B_TIMEOUT_S = 1800.0  # tenant B's client timeout (the others': 600 s)
 
 
 def noisy_neighbour(model_dir: str, b_prompts: int, b_tokens: int = 0, a_alone_s: float = 20.0) -> dict[str, Any]:
@@ -82,7 +85,9 @@ def noisy_neighbour(model_dir: str, b_prompts: int, b_tokens: int = 0, a_alone_s
                 return rows
 
             def b_load() -> list[dict[str, Any]]:
-                return _streams(url, keys["b"], b_prompts, 16, b_prompts, lambda i: f"({i}) Summarize: {long_prompt}")
+                # B's last prompt may take several times its time alone: its client waits long enough to tell how long
+                return _streams(url, keys["b"], b_prompts, 16, b_prompts, lambda i: f"({i}) Summarize: {long_prompt}",
+                                timeout=B_TIMEOUT_S)
 
             stop = threading.Event()
             threading.Timer(a_alone_s, stop.set).start()
