@@ -2,7 +2,7 @@
 back) alone for 20 s, then beside 4 prompts of B_TOKENS random tokens (16 output tokens each); with --b-alone, B alone
 first. Prints A's inter-token gaps (p50/p90/p99) in both phases, the guard's figures, the slowest steps with what they
 held ((start, tokens, tenant) of each prompt chunk; a-dec: A's decodes) and the step times grouped by what they held;
-writes every step's time and composition to /tmp/noisy/steps-<factor>.json.
+writes every step's time and composition to steps-<factor>.json in the temporary folder's tokenfleet-noisy/.
 
     .venv/bin/python benchmarks/noisy_engine_steps.py 1.5 7992 --b-alone    # FACTOR B_TOKENS
 
@@ -15,6 +15,7 @@ import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.models.gguf_import import ensure_default_model
 
-OUT = Path("/tmp/noisy")
+OUT = Path(tempfile.gettempdir()) / "tokenfleet-noisy"
 
 
 def q(values: list[float], p: float) -> float:
@@ -116,7 +117,7 @@ def main() -> None:
     print("(A decodes, A prompts, B decodes, B single prompt tokens, B chunk): steps, median, p90")
     for key, times in sorted(groups.items(), key=lambda kv: -len(kv[1]))[:15]:
         print(key, len(times), f"median {statistics.median(times):.3f} p90 {q(times, 0.9):.3f}")
-    OUT.mkdir(exist_ok=True)
+    OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"steps-{factor}.json").write_text(json.dumps({"steps": steps, "comp": comp}))
 
 

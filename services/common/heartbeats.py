@@ -20,29 +20,37 @@ T = TypeVar("T")
 async def with_heartbeats(source: AsyncIterator[T], interval_s: float) -> AsyncGenerator[T | None, None]:
     """``source``'s items, and None whenever it has produced nothing for ``interval_s``.
 
-    The next item is awaited in a task of its own, so a heartbeat never interrupts ``source``;
-    closing this generator cancels that task (which closes ``source`` where it waits) and then
-    closes ``source``."""
-    pending: asyncio.Task[T] | None = None
+    One task per stream reads ``source`` into a one-item queue, so a heartbeat never interrupts ``source`` and an item
+    costs a queue hand-off, not a task of its own; closing this generator cancels that task (which closes ``source``
+    where it waits) and then closes ``source``."""
+    items: asyncio.Queue[tuple[bool, T | BaseException | None]] = asyncio.Queue(maxsize=1)
+
+    async def pump() -> None:
+        try:
+            async for item in source:
+                await items.put((True, item))
+            await items.put((False, None))
+        except Exception as e:  # noqa: BLE001 - raised where the stream is read
+            await items.put((False, e))
+
+    task = asyncio.create_task(pump())
     try:
         while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(source))  # type: ignore[arg-type]
-            done, _ = await asyncio.wait({pending}, timeout=interval_s)
-            if not done:
+            try:
+                async with asyncio.timeout(interval_s):
+                    more, item = await items.get()
+            except TimeoutError:
                 yield None
                 continue
-            task, pending = pending, None
-            try:
-                item = task.result()
-            except StopAsyncIteration:
+            if more:
+                yield item  # type: ignore[misc]
+            elif item is None:
                 return
-            yield item
+            else:
+                raise item  # type: ignore[misc]
     finally:
-        if pending is not None:
-            pending.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
-                await pending
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         if hasattr(source, "aclose"):
             await source.aclose()
-

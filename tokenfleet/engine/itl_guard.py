@@ -15,7 +15,7 @@ one at its start. Pure arithmetic over plain numbers; the core feeds it each ste
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,6 +39,31 @@ class Entry(Protocol):
     def draft(self) -> tuple[int, ...]: ...
     @property
     def samples(self) -> bool: ...
+
+
+class Pending(Protocol):
+    """What the guard reads of a running or waiting request (request.Request)."""
+
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+
+def for_step(allowance: PrefillAllowance | None, running: Iterable[Pending], waiting: Iterable[Pending],
+             decoding: bool, room: bool) -> PrefillAllowance | None:
+    """The allowance a step applies: None when nothing waits on the step (no stream decoding, no short prompt running
+    or waiting), and long prompts take full chunks. A short prompt waiting to start (``room``: the batch can take it)
+    is computed whole, already a long step for the streams: long prompts then take only what it leaves, even the
+    first in line (it advances again next step)."""
+    if allowance is None:
+        return None
+    if room and any(not allowance.is_long(r.num_tokens - r.num_computed_tokens) for r in waiting):
+        allowance.advanced = True
+        return allowance
+    if decoding or any(not allowance.is_long(r.num_tokens - r.num_computed_tokens) for r in running):
+        return allowance
+    return None
 
 
 def is_prefill(entry: Entry) -> bool:

@@ -35,7 +35,7 @@ from typing import Protocol
 
 from tokenfleet.engine.block_manager import BlockManager
 from tokenfleet.engine.fair_queue import FairQueue
-from tokenfleet.engine.itl_guard import PrefillAllowance
+from tokenfleet.engine.itl_guard import PrefillAllowance, for_step
 from tokenfleet.engine.request import FinishReason, Request, RequestStatus
 from tokenfleet.kvcache.block_hash import hash_blocks
 from tokenfleet.kvcache.salt import chain_salt
@@ -311,20 +311,10 @@ class Scheduler:
         restores: list[tuple[int, bytes]] = []
         self.running.sort(key=lambda r: self._order[r.request_id])
         owed = self._owed_after() if any(r.draft_token_ids for r in self.running) else None
-        # long prompts' chunks are held to the allowance while something waits on this step: a stream decoding, or a
-        # short prompt (running or next in line), which is computed whole
-        allowance = self.prefill_allowance
-        if allowance is not None:
-            short_waiting = len(self.running) < self.config.max_num_running and any(
-                not allowance.is_long(r.num_tokens - r.num_computed_tokens) for r in self.waiting.requests())
-            if not self.decoding and not short_waiting and all(
-                    allowance.is_long(r.num_tokens - r.num_computed_tokens) for r in self.running):
-                allowance = None  # only long prompts: full chunks
-            elif short_waiting:
-                # a short prompt starts this step, whole, already a long step for the streams: long prompts take
-                # only what it leaves of the allowance, even the first in line (it advances again next step)
-                allowance.advanced = True
-        self._allowance = allowance
+        # long prompts' chunks are held to the allowance while something waits on this step (itl_guard.for_step)
+        self._allowance = None if self.prefill_allowance is None else for_step(
+            self.prefill_allowance, self.running, self.waiting.requests(), self.decoding,
+            room=len(self.running) < self.config.max_num_running)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]

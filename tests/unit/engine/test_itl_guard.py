@@ -32,6 +32,30 @@ def _entries(*shapes: tuple[int, int]) -> list[ScheduledRequest]:
     return [ScheduledRequest(f"r{i}", start, n, (), True) for i, (start, n) in enumerate(shapes)]
 
 
+def _decoding_stream(tenant: str = "", **config: object):  # type: ignore[no-untyped-def]
+    """A scheduler whose one request, "stream", is decoding."""
+    sched = make_scheduler(num_blocks=4096, block_size=4, max_num_batched_tokens=2048, **config)
+    stream = make_request(num_prompt_tokens=5, max_tokens=500, request_id="stream")
+    stream.tenant = tenant
+    sched.add_request(stream)
+    _step(sched, None)
+    return sched
+
+
+def _prompt(sched, name: str, tokens: int, tenant: str = "") -> None:  # type: ignore[no-untyped-def]
+    request = make_request(num_prompt_tokens=tokens, max_tokens=2, request_id=name)
+    request.tenant = tenant
+    sched.add_request(request)
+
+
+def _step(sched, allowance: PrefillAllowance | None) -> list[tuple[str, int]]:  # type: ignore[no-untyped-def]
+    """One step under ``allowance``, its tokens sampled: (request id, tokens) of what it scheduled."""
+    sched.prefill_allowance = allowance
+    out = sched.schedule()
+    sched.update(out, {s.request_id: 1 for s in out.scheduled if s.samples})
+    return [(s.request_id, s.num_new_tokens) for s in out.scheduled]
+
+
 def test_a_long_prompts_single_token_is_prefill_work_not_a_decode():
     """A step of decodes plus one token of a prompt deep in its context must not teach the guard that decoding is
     slow (the allowance would grow with every such step)."""
@@ -98,22 +122,14 @@ def test_with_nothing_decoding_a_long_prompt_takes_full_chunks_unless_a_short_pr
 def test_beside_decoding_streams_several_long_prompts_do_not_each_take_a_token_only_the_first_advances():
     """Four prompts deep into a long context each taking "at least one token" would each cost an attention over the
     whole context, every step: the streams' steps would be several times longer whatever the allowance said."""
-    sched = make_scheduler(num_blocks=4096, block_size=4, max_num_batched_tokens=2048, max_prefill_chunk=100)
-    stream = make_request(num_prompt_tokens=5, max_tokens=500, request_id="stream")
-    sched.add_request(stream)
-    sched.update(out := sched.schedule(), {s.request_id: 1 for s in out.scheduled if s.samples})
+    sched = _decoding_stream(max_prefill_chunk=100)
     for i in range(3):
-        sched.add_request(make_request(num_prompt_tokens=3000, max_tokens=2, request_id=f"long{i}"))
-    sched.prefill_allowance = None  # the guard off for a step: every long prompt is admitted and starts
-    sched.update(out := sched.schedule(), {s.request_id: 1 for s in out.scheduled if s.samples})
-    assert {s.request_id for s in out.scheduled} == {"stream", "long0", "long1", "long2"}
-    sched.prefill_allowance = PrefillAllowance(0.0, 0.0)  # nothing to spare beside the stream
-    out = sched.schedule()
-    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("stream", 1), ("long0", 1)]
-    sched.update(out, {s.request_id: 1 for s in out.scheduled if s.samples})
-    sched.prefill_allowance = PrefillAllowance(150.0, 0.0)  # enough for one whole chunk and half of the next
-    out = sched.schedule()
-    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("stream", 1), ("long0", 100), ("long1", 50)]
+        _prompt(sched, f"long{i}", 3000)
+    # the guard off for a step: every long prompt is admitted and starts
+    assert {name for name, _ in _step(sched, None)} == {"stream", "long0", "long1", "long2"}
+    assert _step(sched, PrefillAllowance(0.0, 0.0)) == [("stream", 1), ("long0", 1)]  # nothing to spare
+    # enough for one whole chunk and half of the next
+    assert _step(sched, PrefillAllowance(150.0, 0.0)) == [("stream", 1), ("long0", 100), ("long1", 50)]
     assert sched.requests["long2"].num_computed_tokens == 100  # held back, its blocks kept
 
 
@@ -139,49 +155,24 @@ def test_a_stale_decode_figure_is_refreshed_by_a_decode_only_step_every_refresh_
 def test_a_step_that_starts_a_short_prompt_does_not_also_advance_a_long_one_past_the_allowance():
     """A short prompt computed whole already makes the streams' step long (the slowest steps, those a p99 sees):
     the first long prompt's one guaranteed token waits for the next step."""
-    sched = make_scheduler(num_blocks=4096, block_size=4, max_num_batched_tokens=2048)
-    stream = make_request(num_prompt_tokens=5, max_tokens=500, request_id="stream")
-    sched.add_request(stream)
-    sched.update(out := sched.schedule(), {s.request_id: 1 for s in out.scheduled if s.samples})
-    long = make_request(num_prompt_tokens=3000, max_tokens=2, request_id="long")
-    long.tenant = "b"
-    sched.add_request(long)
-    sched.prefill_allowance = PrefillAllowance(0.0, 0.0)
-    sched.update(out := sched.schedule(), {s.request_id: 1 for s in out.scheduled if s.samples})
-    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("stream", 1), ("long", 1)]
-    short = make_request(num_prompt_tokens=40, max_tokens=2, request_id="short")
-    short.tenant = "a"
-    sched.add_request(short)
-    sched.prefill_allowance = PrefillAllowance(0.0, 0.0)
-    sched.update(out := sched.schedule(), {s.request_id: 1 for s in out.scheduled if s.samples})
-    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("stream", 1), ("short", 40)]
-    sched.prefill_allowance = PrefillAllowance(0.0, 0.0)
-    out = sched.schedule()  # the long prompt advances again
-    assert ("long", 1) in [(s.request_id, s.num_new_tokens) for s in out.scheduled]
+    sched = _decoding_stream()
+    _prompt(sched, "long", 3000, tenant="b")
+    assert _step(sched, PrefillAllowance(0.0, 0.0)) == [("stream", 1), ("long", 1)]
+    _prompt(sched, "short", 40, tenant="a")
+    assert _step(sched, PrefillAllowance(0.0, 0.0)) == [("stream", 1), ("short", 40)]
+    assert ("long", 1) in _step(sched, PrefillAllowance(0.0, 0.0))  # the long prompt advances again
 
 
 def test_a_held_long_prompt_first_in_the_waiting_queue_does_not_keep_a_short_one_behind_it_waiting():
     """The fair queue may put a long prompt first (its tenant's counter is the smaller); held back by the guard, it
     must not block the short prompt behind it (else the streams end, nothing decodes, and the long prompts take full
     chunks for many seconds while the short one waits)."""
-    sched = make_scheduler(num_blocks=4096, block_size=4, max_num_batched_tokens=2048)
-    stream = make_request(num_prompt_tokens=5, max_tokens=500, request_id="stream")
-    stream.tenant = "a"
-    sched.add_request(stream)
-    sched.update(out := sched.schedule(), {s.request_id: 1 for s in out.scheduled if s.samples})
-    for name in ("long1", "long2"):
-        long = make_request(num_prompt_tokens=3000, max_tokens=2, request_id=name)
-        long.tenant = "b"
-        sched.add_request(long)
-    sched.prefill_allowance = PrefillAllowance(0.0, 0.0)
-    sched.update(out := sched.schedule(), {s.request_id: 1 for s in out.scheduled if s.samples})
-    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("stream", 1), ("long1", 1)]
-    short = make_request(num_prompt_tokens=40, max_tokens=2, request_id="short")
-    short.tenant = "a"
-    sched.add_request(short)
+    sched = _decoding_stream(tenant="a")
+    _prompt(sched, "long1", 3000, tenant="b")
+    _prompt(sched, "long2", 3000, tenant="b")
+    assert _step(sched, PrefillAllowance(0.0, 0.0)) == [("stream", 1), ("long1", 1)]
+    _prompt(sched, "short", 40, tenant="a")
     sched.waiting.counters["a"] = sched.waiting.counters.get("b", 0.0) + 1000  # b's long2 comes first in line
     assert sched.waiting.peek().request_id == "long2"
-    sched.prefill_allowance = PrefillAllowance(0.0, 0.0)
-    out = sched.schedule()
-    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("stream", 1), ("short", 40)]
+    assert _step(sched, PrefillAllowance(0.0, 0.0)) == [("stream", 1), ("short", 40)]
     assert [r.request_id for r in sched.waiting.requests()] == ["long2"]
