@@ -151,11 +151,10 @@ class Cluster:
     def members(self) -> tuple[int, int] | None:
         """(replicas, gateways) registered in the cluster's etcd now, as the operator reads them; None: unreadable."""
         from tokenfleet.cluster.etcd import EtcdClient
-        from tokenfleet.security.identity import Identity
-        from tokenfleet.security.plane import Plane
+        from tokenfleet.launcher import operator_plane
 
         state = self.state
-        identity = None if state.get("insecure") else Plane(Identity(Path(state["certs"]), "operator")).identity
+        identity = operator_plane(state.get("certs") or None, bool(state.get("insecure"))).identity
 
         async def read() -> tuple[int, int]:
             client = EtcdClient(state["etcd"], identity=identity)
