@@ -6,7 +6,8 @@ services of a serving benchmark) get the same tree: PYTHONPATH names it, and a l
 ``tokenfleet/services -> ../services`` in the worktree keeps the editable install's mapping of
 ``tokenfleet.services`` from reaching into the working tree. Runs alternate (old, new, old,
 new, ...) --runs times each; every run's JSON (the script's --json output) is kept, and for each
-numeric leaf the median of new / the median of old is reported.
+numeric leaf the median of the per-round ratios new / old (round i: the i-th old run and the i-th new run, which
+ran next to each other) is reported, with every run's value.
 
     .venv/bin/python benchmarks/compare_revisions.py --rev b5d9e93 --runs 3 \\
         -- benchmarks/engine_throughput.py --batches 1,8,32 --skip-hf
@@ -94,7 +95,9 @@ def main() -> None:
     for key in sorted(set(old_leaves[0]) & set(new_leaves[0])):
         old = statistics.median(x[key] for x in old_leaves if key in x)
         new = statistics.median(x[key] for x in new_leaves if key in x)
-        summary[key] = {"old_median": old, "new_median": new, "new_over_old": new / old if old else None,
+        ratios = [n[key] / o[key] for o, n in zip(old_leaves, new_leaves) if o.get(key) and key in n]
+        summary[key] = {"old_median": old, "new_median": new,
+                        "new_over_old": statistics.median(ratios) if ratios else None, "round_ratios": ratios,
                         "old_runs": [x.get(key) for x in old_leaves], "new_runs": [x.get(key) for x in new_leaves]}
     result = {"rev": args.rev, "script": script, "runs": runs, "summary": summary,
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -102,7 +105,8 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=2))
     for key, s in summary.items():
         if s["new_over_old"] is not None:
-            print(f"{key:50s} old {s['old_median']:10.2f}  new {s['new_median']:10.2f}  new/old {s['new_over_old']:.2f}")
+            print(f"{key:50s} old {s['old_median']:10.2f}  new {s['new_median']:10.2f}  "
+                  f"median of per-round new/old {s['new_over_old']:.2f}")
 
 
 if __name__ == "__main__":

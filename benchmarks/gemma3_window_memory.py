@@ -22,6 +22,8 @@ from pathlib import Path
 
 from serving.report import write_report
 
+from tokenfleet.engine.request_spec import RequestSpec
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -70,7 +72,8 @@ def engine_run(model_dir: str, kv_bytes: int, num_requests: int, context: int, o
     bm = core.scheduler.block_manager
     for i in range(num_requests):
         prompt = [(i * 7919 + j) % 50_000 + 3 for j in range(context)]
-        core.add_request(prompt, SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True), request_id=f"e{i}")
+        core.add_request(RequestSpec(prompt, SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True),
+                                     request_id=f"e{i}"))
     at_context = window_held = steps = 0
     started = time.perf_counter()
     while core.has_unfinished():

@@ -11,7 +11,7 @@ SmolLM2-135M's and Llama-3.1-8B's) and each mode:
                 weight-only kernel (models.triton_linear), larger ones through torch._scaled_mm
 - graphs-fp8kv: graphs with bf16 weights and an FP8 KV cache (e4m3, a scale per token and KV head: models.kv_fp8)
 - graphs-fp8-fp8kv: FP8 weights and the FP8 KV cache
-- graphs-overlap: graphs with overlapped scheduling (EngineCore.enable_overlap: the next decode step is queued on
+- graphs-overlap: graphs with overlapped scheduling (CoreParts.overlap: the next decode step is queued on
   the device before the host reads this one's tokens)
 - graphs-fp8-overlap: FP8 weights, graphs and overlapped scheduling
 
@@ -59,6 +59,7 @@ from serving.gpu_runs import (  # noqa: E402
     step_roofline,
 )
 
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.models.config import ModelConfig  # noqa: E402
 
 GEOMETRIES = {
@@ -123,7 +124,7 @@ def mode_env(mode: str) -> dict[str, str]:
 def build(geometry: str, mode: str, batch_cap: int, num_blocks: int, max_model_len: int):
     from tokenfleet.backends.torch.runner import TorchModelRunner
     from tokenfleet.engine.block_manager import BlockManager
-    from tokenfleet.engine.core import EngineCore
+    from tokenfleet.engine.core import CoreParts, EngineCore
     from tokenfleet.engine.runner import ModelInfo
     from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -138,9 +139,8 @@ def build(geometry: str, mode: str, batch_cap: int, num_blocks: int, max_model_l
     sched = SchedulerConfig(max_model_len=max_model_len, max_num_batched_tokens=8192, max_num_running=batch_cap,
                             max_num_waiting=4096)
     core = EngineCore(Scheduler(sched, BlockManager(num_blocks, 16), hash_salt=f"{geometry}|{mode}"), runner, None,
-                      ModelInfo(vocab_size=config.vocab_size, max_model_len=max_model_len, eos_token_ids=()))
-    if mode.endswith("overlap"):
-        core.enable_overlap()
+                      ModelInfo(vocab_size=config.vocab_size, max_model_len=max_model_len, eos_token_ids=()),
+                      CoreParts(overlap=runner if mode.endswith("overlap") else None))
     return config, runner, core, capture_s
 
 
@@ -157,7 +157,8 @@ def profile_run(geometry: str, mode: str, batch: int, context: int) -> str:
     rng = random.Random(0)
     params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        core.add_request([rng.randrange(100, config.vocab_size) for _ in range(context)], params, request_id=f"prof{i}")
+        core.add_request(RequestSpec([rng.randrange(100, config.vocab_size) for _ in range(context)], params,
+                                     request_id=f"prof{i}"))
     for _ in range(40):
         core.step()
     torch.cuda.synchronize()

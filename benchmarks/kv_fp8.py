@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.serving.report import git_head, write_report  # noqa: E402
 from tokenfleet.backends.torch.builder import build_engine_core  # noqa: E402
 from tokenfleet.engine.config import EngineConfig  # noqa: E402
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams  # noqa: E402
 from tokenfleet.models.attention import TorchPagedAttention  # noqa: E402
 from tokenfleet.models.gguf_import import ensure_default_model  # noqa: E402
@@ -52,7 +53,7 @@ def decode_steps(core, batch: int, context: int, steps: int, seed: int) -> list[
     vocab = core.model.vocab_size
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        core.add_request([rng.randrange(200, vocab) for _ in range(context)], params, request_id=f"{seed}-{i}")
+        core.add_request(RequestSpec([rng.randrange(200, vocab) for _ in range(context)], params, request_id=f"{seed}-{i}"))
     while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
         core.step()  # prefill, not timed
     times = []

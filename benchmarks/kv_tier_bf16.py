@@ -38,6 +38,7 @@ from tokenfleet.api.chat_template import render_chat  # noqa: E402
 from tokenfleet.backends.torch.builder import build_engine_core  # noqa: E402
 from tokenfleet.engine.config import EngineConfig  # noqa: E402
 from tokenfleet.engine.core import EngineCore  # noqa: E402
+from tokenfleet.engine.request_spec import RequestSpec  # noqa: E402
 from tokenfleet.engine.sampling_params import SamplingParams  # noqa: E402
 from tokenfleet.kvcache.block_hash import hash_blocks  # noqa: E402
 from tokenfleet.kvcache.salt import chain_salt  # noqa: E402
@@ -63,7 +64,7 @@ def core(model: str, **options: object) -> EngineCore:
 
 
 def run(engine: EngineCore, prompt: list[int], max_tokens: int, request_id: str) -> list[int]:
-    engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), request_id=request_id)
+    engine.add_request(RequestSpec(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), request_id=request_id))
     tokens: list[int] = []
     while engine.has_unfinished():
         for out in engine.step():

@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 from tokenfleet.api.chat_template import render_chat  # noqa: E402
 from tokenfleet.backends.torch.builder import build_engine_core  # noqa: E402
 from tokenfleet.engine.config import EngineConfig  # noqa: E402
+from tokenfleet.engine.request_spec import RequestSpec  # noqa: E402
 from tokenfleet.engine.sampling_params import SamplingParams  # noqa: E402
 from tokenfleet.models.gguf_import import ensure_default_model  # noqa: E402
 
@@ -57,8 +58,8 @@ def make_adapters(base: Path, folder: Path, count: int, rank: int) -> list[Path]
 def run(core, prompts: list[list[int]], adapters: list[str], max_tokens: int) -> tuple[float, int]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        core.add_request(prompt, params, request_id=f"r{time.monotonic_ns()}-{i}",
-                         adapter=adapters[i % len(adapters)] if adapters else "")
+        core.add_request(RequestSpec(prompt, params, request_id=f"r{time.monotonic_ns()}-{i}",
+                                     adapter=adapters[i % len(adapters)] if adapters else ""))
     start = time.perf_counter()
     tokens = 0
     while core.has_unfinished():

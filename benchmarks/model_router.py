@@ -27,6 +27,8 @@ import statistics
 import time
 from pathlib import Path
 
+from tokenfleet.engine.request_spec import RequestSpec
+
 DATA = Path(__file__).parent / "data"
 PROMPTS = DATA / "router_prompts.jsonl"
 LABELS = DATA / "router_labels.json"
@@ -215,7 +217,7 @@ def measure_rates(llm, conversations: list, params) -> tuple[float, float]:
     prompt_s = prompt_n = decode_s = decode_n = 0.0
     for messages in conversations:
         tokens = llm.tokenizer.encode(render_chat(llm.tokenizer, messages))
-        rid = llm.core.add_request(tokens, params)
+        rid = llm.core.add_request(RequestSpec(tokens, params))
         first = True
         while llm.core.has_unfinished():
             t = time.perf_counter()

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from serving.report import git_head, machine_line, write_report
 
+from tokenfleet.engine.request_spec import RequestSpec
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -52,8 +54,8 @@ def margins(core, ids: list[int], seeds: int, share: float) -> list[float]:
     for seed in range(seeds):
         model.attention = OneUlp(seed)
         rid = f"{share}-{seed}"
-        core.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, logprobs=20), request_id=rid,
-                         cache_scope=rid)  # no prefix-cache hits between seeds
+        core.add_request(RequestSpec(ids, SamplingParams(max_tokens=1, temperature=0.0, logprobs=20), request_id=rid,
+                                     cache_scope=rid))  # no prefix-cache hits between seeds
         while core.has_unfinished():
             for out in core.step():
                 top = dict(out.logprobs[0].top)

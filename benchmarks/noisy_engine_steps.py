@@ -22,6 +22,7 @@ from typing import Any
 
 from tokenfleet.backends.torch.builder import build_engine_core
 from tokenfleet.engine.config import EngineConfig
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.models.gguf_import import ensure_default_model
 
@@ -49,12 +50,12 @@ def main() -> None:
     b_done: list[float] = []
 
     def add_a() -> None:
-        owner[core.add_request(list(a_prompt), a_params)] = "a"
+        owner[core.add_request(RequestSpec(list(a_prompt), a_params))] = "a"
 
     def add_b(seed: int) -> None:
         rng = random.Random(seed)
         for _ in range(4):
-            owner[core.add_request([rng.randrange(100, 40000) for _ in range(b_tokens)], b_params)] = "b"
+            owner[core.add_request(RequestSpec([rng.randrange(100, 40000) for _ in range(b_tokens)], b_params))] = "b"
 
     schedule = core.scheduler.schedule
 

@@ -21,6 +21,7 @@ from tokenfleet.backends.torch.builder import build_engine_core
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.grammar import Guided
 from tokenfleet.engine.guided import GuideCompiler
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.models.gguf_import import ensure_default_model
 
@@ -48,7 +49,7 @@ PROMPTS = ["Describe a person as JSON.", "Describe a city and its weather as JSO
 def run(core, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
     """All requests at once; (seconds, output tokens)."""
     for prompt, p in zip(prompts, params):
-        core.add_request(prompt, p)
+        core.add_request(RequestSpec(prompt, p))
     tokens, start = 0, time.perf_counter()
     while core.has_unfinished():
         tokens += sum(len(o.new_token_ids) for o in core.step())

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout wi
 from tokenfleet.backends.trtllm.engine import TrtllmEngine  # noqa: E402 (imports no tensorrt_llm)
 from tokenfleet.backends.trtllm.spec import PYTORCH, TRT_ENGINE, TrtllmSpec, load_api  # noqa: E402
 from tokenfleet.engine.sampling_params import SamplingParams  # noqa: E402
+from tokenfleet.engine.request_spec import RequestSpec
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -127,10 +128,10 @@ class Smoke:
         return 1 if failed else 0
 
     async def tokens(self, engine: TrtllmEngine, prompt: list[int], request_id: str, **kw: object) -> list[int]:
-        return [t async for out in engine.generate(prompt, GREEDY, request_id, **kw) for t in out.new_token_ids]
+        return [t async for out in engine.generate(RequestSpec(prompt, GREEDY, request_id, **kw)) for t in out.new_token_ids]
 
     async def stream(self, engine: TrtllmEngine, prompt: list[int]) -> str:
-        outs = [out async for out in engine.generate(prompt, GREEDY, "stream")]
+        outs = [out async for out in engine.generate(RequestSpec(prompt, GREEDY, "stream"))]
         tokens = [t for o in outs for t in o.new_token_ids]
         assert outs[-1].finished and outs[-1].finish_reason is not None, "no final output"
         assert sum(o.finished for o in outs) == 1, "more than one final"
@@ -139,7 +140,7 @@ class Smoke:
 
     async def abort(self, engine: TrtllmEngine, prompt: list[int]) -> str:
         long = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
-        stream = engine.generate(prompt, long, "abort")
+        stream = engine.generate(RequestSpec(prompt, long, "abort"))
         got = 0
         async with contextlib.aclosing(stream):
             async for out in stream:
@@ -167,7 +168,7 @@ class Smoke:
 
         def source(held, layout):
             async def stream():
-                async with contextlib.aclosing(prefill.prefill(prompt, GREEDY, "ctx", 0, held, layout)) as evs:
+                async with contextlib.aclosing(prefill.prefill(RequestSpec(prompt, GREEDY, "ctx", 0), held, layout)) as evs:
                     async for event in evs:
                         events.append(type(event).__name__)
                         yield event

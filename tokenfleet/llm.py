@@ -11,6 +11,7 @@ from tokenfleet.backends.torch.builder import build_engine_core
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.output import RequestOutput, TokenLogprobs
 from tokenfleet.engine.request import FinishReason
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.models.gguf_import import ensure_default_model
 
@@ -61,7 +62,7 @@ class LLM:
         owners: dict[str, Completion] = {}  # engine request id (samples of n > 1 too) -> its completion
         try:
             for tokens, p in zip(token_lists, params):
-                request_id = self.core.add_request(tokens, p)
+                request_id = self.core.add_request(RequestSpec(tokens, p))
                 completion = completions[request_id] = Completion(request_id=request_id, prompt_token_ids=tokens)
                 completion.samples = [Completion(request_id=f"{request_id}#{i}", prompt_token_ids=tokens)
                                       for i in range(1, p.n)]

@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from tokenfleet.engine.request_spec import RequestSpec
+
 
 def measure_card() -> dict:
     dev = torch.device("cuda")
@@ -108,7 +110,7 @@ def decode_run(core, runner, config, batch: int, context: int, steps: int, seed:
     ids = []
     for i in range(batch):
         prompt = [rng.randrange(100, config.vocab_size) for _ in range(context)]
-        ids.append(core.add_request(prompt, params, request_id=f"s{seed}-{i}"))
+        ids.append(core.add_request(RequestSpec(prompt, params, request_id=f"s{seed}-{i}")))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) or core.scheduler.waiting:
         core.step()  # prefill, not timed
     spans = timed_forward(runner)
@@ -146,8 +148,8 @@ def mixed_run(core, runner, config, batch: int, context: int, steps: int, prompt
 
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=steps + 4096, temperature=0.0, ignore_eos=True)
-    ids = [core.add_request([rng.randrange(100, config.vocab_size) for _ in range(context)], params,
-                            request_id=f"x{seed}-{i}") for i in range(batch)]
+    ids = [core.add_request(RequestSpec([rng.randrange(100, config.vocab_size) for _ in range(context)], params,
+                                        request_id=f"x{seed}-{i}")) for i in range(batch)]
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) or core.scheduler.waiting:
         core.step()
     mixed = getattr(runner, "mixed", None)
@@ -157,8 +159,8 @@ def mixed_run(core, runner, config, batch: int, context: int, steps: int, prompt
     for s in range(steps):
         arrived = s % every == 0
         if arrived:
-            core.add_request([rng.randrange(100, config.vocab_size) for _ in range(prompt_len)], one,
-                             request_id=f"x{seed}-a{s}")
+            core.add_request(RequestSpec([rng.randrange(100, config.vocab_size) for _ in range(prompt_len)], one,
+                                         request_id=f"x{seed}-a{s}"))
         t = time.perf_counter()
         core.step()
         (with_chunk if arrived else without).append(time.perf_counter() - t)
@@ -180,7 +182,8 @@ def prefill_run(core, config, tokens: int, seed: int) -> dict:
         prompt = [rng.randrange(100, config.vocab_size) for _ in range(tokens)]
         torch.cuda.synchronize()
         t = time.perf_counter()
-        core.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), request_id=f"p{seed}-{k}")
+        core.add_request(RequestSpec(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                                     request_id=f"p{seed}-{k}"))
         while core.has_unfinished():
             core.step()
         times.append(time.perf_counter() - t)

@@ -1,14 +1,17 @@
 """The engine worker's proto boundary (engine.proto, common.proto) <-> engine types, both directions:
-the worker decodes requests and encodes outputs here, the gateway encodes sampling parameters, the
-router decodes KV layouts. Nothing else converts these messages."""
+the gateway encodes its requests (``RequestSpec``) here and the worker decodes them, the worker encodes
+outputs, the router decodes KV layouts. Nothing else converts these messages."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from tokenfleet.engine.grammar import Guided
 from tokenfleet.engine.kv_transfer import (
     Handoff,
     KVChunkData,
     KVLayoutError,
+    KVSource,
     KVTransferError,
     PrefillDone,
     PrefillEvent,
@@ -16,6 +19,7 @@ from tokenfleet.engine.kv_transfer import (
 )
 from tokenfleet.engine.output import RequestOutput, Resume, TokenLogprobs
 from tokenfleet.engine.request import FinishReason, Priority
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.runner import KernelCheck
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.kvcache.layout import DTYPE_SIZES, KVLayout
@@ -32,6 +36,41 @@ _PRIORITY = {
     common_pb2.PRIORITY_INTERACTIVE: Priority.INTERACTIVE,
     common_pb2.PRIORITY_BATCH: Priority.BATCH,
 }
+
+
+_PRIORITY_TO_PROTO = {Priority.INTERACTIVE: common_pb2.PRIORITY_INTERACTIVE, Priority.BATCH: common_pb2.PRIORITY_BATCH}
+
+
+def request_to_proto(spec: RequestSpec) -> engine_pb2.GenerateRequest:
+    """A request for a worker's Generate (what placement adds, the prefill replica and a prefix source, the
+    dispatcher sets on the message). The caller's own id travels in the call's metadata."""
+    msg = engine_pb2.GenerateRequest(request_id=spec.id, prompt_token_ids=spec.prompt_token_ids,
+                                     sampling=sampling_to_proto(spec.sampling_params),
+                                     priority=_PRIORITY_TO_PROTO[Priority(spec.priority)], tenant=spec.tenant,
+                                     cache_scope=spec.cache_scope, adapter=spec.adapter)
+    if spec.resume is not None:
+        msg.resume.output_token_ids.extend(spec.resume.output_token_ids)
+        msg.resume.text = spec.resume.text
+    return msg
+
+
+def request_from_proto(msg: engine_pb2.GenerateRequest | engine_pb2.PrefillRequest, request_id: str,
+                       kv_source: KVSource | None = None, client_request_id: str = "") -> RequestSpec:
+    """A worker's Generate or Prefill request as the engine takes it (ValueError -> INVALID_ARGUMENT)."""
+    resumed = resume(msg.resume) if isinstance(msg, engine_pb2.GenerateRequest) else None
+    adapter = msg.adapter if isinstance(msg, engine_pb2.GenerateRequest) else ""
+    return RequestSpec(list(msg.prompt_token_ids), sampling_params(msg.sampling), request_id, priority(msg.priority),
+                       resume=resumed, tenant=msg.tenant, cache_scope=cache_scope(msg.cache_scope), adapter=adapter,
+                       kv_source=kv_source, client_request_id=client_request_id)
+
+
+def prefill_request(msg: engine_pb2.GenerateRequest, held_block_hashes: Sequence[bytes], layout: KVLayout
+                    ) -> engine_pb2.PrefillRequest:
+    """The decode side's Prefill call for a Generate that names a prefill replica."""
+    return engine_pb2.PrefillRequest(
+        request_id=msg.request_id, prompt_token_ids=msg.prompt_token_ids, sampling=msg.sampling,
+        priority=msg.priority, held_block_hashes=list(held_block_hashes), layout=layout_to_proto(layout),
+        cache_scope=msg.cache_scope, prefix_source=msg.prefix_source if msg.HasField("prefix_source") else None)
 
 
 def sampling_params(msg: common_pb2.SamplingParams) -> SamplingParams:

@@ -128,7 +128,7 @@ async def _serve(gateway: Gateway, request: Request, chat: bool) -> Response:
         structlog.contextvars.bind_contextvars(tenant=call.caller.tenant.name, key_id=call.caller.key_id)
         gateway.admission.precheck(call.caller, call.request_id, call.endpoint, call.headers)  # cheap checks first
         body = await _parse(request, ChatCompletionRequest if chat else CompletionRequest)
-        prepared = await gateway.prepare(body, call.caller.tenant, call.deadline)
+        prepared = await gateway.prepare(body, call)
         trace_request(call.trace, operation, call.caller.tenant, prepared, body)
         run = await gateway.open(call, prepared)
         encoder = OpenAIEncoder.of(prepared)

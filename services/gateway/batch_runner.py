@@ -235,7 +235,7 @@ class BatchRunner:
                 operation, rid, "internal", {"tokenfleet.batch_id": line.batch_id}))
             if line.prepared is None:  # kept while the line waits for spare capacity: tokenized once
                 body = validate_body(ChatCompletionRequest if chat else CompletionRequest, raw)
-                line.prepared = await self.gateway.prepare(body, caller.tenant)
+                line.prepared = await self.gateway.prepare(body, call)
             prepared = line.prepared
             trace_request(call.trace, operation, caller.tenant, prepared)
             run = await self.gateway.open(call, prepared)

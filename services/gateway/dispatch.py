@@ -7,23 +7,25 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 import structlog
-from tokenfleet.services.common.convert import sampling_to_proto
+from tokenfleet.services.common.convert import request_to_proto
 
 from tokenfleet.api.openai_schema import APIError
+from tokenfleet.engine.output import Resume
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
-from tokenfleet.kvcache.salt import adapter_scope
 from tokenfleet.security.plane import Channels
 from tokenfleet.telemetry.metrics import GatewayMetrics
 from tokenfleet.telemetry.request_id import metadata as request_id_metadata
 from tokenfleet.telemetry.tracing import Trace
 from tokenfleet.tenancy.tenants import Tenant
-from tokenfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from tokenfleet.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
 log = structlog.get_logger()
 PICK_TIMEOUT_S = 10.0
@@ -54,7 +56,6 @@ LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.IN
         grpc.StatusCode.CANCELLED)
 # Batch lines' first-response deadline (above); early rejection uses only objectives an operator sets.
 DEFAULT_TTFT_OBJECTIVES = {"interactive": 30.0, "batch": 300.0}
-TIER_PRIORITY = {"interactive": common_pb2.PRIORITY_INTERACTIVE, "batch": common_pb2.PRIORITY_BATCH}
 
 
 @dataclass
@@ -69,20 +70,33 @@ NO_SPARE_CAPACITY = "no_spare_capacity"  # a batch line's Pick found the fleet b
 
 @dataclass
 class Job:
-    """One request as the dispatcher sees it."""
+    """One request as the dispatcher sees it: the request (``RequestSpec``) and how to place it."""
 
     model_ref: str  # what the router is asked for (name@version)
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    limit: int  # output tokens the request may produce (SamplingParams.output_limit)
-    tenant: Tenant
+    request: RequestSpec
+    tenant: Tenant  # its tier bounds the wait for the first token
     placement: Placement = field(default_factory=Placement)
-    cache_scope: str = ""  # who may share its cached prefix (tokenfleet.kvcache.salt), for Pick and Generate
-    adapter: str = ""  # a LoRA adapter on the workers ("" = the base model)
     trace: Trace = field(default_factory=Trace)  # the request's span: router and worker calls are its children
     spare_only: bool = False  # a batch line: placed only where the fleet has spare capacity (PickRequest.spare_only)
     deadline: float | None = None  # time.monotonic() when the client stops waiting for the first response
+
+    @property
+    def request_id(self) -> str:
+        return self.request.id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.sampling_params
+
+    @property
+    def limit(self) -> int:
+        """Output tokens it may produce per sample (the edge's limit)."""
+        limit = self.request.limit if self.request.limit is not None else self.params.max_tokens
+        return limit if limit is not None else sys.maxsize
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The client's own request id, for the next hop's logs."""
+        return request_id_metadata(self.request.client_request_id) if self.request.client_request_id else ()
 
 
 @dataclass
@@ -151,11 +165,12 @@ class Dispatcher:
         """A placement from a router; it hashes the prompt to find replicas holding its prefix. A router
         that is unreachable or too slow (UNAVAILABLE, DEADLINE_EXCEEDED) is followed by the next one;
         the routers take turns as the first asked."""
+        spec = job.request
         request = router_pb2.PickRequest(
-            model=job.model_ref, request_id=job.request_id, num_prompt_tokens=len(job.prompt),
-            prompt_token_ids=job.prompt, exclude_replica_ids=list(exclude), colocated=colocated or bool(job.adapter),
-            cache_scope=adapter_scope(job.cache_scope, job.adapter),  # the scope the worker hashes it with
-            adapter=job.adapter, spare_only=job.spare_only and not resuming)  # a started line finishes anyway
+            model=job.model_ref, request_id=job.request_id, num_prompt_tokens=spec.num_prompt_tokens,
+            prompt_token_ids=spec.prompt_token_ids, exclude_replica_ids=list(exclude),
+            colocated=colocated or bool(spec.adapter), cache_scope=spec.kv_scope,  # the scope the worker hashes with
+            adapter=spec.adapter, spare_only=job.spare_only and not resuming)  # a started line finishes anyway
         start = next(self._turn) % len(self.routers)
         error: grpc.aio.AioRpcError | None = None
         for address in [*self.routers[start:], *self.routers[:start]]:
@@ -163,7 +178,7 @@ class Dispatcher:
             span = job.trace.child("router.pick", "client", {"rpc.system": "grpc", "server.address": address,
                                                              "tokenfleet.excluded": list(exclude)})
             try:
-                picked = await stub.Pick(request, metadata=trace_metadata() + span.metadata(), timeout=PICK_TIMEOUT_S)
+                picked = await stub.Pick(request, metadata=job.metadata() + span.metadata(), timeout=PICK_TIMEOUT_S)
                 span.set(**{"tokenfleet.replica": picked.replica_id,
                             "tokenfleet.prefill_replica": picked.prefill_replica_id or None,
                             "tokenfleet.prefix_blocks": picked.prefix_blocks or None})
@@ -211,15 +226,13 @@ class Dispatcher:
                 raise
 
     def _request(self, job: Job, picked: router_pb2.PickResponse, progress: _Progress) -> engine_pb2.GenerateRequest:
-        request = engine_pb2.GenerateRequest(request_id=job.request_id, prompt_token_ids=job.prompt,
-                                             sampling=sampling_to_proto(job.params), tenant=job.tenant.name,
-                                             priority=TIER_PRIORITY[job.tenant.tier], cache_scope=job.cache_scope,
-                                             adapter=job.adapter)
+        spec = job.request
+        if progress.started:
+            spec = dataclasses.replace(spec, resume=Resume(tuple(progress.delivered), progress.sample(0).text))
+        request = request_to_proto(spec)
         if self.stall_timeout > 0:
             request.heartbeat_ms = max(1, int(1000 * self.stall_timeout / 4))
         if progress.started:
-            request.resume.output_token_ids.extend(progress.delivered)
-            request.resume.text = progress.sample(0).text
             log.warning("resuming the stream on another replica", replica=picked.replica_id, lost=progress.failed,
                         tokens_delivered=len(progress.delivered), resume=progress.resumes)
         else:
@@ -255,7 +268,7 @@ class Dispatcher:
             span = job.trace.child("worker.generate", "client", {
                 "rpc.system": "grpc", "server.address": picked.address, "tokenfleet.replica": picked.replica_id,
                 "tokenfleet.resumed_tokens": len(progress.delivered) or None})
-            call = stub.Generate(self._request(job, picked, progress), metadata=trace_metadata() + span.metadata())
+            call = stub.Generate(self._request(job, picked, progress), metadata=job.metadata() + span.metadata())
             responded = finished = False
             finals = 0
             failure: BaseException | None = None
@@ -377,9 +390,9 @@ class Dispatcher:
             sample = progress.sample(index)
             own = _Progress(list(progress.failed), list(progress.lost), {0: _Sample(sample.delivered, sample.text)},
                             progress.resumes, progress.last_error)
+            alone = dataclasses.replace(job.request, sampling_params=params, request_id=f"{job.request_id}-{index}")
             try:
-                async for response in self.generate(dataclasses.replace(job, params=params,
-                                                                        request_id=f"{job.request_id}-{index}"), own):
+                async for response in self.generate(dataclasses.replace(job, request=alone), own):
                     getattr(response, response.WhichOneof("kind")).index = index
                     await queue.put(response)
             except BaseException as e:  # noqa: BLE001 - handed to the merged stream
@@ -398,12 +411,6 @@ class Dispatcher:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def trace_metadata() -> tuple[tuple[str, str], ...]:
-    """The client request's id (bound to the log context by the transport) for the next hop."""
-    request_id = structlog.contextvars.get_contextvars().get("request_id")
-    return request_id_metadata(request_id) if request_id else ()
 
 
 def status_error(e: grpc.aio.AioRpcError) -> APIError:

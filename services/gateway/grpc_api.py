@@ -32,7 +32,6 @@ from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, Comple
 from tokenfleet.telemetry.metrics import RequestTimer
 from tokenfleet.telemetry.request_id import from_metadata, new_request_id
 from tokenfleet.tenancy.admission import Caller
-from tokenfleet.tenancy.tenants import Tenant
 from tokenfleet.v1 import inference_pb2, inference_pb2_grpc
 
 log = structlog.get_logger()
@@ -119,7 +118,7 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
         return self.gateway.admission.authenticate(metadata.get("authorization"), context.peer())
 
     async def _serve(self, context: grpc.aio.ServicerContext, endpoint: str,
-                     prepare: Callable[[Tenant, float], Awaitable[Prepared]], chat: bool) -> AsyncIterator[Message]:
+                     prepare: Callable[[Call], Awaitable[Prepared]], chat: bool) -> AsyncIterator[Message]:
         """What both streaming calls share: the request id, the caller, metrics, the pipeline, the encoder."""
         request_id = new_request_id(from_metadata(context.invocation_metadata()))
         with structlog.contextvars.bound_contextvars(request_id=request_id):
@@ -132,7 +131,7 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
                 self.gateway.admission.precheck(call.caller, call.request_id, call.endpoint, call.headers)
                 remaining = context.time_remaining()  # the client's gRPC deadline, None without one
                 call.deadline = time.monotonic() + (DEFAULT_DEADLINE_S if remaining is None else remaining)
-                prepared = await prepare(call.caller.tenant, call.deadline)  # its name: a canary split's fallback key; its tier
+                prepared = await prepare(call)
                 trace_request(call.trace, operation, call.caller.tenant, prepared)
                 run = await self.gateway.open(call, prepared)
             except APIError as e:  # becomes a status in map_errors
@@ -155,16 +154,15 @@ class InferenceAPI(inference_pb2_grpc.InferenceServiceServicer):
     @map_errors
     async def ChatCompletion(self, request: inference_pb2.ChatCompletionRequest, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[Message]:
-        async for chunk in self._serve(context, CHAT, lambda tenant, deadline: self.gateway.prepare(
-                chat_request(request), tenant, deadline), chat=True):
+        async for chunk in self._serve(context, CHAT, lambda call: self.gateway.prepare(
+                chat_request(request), call), chat=True):
             yield chunk
 
     @map_errors
     async def Completion(self, request: inference_pb2.CompletionRequest, context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[Message]:
         async for chunk in self._serve(context, COMPLETION,
-                                       lambda tenant, deadline: self.gateway.prepare(
-                                           completion_request(request), tenant, deadline),
+                                       lambda call: self.gateway.prepare(completion_request(request), call),
                                        chat=False):
             yield chunk
 

@@ -37,8 +37,9 @@ from tokenfleet.services.gateway.preparer import Preparer
 from tokenfleet.api.chat_template import render_chat
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
 from tokenfleet.api.tools import CallStarted, ContentText, ToolCallParser, ToolEvent, parse, prepare_messages, tool_format
+from tokenfleet.engine.request import Priority
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
-from tokenfleet.kvcache.salt import request_scope
 from tokenfleet.models.tokenizer import Tokenizer
 from tokenfleet.routing.model_router import RouteInput
 from tokenfleet.security.plane import Channels, Plane
@@ -56,6 +57,7 @@ log = structlog.get_logger()
 DEADLINE_HEADERS = ("x-request-timeout", "x-stainless-read-timeout")
 DEFAULT_DEADLINE_S = 600.0  # the official client's default timeout
 MAX_DEADLINE_S = 3600.0
+TIER_PRIORITY = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}  # a tenant's tier: its requests'
 FINISH = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -81,21 +83,53 @@ class Call:
     deadline: float | None = None  # time.monotonic() when the client stops waiting for the response to start
 
 
+@dataclass(frozen=True)
+class Edge:
+    """Who sent a body: what the gateway's edge adds to it to make the request (``Edge.request``)."""
+
+    tenant: Tenant
+    client_request_id: str = ""
+
+    def request(self, model: ServedModel, body: ChatCompletionRequest | CompletionRequest, prompt: Sequence[int],
+                params: SamplingParams, request_id: str) -> RequestSpec:
+        """The one request object (tokenfleet.engine.request_spec) for ``body`` on ``model``: built once, here."""
+        tenant = self.tenant
+        return body.request_spec(prompt, params, request_id, tenant=tenant.name,
+                                 share_group=tenant.cache_group or tenant.name, priority=TIER_PRIORITY[tenant.tier],
+                                 adapter=model.adapter, max_model_len=model.max_model_len,
+                                 client_request_id=self.client_request_id)
+
+
 @dataclass
 class Prepared:
-    """A validated request, rendered and tokenized, not yet admitted."""
+    """A validated request, rendered and tokenized, not yet admitted: the request every layer passes
+    (``RequestSpec``, built here once) and what only the gateway's encoders need."""
 
     model: ServedModel
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
+    request: RequestSpec
     include_usage: bool
     tools: bool = False  # parse tool calls out of the output (chat with tools, tool_choice not "none")
     echo: str = ""  # completions with echo: the prompt's text, sent before each choice's text
     echo_added: int = 0  # special tokens the tokenizer put before the echoed text's own (Gemma's <bos>): no text
     chat: bool = True
-    cache_salt: str = ""  # the request's own prefix-cache isolation (tokenfleet.kvcache.salt)
     requested_model: str = ""  # the routing alias the client named, when the model router chose ``model``
+
+    @property
+    def request_id(self) -> str:
+        return self.request.id
+
+    @property
+    def prompt(self) -> Sequence[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.sampling_params
+
+    @property
+    def limit(self) -> int:
+        """Output tokens it may produce per sample on ``model`` (the edge's limit)."""
+        return self.request.output_limit(self.model.max_model_len)
 
 
 @dataclass
@@ -156,38 +190,40 @@ class Gateway:
         if self.ttft_objectives is not None:
             self.dispatcher.ttft_objectives = dict(self.ttft_objectives)
 
-    async def prepare_chat(self, body: ChatCompletionRequest, tenant: str = "", tier: str = "interactive",
-                           pins: Mapping[str, str] | None = None, deadline: float | None = None) -> Prepared:
-        """``tenant``: with the body's ``user``, the conversation's key for an alias's canary split. ``tier``: the
-        tenant's, a feature of the model router's when ``body.model`` is a routing alias. ``pins``: the tenant's pinned
-        versions (model name -> ref), applied first."""
+    async def prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant = ANONYMOUS_CALLER.tenant,
+                           deadline: float | None = None, client_request_id: str = "") -> Prepared:
+        """``tenant``: with the body's ``user``, the conversation's key for an alias's canary split; its tier, a feature
+        of the model router's when ``body.model`` is a routing alias; its pinned versions (model name -> ref), applied
+        first; its cache group and priority, the request's."""
         fmt = body.response_format.type if body.response_format is not None else "text"
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        name = self._route((pins or {}).get(body.model, body.model), RouteInput(
+        name = self._route(dict(tenant.pins).get(body.model, body.model), RouteInput(
             [(m.role, m.text()) for m in body.messages], tools=body.tool_choice_name != "none",
-            json_mode=fmt != "text", tier=tier, max_tokens=limit or 0))
-        model = await self.models.get(name, body.user or tenant)
-        prepared = await self.preparer.run(self._prepare_chat, model, body, deadline=deadline)
+            json_mode=fmt != "text", tier=tenant.tier, max_tokens=limit or 0))
+        model = await self.models.get(name, body.user or tenant.name)
+        prepared = await self.preparer.run(self._prepare_chat, model, body, Edge(tenant, client_request_id),
+                                           deadline=deadline)
         prepared.requested_model = body.model if name != body.model else ""
         return prepared
 
-    async def prepare_completion(self, body: CompletionRequest, tenant: str = "", tier: str = "interactive",
-                                 pins: Mapping[str, str] | None = None, deadline: float | None = None) -> Prepared:
+    async def prepare_completion(self, body: CompletionRequest, tenant: Tenant = ANONYMOUS_CALLER.tenant,
+                                 deadline: float | None = None, client_request_id: str = "") -> Prepared:
         text = body.prompt if isinstance(body.prompt, str) else ""
-        name = self._route((pins or {}).get(body.model, body.model),
-                           RouteInput([("user", text)], tier=tier, max_tokens=body.max_tokens or 0))
-        model = await self.models.get(name, body.user or tenant)
-        prepared = await self.preparer.run(self._prepare_completion, model, body, deadline=deadline)
+        name = self._route(dict(tenant.pins).get(body.model, body.model),
+                           RouteInput([("user", text)], tier=tenant.tier, max_tokens=body.max_tokens or 0))
+        model = await self.models.get(name, body.user or tenant.name)
+        prepared = await self.preparer.run(self._prepare_completion, model, body, Edge(tenant, client_request_id),
+                                           deadline=deadline)
         prepared.requested_model = body.model if name != body.model else ""
         return prepared
 
-    async def prepare(self, body: ChatCompletionRequest | CompletionRequest, tenant: Tenant,
-                      deadline: float | None = None) -> Prepared:
-        """``body`` prepared for ``tenant`` (its name, tier and pinned versions): chat or completion by its type.
-        ``deadline``: the client's (Call.deadline); still waiting for a preparation thread then, it is refused."""
+    async def prepare(self, body: ChatCompletionRequest | CompletionRequest, call: Call) -> Prepared:
+        """``body`` prepared for ``call``'s tenant: chat or completion by its type. ``call.deadline``: the client's;
+        still waiting for a preparation thread then, it is refused."""
+        tenant = call.caller.tenant
         if isinstance(body, ChatCompletionRequest):
-            return await self.prepare_chat(body, tenant.name, tenant.tier, dict(tenant.pins), deadline)
-        return await self.prepare_completion(body, tenant.name, tenant.tier, dict(tenant.pins), deadline)
+            return await self.prepare_chat(body, tenant, call.deadline, call.request_id)
+        return await self.prepare_completion(body, tenant, call.deadline, call.request_id)
 
     def _route(self, name: str, request: RouteInput) -> str:
         """The model router: a routing alias's choice for this request (counted in metrics, logged); other names
@@ -200,7 +236,7 @@ class Gateway:
         log.info("routed", alias=name, model=target, p_small_agrees=round(p, 3))
         return target
 
-    def _prepare_chat(self, model: ServedModel, body: ChatCompletionRequest) -> Prepared:
+    def _prepare_chat(self, model: ServedModel, body: ChatCompletionRequest, edge: Edge) -> Prepared:
         """In a preparer thread: parameters and grammar, the chat template, the tokens."""
         params = body.sampling_params()
         tools = body.tool_choice_name != "none"
@@ -212,10 +248,10 @@ class Gateway:
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         check_context(model, len(prompt), params.max_tokens)
-        return Prepared(model, f"chatcmpl-{uuid.uuid4().hex}", prompt, params, _include_usage(body), tools=tools,
-                        cache_salt=body.cache_salt or "")
+        return Prepared(model, edge.request(model, body, prompt, params, f"chatcmpl-{uuid.uuid4().hex}"),
+                        _include_usage(body), tools=tools)
 
-    def _prepare_completion(self, model: ServedModel, body: CompletionRequest) -> Prepared:
+    def _prepare_completion(self, model: ServedModel, body: CompletionRequest, edge: Edge) -> Prepared:
         """In a preparer thread."""
         params = body.sampling_params()
         text = body.prompt if isinstance(body.prompt, str) else None
@@ -227,14 +263,13 @@ class Gateway:
         if body.echo:
             echo = text if text is not None else model.tokenizer.decode(prompt)
             added = model.tokenizer.added_prefix(text) if text is not None else 0
-        return Prepared(model, f"cmpl-{uuid.uuid4().hex}", prompt, params, _include_usage(body), echo=echo,
-                        echo_added=added, chat=False, cache_salt=body.cache_salt or "")
+        return Prepared(model, edge.request(model, body, prompt, params, f"cmpl-{uuid.uuid4().hex}"),
+                        _include_usage(body), echo=echo, echo_added=added, chat=False)
 
     async def open(self, call: Call, prepared: Prepared) -> Run:
         """Admit (403, 429), place and wait for the first response: errors before it become proper
         statuses, not a broken stream."""
-        model, params, prompt = prepared.model, prepared.params, prepared.prompt
-        limit = params.output_limit(model.max_model_len, len(prompt))
+        model, params, prompt, limit = prepared.model, prepared.params, prepared.prompt, prepared.limit
         call.admitted = True
         call.ticket = None
         # a routed request is allowed by the alias the tenant asked for; its ledger record names both
@@ -244,11 +279,9 @@ class Gateway:
         call.ticket = ticket
         if prepared.requested_model:
             ticket.model, ticket.requested_model = model.name, prepared.requested_model
-        tenant = call.caller.tenant
         call.trace.event("admitted")
-        scope = request_scope(tenant.cache_group or tenant.name, prepared.cache_salt)
-        job = Job(model.ref, prepared.request_id, prompt, params, limit, tenant, call.placement, scope, model.adapter,
-                  trace=call.trace, spare_only=call.batch_line, deadline=call.deadline)
+        job = Job(model.ref, prepared.request, call.caller.tenant, call.placement, trace=call.trace,
+                  spare_only=call.batch_line, deadline=call.deadline)
         stream = self.dispatcher.generate(job)
         try:
             first = await _first(stream)

@@ -11,7 +11,6 @@ import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -27,6 +26,7 @@ from tokenfleet.cluster.membership import DRAINING, ReplicaRecord, ReplicaRegist
 from tokenfleet.cluster.registry import ModelRecord
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.engine.config import EngineConfig
+from tokenfleet.engine.interface import Engine
 from tokenfleet.engine.runner import KernelCheck
 from tokenfleet.security import plane as plane_args
 from tokenfleet.security.authz import AuditLog
@@ -152,10 +152,11 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
 async def warm_up(engine: AsyncEngine) -> None:
     """One one-token generation before the worker says it serves: kernels built, caches touched, the first real
     request's latency not a cold start's."""
+    from tokenfleet.engine.request_spec import RequestSpec
     from tokenfleet.engine.sampling_params import SamplingParams
 
     start = time.monotonic()
-    async for _ in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=1, temperature=0.0), "warm-up"):
+    async for _ in engine.generate(RequestSpec([1, 2, 3, 4], SamplingParams(max_tokens=1, temperature=0.0), "warm-up")):
         pass
     await engine.forget_prefill_rate()  # the cold start's rate, not the engine's
     log.info("warmed up", seconds=round(time.monotonic() - start, 3))
@@ -208,8 +209,9 @@ async def serve(args: argparse.Namespace) -> None:
     if backend == "trtllm":
         from tokenfleet.backends.trtllm.worker import build_engine  # imports tensorrt_llm only at start()
 
-        engine: Any = build_engine(args, record)
-        config = EngineConfig(model=engine.spec.model, max_num_running=args.max_num_running)  # for registration
+        trtllm = build_engine(args, record)
+        engine: Engine = trtllm
+        config = EngineConfig(model=trtllm.spec.model, max_num_running=args.max_num_running)  # for registration
     else:
         config = engine_config(args, record)
         engine = AsyncEngine(lambda: build_engine_core(config), transfer_timeout=args.transfer_timeout)
@@ -243,9 +245,9 @@ async def serve(args: argparse.Namespace) -> None:
     if args.fail_fraction:
         log.warning("chaos testing: failing a share of requests", fail_fraction=args.fail_fraction)
         worker.fail_fraction = args.fail_fraction
-    runner = getattr(getattr(engine, "core", None), "runner", None)
-    if hasattr(runner, "peaks"):  # MFU/MBU's denominators: a known card's, else measured now (~0.1 s)
-        flops, read, source = await asyncio.to_thread(runner.peaks)
+    peaks = await engine.device_peaks()  # MFU/MBU's denominators: a known card's, else measured now (~0.1 s)
+    if peaks is not None:
+        flops, read, source = peaks
         worker.peaks = (flops, read)
         log.info("device peaks", peak_tflops=round(flops / 1e12, 3), peak_gbytes_per_s=round(read / 1e9, 1),
                  source=source)
@@ -257,7 +259,7 @@ async def serve(args: argparse.Namespace) -> None:
     print(f"LISTENING {server.address}", flush=True)  # machine-readable line for launchers and tests
 
     async def on_drain() -> None:
-        if getattr(engine, "error", None) is not None:
+        if engine.error is not None:
             return  # a failed engine finishes nothing: leave now
         deadline = time.monotonic() + args.grace_seconds
         with contextlib.suppress(TimeoutError):
@@ -265,8 +267,7 @@ async def serve(args: argparse.Namespace) -> None:
         me = registration.record.replica_id if registration is not None else None
         peers = [r for r in sources.records.values()  # replicas that could fetch from this one (check_peer's terms)
                  if r.replica_id != me and r.model_version == model_version and r.kv_layout == layout_key]
-        core = getattr(engine, "core", None)
-        if args.handoff_idle_seconds > 0 and peers and getattr(core, "moves_blocks", False):
+        if args.handoff_idle_seconds > 0 and peers and engine.peer_blocks is not None:
             await worker.hand_off(args.handoff_idle_seconds, deadline)  # only a replica with peers has takers
         if registration is not None:
             await registration.stop()  # routers stop naming it as a prefix source before it stops answering
@@ -274,7 +275,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     async def watch_health() -> None:
         """An engine whose library failed (``error`` set) takes no more work: leave the fleet and exit."""
-        while getattr(engine, "error", None) is None:
+        while engine.error is None:
             await asyncio.sleep(1.0)
         log.error("engine failed; deregistering and exiting", error=repr(engine.error))
         if registration is not None:
@@ -294,7 +295,7 @@ async def serve(args: argparse.Namespace) -> None:
             await etcd.close()
         await worker.close()
         await engine.shutdown()
-    if getattr(engine, "error", None) is not None:
+    if engine.error is not None:
         raise SystemExit(3)  # a failed engine: the supervisor restarts the worker
 
 

@@ -29,12 +29,14 @@ from tokenfleet.services.worker.sources import PrefillSources
 
 from tokenfleet.engine.interface import Engine, EngineOverloadedError, EngineStoppedError
 from tokenfleet.engine.kv_transfer import MAX_CHUNK_BYTES, KVLayoutError, KVTransferError, PrefillEvent
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.kvcache.block_hash import hash_blocks
 from tokenfleet.kvcache.layout import KVLayout
 from tokenfleet.kvcache.salt import chain_salt
 from tokenfleet.security.plane import Channels, Plane
 from tokenfleet.telemetry import tracing
 from tokenfleet.telemetry.latency import RecentLatencies
+from tokenfleet.telemetry.request_id import from_metadata
 from tokenfleet.telemetry.request_id import metadata as request_id_metadata
 from tokenfleet.telemetry.tracing import Trace
 from tokenfleet.v1 import engine_pb2, engine_pb2_grpc
@@ -106,7 +108,7 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        params = convert.sampling_params(request.sampling)
+        convert.sampling_params(request.sampling)  # bad input: INVALID_ARGUMENT before anything else
         if self.fail_fraction and random.random() < self.fail_fraction:
             raise RuntimeError("injected failure (--fail-fraction: a chaos test of rollouts and retries)")
         self._check_objective(request)
@@ -116,9 +118,15 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             await self.sources.check(request.prefill.replica_id, request.prefill.address)
             kv_source = RemotePrefill(self.channels.get(request.prefill.address, "worker"), request, context, span)
         request_id = self._admit(request.request_id)
+        try:
+            spec = convert.request_from_proto(request, request_id, kv_source,
+                                              from_metadata(context.invocation_metadata()) or "")
+        except BaseException:
+            self.in_flight.discard(request_id)
+            raise
         start, first, last, count = time.monotonic(), None, None, 0
         final: Any = None
-        outputs: AsyncIterator[Any] = self._outputs(request, params, request_id, kv_source)
+        outputs: AsyncIterator[Any] = self._outputs(request, spec)
         if request.heartbeat_ms:
             outputs = with_heartbeats(outputs, request.heartbeat_ms / 1000)
         try:
@@ -143,22 +151,17 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             self.in_flight.discard(request_id)
             self.latencies.record(start, first, last, count)
             trace_generate(span, self.role, request, final, first - start if first else None)
-            log.info("generate finished", engine_request_id=request_id, prompt_tokens=len(request.prompt_token_ids),
-                     completion_tokens=count, ttft_ms=round(1000 * (first - start), 1) if first else None,
+            log.info("generate finished", **spec.log_fields(), completion_tokens=count,
+                     ttft_ms=round(1000 * (first - start), 1) if first else None,
                      duration_ms=round(1000 * (time.monotonic() - start), 1))
 
-    async def _outputs(self, request: engine_pb2.GenerateRequest, params: Any, request_id: str,
-                       kv_source: RemotePrefill | None) -> AsyncGenerator[Any, None]:
+    async def _outputs(self, request: engine_pb2.GenerateRequest, spec: RequestSpec) -> AsyncGenerator[Any, None]:
         """The engine's outputs for a Generate, after what must come first (the adapter, a peer's blocks)."""
-        await self._ensure_adapter(request.adapter)
-        if kv_source is None and not request.adapter and request.HasField("prefix_source") \
+        await self._ensure_adapter(spec.adapter)
+        if spec.kv_source is None and not spec.adapter and request.HasField("prefix_source") \
                 and request.prefix_source.address:
-            await self._fetch_from_peer(request, request_id)
-        stream = self.engine.generate(
-            list(request.prompt_token_ids), params, request_id, convert.priority(request.priority),
-            resume=convert.resume(request.resume), kv_source=kv_source, tenant=request.tenant,
-            cache_scope=convert.cache_scope(request.cache_scope), adapter=request.adapter,
-        )
+            await self._fetch_from_peer(request, spec.id)
+        stream = self.engine.generate(spec)
         async with contextlib.aclosing(stream) as outputs:
             async for out in outputs:
                 yield out
@@ -167,7 +170,7 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
     async def Prefill(
         self, request: engine_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.PrefillResponse]:
-        params = convert.sampling_params(request.sampling)
+        convert.sampling_params(request.sampling)  # bad input: INVALID_ARGUMENT before anything else
         layout = convert.layout_from_proto(request.layout) if request.HasField("layout") else None
         request_id = self._admit(request.request_id)
         span = tracing.current()
@@ -176,9 +179,9 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         try:
             if request.HasField("prefix_source") and request.prefix_source.address:
                 await self._fetch_from_peer(request, request_id)  # e.g. the replies the decode replica generated
-            stream = self.engine.prefill(list(request.prompt_token_ids), params, request_id,
-                                         convert.priority(request.priority), list(request.held_block_hashes), layout,
-                                         cache_scope=convert.cache_scope(request.cache_scope))
+            spec = convert.request_from_proto(request, request_id,
+                                              client_request_id=from_metadata(context.invocation_metadata()) or "")
+            stream = self.engine.prefill(spec, list(request.held_block_hashes), layout)
             # A cancelled call (the decode side went away) closes the stream: the held blocks are freed.
             async with contextlib.aclosing(stream) as events:
                 sent = 0
@@ -196,8 +199,8 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
                                request_id: str) -> None:
         """Stage the prompt's leading blocks a registered peer holds and this worker does not. Never raises:
         whatever is not fetched is computed here."""
-        source, layout = request.prefix_source, self.engine.kv_layout()
-        if layout is None or not hasattr(self.engine, "stage_blocks"):
+        source, layout, peers = request.prefix_source, self.engine.kv_layout(), self.engine.peer_blocks
+        if layout is None or peers is None:
             return
         try:
             await self.sources.check_peer(source.replica_id, source.address)
@@ -205,7 +208,7 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             scope = convert.cache_scope(request.cache_scope)
             hashes = hash_blocks(prompt, layout.block_size, chain_salt(layout.hash_salt, scope))
             wanted = hashes[: min(source.num_blocks, (len(prompt) - 1) // layout.block_size)]
-            held = await self.engine.local_prefix_blocks(wanted)  # type: ignore[attr-defined]
+            held = await peers.local_prefix_blocks(wanted)
             if held >= len(wanted):
                 return
             stub = engine_pb2_grpc.EngineServiceStub(self.channels.get(source.address, "worker"))
@@ -218,19 +221,19 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
                 payloads.append(block.data)
             if got != wanted[held: held + len(got)]:
                 raise KVTransferError("the peer sent blocks out of order")
-            await self.engine.stage_blocks(got, payloads)  # type: ignore[attr-defined]
+            await peers.stage_blocks(got, payloads)
             log.info("prefix fetched from peer", engine_request_id=request_id, peer=source.replica_id, blocks=len(got),
                      held_here=held)
         except (grpc.aio.AioRpcError, KVTransferError, PermissionError, ValueError) as e:
-            self.engine.count_peer_failure()  # type: ignore[attr-defined]
+            peers.count_peer_failure()
             log.warning("peer fetch failed; computing the prefix here", engine_request_id=request_id,
                         peer=source.replica_id, error=str(e)[:300])
 
     @map_errors
     async def FetchBlocks(self, request: engine_pb2.FetchBlocksRequest, context: grpc.aio.ServicerContext
                           ) -> AsyncIterator[engine_pb2.FetchBlocksResponse]:
-        mine = self.engine.kv_layout()
-        if mine is None or not hasattr(self.engine, "read_blocks"):
+        mine, peers = self.engine.kv_layout(), self.engine.peer_blocks
+        if mine is None or peers is None:
             raise KVLayoutError("this worker cannot send whole KV blocks")
         problem = mine.mismatch(convert.layout_from_proto(request.layout))
         if problem is not None:
@@ -240,7 +243,7 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         try:
             for i in range(0, len(hashes), PEER_FETCH_BATCH):
                 batch = hashes[i: i + PEER_FETCH_BATCH]
-                payloads = await self.engine.read_blocks(batch)  # type: ignore[attr-defined]
+                payloads = await peers.read_blocks(batch)
                 for block_hash, data in zip(batch, payloads):
                     yield engine_pb2.FetchBlocksResponse(block_hash=block_hash, data=data)
                 if len(payloads) < len(batch):
@@ -262,16 +265,14 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.LoadAdapterResponse(adapters=await self._load_adapter(request.name, request.path))
 
     async def _load_adapter(self, name: str, path: str) -> tuple[str, ...]:
-        load = getattr(self.engine, "load_adapter", None)
-        if load is None:
+        if self.engine.lora is None:
             raise ValueError("this worker's engine does not serve LoRA adapters")
-        names = await load(name, path)
+        names = await self.engine.lora.load_adapter(name, path)
         log.info("adapter loaded", adapter=name, path=path)
         return names
 
     def adapters(self) -> tuple[str, ...]:
-        names = getattr(self.engine, "adapters", None)
-        return names() if names is not None else ()
+        return self.engine.lora.adapters() if self.engine.lora is not None else ()
 
     async def _ensure_adapter(self, name: str) -> None:
         """A registered adapter (``name@version``) this worker lacks is loaded from the registry first."""
@@ -296,8 +297,7 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         sent_tiered: frozenset[bytes] | None = None
         while not self.reports_closed:
             report = self.report()
-            held = getattr(self.engine, "held_block_hashes", None)  # one moment's pair where the engine has it
-            hashes, tiered = held() if held else (self.engine.cached_block_hashes(), self.engine.tier_block_hashes())
+            hashes, tiered = self.engine.held_block_hashes()  # one moment's pair
             if sent is None or sent_tiered is None:
                 report.hashes_reset = True
                 report.added_block_hashes.extend(hashes)
@@ -436,11 +436,8 @@ class RemotePrefill:
         span = Trace.start("kv.transfer", "client", {"rpc.system": "grpc", "tokenfleet.prefill_replica": self.replica,
                                                      "tokenfleet.held_blocks": len(held_block_hashes)},
                            parent=self.parent_span) if self.parent_span is not None else Trace()
-        call = self.stub.Prefill(engine_pb2.PrefillRequest(
-            request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, sampling=r.sampling, priority=r.priority,
-            held_block_hashes=list(held_block_hashes), layout=convert.layout_to_proto(layout),
-            cache_scope=r.cache_scope, prefix_source=r.prefix_source if r.HasField("prefix_source") else None),
-            metadata=self.metadata + span.metadata())
+        call = self.stub.Prefill(convert.prefill_request(r, held_block_hashes, layout),
+                                 metadata=self.metadata + span.metadata())
         messages = size = 0
         error: BaseException | None = None
         try:

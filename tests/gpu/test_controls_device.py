@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.unit.models.test_llama_parity import save_tiny_llama
+from tokenfleet.engine.request_spec import RequestSpec
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 EOS = 256
@@ -64,7 +65,7 @@ def core(request, tmp_path_factory):
 
 
 def run(core, prompt, params):
-    core.add_request(prompt, params)
+    core.add_request(RequestSpec(prompt, params))
     outs = []
     while core.has_unfinished():
         outs += core.step()

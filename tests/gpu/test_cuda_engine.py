@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.unit.models.test_llama_parity import VARIANTS, hf_reference, save_tiny_llama, stepwise_logits
+from tokenfleet.engine.request_spec import RequestSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -39,7 +40,7 @@ def test_cuda_bf16_engine_runs_batches_without_leaks(tmp_path):
     core = EngineCore(scheduler, runner, None, ModelInfo(vocab_size=512, max_model_len=512, eos_token_ids=()))
     params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
     for i in range(12):  # 12 x (20..42 + 40) tokens overflow 32 blocks: forces preemption on the GPU path too
-        core.add_request(list(range(10 + i, 30 + 2 * i)), params, request_id=f"g{i}")
+        core.add_request(RequestSpec(list(range(10 + i, 30 + 2 * i)), params, request_id=f"g{i}"))
     counts: dict[str, int] = {}
     while core.has_unfinished():
         for out in core.step():

@@ -10,7 +10,8 @@ import torch
 
 from tokenfleet.backends.torch.runner import TorchModelRunner
 from tokenfleet.engine.block_manager import BlockManager
-from tokenfleet.engine.core import EngineCore
+from tokenfleet.engine.core import CoreParts, EngineCore
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.runner import ModelInfo
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig
@@ -24,7 +25,7 @@ CONFIG = ModelConfig.from_dict(dict(vocab_size=1024, hidden_size=256, intermedia
 
 
 def engine(dtype: torch.dtype, graphs: bool, quantization: str = "", monkeypatch=None, kv_cache_dtype: str = "",
-           mixed: bool = False, budget: int = 2048) -> tuple[EngineCore, TorchModelRunner]:
+           mixed: bool = False, budget: int = 2048, overlap: bool = False) -> tuple[EngineCore, TorchModelRunner]:
     monkeypatch.setenv("TOKENFLEET_CUDA_GRAPHS", "1" if graphs else "0")
     monkeypatch.setenv("TOKENFLEET_CUDA_GRAPHS_MIXED", "1" if mixed else "0")
     model = random_model(CONFIG, dtype, torch.device("cuda"), quantization, seed=1, kv_cache_dtype=kv_cache_dtype)
@@ -32,14 +33,15 @@ def engine(dtype: torch.dtype, graphs: bool, quantization: str = "", monkeypatch
     runner.capture_graphs()
     core = EngineCore(Scheduler(SchedulerConfig(max_model_len=512, max_num_batched_tokens=budget), BlockManager(128, 16),
                                 hash_salt="gpu"), runner, None,
-                      ModelInfo(vocab_size=CONFIG.vocab_size, max_model_len=512, eos_token_ids=()))
+                      ModelInfo(vocab_size=CONFIG.vocab_size, max_model_len=512, eos_token_ids=()),
+                      CoreParts(overlap=runner if overlap else None, adapters=runner))
     return core, runner
 
 
 def generate(core: EngineCore, n: int = 11, vocab: int = 1024) -> dict[str, list[int]]:
     for i in range(n):  # 11 requests: bucket 16 with padding, then smaller buckets as they finish
         params = SamplingParams(max_tokens=8 + 3 * i, temperature=0.0 if i % 3 else 0.8, seed=i, ignore_eos=True)
-        core.add_request([(7 * i + j) % (vocab - 24) + 1 for j in range(5 + 9 * i)], params, request_id=f"r{i}")
+        core.add_request(RequestSpec([(7 * i + j) % (vocab - 24) + 1 for j in range(5 + 9 * i)], params, request_id=f"r{i}"))
     out: dict[str, list[int]] = {}
     while core.has_unfinished():
         for o in core.step():
@@ -118,8 +120,7 @@ def test_overlapped_scheduling_generates_what_synchronous_steps_do(monkeypatch, 
     give the synchronous engine's tokens; most decode steps are queued ahead."""
     sync_core, _ = engine(dtype, graphs=True, monkeypatch=monkeypatch)
     expected = generate(sync_core)
-    core, runner = engine(dtype, graphs=True, monkeypatch=monkeypatch)
-    core.enable_overlap()
+    core, runner = engine(dtype, graphs=True, monkeypatch=monkeypatch, overlap=True)
     got = generate(core)
     assert runner.graphs is not None and runner.graphs.replays > 20
     assert core.stats.num_overlapped_steps > 20
@@ -185,8 +186,8 @@ def test_lora_graph_replays_generate_what_eager_steps_do(monkeypatch, tmp_path, 
             runner.load_adapter(name, folder)
         for i in range(9):
             params = SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True)
-            core.add_request([(11 * i + j) % 1000 + 1 for j in range(4 + 7 * i)], params, request_id=f"r{i}",
-                             adapter=("a", "b", "")[i % 3])
+            core.add_request(RequestSpec([(11 * i + j) % 1000 + 1 for j in range(4 + 7 * i)], params, request_id=f"r{i}",
+                                         adapter=("a", "b", "")[i % 3]))
         out: dict[str, list[int]] = {}
         while core.has_unfinished():
             for o in core.step():
@@ -217,7 +218,7 @@ def test_mixed_step_graph_replays_generate_what_eager_steps_do(monkeypatch, dtyp
             if step % 3 == 0 and step < 30:
                 i = step // 3
                 params = SamplingParams(max_tokens=6 + 2 * i, temperature=0.0, ignore_eos=True)
-                core.add_request([(13 * i + j) % 1000 + 1 for j in range(20 + 17 * i)], params, request_id=f"m{i}")
+                core.add_request(RequestSpec([(13 * i + j) % 1000 + 1 for j in range(20 + 17 * i)], params, request_id=f"m{i}"))
             for o in core.step():
                 out.setdefault(o.request_id, []).extend(o.new_token_ids)
             if step >= 30 and not core.has_unfinished():

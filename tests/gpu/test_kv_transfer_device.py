@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.unit.models.test_llama_parity import save_tiny_llama
+from tokenfleet.engine.request_spec import RequestSpec
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -35,17 +36,17 @@ def test_exported_blocks_continue_decoding_on_another_engine(tmp_path, device):
     prompt = list(range(30, 53))  # 23 tokens: 5 full blocks of 4 and a partial one
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
-    prefill.add_request(prompt, greedy, request_id="colocated")
+    prefill.add_request(RequestSpec(prompt, greedy, request_id="colocated"))
     expected: list[int] = []
     while prefill.has_unfinished():
         expected += [t for o in prefill.step() for t in o.new_token_ids]
 
-    prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id="p", hold_kv=True)
+    prefill.add_request(RequestSpec(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id="p", hold_kv=True))
     first = [t for o in _drain(prefill) for t in o.new_token_ids]
     table = prefill.kv.held_block_ids("p")
     assert first == expected[:1] and table is not None and len(table) == 6
 
-    assert decode.kv.add_remote(prompt, greedy, "d") == 0
+    assert decode.kv.add_remote(RequestSpec(prompt, greedy, "d")) == 0
     decode.kv.remote_first_token("d", first[0], None)
     layers = prefill.runner.kv_geometry()[0]
     for layer in range(layers):

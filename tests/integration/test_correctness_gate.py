@@ -31,6 +31,7 @@ import torch
 from tests.integration.conftest import start_up
 from tests.model.helpers import make_core
 from tokenfleet.api.chat_template import render_chat
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
 
 PROMPTS = json.loads((Path(__file__).resolve().parents[1] / "data" / "correctness_prompts.json").read_text())["prompts"]
@@ -63,7 +64,7 @@ def reference(model_dir: Path, dtype: str) -> dict[str, dict]:
     for p in PROMPTS:
         ids = tok.encode(render_chat(tok, [{"role": "user", "content": p["chat"]}])) if "chat" in p else \
             tok.encode_prompt(p["completion"])
-        core.add_request(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2), request_id=p["id"])
+        core.add_request(RequestSpec(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2), request_id=p["id"]))
         tokens: list[int] = []
         margins: list[float] = []
         while core.has_unfinished():

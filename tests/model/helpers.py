@@ -10,7 +10,8 @@ import torch
 from tokenfleet.backends.torch.builder import build_engine_core
 from tokenfleet.engine.block_manager import BlockManager
 from tokenfleet.engine.config import EngineConfig
-from tokenfleet.engine.core import EngineCore
+from tokenfleet.engine.core import CoreParts, EngineCore
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
 
 
@@ -19,6 +20,11 @@ def make_core(model_dir: str | Path, **options: object) -> EngineCore:
     options.setdefault("num_threads", 2)
     options.setdefault("num_blocks", 512)
     return build_engine_core(EngineConfig(model=str(model_dir), **options))  # type: ignore[arg-type]
+
+
+def with_parts(core: EngineCore, **parts: object) -> EngineCore:
+    """``core``'s scheduler, runner and model, built again with ``parts`` (CoreParts) before any request ran."""
+    return EngineCore(core.scheduler, core.runner, core.tokenizer, core.model, CoreParts(**parts))  # type: ignore[arg-type]
 
 
 def greedy(max_tokens: int, **kw: object) -> SamplingParams:
@@ -31,7 +37,7 @@ def run_to_completion(core: EngineCore, arrivals: dict[int, list[tuple[str, list
     step = 0
     while step <= max(arrivals, default=0) or core.has_unfinished():
         for request_id, prompt, params in arrivals.get(step, []):
-            core.add_request(prompt, params, request_id=request_id)
+            core.add_request(RequestSpec(prompt, params, request_id=request_id))
             outputs[request_id] = []
         for out in core.step():
             outputs[out.request_id] += out.new_token_ids

@@ -16,6 +16,7 @@ import torch
 
 from tests.model.helpers import assert_no_leak, greedy, make_core
 from tests.model.test_hf_parity import CHATS, chat_ids
+from tokenfleet.engine.request_spec import RequestSpec
 
 MAX_TOKENS = 32
 CHATS_WITH_FACTS = [*CHATS, [{"role": "user", "content": "What is the boiling point of water at sea level?"}]]
@@ -54,7 +55,7 @@ def teacher_forced_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 def ours(core, prompt: list[int], request_id: str) -> tuple[list[int], list[float], list[float]]:
     """Greedy tokens, their logprobs (decode), and the prompt's logprobs (prefill), in bf16."""
-    core.add_request(prompt, greedy(MAX_TOKENS, logprobs=0, prompt_logprobs=0), request_id=request_id)
+    core.add_request(RequestSpec(prompt, greedy(MAX_TOKENS, logprobs=0, prompt_logprobs=0), request_id=request_id))
     tokens: list[int] = []
     logprobs: list[float] = []
     prompt_logprobs: list[float] = []
@@ -113,7 +114,7 @@ def test_prefill_attention_is_as_close_to_fp32_as_bf16_sdpa_in_every_layer(bf16_
     model.attention = Record()
     try:
         prompt = chat_ids(bf16_core, MORE_CHATS[3])
-        bf16_core.add_request(prompt, greedy(1), request_id="layers")
+        bf16_core.add_request(RequestSpec(prompt, greedy(1), request_id="layers"))
         while bf16_core.has_unfinished():
             bf16_core.step()
     finally:

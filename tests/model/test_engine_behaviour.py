@@ -7,6 +7,7 @@ import pytest
 from tests.model.helpers import assert_no_leak, greedy, make_core, run_to_completion
 from tokenfleet.api.chat_template import render_chat
 from tokenfleet.engine.request import FinishReason
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
 
 TOPICS = ["the moon", "bread", "rivers", "chess", "winter", "bees", "trains", "music"]
@@ -71,7 +72,7 @@ def test_prefix_cache_hit_reports_tokens_and_keeps_output(default_model_dir):
 
     run_to_completion(core, {0: [("a", first, greedy(4))]})
     cached = []
-    rid = core.add_request(second, greedy(12), request_id="b")
+    rid = core.add_request(RequestSpec(second, greedy(12), request_id="b"))
     tokens = []
     while core.has_unfinished():
         for out in core.step():
@@ -92,7 +93,7 @@ def test_stop_string_is_not_emitted(fp32_core):
     free = run_to_completion(fp32_core, {0: [("free", prompt, greedy(20))]})["free"]
     full_text = fp32_core.tokenizer.decode(free)
     assert "Paris" in full_text  # the reference continuation, so the stop below is meaningful
-    fp32_core.add_request(prompt, greedy(20, stop=("Paris",)), request_id="stopped")
+    fp32_core.add_request(RequestSpec(prompt, greedy(20, stop=("Paris",)), request_id="stopped"))
     text, reason, stop_reason = "", None, None
     while fp32_core.has_unfinished():
         for out in fp32_core.step():
@@ -106,7 +107,7 @@ def test_stop_string_is_not_emitted(fp32_core):
 
 def test_abort_frees_blocks_mid_generation(fp32_core):
     prompt = prompts(fp32_core, 1)[0]
-    fp32_core.add_request(prompt, greedy(50, ignore_eos=True), request_id="to-abort")
+    fp32_core.add_request(RequestSpec(prompt, greedy(50, ignore_eos=True), request_id="to-abort"))
     for _ in range(3):
         fp32_core.step()
     assert fp32_core.scheduler.block_manager.num_used_blocks > 0
@@ -132,13 +133,13 @@ def test_seeded_sampling_is_reproducible_across_batches(fp32_core):
 )
 def test_bad_prompts_rejected_before_scheduling(fp32_core, prompt, message):
     with pytest.raises(ValueError, match=message):
-        fp32_core.add_request(prompt, greedy(4))
+        fp32_core.add_request(RequestSpec(prompt, greedy(4)))
     assert not fp32_core.has_unfinished()
 
 
 def test_max_tokens_none_is_capped_by_context(default_model_dir):
     core = make_core(default_model_dir, max_model_len=40)
-    core.add_request(list(range(100, 130)), SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))
+    core.add_request(RequestSpec(list(range(100, 130)), SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)))
     tokens, reason = [], None
     while core.has_unfinished():
         for out in core.step():

@@ -12,6 +12,7 @@ import math
 import pytest
 
 from tests.model.helpers import make_core
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.models.tokenizer import Tokenizer
 
@@ -29,7 +30,7 @@ TEXT = (
 
 def teacher_forced(core, prompt: list[int]) -> list:
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
-    core.add_request(prompt, params, request_id="text")
+    core.add_request(RequestSpec(prompt, params, request_id="text"))
     logprobs = []
     while core.has_unfinished():
         for out in core.step():

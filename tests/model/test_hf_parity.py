@@ -9,6 +9,7 @@ import torch
 
 from tests.model.helpers import assert_no_leak, greedy, hf_greedy, make_core, run_to_completion
 from tokenfleet.api.chat_template import render_chat
+from tokenfleet.engine.request_spec import RequestSpec
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -64,7 +65,7 @@ def test_bf16_close_to_fp32_reference(default_model_dir, hf_model):
     # Teacher forcing: feed the reference continuation as the prompt, read logits at each position.
     agree, max_err = 0, 0.0
     for pos in range(len(ref)):
-        request_id = core.add_request(prompt + ref[:pos], greedy(1), request_id=f"bf16-{pos}")
+        request_id = core.add_request(RequestSpec(prompt + ref[:pos], greedy(1), request_id=f"bf16-{pos}"))
         schedule = core.scheduler.schedule()
         logits = core.runner.compute_logits(schedule, core.scheduler.requests)[0]
         core.scheduler.update(schedule, {request_id: int(logits.argmax())})

@@ -12,6 +12,7 @@ import torch
 
 from tests.model.helpers import assert_no_leak, greedy, make_core, run_to_completion
 from tokenfleet.api.chat_template import render_chat
+from tokenfleet.engine.request_spec import RequestSpec
 
 PROMPTS = ["Name three fruits.", "What is the capital of France?", "Write a line about the sea."]
 
@@ -68,7 +69,7 @@ def test_adapters_in_one_batch_match_their_merged_models(default_model_dir, adap
     for i, p in enumerate(prompts):
         for name in (*adapters, ""):
             rid = f"{name or 'base'}-{i}"
-            core.add_request(p, greedy(16), request_id=rid, adapter=name)
+            core.add_request(RequestSpec(p, greedy(16), request_id=rid, adapter=name))
             ids[rid] = []
     while core.has_unfinished():
         for o in core.step():
@@ -84,12 +85,12 @@ def test_an_adapters_prefix_cache_is_its_own(default_model_dir, adapters):
     core.runner.load_adapter("a0", str(adapters["a0"][0]))
     prompt = prompt_of(core, "Tell me about bicycles, in detail, with examples. " * 3)
     run_to_completion(core, {0: [("base", prompt, greedy(2))]})
-    core.add_request(prompt, greedy(2), request_id="lora", adapter="a0")
+    core.add_request(RequestSpec(prompt, greedy(2), request_id="lora", adapter="a0"))
     outs = []
     while core.has_unfinished():
         outs += core.step()
     assert outs[-1].num_cached_tokens == 0  # the base model's blocks are not this adapter's KV
-    core.add_request(prompt, greedy(2), request_id="lora2", adapter="a0")
+    core.add_request(RequestSpec(prompt, greedy(2), request_id="lora2", adapter="a0"))
     outs = []
     while core.has_unfinished():
         outs += core.step()
@@ -99,7 +100,7 @@ def test_an_adapters_prefix_cache_is_its_own(default_model_dir, adapters):
 def test_bad_adapters_and_unknown_names_are_refused(default_model_dir, adapters, tmp_path):
     core = make_core(default_model_dir)
     with pytest.raises(ValueError, match="not loaded"):
-        core.add_request([1, 2, 3], greedy(2), adapter="nope")
+        core.add_request(RequestSpec([1, 2, 3], greedy(2), adapter="nope"))
     with pytest.raises(ValueError, match="not a PEFT adapter"):
         core.runner.load_adapter("x", str(tmp_path))
     bad = tmp_path / "dora"
@@ -135,7 +136,7 @@ def test_an_adapter_matches_peft_generating_with_it_unmerged(default_model_dir, 
     assert not any("merged" in type(m).__name__.lower() for m in reference.modules())
     for i, text in enumerate(PROMPTS):
         prompt = prompt_of(core, text)
-        core.add_request(prompt, greedy(16), request_id=f"p{i}", adapter="a1")
+        core.add_request(RequestSpec(prompt, greedy(16), request_id=f"p{i}", adapter="a1"))
         ours: list[int] = []
         while core.has_unfinished():
             for o in core.step():

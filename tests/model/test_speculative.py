@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.model.helpers import assert_no_leak, greedy, make_core, run_to_completion
+from tests.model.helpers import assert_no_leak, greedy, make_core, run_to_completion, with_parts
 from tokenfleet.api.chat_template import render_chat
 from tokenfleet.engine.grammar import Guided
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.spec_decode import SpecConfig
 
@@ -39,16 +40,14 @@ def base(default_model_dir):
 
 @pytest.fixture(scope="module")
 def spec(default_model_dir):
-    core = make_core(default_model_dir)
-    core.enable_speculation(ALWAYS)
-    return core
+    return with_parts(make_core(default_model_dir), speculation=ALWAYS)
 
 
 def outputs(core, requests):
     """Run ``requests`` [(id, prompt, params)] together; token ids and final outputs by id."""
     finals, tokens = {}, {}
     for request_id, prompt, params in requests:
-        core.add_request(prompt, params, request_id=request_id)
+        core.add_request(RequestSpec(prompt, params, request_id=request_id))
         tokens[request_id] = []
     while core.has_unfinished():
         for out in core.step():
@@ -88,7 +87,7 @@ def test_logprob_values_match(base, spec):
     params = greedy(24, logprobs=3)
     lp = {}
     for core, rid in ((base, "b"), (spec, "s")):
-        core.add_request(prompt, params, request_id=rid)
+        core.add_request(RequestSpec(prompt, params, request_id=rid))
         lp[rid] = []
         while core.has_unfinished():
             for out in core.step():
@@ -103,8 +102,7 @@ def test_n_samples_chunked_prefill_and_preemption(default_model_dir, base):
     prompts = {name: prompt_of(base, text) for name, text in (("edit", EDIT), ("quote", QUOTE))}
     expected = {name: run_to_completion(base, {0: [(name, p, greedy(32))]})[name] for name, p in prompts.items()}
     # few blocks: three requests at once preempt each other; chunks of 16 prompt tokens
-    core = make_core(default_model_dir, num_blocks=14, max_prefill_chunk=16)
-    core.enable_speculation(ALWAYS)
+    core = with_parts(make_core(default_model_dir, num_blocks=14, max_prefill_chunk=16), speculation=ALWAYS)
     tokens, _ = outputs(core, [("edit", prompts["edit"], greedy(32, n=2)), ("quote", prompts["quote"], greedy(32)),
                                ("edit2", prompts["edit"], greedy(32))])
     assert tokens["edit"] == tokens["edit#1"] == tokens["edit2"] == expected["edit"]
@@ -128,7 +126,7 @@ def test_grammar_outputs_match_and_forbidden_proposals_are_never_verified(base, 
 
 def test_cancelling_mid_verification_frees_everything(spec):
     prompt = prompt_of(spec, EDIT)
-    spec.add_request(prompt, greedy(200), request_id="cancel")
+    spec.add_request(RequestSpec(prompt, greedy(200), request_id="cancel"))
     verified = spec.snapshot().num_spec_verifications
     for _ in range(40):
         spec.step()

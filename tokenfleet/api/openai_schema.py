@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tokenfleet.api import tools as tool_calls
 from tokenfleet.engine.grammar import GrammarError, Guided, validate
+from tokenfleet.engine.request import Priority
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import MAX_N, SamplingParams
+from tokenfleet.kvcache.salt import request_scope
 
 DEFAULT_RETRY_AFTER = "1"  # seconds
 
@@ -77,6 +81,16 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     # false: never speculate for this request (where the worker speculates; lossless either way)
     speculative: bool | None = None
+
+    def request_spec(self, prompt: Sequence[int], params: SamplingParams, request_id: str, *, tenant: str = "",
+                     share_group: str = "", priority: int = Priority.INTERACTIVE, adapter: str = "",
+                     max_model_len: int | None = None, client_request_id: str = "") -> RequestSpec:
+        """This body as the request every layer passes (``RequestSpec``): its prompt and sampling, its scope (the
+        tenant's share group and this body's cache_salt), and its output limit on a model of ``max_model_len``."""
+        spec = RequestSpec(prompt, params, request_id, priority, tenant=tenant,
+                           cache_scope=request_scope(share_group, self.cache_salt or ""), adapter=adapter,
+                           client_request_id=client_request_id)
+        return dataclasses.replace(spec, limit=spec.output_limit(max_model_len)) if max_model_len else spec
 
     def _check_unsupported(self) -> None:
         extra = sorted(set(self.model_extra or {}) - INFORMATIONAL)

@@ -26,10 +26,10 @@ import structlog
 from tokenfleet import envs
 from tokenfleet.engine import kv_streams
 from tokenfleet.engine.core import EngineCore
-from tokenfleet.engine.interface import EngineOverloadedError, EngineStoppedError
-from tokenfleet.engine.kv_transfer import KVSource, PrefillEvent
-from tokenfleet.engine.output import RequestOutput, Resume
-from tokenfleet.engine.request import Priority
+from tokenfleet.engine.interface import AdapterHost, EngineOverloadedError, EngineStoppedError, PeerBlocks
+from tokenfleet.engine.kv_transfer import PrefillEvent
+from tokenfleet.engine.output import RequestOutput
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.runner import KernelCheck
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import QueueFullError
@@ -39,17 +39,9 @@ from tokenfleet.kvcache.layout import KVLayout
 
 @dataclass
 class _Add:
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    request_id: str
-    priority: int
+    request: RequestSpec
     sink: Callable[[RequestOutput], None]
     done: Future
-    resume: Resume | None = None
-    hold_kv: bool = False
-    tenant: str = ""
-    cache_scope: str = ""
-    adapter: str = ""
 
 
 @dataclass
@@ -105,6 +97,9 @@ class AsyncEngine:
         self._accepting = False
         self._stats = EngineStats()
         self.error: BaseException | None = None  # set when the engine loop died; the engine is unhealthy
+        # Capabilities (Engine), known once the core is built: this engine itself where its core has the part.
+        self.peer_blocks: PeerBlocks | None = None
+        self.lora: AdapterHost | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -138,6 +133,10 @@ class AsyncEngine:
     def kernel_checks(self) -> tuple[KernelCheck, ...]:
         return self.core.model.kernel_checks
 
+    async def device_peaks(self) -> tuple[float, float, str] | None:
+        costs = self.core.costs  # a known card's figures, else measured now (~0.1 s)
+        return await asyncio.to_thread(costs.peaks) if costs is not None else None
+
     def cached_block_hashes(self) -> frozenset[bytes]:
         return self._held[0]
 
@@ -154,8 +153,7 @@ class AsyncEngine:
         return await self.call(lambda core: core.read_blocks(block_hashes))
 
     async def local_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
-        return await self.call(lambda core: core.local_prefix_blocks(block_hashes) if core.staged is not None
-                               else len(block_hashes))
+        return await self.call(lambda core: core.local_prefix_blocks(block_hashes))
 
     async def stage_blocks(self, block_hashes: Sequence[bytes], payloads: Sequence[bytes]) -> None:
         await self.call(lambda core: core.stage_blocks(block_hashes, payloads))
@@ -195,55 +193,40 @@ class AsyncEngine:
         return self._core
 
     # ---- requests ----------------------------------------------------------------------------
-    async def generate(
-        self,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        request_id: str,
-        priority: int = Priority.INTERACTIVE,
-        resume: Resume | None = None,
-        kv_source: KVSource | None = None,
-        hold_kv: bool = False,
-        tenant: str = "",
-        cache_scope: str = "",
-        adapter: str = "",
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """``adapter``: the LoRA adapter it runs with (loaded on this engine; its own KV, so no remote prefill).
-        ``resume``: continue after output another replica delivered. ``kv_source``: pull the
-        prompt's first token and KV from a prefill replica (falls back to local prefill when the
-        blocks are not free or the transfer fails). ``hold_kv``: keep the blocks when done (prefill).
-        ``cache_scope``: who may share its cached blocks (tokenfleet.kvcache.salt)."""
+    async def generate(self, request: RequestSpec) -> AsyncGenerator[RequestOutput, None]:
+        """``Engine.generate``. A request with ``kv_source`` reserves blocks and pulls the prompt's first token and
+        KV from a prefill replica (falling back to a local prefill when the blocks are not free or the transfer
+        fails); one with an adapter never does (a prefill replica would compute the base model's KV)."""
         if not self._accepting:
             raise EngineStoppedError("engine is not accepting requests (starting, draining or stopped)")
+        if request.request_id is None:
+            raise ValueError("a request needs an id here")
+        request_id, params = request.request_id, request.sampling_params
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def sink(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
-        prompt = list(prompt_token_ids)
-        await self._prepare_grammar(sampling_params)
+        await self._prepare_grammar(params)
         held = None
-        if adapter:
-            kv_source = None  # a prefill replica would compute the base model's KV
-        if kv_source is not None and resume is None and sampling_params.n == 1 and sampling_params.prompt_logprobs is None:
-            held = await self.call(lambda core: self._add_remote(core, prompt, sampling_params, request_id,
-                                                                  int(priority), sink, tenant, cache_scope),
-                                    abandoned=lambda core, held: _forget(core.abort(request_id)))
+        kv_source = request.kv_source if not request.adapter else None
+        if kv_source is not None and request.resume is None and params.n == 1 and params.prompt_logprobs is None:
+            held = await self.call(lambda core: self._add_remote(core, request, sink),
+                                   abandoned=lambda core, held: _forget(core.abort(request_id)))
         if held is None:
             done: Future = Future()
-            self._commands.put(_Add(prompt, sampling_params, request_id, int(priority), sink, done, resume, hold_kv,
-                                    tenant, cache_scope, adapter))
+            self._commands.put(_Add(request, sink, done))
             try:
                 await asyncio.wrap_future(done)  # re-raises ValueError / EngineOverloadedError
             except asyncio.CancelledError:
                 self._commands.put(_Abort(request_id))  # the add may have happened before the cancel
                 raise
         finished = False
-        running = sampling_params.n  # samples not finished yet
+        running = params.n  # samples not finished yet
         try:
             if held is not None and kv_source is not None:
-                async for out in kv_streams.pull(self, request_id, prompt, held, kv_source, outputs, cache_scope):
+                async for out in kv_streams.pull(self, request, held, kv_source, outputs):
                     finished = out.finished
                     yield out
             while not finished:
@@ -267,27 +250,16 @@ class AsyncEngine:
             await asyncio.to_thread(self.core.guides.prepare, params.guided)
 
     # ---- disaggregation ------------------------------------------------------------------------
-    def _add_remote(self, core: EngineCore, prompt: list[int], params: SamplingParams, request_id: str,
-                    priority: int, sink: Callable[[RequestOutput], None], tenant: str = "",
-                    cache_scope: str = "") -> int | None:
-        held = core.kv.add_remote(prompt, params, request_id, priority, tenant, cache_scope)  # ValueError: bad input
+    def _add_remote(self, core: EngineCore, request: RequestSpec, sink: Callable[[RequestOutput], None]) -> int | None:
+        held = core.kv.add_remote(request)  # ValueError: bad input
         if held is not None:
-            self._sinks[request_id] = sink
+            self._sinks[request.id] = sink
         return held
 
-    def prefill(
-        self,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        request_id: str,
-        priority: int = Priority.INTERACTIVE,
-        held_block_hashes: Sequence[bytes] = (),
-        layout: KVLayout | None = None,
-        cache_scope: str = "",
-    ) -> AsyncGenerator[PrefillEvent, None]:
+    def prefill(self, request: RequestSpec, held_block_hashes: Sequence[bytes] = (), layout: KVLayout | None = None
+                ) -> AsyncGenerator[PrefillEvent, None]:
         """``Engine.prefill``: ``kv_streams.serve_prefill`` over this engine."""
-        return kv_streams.serve_prefill(self, prompt_token_ids, sampling_params, request_id, priority,
-                                        held_block_hashes, layout, cache_scope)
+        return kv_streams.serve_prefill(self, request, held_block_hashes, layout)
 
     # ---- the engine thread, for the KV streams (kv_streams.EngineLoop) ------------------------
     def adapters(self) -> tuple[str, ...]:
@@ -298,14 +270,14 @@ class AsyncEngine:
         """Load a PEFT LoRA adapter on the engine thread, between steps (ValueError: it cannot be served here).
         Returns every adapter loaded now."""
         def load(core: EngineCore) -> tuple[str, ...]:
-            runner = core.runner
-            if not hasattr(runner, "load_adapter"):
+            runner = core.adapters
+            if runner is None:
                 raise ValueError("this engine does not serve LoRA adapters")
             try:
                 runner.load_adapter(name, path)
             except OSError as e:  # a missing or unreadable folder is the caller's mistake
                 raise ValueError(f"cannot read the LoRA adapter at {path!r}: {e}") from e
-            return _adapter_names(core)
+            return core.adapter_names()
 
         self._adapter_names = await self.call(load)
         return self._adapter_names
@@ -343,7 +315,9 @@ class AsyncEngine:
             return
         core = self._core
         core.kv.hold_seconds = self.transfer_timeout
-        self._adapter_names = _adapter_names(core)
+        self._adapter_names = core.adapter_names()
+        self.peer_blocks = self if core.staged is not None else None
+        self.lora = self if core.adapters is not None else None
         self._snapshot(core)  # a restarted worker's second tier is reported from its first Load report
         ready.set_result(None)
         while True:
@@ -411,19 +385,17 @@ class AsyncEngine:
 
     def _add(self, core: EngineCore, command: _Add) -> None:
         try:
-            core.add_request(command.prompt_token_ids, command.sampling_params, command.request_id, command.priority,
-                             resume=command.resume, hold_kv=command.hold_kv, tenant=command.tenant,
-                             cache_scope=command.cache_scope, adapter=command.adapter)
+            core.add_request(command.request)
         except QueueFullError as e:
             _resolve(command.done, error=EngineOverloadedError(str(e)))
         except ValueError as e:
             _resolve(command.done, error=e)
         else:
             if _resolve(command.done):
-                for member in core.group(command.request_id):  # n > 1: every sample's output to one sink
+                for member in core.group(command.request.id):  # n > 1: every sample's output to one sink
                     self._sinks[member] = command.sink
             else:  # the caller was cancelled while waiting for admission
-                core.abort(command.request_id)
+                core.abort(command.request.id)
 
     def deliver(self, out: RequestOutput) -> None:
         """Engine thread: hand ``out`` to its request's consumer (its event loop's queue)."""
@@ -437,11 +409,6 @@ class AsyncEngine:
                 log.warning("request's consumer is gone; aborting it", engine_request_id=out.request_id, error=str(e))
                 self._sinks.pop(out.request_id, None)
                 self._commands.put(_Abort(out.request_id))
-
-
-def _adapter_names(core: EngineCore) -> tuple[str, ...]:
-    loaded = getattr(core.runner, "adapters", None)
-    return tuple(sorted(getattr(loaded, "adapters", ()) or ()))
 
 
 def _forget(_: object) -> None:

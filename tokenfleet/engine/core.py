@@ -11,6 +11,7 @@ import threading
 import time
 from collections import ChainMap
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -21,24 +22,56 @@ from tokenfleet.engine.itl_guard import ItlGuard
 from tokenfleet.engine.kv_connector import KVConnector
 from tokenfleet.engine.kv_tier import SecondTier, StagedBlocks, TierChain
 from tokenfleet.engine.lookahead import lookahead, queueable
-from tokenfleet.engine.output import OutputState, RequestOutput, Resume
-from tokenfleet.engine.request import FinishReason, Priority, Request, RequestStatus
-from tokenfleet.engine.runner import ExecuteResult, ModelInfo, ModelRunner
-from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.engine.output import OutputState, RequestOutput
+from tokenfleet.engine.request import FinishReason, Request, RequestStatus
+from tokenfleet.engine.request_spec import RequestSpec
+from tokenfleet.engine.runner import (
+    AdapterRunner,
+    CostModel,
+    ExecuteResult,
+    ModelInfo,
+    ModelRunner,
+    OverlapRunner,
+    TierRunner,
+)
 from tokenfleet.engine.scheduler import Scheduler, SchedulerOutput
 from tokenfleet.engine.spec_decode import SpecConfig, Speculator
 from tokenfleet.engine.stats import EngineStats, StepTimer
 from tokenfleet.kvcache.layout import KVLayout
-from tokenfleet.kvcache.salt import adapter_scope
 
 log = structlog.get_logger()
 
 
+def kv_layout(scheduler: Scheduler, runner: ModelRunner, model: ModelInfo) -> KVLayout:
+    """What the KV blocks of an engine of these parts mean (``EngineCore.kv_layout``; a builder needs it first)."""
+    num_layers, num_kv_heads, head_dim, dtype = runner.kv_geometry()
+    return KVLayout(scheduler.hash_salt, dtype, scheduler.block_manager.block_size, num_layers, num_kv_heads, head_dim,
+                    model.layer_windows)
+
+
+@dataclass
+class CoreParts:
+    """The optional parts an ``EngineCore`` is built with. Each capability of the runner is passed as the runner
+    itself (typed by the protocol it implements), or None where the runner lacks it or the operator left it off."""
+
+    blocks: TierRunner | None = None  # whole-block moves: the second tier and peer fetch need them
+    tier: SecondTier | None = None  # keep blocks the pool evicts, restore them on prefix hits (needs ``blocks``)
+    peer_blocks: bool = False  # accept blocks peers send, serve ours to them (needs ``blocks``)
+    speculation: SpecConfig | None = None  # speculative decoding (engine.spec_decode)
+    overlap: OverlapRunner | None = None  # overlapped scheduling (engine.lookahead)
+    itl_guard: ItlGuard | None = None  # prompt chunks sized to decoding streams' latency
+    adapters: AdapterRunner | None = None  # LoRA adapters
+    costs: CostModel | None = None  # each step's FLOPs and bytes (MFU/MBU)
+
+
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Decoder | None, model: ModelInfo):
+    """``parts``: what the core is built with beyond scheduling and running steps (``CoreParts``)."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Decoder | None, model: ModelInfo,
+                 parts: CoreParts | None = None):
+        parts = parts or CoreParts()
         self.scheduler = scheduler
         self.runner = runner
-        self._step_cost = getattr(runner, "step_cost", None)  # (SchedulerOutput) -> (model FLOPs, bytes read)
         self.tokenizer = tokenizer
         self.model = model
         self._states: dict[str, OutputState] = {}
@@ -50,55 +83,48 @@ class EngineCore:
         self._group_of: dict[str, str] = {}
         self._guides: GuideCompiler | None = None
         self._guides_lock = threading.Lock()
+        # whole blocks leave and enter the pool only with one KV group (sliding-window models: not yet)
+        self.blocks = parts.blocks if len(scheduler.block_manager.windows) == 1 else None
+        self.adapters = parts.adapters
+        self.costs = parts.costs
+        self.overlap = parts.overlap
+        self.itl_guard = parts.itl_guard
+        self.spec = Speculator(parts.speculation) if parts.speculation is not None else None
         self.tier: SecondTier | None = None
         self.staged: StagedBlocks | None = None  # blocks peers sent (peer fetch), until admission restores them
-        self.spec: Speculator | None = None  # speculative decoding (enable_speculation)
-        self.itl_guard: ItlGuard | None = None  # prompt chunks sized to decoding streams' latency (enable_itl_guard)
-
-    def enable_itl_guard(self, guard: ItlGuard) -> None:
-        """Steps beside decoding streams give prompt chunks only ``guard.factor`` x a decode-only step."""
-        self.itl_guard = guard
-
-    def enable_speculation(self, config: SpecConfig) -> None:
-        """Propose tokens for decoding requests and verify them in the step's forward (engine.spec_decode)."""
-        self.spec = Speculator(config)
+        if (parts.tier is not None or parts.peer_blocks) and self.blocks is None:
+            raise ValueError("this engine cannot move whole KV blocks (its runner or its KV groups): no second tier "
+                             "and no peer fetch")
+        if parts.peer_blocks:
+            self.staged = StagedBlocks(256 << 20)
+        if parts.tier is not None:
+            self.tier = parts.tier
+            self.scheduler.block_manager.track_evictions = True
+        tiers = [t for t in (self.tier, self.staged) if t is not None]
+        if tiers:
+            self.scheduler.second_tier = tiers[0] if len(tiers) == 1 else TierChain(tiers)
 
     @property
     def moves_blocks(self) -> bool:
-        """Whether whole blocks can leave and enter the pool here: a runner that moves them (``TierRunner``)
-        and one KV group (sliding-window models: not yet). The second tier and peer fetch need it."""
-        return hasattr(self.runner, "export_blocks") and len(self.scheduler.block_manager.windows) == 1
-
-    def enable_peer_blocks(self, budget_bytes: int = 256 << 20) -> None:
-        """Accept blocks fetched from peers (``stage_blocks``) and serve ours to them (``read_blocks``)."""
-        if not self.moves_blocks:
-            raise ValueError("this engine cannot move whole KV blocks (its runner or its KV groups)")
-        self.staged = StagedBlocks(budget_bytes)
-        self._chain_tiers()
-
-    def attach_tier(self, tier: SecondTier) -> None:
-        """Keep blocks the pool evicts in ``tier`` and restore them on prefix hits (engine.kv_tier)."""
-        if not self.moves_blocks:
-            raise ValueError("this engine cannot keep a second KV tier (its runner or its KV groups)")
-        self.tier = tier
-        self.scheduler.block_manager.track_evictions = True
-        self._chain_tiers()
-
-    def _chain_tiers(self) -> None:
-        tiers = [t for t in (self.tier, self.staged) if t is not None]
-        self.scheduler.second_tier = tiers[0] if len(tiers) == 1 else TierChain(tiers)
+        """Whether whole blocks can leave and enter the pool here (``CoreParts.blocks``)."""
+        return self.blocks is not None
 
     # ---- peer fetch (engine thread) -------------------------------------------------------------
+    def _blocks(self) -> TierRunner:
+        if self.blocks is None:
+            raise ValueError("this engine cannot move whole KV blocks")
+        return self.blocks
+
     def read_blocks(self, block_hashes: Sequence[bytes]) -> list[bytes]:
         """Whole-block K/V of the longest leading run of ``block_hashes`` held here: in the pool, then in
         the second tier. For a peer that would otherwise recompute them."""
-        if not self.moves_blocks:
+        if self.blocks is None:
             return []
-        bm, out = self.scheduler.block_manager, []
+        bm, out = self.scheduler.block_manager, list[bytes]()
         for h in block_hashes:
             block = bm.cached_block(h)
             if block is not None:
-                out += self.runner.export_blocks([block])  # type: ignore[attr-defined]
+                out += self.blocks.export_blocks([block])
             elif self.tier is not None and h in self.tier:
                 got = self.tier.fetch_chain([h])
                 if not got:
@@ -121,7 +147,7 @@ class EngineCore:
         """Blocks a peer sent, restored at the admission of the prompt they belong to."""
         if self.staged is None:
             raise ValueError("peer blocks are not enabled on this engine")
-        size = self.runner.block_bytes()  # type: ignore[attr-defined]
+        size = self._blocks().block_bytes()
         for h, payload in zip(block_hashes, payloads):
             if len(payload) != size:
                 raise ValueError(f"a peer's block is {len(payload)} bytes, not {size}: another layout")
@@ -134,7 +160,7 @@ class EngineCore:
         evicted = self.scheduler.block_manager.take_evicted()
         if evicted and self.tier is not None:
             # wait=False: on CUDA a side-stream copy into pinned memory the tier's writer waits for
-            payloads = self.runner.export_blocks([block for block, _, _ in evicted], wait=False)  # type: ignore[attr-defined]
+            payloads = self._blocks().export_blocks([block for block, _, _ in evicted], wait=False)
             for (_, block_hash, owner), payload in zip(evicted, payloads):
                 self.tier.offer(block_hash, owner, payload)
 
@@ -150,7 +176,7 @@ class EngineCore:
         self.offload_evicted()
         tier.flush()
         # The most recently used blocks the tier's budget holds, not yet in it; at most ``seconds`` of copying.
-        size = self.runner.block_bytes()  # type: ignore[attr-defined]
+        size = self._blocks().block_bytes()
         fits = max(0, tier.budget_bytes // max(1, size + 4096))  # a record is the block and a small header
         blocks = [b for b in self.scheduler.block_manager.cached_blocks()[-fits:] if b[1] not in tier] if fits else []
         deadline = time.monotonic() + seconds
@@ -159,7 +185,7 @@ class EngineCore:
                 log.warning("kv_tier_close_cut_short", copied=i, left=len(blocks) - i)
                 break
             batch = blocks[i: i + 64]
-            payloads = self.runner.export_blocks([block for block, _, _ in batch])  # type: ignore[attr-defined]
+            payloads = self._blocks().export_blocks([block for block, _, _ in batch])
             for (_, block_hash, owner), payload in zip(batch, payloads):
                 tier.offer(block_hash, owner, payload)
             tier.flush()
@@ -177,50 +203,39 @@ class EngineCore:
             return self._guides
 
     # ---- requests ---------------------------------------------------------------------------
-    def add_request(
-        self,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        request_id: str | None = None,
-        priority: int = Priority.INTERACTIVE,
-        arrival_time: float | None = None,
-        resume: Resume | None = None,
-        hold_kv: bool = False,
-        tenant: str = "",
-        cache_scope: str = "",
-        adapter: str = "",
-    ) -> str:
+    def add_request(self, request: RequestSpec) -> str:
         """Validate and queue a request; returns its id. ValueError for bad input, QueueFullError when full.
 
-        ``resume``: output tokens (and their text) another replica already delivered; generation
-        continues after them. ``hold_kv``: keep the blocks when finished, for a KV transfer
-        (``release_held``), at most ``hold_seconds``. ``cache_scope``: who may share its cached
-        blocks (``tokenfleet.kvcache.salt``)."""
-        if request_id is not None and "#" in request_id:
-            raise ValueError(f"request id {request_id!r} must not contain '#' (it names a request's samples)")
-        request = self._new_request(prompt_token_ids, sampling_params, request_id, priority, arrival_time, resume)
-        request.hold_blocks = hold_kv
-        request.tenant = tenant
-        if adapter:
-            if adapter not in (getattr(self.runner, "adapters", None) or ()):
-                raise ValueError(f"LoRA adapter {adapter!r} is not loaded on this worker")
-            request.adapter = adapter
-            # an adapter changes every layer's K/V: its prefixes are cached (and routed) apart from the base model's
-            cache_scope = adapter_scope(cache_scope, adapter)
-        request.cache_scope = cache_scope
-        forks = [self._fork_of(request, i) for i in range(1, sampling_params.n)]
-        if forks and (hold_kv or resume is not None):
+        ``request.resume``: output tokens (and their text) another replica already delivered; generation
+        continues after them. ``request.hold_kv``: keep the blocks when finished, for a KV transfer
+        (``release_held``), at most ``hold_seconds``. ``request.kv_scope``: who may share its cached
+        blocks (``tokenfleet.kvcache.salt``; an adapter's prefixes are cached apart from the base model's)."""
+        if request.request_id is not None and "#" in request.request_id:
+            raise ValueError(f"request id {request.request_id!r} must not contain '#' (it names a request's samples)")
+        if request.adapter and request.adapter not in self.adapter_names():
+            raise ValueError(f"LoRA adapter {request.adapter!r} is not loaded on this worker")
+        state = self.new_request(request)
+        forks = [self._fork_of(state, i) for i in range(1, request.sampling_params.n)]
+        if forks and (request.hold_kv or request.resume is not None):
             raise ValueError("n > 1 cannot be combined with a KV hold or a resume")
-        self.scheduler.add_request(request, forks)
-        self._states[request.request_id] = OutputState(request, self.tokenizer, resume.text if resume else None)
+        self.scheduler.add_request(state, forks)
+        self.track(state, request.resume.text if request.resume else None)
         if forks:
-            group = {request.request_id, *(f.request_id for f in forks)}
-            self._groups[request.request_id] = group
+            group = {state.request_id, *(f.request_id for f in forks)}
+            self._groups[state.request_id] = group
             for member in group:
-                self._group_of[member] = request.request_id
+                self._group_of[member] = state.request_id
             for fork in forks:
-                self._states[fork.request_id] = OutputState(fork, self.tokenizer)
-        return request.request_id
+                self.track(fork)
+        return state.request_id
+
+    def adapter_names(self) -> tuple[str, ...]:
+        """The LoRA adapters the runner has loaded (() for a runner without adapters)."""
+        return self.adapters.adapter_names() if self.adapters is not None else ()
+
+    def track(self, request: Request, resumed_text: str | None = None) -> None:
+        """Follow a request the scheduler took: its outputs are built from here on."""
+        self._states[request.request_id] = OutputState(request, self.tokenizer, resumed_text)
 
     def _fork_of(self, request: Request, index: int) -> Request:
         """Sample ``index`` of ``request``'s group: same prompt; a seeded request's samples use
@@ -237,11 +252,12 @@ class EngineCore:
         """Ids of the request's samples still running (itself alone when n = 1)."""
         return set(self._groups.get(request_id, {request_id}))
 
-    def _new_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, request_id: str | None,
-                     priority: int, arrival_time: float | None, resume: Resume | None = None) -> Request:
-        prompt = self._validate_prompt(prompt_token_ids)
-        max_tokens = sampling_params.output_limit(self.model.max_model_len, len(prompt))
-        outputs = list(resume.output_token_ids) if resume is not None else []
+    def new_request(self, spec: RequestSpec) -> Request:
+        """The scheduler's state for ``spec``, validated against this model (not queued yet)."""
+        prompt = self._validate_prompt(spec.prompt_token_ids)
+        sampling_params = spec.sampling_params
+        max_tokens = spec.output_limit(self.model.max_model_len)
+        outputs = list(spec.resume.output_token_ids) if spec.resume is not None else []
         if len(outputs) >= max_tokens:
             raise ValueError(f"resumed with {len(outputs)} output tokens; the request allows {max_tokens}")
         if any(not 0 <= t < self.model.vocab_size for t in outputs):
@@ -255,15 +271,19 @@ class EngineCore:
             if outputs and not guide.consume_tokens(outputs):
                 raise ValueError("the resumed output does not match the request's grammar")
         return Request(
-            request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
+            request_id=spec.request_id if spec.request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=prompt,
             sampling_params=sampling_params,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            priority=int(priority),
+            arrival_time=time.monotonic() if spec.arrival_time is None else spec.arrival_time,
+            priority=spec.priority,
             max_tokens=max_tokens,
             eos_token_ids=self.model.eos_token_ids,
             output_token_ids=outputs,
             guide=guide,
+            hold_blocks=spec.hold_kv,
+            tenant=spec.tenant,
+            cache_scope=spec.kv_scope,
+            adapter=spec.adapter,
         )
 
     def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
@@ -312,23 +332,9 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def kv_layout(self) -> KVLayout:
-        num_layers, num_kv_heads, head_dim, dtype = self.runner.kv_geometry()
-        return KVLayout(self.scheduler.hash_salt, dtype, self.scheduler.block_manager.block_size,
-                        num_layers, num_kv_heads, head_dim, self.model.layer_windows)
+        return kv_layout(self.scheduler, self.runner, self.model)
 
     # ---- one step -----------------------------------------------------------------------------
-    def enable_overlap(self) -> None:
-        """Overlapped scheduling: while a decode step runs on the device, the next one (``engine.lookahead``: the
-        same requests one position on, their input tokens taken from the running step's samples on the device) is
-        prepared and queued behind it, and only then does the host wait for the running step's tokens, update the
-        scheduler and build outputs. The device runs step after step without waiting for Python in between. Needs
-        a runner with ``launch`` (backends.torch); steps it cannot overlap (prefill chunks, speculation, guided or
-        penalized sampling, admissions) run as before."""
-        if not hasattr(self.runner, "launch"):
-            raise ValueError(f"{type(self.runner).__name__} cannot queue steps ahead (overlapped scheduling)")
-        self.overlap = True
-
-    overlap = False
     # the next step, queued on the device by the last step(), with the requests it was queued for
     _inflight: tuple[SchedulerOutput, Any, dict[str, Request]] | None = None
 
@@ -344,15 +350,16 @@ class EngineCore:
         self.offload_evicted()  # before the restores and the forward overwrite those blocks
         if output.is_empty:
             return []
-        launch = self.overlap and self.spec is None and queueable(self.scheduler, output)
+        overlap = self.overlap if self.overlap is not None and self.spec is None and queueable(self.scheduler, output) \
+            else None
         with self._timer:
             if output.restores:
-                self.runner.import_blocks(output.restores)  # type: ignore[attr-defined]
-            if launch:
-                launched = self.runner.launch(output, self._request_view())  # type: ignore[attr-defined]
+                self._blocks().import_blocks(output.restores)
+            if overlap is not None:
+                launched = overlap.launch(output, self._request_view())
             else:
                 result = self.runner.execute(output, self._request_view())
-        if launch:
+        if overlap is not None:
             return self._overlapped(output, launched, self._queued_requests(output))
         return self._complete(output, result)
 
@@ -370,9 +377,9 @@ class EngineCore:
         with self._timer:
             following = lookahead(self.scheduler, output)
             queued = None
-            if following is not None:
+            if following is not None and self.overlap is not None:
                 self.offload_evicted()  # blocks the lookahead's allocations evicted, before the forward reuses them
-                queued = self.runner.launch(following, self._request_view(), launched)  # type: ignore[attr-defined]
+                queued = self.overlap.launch(following, self._request_view(), launched)
                 self.stats.num_overlapped_steps += 1
             result = launched.result()
         self._inflight = None
@@ -401,13 +408,13 @@ class EngineCore:
         outputs = []
         for entry in output.scheduled:
             if entry.samples and entry.request_id in result.sampled:
-                outputs.append(self._process(entry.request_id, result, finished))
-                outputs.extend(self._process(fork_id, result, finished) for fork_id in entry.forks)
+                outputs.append(self.output_of(entry.request_id, result, finished))
+                outputs.extend(self.output_of(fork_id, result, finished) for fork_id in entry.forks)
         self.stats.record_step(self._timer.last, output.num_scheduled_tokens)
-        if self.itl_guard is not None and not self.overlap:
+        if self.itl_guard is not None and self.overlap is None:
             self.itl_guard.observe(output.scheduled, self._timer.last)
-        if self._step_cost is not None:
-            flops, read = self._step_cost(output)
+        if self.costs is not None:
+            flops, read = self.costs.step_cost(output)
             self.stats.model_flops += flops
             self.stats.model_bytes += read
         if any(s.num_new_tokens > 1 and not s.draft for s in output.scheduled):  # a verification is no prefill
@@ -432,7 +439,8 @@ class EngineCore:
                 self.stats.num_plain_decode_steps += 1
                 self.stats.plain_decode_step_seconds += self._timer.last
 
-    def _process(self, request_id: str, result: ExecuteResult, finished: dict[str, Request]) -> RequestOutput:
+    def output_of(self, request_id: str, result: ExecuteResult, finished: dict[str, Request]) -> RequestOutput:
+        """The request's output for a step's result (tokens, text, its end when it finished)."""
         state = self._states[request_id]
         request = finished.get(request_id)
         tokens = [result.sampled[request_id], *result.accepted.get(request_id, ())]

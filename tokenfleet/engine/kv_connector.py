@@ -14,40 +14,55 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tokenfleet.engine.block_manager import NULL_BLOCK
 from tokenfleet.engine.kv_transfer import KVTransferError
-from tokenfleet.engine.output import OutputState, RequestOutput, TokenLogprobs
-from tokenfleet.engine.request import Priority
-from tokenfleet.engine.runner import ExecuteResult
-from tokenfleet.engine.sampling_params import SamplingParams
-from tokenfleet.kvcache.layout import layer_groups
+from tokenfleet.engine.output import RequestOutput, TokenLogprobs
+from tokenfleet.engine.request import Request
+from tokenfleet.engine.request_spec import RequestSpec
+from tokenfleet.engine.runner import ExecuteResult, ModelInfo, ModelRunner
+from tokenfleet.engine.scheduler import Scheduler
+from tokenfleet.engine.stats import EngineStats
+from tokenfleet.kvcache.layout import KVLayout, layer_groups
 
-if TYPE_CHECKING:
-    from tokenfleet.engine.core import EngineCore
+
+class ConnectorCore(Protocol):
+    """What the connector uses of its engine core (``EngineCore``): public members only."""
+
+    scheduler: Scheduler
+    runner: ModelRunner
+    model: ModelInfo
+    stats: EngineStats
+
+    def kv_layout(self) -> KVLayout: ...
+
+    def new_request(self, spec: RequestSpec) -> Request: ...
+
+    def track(self, request: Request, resumed_text: str | None = None) -> None: ...
+
+    def offload_evicted(self) -> None: ...
+
+    def output_of(self, request_id: str, result: ExecuteResult, finished: dict[str, Request]) -> RequestOutput: ...
 
 
 class KVConnector:
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: ConnectorCore):
         self.core = core
         self._held_until: dict[str, float] = {}  # prefill side: request id -> when its held blocks go
         self.hold_seconds = 30.0  # how long a finished prefill keeps its blocks for the transfer
         self._groups: list[int] | None = None
 
     # ---- decode side: a prompt prefilled elsewhere ------------------------------------------
-    def add_remote(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, request_id: str,
-                   priority: int = Priority.INTERACTIVE, tenant: str = "", cache_scope: str = "") -> int | None:
+    def add_remote(self, spec: RequestSpec) -> int | None:
         """Reserve blocks for a prompt prefilled elsewhere. Returns the leading prompt blocks
         already cached here (not to be sent), or None when the blocks are not free now."""
         core = self.core
-        request = core._new_request(prompt_token_ids, sampling_params, request_id, priority, None)
-        request.tenant = tenant
-        request.cache_scope = cache_scope
+        request = core.new_request(spec)
         held = core.scheduler.add_remote(request)
         core.offload_evicted()  # the transfer is about to write the reserved blocks
         if held is not None:
-            core._states[request_id] = OutputState(request, core.tokenizer)
+            core.track(request)
             core.stats.num_remote_prefills += 1
         return held
 
@@ -72,7 +87,7 @@ class KVConnector:
             raise ValueError(f"first token {token_id} does not match the request's grammar")
         finished = core.scheduler.append_remote_token(request_id, token_id)
         result = ExecuteResult({request_id: token_id}, {request_id: logprobs} if logprobs is not None else {})
-        return core._process(request_id, result, {request_id: finished} if finished is not None else {})
+        return core.output_of(request_id, result, {request_id: finished} if finished is not None else {})
 
     def import_kv(self, request_id: str, layer: int, first_block: int, k: bytes, v: bytes, num_blocks: int) -> None:
         """Write one received chunk into the request's reserved blocks (engine thread only)."""

@@ -31,8 +31,8 @@ from tokenfleet.engine.kv_transfer import (
     plan_chunks,
 )
 from tokenfleet.engine.output import RequestOutput
-from tokenfleet.engine.request import Priority, RequestStatus
-from tokenfleet.engine.sampling_params import SamplingParams
+from tokenfleet.engine.request import RequestStatus
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.kvcache.block_hash import hash_blocks
 from tokenfleet.kvcache.layout import KVLayout, layer_groups
 from tokenfleet.kvcache.salt import chain_salt
@@ -47,8 +47,7 @@ class EngineLoop(Protocol):
 
     def kv_layout(self) -> KVLayout: ...
 
-    def generate(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, request_id: str,
-                 priority: int = ..., *, hold_kv: bool = ..., cache_scope: str = ...) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request: RequestSpec) -> AsyncIterator[RequestOutput]: ...
 
     async def call(self, fn: Callable[[EngineCore], T],
                    abandoned: Callable[[EngineCore, Any], None] | None = None) -> T:
@@ -69,12 +68,13 @@ class EngineLoop(Protocol):
 log = structlog.get_logger()
 
 
-async def pull(engine: EngineLoop, request_id: str, prompt: list[int], held: int, kv_source: KVSource,
-               outputs: asyncio.Queue[RequestOutput], cache_scope: str = "") -> AsyncIterator[RequestOutput]:
+async def pull(engine: EngineLoop, request: RequestSpec, held: int, kv_source: KVSource,
+               outputs: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
     """Decode side of a transfer: yields the first token's output as soon as it arrives, installs
     the KV, and joins the request to the batch; on any transfer failure computes it here."""
     layout = engine.kv_layout()
-    hashes = hash_blocks(prompt, layout.block_size, chain_salt(layout.hash_salt, cache_scope))[:held]
+    request_id, prompt = request.id, list(request.prompt_token_ids)
+    hashes = hash_blocks(prompt, layout.block_size, chain_salt(layout.hash_salt, request.kv_scope))[:held]
     receiver = KVReceiver(layout, -(-len(prompt) // layout.block_size), held, len(prompt))
     deadline = asyncio.get_running_loop().time() + engine.transfer_timeout
     try:
@@ -119,16 +119,8 @@ def _first_token(engine: EngineLoop, core: EngineCore, request_id: str, event: P
     return True
 
 
-async def serve_prefill(
-    engine: EngineLoop,
-    prompt_token_ids: Sequence[int],
-    sampling_params: SamplingParams,
-    request_id: str,
-    priority: int = Priority.INTERACTIVE,
-    held_block_hashes: Sequence[bytes] = (),
-    layout: KVLayout | None = None,
-    cache_scope: str = "",
-) -> AsyncGenerator[PrefillEvent, None]:
+async def serve_prefill(engine: EngineLoop, request: RequestSpec, held_block_hashes: Sequence[bytes] = (),
+                        layout: KVLayout | None = None) -> AsyncGenerator[PrefillEvent, None]:
     """Prefill side: compute the prompt to its first token, then stream the blocks the caller
     does not hold, layer by layer. The blocks stay pinned until this iterator closes (or the
     engine's hold timeout). KVLayoutError when ``layout`` differs from ours, ValueError for
@@ -137,16 +129,18 @@ async def serve_prefill(
     problem = mine.mismatch(layout) if layout is not None else None
     if problem is not None:
         raise KVLayoutError(problem)
-    prompt = list(prompt_token_ids)
-    hashes = hash_blocks(prompt, mine.block_size, chain_salt(mine.hash_salt, cache_scope))
+    prompt, request_id, sampling_params = list(request.prompt_token_ids), request.id, request.sampling_params
+    hashes = hash_blocks(prompt, mine.block_size, chain_salt(mine.hash_salt, request.kv_scope))
     if list(held_block_hashes) != hashes[: len(held_block_hashes)]:
         raise ValueError("held block hashes are not this prompt's leading blocks")
     params = dataclasses.replace(sampling_params, max_tokens=1, min_tokens=min(sampling_params.min_tokens, 1), n=1,
                                  prompt_logprobs=None,
                                  stop=())
+    # the prompt's first token only, its blocks held for the transfer (the rest of the request is the decode side's)
+    first_token = dataclasses.replace(request, sampling_params=params, hold_kv=True, resume=None, kv_source=None)
     first = None
     try:
-        async for out in engine.generate(prompt, params, request_id, priority, hold_kv=True, cache_scope=cache_scope):
+        async for out in engine.generate(first_token):
             first = first or (out if out.new_token_ids else None)
         if first is None:
             raise KVTransferError("the prefill produced no token (aborted)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, overload
 
 from tokenfleet.engine.output import TokenLogprobs
 from tokenfleet.engine.request import Request
@@ -43,8 +43,18 @@ class ModelRunner(Protocol):
     def import_kv(self, layer: int, block_ids: Sequence[int], k: bytes, v: bytes) -> None: ...
 
 
+# Optional capabilities: a backend's runner has those it has; the builder hands each to the core as one of its
+# parts (EngineCore's ``CoreParts``), so the core never probes a runner for a method.
+
+
 class TierRunner(Protocol):
-    """A runner that can move whole blocks (every layer) out of and into its pool: the second KV tier."""
+    """A runner that can move whole blocks (every layer) out of and into its pool: the second KV tier, peer fetch."""
+
+    @overload
+    def export_blocks(self, block_ids: Sequence[int], wait: Literal[True] = True) -> Sequence[bytes]: ...
+
+    @overload
+    def export_blocks(self, block_ids: Sequence[int], wait: bool) -> Sequence[bytes | PendingBlock]: ...
 
     def export_blocks(self, block_ids: Sequence[int], wait: bool = True) -> Sequence[bytes | PendingBlock]:
         """Each block's bytes; ``wait=False`` lets a device runner return copies still under way (bytes
@@ -54,6 +64,46 @@ class TierRunner(Protocol):
     def block_bytes(self) -> int: ...
 
     def import_blocks(self, pairs: Sequence[tuple[int, bytes]]) -> None: ...
+
+
+class Launched(Protocol):
+    """A step queued on the device (``OverlapRunner.launch``)."""
+
+    def result(self) -> ExecuteResult:
+        """Wait for the step's tokens."""
+        ...
+
+
+class OverlapRunner(Protocol):
+    """A runner that queues a step without waiting for its tokens: overlapped scheduling."""
+
+    def launch(self, output: SchedulerOutput, requests: Mapping[str, Request], carry: Launched | None = None
+               ) -> Launched:
+        """Queue ``output``; ``carry``: the running step whose sampled tokens are this one's inputs."""
+        ...
+
+
+class AdapterRunner(Protocol):
+    """A runner that serves LoRA adapters."""
+
+    def load_adapter(self, name: str, folder: str) -> None:
+        """Load a PEFT adapter under ``name`` (ValueError if this model cannot serve it; OSError if unreadable)."""
+
+    def adapter_names(self) -> tuple[str, ...]:
+        """The adapters loaded, sorted."""
+        ...
+
+
+class CostModel(Protocol):
+    """What a step costs the device, for MFU/MBU (telemetry.utilization)."""
+
+    def step_cost(self, output: SchedulerOutput) -> tuple[float, float]:
+        """The step's model FLOPs and bytes read."""
+        ...
+
+    def peaks(self) -> tuple[float, float, str]:
+        """The device's peak FLOP/s and bytes/s, and where the figures come from."""
+        ...
 
 
 @dataclass(frozen=True)

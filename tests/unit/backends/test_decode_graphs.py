@@ -12,7 +12,8 @@ import torch
 from tokenfleet.backends.torch.cuda_graphs import DecodeGraphs, buckets
 from tokenfleet.backends.torch.runner import TorchModelRunner
 from tokenfleet.engine.block_manager import BlockManager
-from tokenfleet.engine.core import EngineCore
+from tokenfleet.engine.core import CoreParts, EngineCore
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.runner import ModelInfo
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig
@@ -53,7 +54,7 @@ def test_graphs_are_supported_for_a_llama_with_triton_attention_on_cuda(monkeypa
     assert not graphs_supported(model)
 
 
-def engine(graphs: bool, dtype: torch.dtype, monkeypatch) -> tuple[EngineCore, TorchModelRunner]:
+def engine(graphs: bool, dtype: torch.dtype, monkeypatch, overlap: bool = False) -> tuple[EngineCore, TorchModelRunner]:
     monkeypatch.setenv("TOKENFLEET_KERNELS", "triton")
     model = random_model(CONFIG, dtype, torch.device("cpu"), seed=3)
     num_blocks = 48
@@ -64,13 +65,14 @@ def engine(graphs: bool, dtype: torch.dtype, monkeypatch) -> tuple[EngineCore, T
         runner.graphs.captured = True
     core = EngineCore(Scheduler(SchedulerConfig(max_model_len=128, max_num_batched_tokens=64), BlockManager(num_blocks, 4),
                                 hash_salt="g"), runner, None, ModelInfo(vocab_size=CONFIG.vocab_size, max_model_len=128,
-                                                                        eos_token_ids=()))
+                                                                        eos_token_ids=()),
+                      CoreParts(overlap=runner if overlap else None, adapters=runner))
     return core, runner
 
 
 def run(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, list[int]]:
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        core.add_request(prompt, p, request_id=f"r{i}")
+        core.add_request(RequestSpec(prompt, p, request_id=f"r{i}"))
     out: dict[str, list[int]] = {}
     while core.has_unfinished():
         for o in core.step():
@@ -116,8 +118,7 @@ def test_overlapped_steps_carry_tokens_through_the_static_buffers(monkeypatch, g
     stop = next(t for i, t in enumerate(probe["r3"]) if i >= 4 and t not in probe["r3"][:i])
     params[3] = SamplingParams(max_tokens=18, temperature=0.0, stop_token_ids=[stop])
     plain = run(engine(True, torch.float32, monkeypatch)[0], prompts, params)
-    core, runner = engine(True, torch.float32, monkeypatch)
-    core.enable_overlap()
+    core, runner = engine(True, torch.float32, monkeypatch, overlap=True)
     assert run(core, prompts, params) == plain
     assert plain["r3"][-1] == stop and len(plain["r3"]) < 18
     assert runner.graphs is not None and runner.graphs.replays >= 15
@@ -270,8 +271,8 @@ def lora_engine(graphs: bool, monkeypatch) -> tuple[EngineCore, TorchModelRunner
 
 def run_adapters(core: EngineCore, jobs: list[tuple[str, list[int], str, int]]) -> dict[str, list[int]]:
     for rid, prompt, adapter, max_tokens in jobs:
-        core.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                         request_id=rid, adapter=adapter)
+        core.add_request(RequestSpec(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                                     request_id=rid, adapter=adapter))
     out: dict[str, list[int]] = {rid: [] for rid, *_ in jobs}
     while core.has_unfinished():
         for o in core.step():

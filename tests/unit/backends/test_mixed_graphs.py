@@ -15,6 +15,7 @@ from tokenfleet.backends.torch.mixed_graphs import MixedGraphs, token_buckets
 from tokenfleet.backends.torch.runner import TorchModelRunner
 from tokenfleet.engine.block_manager import BlockManager
 from tokenfleet.engine.core import EngineCore
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.runner import ModelInfo
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig
@@ -56,7 +57,7 @@ def run(core: EngineCore, arrivals: dict[int, list[tuple[list[int], SamplingPara
     n = 0
     while step <= max(arrivals) or core.has_unfinished():
         for prompt, params in arrivals.get(step, []):
-            core.add_request(prompt, params, request_id=f"r{n}")
+            core.add_request(RequestSpec(prompt, params, request_id=f"r{n}"))
             n += 1
         for o in core.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -173,7 +174,7 @@ def test_long_decode_contexts_and_sliding_windows_stay_eager(monkeypatch):
     _, runner = engine(True, monkeypatch)
     mixed = MixedGraphs(runner.model, runner.kv, 4, BLOCKS, 8, 64, max_blocks=4096, logits=runner.graphs.logits)  # type: ignore[union-attr]
     core, _ = engine(False, monkeypatch)
-    core.add_request([1, 2, 3], greedy(2), request_id="a")
+    core.add_request(RequestSpec([1, 2, 3], greedy(2), request_id="a"))
     requests = core.scheduler.requests
     limit = mixed_graphs.MAX_DECODE_CONTEXT
     blocks = tuple(range(-(-(limit + 1) // 4)))

@@ -20,6 +20,7 @@ from tokenfleet.engine.grammar import Guided
 from tokenfleet.engine.interface import Engine, EngineStoppedError
 from tokenfleet.engine.kv_transfer import Handoff, KVLayoutError, PrefillStarted
 from tokenfleet.engine.request import FinishReason
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.kvcache.block_hash import hash_blocks
 from tokenfleet.kvcache.layout import KVLayout
@@ -145,9 +146,9 @@ def test_streaming_deltas_assemble_without_duplicates_and_params_are_not_reused(
         e = engine()
         await e.start()
         assert isinstance(e, Engine)
-        outs = await collect(e.generate(PROMPT, SamplingParams(max_tokens=9, temperature=0.0), "a"))
-        again = await collect(e.generate(PROMPT, SamplingParams(max_tokens=9, temperature=0.0), "b"))
-        two = await collect(e.generate(PROMPT, SamplingParams(max_tokens=5, temperature=0.8, seed=1, n=2), "c"))
+        outs = await collect(e.generate(RequestSpec(PROMPT, SamplingParams(max_tokens=9, temperature=0.0), "a")))
+        again = await collect(e.generate(RequestSpec(PROMPT, SamplingParams(max_tokens=9, temperature=0.0), "b")))
+        two = await collect(e.generate(RequestSpec(PROMPT, SamplingParams(max_tokens=5, temperature=0.8, seed=1, n=2), "c")))
         llm = e.llm
         await e.shutdown()
         return outs, again, two, llm
@@ -170,10 +171,10 @@ def test_closing_the_stream_aborts_the_library_request_and_abort_by_id_works():
     async def run():
         e = engine()
         await e.start()
-        stream = e.generate(PROMPT, SamplingParams(max_tokens=500, temperature=0.0), "x")
+        stream = e.generate(RequestSpec(PROMPT, SamplingParams(max_tokens=500, temperature=0.0), "x"))
         first = await anext(stream)
         await stream.aclose()
-        other = e.generate(PROMPT, SamplingParams(max_tokens=500, temperature=0.0), "y")
+        other = e.generate(RequestSpec(PROMPT, SamplingParams(max_tokens=500, temperature=0.0), "y"))
         outs = [await anext(other)]
         await e.abort("y")
         outs += [o async for o in other]
@@ -196,7 +197,7 @@ def test_request_errors_are_the_requests_fault_other_errors_fail_the_engine():
     e = asyncio.run(run(double.api()))
 
     async def submit_empty():
-        return await collect(e.generate([], SamplingParams(max_tokens=3), "bad"))
+        return await collect(e.generate(RequestSpec([], SamplingParams(max_tokens=3), "bad")))
     with pytest.raises(ValueError):
         asyncio.run(submit_empty())
     assert e.error is None
@@ -211,14 +212,14 @@ def test_request_errors_are_the_requests_fault_other_errors_fail_the_engine():
         for instance in api.instances:
             instance.fail_with = Boom("device lost")
         with pytest.raises(EngineStoppedError):
-            await collect(e.generate(PROMPT, SamplingParams(max_tokens=3), "z"))
+            await collect(e.generate(RequestSpec(PROMPT, SamplingParams(max_tokens=3), "z")))
         assert isinstance(e.error, Boom)
         with pytest.raises(EngineStoppedError):
-            await collect(e.generate(PROMPT, SamplingParams(max_tokens=3), "after"))
+            await collect(e.generate(RequestSpec(PROMPT, SamplingParams(max_tokens=3), "after")))
         api.instances[0].fail_with = double.RequestError("bad guide")
         e.error, e._accepting = None, True
         with pytest.raises(RuntimeError, match="bad guide"):
-            await collect(e.generate(PROMPT, SamplingParams(max_tokens=3), "req-error"))
+            await collect(e.generate(RequestSpec(PROMPT, SamplingParams(max_tokens=3), "req-error")))
         assert e.error is None  # a per-request error leaves the engine healthy
     asyncio.run(failing())
 
@@ -241,7 +242,7 @@ def test_stats_and_prefix_hashes_flow_from_the_pollers():
         e = engine(block_reuse=True)
         await e.start()
         busy = []
-        async for _ in e.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0.0), "s"):
+        async for _ in e.generate(RequestSpec(PROMPT, SamplingParams(max_tokens=40, temperature=0.0), "s")):
             await asyncio.sleep(0.005)  # let the stats poller run between iterations
             busy.append(e.stats().num_running)
         for _ in range(100):
@@ -280,7 +281,7 @@ def pair(fabric=None, **options):
 def source_of(prefill: TrtllmEngine, params: SamplingParams, request_id: str, log: list | None = None):
     def open_transfer(held, layout):
         async def events():
-            async with contextlib.aclosing(prefill.prefill(PROMPT, params, request_id, 0, held, layout)) as stream:
+            async with contextlib.aclosing(prefill.prefill(RequestSpec(PROMPT, params, request_id, 0), held, layout)) as stream:
                 async for event in stream:
                     if log is not None:
                         log.append(event)
@@ -298,8 +299,8 @@ def test_context_only_then_generation_only_equals_aggregated_without_a_duplicate
         for e in (prefill, decode, alone):
             await e.start()
         log: list = []
-        disagg = await collect(decode.generate(PROMPT, params, "d", kv_source=source_of(prefill, params, "d", log)))
-        aggregated = await collect(alone.generate(PROMPT, params, "a"))
+        disagg = await collect(decode.generate(RequestSpec(PROMPT, params, "d", kv_source=source_of(prefill, params, "d", log))))
+        aggregated = await collect(alone.generate(RequestSpec(PROMPT, params, "a")))
         submitted = (prefill.llm.submitted[-1], decode.llm.submitted[-1])
         for e in (prefill, decode, alone):
             await e.shutdown()
@@ -321,7 +322,7 @@ def test_a_first_token_that_ends_the_request_skips_the_decode_phase():
         for e in (prefill, decode):
             await e.start()
         params = SamplingParams(max_tokens=8, temperature=0.0)
-        outs = await collect(decode.generate(PROMPT, params, "d", kv_source=source_of(prefill, params, "d")))
+        outs = await collect(decode.generate(RequestSpec(PROMPT, params, "d", kv_source=source_of(prefill, params, "d"))))
         generation_submitted = len(decode.llm.submitted)
         for e in (prefill, decode):
             await e.shutdown()
@@ -340,7 +341,7 @@ def test_a_torch_engine_layout_is_refused_and_a_failed_hand_off_prefills_locally
         for e in (prefill, decode):
             await e.start()
         with pytest.raises(KVLayoutError):
-            await collect(prefill.prefill(PROMPT, SamplingParams(max_tokens=4), "p", 0, (), torch_layout))
+            await collect(prefill.prefill(RequestSpec(PROMPT, SamplingParams(max_tokens=4), "p", 0), (), torch_layout))
 
         def failing(held, layout):
             async def events():
@@ -349,8 +350,8 @@ def test_a_torch_engine_layout_is_refused_and_a_failed_hand_off_prefills_locally
                 yield  # pragma: no cover
             return events()
 
-        outs = await collect(decode.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0.0), "d",
-                                             kv_source=failing))
+        outs = await collect(decode.generate(RequestSpec(PROMPT, SamplingParams(max_tokens=4, temperature=0.0), "d",
+                                                         kv_source=failing)))
         stats = decode.stats()
         for e in (prefill, decode):
             await e.shutdown()
@@ -378,7 +379,7 @@ def test_a_refused_generation_only_request_prefills_locally():
                     yield event
             return events()
 
-        outs = await collect(decode.generate(PROMPT, params, "d", kv_source=expiring))
+        outs = await collect(decode.generate(RequestSpec(PROMPT, params, "d", kv_source=expiring)))
         stats = decode.stats()
         for e in (prefill, decode):
             await e.shutdown()
@@ -401,7 +402,7 @@ def test_a_wedged_transfer_times_out_and_prefills_locally():
         decode.transfer_timeout = 0.3
         for e in (prefill, decode):
             await e.start()
-        outs = await collect(decode.generate(PROMPT, params, "d", kv_source=source_of(prefill, params, "d")))
+        outs = await collect(decode.generate(RequestSpec(PROMPT, params, "d", kv_source=source_of(prefill, params, "d"))))
         stats, llm = decode.stats(), decode.llm
         for e in (prefill, decode):
             await e.shutdown()
@@ -489,9 +490,10 @@ def test_prompt_logprobs_reach_our_outputs():
     async def run():
         e = engine(gather_generation_logits=True)
         await e.start()
-        outs = await collect(e.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0), "e"))
+        outs = await collect(e.generate(RequestSpec(PROMPT, SamplingParams(max_tokens=2, temperature=0.0,
+                                                    prompt_logprobs=0), "e")))
         with pytest.raises(ValueError, match="gather-generation-logits"):  # TRT engines without gathered logits
-            await collect(engine().generate(PROMPT, SamplingParams(max_tokens=2, logprobs=1), "x"))
+            await collect(engine().generate(RequestSpec(PROMPT, SamplingParams(max_tokens=2, logprobs=1), "x")))
         await e.shutdown()
         return outs
 

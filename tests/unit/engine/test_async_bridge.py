@@ -11,6 +11,7 @@ from tokenfleet.backends.torch.builder import build_engine_core
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.interface import EngineStoppedError
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
 
 
@@ -25,7 +26,7 @@ def chat_ids(engine: AsyncEngine, text: str) -> list[int]:
 
 
 async def collect(engine, prompt, params, request_id):
-    outs = [out async for out in engine.generate(prompt, params, request_id)]
+    outs = [out async for out in engine.generate(RequestSpec(prompt, params, request_id))]
     return outs
 
 

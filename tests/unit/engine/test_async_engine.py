@@ -19,6 +19,7 @@ from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.interface import Engine, EngineOverloadedError, EngineStoppedError
 from tokenfleet.engine.output import RequestOutput
 from tokenfleet.engine.request import FinishReason
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.models.tokenizer import Tokenizer
 
@@ -58,7 +59,7 @@ def chat_ids(tokenizer: Tokenizer, text: str) -> list[int]:
 
 
 async def collect(engine: AsyncEngine, prompt, params: SamplingParams, request_id: str) -> list[RequestOutput]:
-    return [out async for out in engine.generate(prompt, params, request_id)]
+    return [out async for out in engine.generate(RequestSpec(prompt, params, request_id))]
 
 
 def token_ids(outs: list[RequestOutput]) -> list[int]:
@@ -145,7 +146,7 @@ def test_length_limit_is_reported(engine, tokenizer):
 def test_closing_the_stream_aborts_the_request_and_frees_its_blocks(engine, tokenizer):
     async def scenario() -> None:
         aborted_before = engine.stats().num_aborted
-        stream = engine.generate(chat_ids(tokenizer, "Tell me a long story."), LONG, "close-me")
+        stream = engine.generate(RequestSpec(chat_ids(tokenizer, "Tell me a long story."), LONG, "close-me"))
         deltas = [await stream.__anext__() for _ in range(3)]
         assert not any(d.finished for d in deltas)
         await stream.aclose()
@@ -165,7 +166,7 @@ def test_cancelling_the_consumer_task_aborts_the_request(engine, tokenizer):
         got: list[RequestOutput] = []
 
         async def consume() -> None:
-            async for out in engine.generate(chat_ids(tokenizer, "Describe the moon."), LONG, "cancel-me"):
+            async for out in engine.generate(RequestSpec(chat_ids(tokenizer, "Describe the moon."), LONG, "cancel-me")):
                 got.append(out)
 
         task = asyncio.create_task(consume())
@@ -183,7 +184,7 @@ def test_cancelling_the_consumer_task_aborts_the_request(engine, tokenizer):
 
 def test_abort_ends_the_stream_with_abort(engine, tokenizer):
     async def scenario() -> None:
-        stream = engine.generate(chat_ids(tokenizer, "List every prime number."), LONG, "abort-me")
+        stream = engine.generate(RequestSpec(chat_ids(tokenizer, "List every prime number."), LONG, "abort-me"))
         first = await stream.__anext__()
         assert not first.finished
         await engine.abort("abort-me")
@@ -207,9 +208,9 @@ def test_cancelling_during_admission_neither_kills_the_engine_nor_leaks_the_requ
         engine = make_engine(default_model_dir)
         await engine.start()
         try:
-            running = engine.generate([10, 11, 12, 13], SamplingParams(max_tokens=8, ignore_eos=True), "running")
+            running = engine.generate(RequestSpec([10, 11, 12, 13], SamplingParams(max_tokens=8, ignore_eos=True), "running"))
             await running.__anext__()  # the engine is now busy stepping "running"
-            late = engine.generate([20, 21, 22], LONG, "late")
+            late = engine.generate(RequestSpec([20, 21, 22], LONG, "late"))
             admission = asyncio.ensure_future(late.__anext__())
             await asyncio.sleep(0)  # "late" has queued its add and awaits admission
             admission.cancel()
@@ -280,7 +281,7 @@ def test_bad_prompt_raises_value_error_before_any_output(engine, prompt, match):
     got: list[RequestOutput] = []
 
     async def scenario() -> None:
-        async for out in engine.generate(prompt, GREEDY, f"bad-{len(prompt)}-{match}"):
+        async for out in engine.generate(RequestSpec(prompt, GREEDY, f"bad-{len(prompt)}-{match}")):
             got.append(out)
 
     with pytest.raises(ValueError, match=match):
@@ -292,7 +293,7 @@ def test_bad_prompt_raises_value_error_before_any_output(engine, prompt, match):
 def test_duplicate_in_flight_request_id_is_rejected_and_the_original_continues(engine, tokenizer):
     async def scenario() -> None:
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-        first = engine.generate(chat_ids(tokenizer, "Hi"), params, "dup")
+        first = engine.generate(RequestSpec(chat_ids(tokenizer, "Hi"), params, "dup"))
         head = await first.__anext__()
         with pytest.raises(ValueError, match="duplicate"):
             await collect(engine, [1, 2, 3], params, "dup")
@@ -313,7 +314,7 @@ def test_full_waiting_queue_raises_overloaded(default_model_dir):
         engine = make_engine(default_model_dir, max_num_running=1, max_num_waiting=1)
         await engine.start()
         try:
-            running = engine.generate([10, 11, 12], LONG, "running")
+            running = engine.generate(RequestSpec([10, 11, 12], LONG, "running"))
             assert not (await running.__anext__()).finished  # occupies the only running slot
 
             queued = asyncio.create_task(collect(engine, [20, 21, 22], LONG, "queued"))
@@ -349,7 +350,7 @@ def test_shutdown_aborts_open_streams_and_refuses_new_requests(default_model_dir
         with pytest.raises(EngineStoppedError):  # not started yet
             await collect(engine, [1, 2, 3], SamplingParams(max_tokens=1), "too-early")
         await engine.start()
-        stream = engine.generate([10, 11, 12], LONG, "open")
+        stream = engine.generate(RequestSpec([10, 11, 12], LONG, "open"))
         assert not (await stream.__anext__()).finished
         await engine.shutdown()
         rest = [out async for out in stream]
@@ -371,7 +372,7 @@ def test_a_cancel_that_races_a_remote_reservation_frees_its_blocks(engine, token
     import time
 
     async def scenario() -> None:
-        stream = engine.generate(chat_ids(tokenizer, "Hello there."), GREEDY, "raced", kv_source=object())  # type: ignore[arg-type]
+        stream = engine.generate(RequestSpec(chat_ids(tokenizer, "Hello there."), GREEDY, "raced", kv_source=object()))  # type: ignore[arg-type]
         task = asyncio.create_task(stream.__anext__())
         await asyncio.sleep(0)  # the task submits the reservation to the engine thread and waits for it
         time.sleep(0.5)  # the loop is busy: the engine thread reserves and resolves, the result waits on the loop

@@ -16,6 +16,7 @@ from tests.unit.engine.test_async_engine import chat_ids, collect, make_engine
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.engine.kv_transfer import KVChunkData, KVLayoutError, KVTransferError, PrefillDone, PrefillEvent, PrefillStarted
 from tokenfleet.engine.output import Resume
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.kvcache.layout import KVLayout
 from tokenfleet.models.tokenizer import Tokenizer
@@ -42,7 +43,7 @@ def tokenizer(default_model_dir) -> Tokenizer:
 def source(prefill: AsyncEngine, prompt: list[int], params: SamplingParams, request_id: str, log: list | None = None):
     def open_transfer(held: Sequence[bytes], layout: KVLayout) -> AsyncGenerator[PrefillEvent, None]:
         async def events() -> AsyncGenerator[PrefillEvent, None]:
-            async with contextlib.aclosing(prefill.prefill(prompt, params, request_id, 0, held, layout)) as stream:
+            async with contextlib.aclosing(prefill.prefill(RequestSpec(prompt, params, request_id, 0), held, layout)) as stream:
                 async for event in stream:
                     if log is not None:
                         log.append(event)
@@ -53,7 +54,7 @@ def source(prefill: AsyncEngine, prompt: list[int], params: SamplingParams, requ
 
 async def disaggregated(prefill, decode, prompt, params, request_id, log=None):
     kv = source(prefill, prompt, params, request_id, log)
-    return [out async for out in decode.generate(prompt, params, request_id, kv_source=kv)]
+    return [out async for out in decode.generate(RequestSpec(prompt, params, request_id, kv_source=kv))]
 
 
 def tokens(outputs) -> list[int]:
@@ -104,7 +105,7 @@ def test_first_token_is_yielded_before_the_kv_arrives(engines, tokenizer):
 
     async def run() -> int:
         kv = source(prefill, prompt, GREEDY, "early", log)
-        async with contextlib.aclosing(decode.generate(prompt, GREEDY, "early", kv_source=kv)) as stream:
+        async with contextlib.aclosing(decode.generate(RequestSpec(prompt, GREEDY, "early", kv_source=kv))) as stream:
             first = await stream.__anext__()
             seen = len(log)
             assert first.new_token_ids
@@ -175,7 +176,7 @@ def test_damaged_kv_stream_is_rejected_and_the_request_recomputed_here(engines, 
     kv = corrupt(kind)(prefill, prompt, GREEDY, f"bad-{kind}")
 
     async def run():
-        return [out async for out in decode.generate(prompt, GREEDY, f"bad-{kind}", kv_source=kv)]
+        return [out async for out in decode.generate(RequestSpec(prompt, GREEDY, f"bad-{kind}", kv_source=kv))]
 
     outputs = asyncio.run(run())
     assert decode.core.stats.num_remote_fallbacks == fallbacks + 1
@@ -189,13 +190,13 @@ def test_layout_mismatch_is_refused_by_the_prefill_side(engines, tokenizer):
     other = dataclasses.replace(prefill.kv_layout(), dtype="bfloat16")
 
     async def run():
-        async for _ in prefill.prefill(prompt, GREEDY, "mismatch", 0, (), other):
+        async for _ in prefill.prefill(RequestSpec(prompt, GREEDY, "mismatch", 0), (), other):
             pass
 
     with pytest.raises(KVLayoutError, match="dtype"):
         asyncio.run(run())
     with pytest.raises(ValueError, match="held block hashes"):
-        asyncio.run(_collect(prefill.prefill(prompt * 8, GREEDY, "bad-held", 0, [b"x" * 16], prefill.kv_layout())))
+        asyncio.run(_collect(prefill.prefill(RequestSpec(prompt * 8, GREEDY, "bad-held", 0), [b"x" * 16], prefill.kv_layout())))
 
 
 def test_prefill_side_releases_held_blocks_after_the_timeout(engines, tokenizer):
@@ -205,7 +206,7 @@ def test_prefill_side_releases_held_blocks_after_the_timeout(engines, tokenizer)
     old = prefill.transfer_timeout
     prefill.core.kv.hold_seconds = 0.2
     try:
-        stream = prefill.prefill(prompt, GREEDY, "abandoned", 0, (), prefill.kv_layout())
+        stream = prefill.prefill(RequestSpec(prompt, GREEDY, "abandoned", 0), (), prefill.kv_layout())
         first = asyncio.run(stream.__anext__())
         assert isinstance(first, PrefillStarted)
         assert prefill.core.scheduler.held  # pinned for the transfer
@@ -231,7 +232,7 @@ def test_cancellation_at_random_phases_frees_every_block_on_both_sides(engines, 
         events: list = []
         kv = source(prefill, prompt, long, f"cancel-{i}", events)
         stop_after = i % 4  # 0: before the first token, 1: first token, 2: during decode, 3: mid-transfer
-        async with contextlib.aclosing(decode.generate(prompt, long, f"cancel-{i}", kv_source=kv)) as stream:
+        async with contextlib.aclosing(decode.generate(RequestSpec(prompt, long, f"cancel-{i}", kv_source=kv))) as stream:
             n = 0
             async for _ in stream:
                 n += 1
@@ -261,8 +262,8 @@ def test_resume_continues_the_same_greedy_text(engines, tokenizer):
     all_tokens = tokens(whole)
     delivered = all_tokens[:6]
     sent_text = "".join(out.text for out in whole[:6])[:-2]  # pretend two characters were held back
-    resumed = asyncio.run(_collect(decode.generate(prompt, params, "resumed",
-                                                   resume=Resume(tuple(delivered), sent_text))))
+    resumed = asyncio.run(_collect(decode.generate(RequestSpec(prompt, params, "resumed", resume=Resume(tuple(delivered),
+                                                               sent_text)))))
     assert tokens(resumed) == all_tokens[6:]
     assert sent_text + text(resumed) == text(whole)
     assert resumed[-1].num_output_tokens == len(all_tokens)
@@ -288,7 +289,7 @@ def test_a_stalled_prefill_replica_times_out_and_the_request_is_computed_here(en
 
     old, decode.transfer_timeout = decode.transfer_timeout, 0.5
     try:
-        outputs = asyncio.run(_collect(decode.generate(prompt, GREEDY, "stall", kv_source=stalled)))
+        outputs = asyncio.run(_collect(decode.generate(RequestSpec(prompt, GREEDY, "stall", kv_source=stalled))))
     finally:
         decode.transfer_timeout = old
     assert tokens(outputs) == tokens(colocated)

@@ -9,6 +9,7 @@ import pytest
 
 from tests.conftest import make_request, make_scheduler
 from tokenfleet.engine.request import FinishReason, RequestStatus
+from tokenfleet.engine.request_spec import RequestSpec
 
 
 def _forks(parent, n):
@@ -93,7 +94,7 @@ def test_real_engine_n3_seeded_samples_differ_reproduce_and_sample0_matches_n1(c
     prompt = core.tokenizer.encode("Once upon a time, in a quiet village by the sea,")
 
     def run(params):
-        rid = core.add_request(prompt, params)
+        rid = core.add_request(RequestSpec(prompt, params))
         texts: dict[int, list[int]] = {}
         while core.has_unfinished():
             for out in core.step():
@@ -130,20 +131,20 @@ def test_review_regressions_abort_before_forking_huge_seeds_and_fork_ids(core):
     from tokenfleet.engine.sampling_params import SamplingParams
 
     prompt = core.tokenizer.encode("A long prompt about the sea. " * 8)
-    rid = core.add_request(prompt, SamplingParams(max_tokens=4, temperature=1.0, n=3))
+    rid = core.add_request(RequestSpec(prompt, SamplingParams(max_tokens=4, temperature=1.0, n=3)))
     finals = core.abort_group(rid)
     assert sorted(o.index for o in finals) == [0, 1, 2] and all(o.finished for o in finals)
     assert not core.scheduler.pending_forks and not core._groups and not core._states
 
     outs = []
-    core.add_request(prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=2**64 - 1, n=2))
+    core.add_request(RequestSpec(prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=2**64 - 1, n=2)))
     while core.has_unfinished():
         outs += core.step()
     assert sorted(o.index for o in outs if o.finished) == [0, 1]
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=2**64)
     with pytest.raises(ValueError, match="'#'"):
-        core.add_request(prompt, SamplingParams(max_tokens=2), request_id="x#1")
+        core.add_request(RequestSpec(prompt, SamplingParams(max_tokens=2), request_id="x#1"))
     core.scheduler.block_manager.check_invariants()
     assert core.scheduler.block_manager.num_used_blocks == 0
 

@@ -11,6 +11,7 @@ import pytest
 
 from tokenfleet.engine.grammar import GrammarError, Guided, validate
 from tokenfleet.engine.output import Resume
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
@@ -30,7 +31,7 @@ def core(default_model_dir):
 
 def run(core, requests):
     """Add every (prompt, params) at once (one batch), step to the end; token ids and text per (id, index)."""
-    ids = [core.add_request(core.tokenizer.encode(p), params) for p, params in requests]
+    ids = [core.add_request(RequestSpec(core.tokenizer.encode(p), params)) for p, params in requests]
     texts: dict[tuple[str, int], str] = {}
     tokens: dict[tuple[str, int], list[int]] = {}
     reasons = {}
@@ -71,14 +72,14 @@ def test_grammar_state_survives_a_resume(core):
     (whole_tokens,) = tokens.values()
     (whole_text,) = texts.values()
     head = whole_tokens[:5]
-    core.add_request(prompt, params, resume=Resume(tuple(head), core.tokenizer.decode(head)))
+    core.add_request(RequestSpec(prompt, params, resume=Resume(tuple(head), core.tokenizer.decode(head))))
     rest: list[int] = []
     while core.has_unfinished():
         for out in core.step():
             rest.extend(out.new_token_ids)
     assert head + rest == whole_tokens
     with pytest.raises(ValueError, match="grammar"):  # tokens the grammar forbids cannot be resumed
-        core.add_request(prompt, params, resume=Resume(tuple(core.tokenizer.encode("hello")), "hello"))
+        core.add_request(RequestSpec(prompt, params, resume=Resume(tuple(core.tokenizer.encode("hello")), "hello")))
     assert json.loads(whole_text)
 
 
@@ -92,7 +93,7 @@ def test_prompt_logprobs_are_the_same_chunked_or_not_and_reported_once(default_m
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
 
     def prompt_logprobs(engine, preempt=False):
-        engine.add_request(prompt, params, request_id="p")
+        engine.add_request(RequestSpec(prompt, params, request_id="p"))
         outs = []
         while engine.has_unfinished():
             outs += engine.step()

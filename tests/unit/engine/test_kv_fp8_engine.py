@@ -15,6 +15,7 @@ from tests.unit.engine.test_disaggregation import GREEDY, check_idle, disaggrega
 from tokenfleet.backends.torch.builder import build_engine_core
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.kv_transfer import KVLayoutError
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.models.tokenizer import Tokenizer
 
 SYSTEM = "You are a patient tutor who explains physics to curious students with simple examples. " * 3
@@ -99,7 +100,7 @@ def test_fp8_blocks_travel_between_fp8_replicas_only(engines, tokenizer):
     assert decode.core.stats.num_kv_blocks_received - received == -(-len(prompt) // 16)
 
     async def refused():
-        async for _ in prefill.prefill(prompt, GREEDY, "mismatch", 0, (), plain.kv_layout()):
+        async for _ in prefill.prefill(RequestSpec(prompt, GREEDY, "mismatch", 0), (), plain.kv_layout()):
             pass
 
     with pytest.raises(KVLayoutError, match="KV layout mismatch: hash_salt .*kv-fp8"):

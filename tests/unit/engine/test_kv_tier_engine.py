@@ -12,6 +12,7 @@ import pytest
 
 from tests.model.helpers import greedy, make_core, run_to_completion
 from tokenfleet.api.chat_template import render_chat
+from tokenfleet.engine.request_spec import RequestSpec
 
 SYSTEM = "You are the support assistant of a bicycle shop. Be concise, friendly and precise. " * 4
 
@@ -42,7 +43,7 @@ def test_evicted_prefix_is_restored_from_the_tier_with_identical_output(default_
     flood(core, "f1")
     stats = core.snapshot()
     assert stats.tier_entries > 0
-    core.add_request(prompt, greedy(12), request_id="a2")
+    core.add_request(RequestSpec(prompt, greedy(12), request_id="a2"))
     outputs = []
     while core.has_unfinished():
         outputs += core.step()
@@ -90,7 +91,7 @@ def test_random_cancellation_leaks_nothing_in_either_tier(default_model_dir, tmp
                 prompt = [rng.randrange(500, 20_000) for _ in range(rng.randint(40, 200))]
             else:
                 prompt = chat(core, f"Tell me about {rng.choice(texts)}." * rng.randint(1, 4))
-            core.add_request(prompt, greedy(rng.randint(1, 10)), request_id=rid, tenant=rng.choice(["a", "b"]))
+            core.add_request(RequestSpec(prompt, greedy(rng.randint(1, 10)), request_id=rid, tenant=rng.choice(["a", "b"])))
             live.append(rid)
         if live and rng.random() < 0.2:
             core.abort(live.pop(rng.randrange(len(live))))
@@ -122,7 +123,7 @@ def test_a_restarted_engine_restores_its_pool_from_the_disk_tier(default_model_d
     core.close()
     restarted = make_core(default_model_dir, num_blocks=40, kv_tier=spec, kv_tier_bytes=64 << 20)
     assert pooled <= set(restarted.tier.hashes())
-    restarted.add_request(prompt, greedy(8), request_id="b")
+    restarted.add_request(RequestSpec(prompt, greedy(8), request_id="b"))
     outputs = []
     while restarted.has_unfinished():
         outputs += restarted.step()

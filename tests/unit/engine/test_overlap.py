@@ -13,6 +13,7 @@ from tests.model.helpers import make_core
 from tokenfleet.engine.block_manager import BlockManager
 from tokenfleet.engine.lookahead import lookahead
 from tokenfleet.engine.request import FinishReason, Request
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig
 from tokenfleet.models.tokenizer import Tokenizer
@@ -35,7 +36,7 @@ def drive(core, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]]
     step = 0
     while step <= max([*arrivals, *aborts], default=0) or core.has_unfinished():
         for request_id, prompt, params in arrivals.get(step, []):
-            core.add_request(prompt, params, request_id=request_id)
+            core.add_request(RequestSpec(prompt, params, request_id=request_id))
             got[request_id] = {"tokens": [], "text": "", "logprobs": [], "finish": None}
         for request_id in aborts.get(step, []):
             out = core.abort(request_id)
@@ -162,7 +163,7 @@ def test_an_id_reused_after_an_abort_never_gets_the_queued_step_s_rows(default_m
     alone = drive(make_core(default_model_dir, num_threads=2), {0: [("x", prompts[2], params)]})["x"]
     core = make_core(default_model_dir, num_threads=2, async_scheduling=True)
     for rid, prompt in (("x", prompts[0]), ("y", prompts[1])):
-        core.add_request(prompt, params, request_id=rid)
+        core.add_request(RequestSpec(prompt, params, request_id=rid))
     for _ in range(4):
         core.step()
     assert core._inflight is not None  # a step is queued

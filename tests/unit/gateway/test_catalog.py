@@ -9,6 +9,7 @@ import json
 from tokenfleet.services.gateway.catalog import ModelCatalog
 
 from tokenfleet.cluster.registry import ModelRecord, RegistryView
+from tokenfleet.tenancy.tenants import Tenant
 
 
 def test_the_catalog_picks_a_canary_side_per_conversation(default_model_dir):
@@ -49,6 +50,6 @@ def test_a_tenants_pin_picks_the_version_before_anything_else(default_model_dir)
     view.reset({r.key: r.to_json() for r in records})
     gateway = Gateway([], ModelCatalog(view=view, synced=True))
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
-    assert asyncio.run(gateway.prepare_chat(body, "t")).model.ref == "m@v2"
-    pinned = asyncio.run(gateway.prepare_chat(body, "t", pins={"m": "m@v1"}))
+    assert asyncio.run(gateway.prepare_chat(body, Tenant("t"))).model.ref == "m@v2"
+    pinned = asyncio.run(gateway.prepare_chat(body, Tenant("t", pins={"m": "m@v1"})))
     assert pinned.model.ref == "m@v1" and pinned.requested_model == "m"  # the ledger names both

@@ -7,6 +7,7 @@ from tokenfleet.services.gateway.dispatch import Dispatcher, Job
 from tokenfleet.services.gateway.pipeline import DEFAULT_DEADLINE_S, MAX_DEADLINE_S, client_deadline
 
 from tokenfleet.api.openai_schema import APIError
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.security.plane import Channels, Plane
 from tokenfleet.telemetry.metrics import GatewayMetrics
@@ -27,7 +28,8 @@ def test_the_deadline_comes_from_the_clients_timeout_header(headers, seconds):
 
 
 def _job(tier: str = "interactive", deadline: float | None = None) -> Job:
-    return Job("m@v1", "r", [1, 2], SamplingParams(max_tokens=4), 4, Tenant("t", tier=tier), deadline=deadline)
+    return Job("m@v1", RequestSpec([1, 2], SamplingParams(max_tokens=4), "r", limit=4), Tenant("t", tier=tier),
+               deadline=deadline)
 
 
 def test_the_first_token_budget_is_the_least_of_the_operators_objective_and_the_clients_deadline(monkeypatch):

@@ -13,6 +13,7 @@ from tokenfleet.services.gateway.grpc_encoder import GrpcEncoder
 from tokenfleet.services.gateway.openai_encoder import OpenAIEncoder
 from tokenfleet.services.gateway.pipeline import Prepared, Translator
 
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.models.tokenizer import Tokenizer
 from tokenfleet.v1 import common_pb2, engine_pb2
@@ -60,7 +61,7 @@ def render(gen) -> list:
 
 
 def test_a_call_split_across_chunks_is_one_call_in_every_rendering(model):
-    prepared = Prepared(model, "chatcmpl-1", [1, 2, 3], SamplingParams(logprobs=1), False, tools=True)
+    prepared = Prepared(model, RequestSpec([1, 2, 3], SamplingParams(logprobs=1), "chatcmpl-1"), False, tools=True)
     pieces = [CALL[:7], CALL[7:30], CALL[30:52], CALL[52:]]
     events = translate(prepared, [chunk(p, logprobs=[(10 + i, -0.5)]) for i, p in enumerate(pieces)] + [final()])
     assert isinstance(events[0], ev.Opened)
@@ -95,7 +96,7 @@ def test_a_call_split_across_chunks_is_one_call_in_every_rendering(model):
 
 def test_completion_echo_comes_first_with_prompt_logprobs_and_offsets_follow_it(model):
     prompt = model.tokenizer.encode("The sea is")
-    prepared = Prepared(model, "cmpl-1", prompt, SamplingParams(logprobs=1, prompt_logprobs=1), False,
+    prepared = Prepared(model, RequestSpec(prompt, SamplingParams(logprobs=1, prompt_logprobs=1), "cmpl-1"), False,
                         echo="The sea is", chat=False)
     prompt_lps = [(t, -1.0) for t in prompt[1:]]
     events = translate(prepared, [chunk(" blue", logprobs=[(42, -0.1)], prompt_logprobs=prompt_lps), chunk(""),
@@ -119,7 +120,7 @@ def test_completion_echo_comes_first_with_prompt_logprobs_and_offsets_follow_it(
 
 
 def test_samples_are_kept_apart_by_index(model):
-    prepared = Prepared(model, "chatcmpl-2", [1], SamplingParams(n=2), True)
+    prepared = Prepared(model, RequestSpec([1], SamplingParams(n=2), "chatcmpl-2"), True)
     events = translate(prepared, [chunk("a", 0), chunk("b", 1), chunk("c", 0), final(1), final(0)])
     body = asyncio.run(OpenAIEncoder("chatcmpl-2", "m", False, True).chat_body(_aiter(events)))
     assert [c["message"]["content"] for c in body["choices"]] == ["ac", "b"]

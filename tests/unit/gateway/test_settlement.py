@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 from tokenfleet.services.gateway.pipeline import Gateway, Prepared, Run
 
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.telemetry.metrics import RequestTimer
 from tokenfleet.tenancy.admission import Admission, Caller
@@ -19,7 +20,7 @@ def _run(admission: Admission, closed: list[bool]) -> Run:
     caller = Caller(Tenant("t", max_concurrent=1))
     ticket = admission.admit(caller, "m", "/v1/chat/completions", "r", 3, 13)
     model = SimpleNamespace(name="m", ref="m@v1", tokenizer=SimpleNamespace(decode=lambda ids, **_: "x"), tool_format="")
-    prepared = Prepared(model, "chatcmpl-1", [1, 2, 3], SamplingParams(max_tokens=10), False)  # type: ignore[arg-type]
+    prepared = Prepared(model, RequestSpec([1, 2, 3], SamplingParams(max_tokens=10), "chatcmpl-1"), False)  # type: ignore[arg-type]
 
     async def stream():  # the worker's stream (its first response taken by open()): never ends by itself
         try:

@@ -11,7 +11,7 @@ from tokenfleet.backends.torch.runner import TorchModelRunner
 from tokenfleet.engine import kv_store, kv_tier
 from tokenfleet.engine.block_manager import BlockManager
 from tokenfleet.engine.config import EngineConfig
-from tokenfleet.engine.core import EngineCore
+from tokenfleet.engine.core import CoreParts, EngineCore, kv_layout
 from tokenfleet.engine.itl_guard import ItlGuard
 from tokenfleet.engine.runner import ModelInfo
 from tokenfleet.engine.scheduler import Scheduler
@@ -65,25 +65,25 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         layer_windows=model.config.layer_windows,
         kernel_checks=runner.kernel_checks,
     )
-    core = EngineCore(scheduler, runner, tokenizer, info)
-    if config.itl_guard and not config.async_scheduling:  # a queued step is scheduled before the last one's time
-        core.enable_itl_guard(ItlGuard(config.itl_guard, runner.cost.pair_cost))
-    if core.moves_blocks:
-        core.enable_peer_blocks()
-    if spec is not None:
-        core.enable_speculation(spec)
-    if config.async_scheduling:
-        if device.type == "cpu":  # the forward is synchronous there: a queued step runs before outputs go out
-            log.warning("async_scheduling on CPU delays each step's outputs by one forward and gains nothing",
-                        device=str(device))
-        core.enable_overlap()
+    if config.async_scheduling and device.type == "cpu":  # the forward is synchronous there
+        log.warning("async_scheduling on CPU delays each step's outputs by one forward and gains nothing",
+                    device=str(device))
     for name, folder in config.lora_adapters:
         runner.load_adapter(name, folder)
-    runner.capture_graphs()  # CUDA only, and only where the model and attention allow (cuda_graphs.graphs_supported)
+    tier = None
     if config.kv_tier:
         if len(groups) > 1:
             raise ValueError("a second KV tier is not supported yet for models with sliding-window layers")
-        namespace = kv_store.namespace(core.kv_layout().key(), config.model)
-        core.attach_tier(kv_tier.SecondTier(kv_store.open_store(config.kv_tier, namespace), config.kv_tier_bytes, namespace,
-                                            config.kv_tier_tenant_bytes, kv_store.read_key(config.kv_tier_key_file)))
+        namespace = kv_store.namespace(kv_layout(scheduler, runner, info).key(), config.model)
+        tier = kv_tier.SecondTier(kv_store.open_store(config.kv_tier, namespace), config.kv_tier_bytes, namespace,
+                                  config.kv_tier_tenant_bytes, kv_store.read_key(config.kv_tier_key_file))
+    single_group = len(groups) == 1  # whole blocks move only with one KV group (sliding-window models: not yet)
+    parts = CoreParts(
+        blocks=runner, tier=tier, peer_blocks=single_group, speculation=spec,
+        overlap=runner if config.async_scheduling else None, adapters=runner, costs=runner,
+        # a queued step is scheduled before the last one's time is known: no guard with overlap
+        itl_guard=ItlGuard(config.itl_guard, runner.cost.pair_cost)
+        if config.itl_guard and not config.async_scheduling else None)
+    core = EngineCore(scheduler, runner, tokenizer, info, parts)
+    runner.capture_graphs()  # CUDA only, and only where the model and attention allow (cuda_graphs.graphs_supported)
     return core

@@ -342,6 +342,9 @@ class TorchModelRunner:
             token_ids[self._tensor(list(rows))] = source[0][self._tensor(list(at))]
         return token_ids, batch, spans
 
+    def adapter_names(self) -> tuple[str, ...]:
+        return tuple(sorted(self.adapters.adapters)) if self.adapters is not None else ()
+
     def load_adapter(self, name: str, folder: str) -> None:
         """Load a PEFT LoRA adapter under ``name`` (ValueError if this model cannot serve it)."""
         if not isinstance(self.model, LlamaModel):

@@ -31,7 +31,7 @@ import structlog
 
 from tokenfleet.backends.trtllm import translate
 from tokenfleet.backends.trtllm.spec import TrtllmSpec, llm_class, llm_kwargs, load_api
-from tokenfleet.engine.interface import EngineStoppedError
+from tokenfleet.engine.interface import AdapterHost, EngineStoppedError, PeerBlocks
 from tokenfleet.engine.kv_transfer import (
     Handoff,
     KVLayoutError,
@@ -41,8 +41,9 @@ from tokenfleet.engine.kv_transfer import (
     PrefillEvent,
     PrefillStarted,
 )
-from tokenfleet.engine.output import RequestOutput, Resume
-from tokenfleet.engine.request import FinishReason, Priority
+from tokenfleet.engine.output import RequestOutput
+from tokenfleet.engine.request import FinishReason
+from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.runner import KernelCheck
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.stats import EngineStats
@@ -67,6 +68,10 @@ class TrtllmEngine:
         self.transfer_timeout = transfer_timeout
         self.health_interval = health_interval
         self.error: BaseException | None = None  # set when the library failed: the worker is unhealthy
+        # Capabilities it lacks (Engine): the library keeps its own KV (no whole blocks to peers) and LoRA is not
+        # wired to it yet.
+        self.peer_blocks: PeerBlocks | None = None
+        self.lora: AdapterHost | None = None
         self._api_loader = api_loader
         self._health_prompt = list(health_prompt)
         self.api: Any = None
@@ -159,6 +164,12 @@ class TrtllmEngine:
     def tier_block_hashes(self) -> frozenset[bytes]:
         return frozenset()  # the library's own host offload, if configured, is not reported apart
 
+    def held_block_hashes(self) -> tuple[frozenset[bytes], frozenset[bytes]]:
+        return self.cached_block_hashes(), self.tier_block_hashes()
+
+    async def device_peaks(self) -> tuple[float, float, str] | None:
+        return None  # the library reports no step costs: no MFU/MBU
+
     def kernel_checks(self) -> tuple[KernelCheck, ...]:
         return ()  # TensorRT-LLM's engines are built and checked by their own accuracy gate (backends.trtllm.build)
 
@@ -205,10 +216,11 @@ class TrtllmEngine:
             raise ValueError("logprobs need an engine worker started with --gather-generation-logits (TensorRT "
                              "engines gather logits only when asked)")
 
-    def _max_tokens(self, prompt: Sequence[int], params: SamplingParams) -> int:
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens; the model's context is {self.max_model_len}")
-        return params.output_limit(self.max_model_len, len(prompt))
+    def _max_tokens(self, request: RequestSpec) -> int:
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens; the model's context is "
+                             f"{self.max_model_len}")
+        return request.output_limit(self.max_model_len)
 
     def _submit(self, prompt: list[int], sp: Any, streaming: bool, disaggregated: Any = None,
                 cache_scope: str = "") -> Any:
@@ -225,30 +237,22 @@ class TrtllmEngine:
             self._fail(e)
             raise EngineStoppedError(f"TensorRT-LLM refused the request: {e}") from e
 
-    async def generate(
-        self,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        request_id: str,
-        priority: int = Priority.INTERACTIVE,
-        resume: Resume | None = None,
-        kv_source: KVSource | None = None,
-        tenant: str = "",
-        cache_scope: str = "",
-        adapter: str = "",
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """``resume`` continues after delivered tokens by appending them to the prompt (the library
+    async def generate(self, request: RequestSpec) -> AsyncGenerator[RequestOutput, None]:
+        """``Engine.generate``. ``request.resume`` continues after delivered tokens by appending them to the prompt (the library
         cannot start a request with output): penalties then see them as prompt tokens.
 
         Longer than the ~60-line guideline: submit, the per-step diff reading and the three ways a
         stream ends (finish, request error, engine failure) share the library's one result object
         and the abort handle, and read in order here better than spread over helpers."""
+        sampling_params, request_id, resume, kv_source = (request.sampling_params, request.id, request.resume,
+                                                          request.kv_source)
+        cache_scope = request.kv_scope
         self._check_params(sampling_params)
-        if adapter:
+        if request.adapter:
             raise ValueError("LoRA adapters are not wired to the TensorRT-LLM backend yet")
         self._check_accepting()
-        prompt = list(prompt_token_ids)
-        max_tokens = self._max_tokens(prompt, sampling_params)
+        prompt = list(request.prompt_token_ids)
+        max_tokens = self._max_tokens(request)
         delivered = list(resume.output_token_ids) if resume is not None else []
         if delivered:
             prompt, max_tokens = prompt + delivered, max_tokens - len(delivered)
@@ -393,25 +397,18 @@ class TrtllmEngine:
             self._stats.num_remote_fallbacks += 1
             return None, None
 
-    async def prefill(
-        self,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        request_id: str,
-        priority: int = Priority.INTERACTIVE,
-        held_block_hashes: Sequence[bytes] = (),
-        layout: KVLayout | None = None,
-        cache_scope: str = "",
-    ) -> AsyncGenerator[PrefillEvent, None]:
+    async def prefill(self, request: RequestSpec, held_block_hashes: Sequence[bytes] = (),
+                      layout: KVLayout | None = None) -> AsyncGenerator[PrefillEvent, None]:
         """Prefill role: a context_only request; its KV stays in the library until the decode side
         pulls it or ``kv_transfer_timeout_ms`` passes (there is no release call)."""
+        sampling_params, request_id, cache_scope = request.sampling_params, request.id, request.kv_scope
         self._check_params(sampling_params)
         self._check_accepting()
         problem = self.kv_layout().mismatch(layout) if layout is not None else None
         if problem is not None:
             raise KVLayoutError(problem)
-        prompt = list(prompt_token_ids)
-        max_tokens = self._max_tokens(prompt, sampling_params)
+        prompt = list(request.prompt_token_ids)
+        max_tokens = self._max_tokens(request)
         sp = translate.sampling(self.api, sampling_params, max_tokens, context_only=True,
                                 guided_backend=self.spec.guided_decoding_backend, vocab_size=self.vocab_size)
         handle = self._submit(prompt, sp, False, self.api.DisaggregatedParams(request_type="context_only"), cache_scope)
