@@ -174,6 +174,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+build_parser = _parser  # the stable public name (docs/hooks/cli_reference.py renders the CLI reference from it)
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF model folder (default: the imported SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
