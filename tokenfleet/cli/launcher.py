@@ -3,7 +3,7 @@
 etcd -> registry (the model is registered there) -> N engine workers (load the model as its
 registry record says, register in etcd) -> router -> gateway. Ctrl-C, SIGTERM or
 `tokenfleet down` stops everything in reverse order; workers drain their streams first. While it runs,
-a service that dies is started again on its address, with backoff (tokenfleet.supervise).
+a service that dies is started again on its address, with backoff (tokenfleet.cli.supervise).
 
 The internal plane is mutual TLS by default: the certificates in ``envs.certs_dir()`` (created on
 first use, ``tokenfleet certs``), etcd with client-certificate auth, every administrative call
@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from tokenfleet import envs
+from tokenfleet.cli.supervise import Supervisor
 from tokenfleet.cluster.etcd_server import EtcdServer
 from tokenfleet.security import certs as certs_lib
 from tokenfleet.security.identity import Identity
 from tokenfleet.security.plane import INSECURE_WARNING, Plane
-from tokenfleet.supervise import Supervisor
 
 
 def state_file() -> Path:

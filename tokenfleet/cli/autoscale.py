@@ -98,7 +98,7 @@ def targets(specs: list[str]) -> dict[str, str]:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from tokenfleet import launcher
+    from tokenfleet.cli import launcher
 
     state = launcher.cluster_state()
     endpoint = args.etcd or state.get("etcd")

@@ -1,4 +1,4 @@
-"""`tokenfleet up`, `down` and `scrape-config`: the local cluster's commands (split from cli.py, which wires them in)."""
+"""`tokenfleet up`, `down` and `scrape-config`: the local cluster's commands (parser.py wires them in)."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
 def _cmd_scrape_config(args: argparse.Namespace) -> int:
     import yaml
 
-    from tokenfleet import launcher
+    from tokenfleet.cli import launcher
 
     state = launcher.cluster_state()
     if not state.get("metrics"):
@@ -129,7 +129,7 @@ def _cmd_scrape_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from tokenfleet import launcher
+    from tokenfleet.cli import launcher
     from tokenfleet.models.gguf_import import DEFAULT_MODEL_NAME
 
     launcher.check_auth(args.host, args.auth == "on", args.insecure_no_auth)  # before anything starts
@@ -233,7 +233,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
-    from tokenfleet import launcher
+    from tokenfleet.cli import launcher
 
     if launcher.down():
         print("cluster stopped")

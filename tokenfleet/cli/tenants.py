@@ -77,7 +77,7 @@ def _run(args: argparse.Namespace, operation):  # type: ignore[no-untyped-def]
 
     if args.file:
         return asyncio.run(operation(FileTenantStore(args.file)))
-    from tokenfleet import launcher
+    from tokenfleet.cli import launcher
     from tokenfleet.cluster.etcd import EtcdClient
 
     endpoint = args.etcd or launcher.cluster_state().get("etcd")

@@ -1,4 +1,5 @@
-"""`tokenfleet …` command line: models import, generate, chat."""
+"""`tokenfleet …` command line: ``main`` and ``build_parser`` (every subcommand wired in); models import, generate,
+chat."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_service(argv[0], argv[1:])
     never_failing_stderr()  # `up` supervises the cluster whatever happens to the disk its stderr goes to
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))  # stdout: the command's output
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):
         parser.print_help()
@@ -51,8 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _parser() -> argparse.ArgumentParser:
-    """Every subcommand's arguments, declarations only (long because the command line is)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: every subcommand's arguments, declarations only (long because the command line is)."""
     parser = argparse.ArgumentParser(prog="tokenfleet", description="tokenfleet LLM serving platform")
     sub = parser.add_subparsers(title="commands")
 
@@ -123,13 +124,13 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--registry", help="registry address host:port (default: the `tokenfleet up` cluster's)")
         add_operator_arguments(p)
 
-    from tokenfleet.cluster import rollout_cli
+    from tokenfleet.cli import rollout
 
-    rollout_cli.add_parser(models, registry_and_operator)
+    rollout.add_parser(models, registry_and_operator)
 
-    from tokenfleet import cli_doctor
+    from tokenfleet.cli import doctor
 
-    cli_doctor.add_parser(sub)
+    doctor.add_parser(sub)
 
     gen = sub.add_parser("generate", help="complete raw text prompts (offline, in-process engine)")
     gen.add_argument("prompts", nargs="+", help="one or more prompts, batched together")
@@ -142,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(chat)
     chat.set_defaults(func=_cmd_chat)
 
-    from tokenfleet.cli_up import add_commands as add_cluster_commands
+    from tokenfleet.cli.up import add_commands as add_cluster_commands
 
     add_cluster_commands(sub)
     certs_cmd = sub.add_parser("certs", help="create a local CA and one certificate per role (mTLS between services)")
@@ -154,19 +155,19 @@ def _parser() -> argparse.ArgumentParser:
                            help="issue ROLE's certificate again (rotation: running services pick it up); repeatable")
     certs_cmd.set_defaults(func=_cmd_certs)
 
-    from tokenfleet.tenancy.cli import add_commands
+    from tokenfleet.cli.tenants import add_commands
 
     add_commands(sub)
-    from tokenfleet.cluster import autoscale_cli
+    from tokenfleet.cli import autoscale
 
-    autoscale_cli.add_parser(sub)
-    from tokenfleet.cli_engines import add_commands as add_engine_commands  # imports no tensorrt_llm
+    autoscale.add_parser(sub)
+    from tokenfleet.cli.engines import add_commands as add_engine_commands  # imports no tensorrt_llm
 
     add_engine_commands(sub)
-    from tokenfleet.planning.calc import add_command as add_plan_command
+    from tokenfleet.cli.plan import add_command as add_plan_command
 
     add_plan_command(sub)
-    from tokenfleet.planning.commands import add_command as add_simulate_command
+    from tokenfleet.cli.simulate import add_command as add_simulate_command
 
     add_simulate_command(sub)
     for name in SERVICE_COMMANDS:
@@ -227,7 +228,7 @@ def _cmd_random(args: argparse.Namespace) -> int:
 
 
 def _registry_address(args: argparse.Namespace) -> str:
-    from tokenfleet import launcher
+    from tokenfleet.cli import launcher
 
     address = args.registry or launcher.cluster_state().get("registry")
     if not address:
@@ -243,7 +244,7 @@ def add_operator_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _operator_plane(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from tokenfleet import launcher
+    from tokenfleet.cli import launcher
 
     return launcher.operator_plane(args.certs, args.insecure)
 
@@ -420,6 +421,3 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": reply})
         print(f"assistant> {reply}")
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -82,7 +82,7 @@ def _gate(engine: str, checkpoint: str, tp: int, args: argparse.Namespace) -> Ga
 def _register(plan: BuildPlan, args: argparse.Namespace, result: GateResult | None) -> int:
     record = record_for(plan, args.name or Path(plan.output).name, args.version, result)
     if args.registry and not getattr(args, "dry_run", False):
-        from tokenfleet.launcher import operator_plane
+        from tokenfleet.cli.launcher import operator_plane
         from tokenfleet.services.registry.client import register_model
 
         register_model(args.registry, record, operator_plane(args.certs, args.insecure))

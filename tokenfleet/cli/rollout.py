@@ -110,8 +110,8 @@ class ClusterIO:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from tokenfleet import launcher
-    from tokenfleet.cli import _operator_plane, _registry_stub
+    from tokenfleet.cli import launcher
+    from tokenfleet.cli.parser import _operator_plane, _registry_stub
     from tokenfleet.cluster.etcd import EtcdClient
     from tokenfleet.v1 import registry_pb2
 
