@@ -150,11 +150,13 @@ class Cluster:
 
     def members(self) -> tuple[int, int] | None:
         """(replicas, gateways) registered in the cluster's etcd now, as the operator reads them; None: unreadable."""
-        from tokenfleet.cli.launcher import operator_plane
+        from tokenfleet.cli.context import ClusterContext
         from tokenfleet.cluster.etcd import EtcdClient
 
         state = self.state
-        identity = operator_plane(state.get("certs") or None, bool(state.get("insecure"))).identity
+        context = ClusterContext(state=state, registry=state.get("registry", ""), etcd=state["etcd"],
+                                 certs=state.get("certs") or None, insecure=bool(state.get("insecure")))
+        identity = context.plane.identity
 
         async def read() -> tuple[int, int]:
             client = EtcdClient(state["etcd"], identity=identity)
