@@ -5,7 +5,7 @@ bf16, 16-token blocks), one layer:
   token_major  KV as [slots, kv_heads, hd]; gather tokens, permute, batched matmuls
   block_major  KV as [kv_heads, blocks, block_size, hd]; index_select whole blocks, batched
                matmuls without permute copies (what the engine uses)
-  bf16_scores  block_major with bf16 scores (the engine before issue 15: rounded scores moved greedy
+  bf16_scores  block_major with bf16 scores (the engine before its scores were fp32: rounded scores moved greedy
                decoding off the fp32 path)
   reference    TorchPagedAttention: block_major with fp32 scores/softmax/P.V (the pure-torch path)
   native       NativePagedAttention: csrc/paged_attention.c, blocks read in place, fp32 math (the

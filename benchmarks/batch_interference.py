@@ -1,4 +1,4 @@
-"""The batch tier against interactive traffic (issue 24): does a 500-line batch leave interactive TTFT alone?
+"""The batch tier against interactive traffic: does a 500-line batch leave interactive TTFT alone?
 
 One `tokenfleet up` cluster (one worker, one torch thread: the other core runs etcd, router, gateway and this
 load generator). First its capacity: the completed requests per second of a closed loop at --saturation streams

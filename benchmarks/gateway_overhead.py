@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "reports" / "gateway-overhead.json"))
     args = parser.parse_args()
 
-    from tokenfleet.launcher import worker_threads
+    from tokenfleet.cli.launcher import worker_threads
     from tokenfleet.models.gguf_import import DEFAULT_MODEL_NAME, ensure_default_model
 
     model_dir = str(Path(ensure_default_model()).resolve())

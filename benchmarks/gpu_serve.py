@@ -1,4 +1,4 @@
-"""End to end on a GPU machine (issue 25): `tokenfleet up` serving a SmolLM2-shaped model, streamed load through
+"""End to end on a GPU machine: `tokenfleet up` serving a SmolLM2-shaped model, streamed load through
 the gateway at concurrency 1 and 64, TTFT and TPOT p50/p99.
 
 The cluster is the README's `tokenfleet up` (etcd, registry, router, gateway, one engine worker on the GPU),

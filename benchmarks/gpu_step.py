@@ -1,4 +1,4 @@
-"""GPU data plane: full engine steps next to the H100 roofline (issue 25). One script, under 10 minutes.
+"""GPU data plane: full engine steps next to the H100 roofline. One script, under 10 minutes.
 
 Measures the card first (HBM bandwidth from a large device-to-device copy, counting bytes read and
 written; the bf16 matmul peak from 8192^3 products), then for each model geometry (random weights:

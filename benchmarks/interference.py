@@ -14,7 +14,7 @@ Load: --streams streams (short prompts, long outputs) start first; after --warmu
 long prompts (--long-len random tokens, 2 output tokens) arrive every --period s. Reported: ITL
 (gap between consecutive streamed tokens of the running streams) p50/p99 over the window from
 the first long prompt's arrival to the last one's completion, and the long prompts' TTFT.
-Bar (issue 4): disaggregated ITL p99 >= 3x lower than colocated unchunked.
+The bar: disaggregated ITL p99 >= 3x lower than colocated unchunked.
 
     .venv/bin/python benchmarks/interference.py [--streams 4] [--long 6] [--period 4]
 """

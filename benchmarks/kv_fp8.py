@@ -1,4 +1,4 @@
-"""FP8 KV cache on the CPU (issue 25's FP8 part; the GPU figures come from benchmarks/gpu_step.py): capacity, step
+"""FP8 KV cache on the CPU (the GPU figures come from benchmarks/gpu_step.py): capacity, step
 time and accuracy of ``kv_cache_dtype="fp8"`` against the bf16 cache, same model, same script.
 
 - capacity: KV blocks the same ``kv_cache_bytes`` holds, bf16 vs FP8 (the engine's own sizing).

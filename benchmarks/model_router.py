@@ -1,4 +1,4 @@
-"""Model router evaluation (issue 22): does a cheap-feature classifier pick the small model where it agrees
+"""Model router evaluation (`tokenfleet models route`): does a cheap-feature classifier pick the small model where it agrees
 with the big one, better than a random mix at the same cost?
 
 Stages (each writes a committed file; later stages read the earlier ones):
@@ -315,7 +315,7 @@ def report(r: dict) -> str:
     m = r["models"]
     ratio = (m["big"]["seconds_per_output_token"] / m["small"]["seconds_per_output_token"])
     lines = [
-        "## Model router on the held-out half (issue 22)", "",
+        "## Model router on the held-out half", "",
         f"Small: {m['small']['name']} ({1 / m['small']['seconds_per_prompt_token']:.0f} prompt tok/s, "
         f"{1 / m['small']['seconds_per_output_token']:.1f} output tok/s at batch 1 here); big: {m['big']['name']} "
         f"({1 / m['big']['seconds_per_prompt_token']:.0f} prompt tok/s, {1 / m['big']['seconds_per_output_token']:.1f} "

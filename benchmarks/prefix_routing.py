@@ -12,7 +12,7 @@ tenant with a fresh short user turn (--turn-len random tokens), arriving as a Po
 Per policy: hit rate = cached prompt tokens / prompt tokens (from each response's
 usage.prompt_tokens_details.cached_tokens) over all requests after each tenant's first; TTFT
 p50/p99 (request sent -> first token chunk); output tok/s (completion tokens / wall time of the
-run); how requests spread over the workers (x-tokenfleet-replica). Bar (issue 4): prefix-aware
+run); how requests spread over the workers (x-tokenfleet-replica). The bar: prefix-aware
 hit rate >= 85 % and TTFT p50 >= 2x better than round-robin.
 
     .venv/bin/python benchmarks/prefix_routing.py [--num-requests 200] [--rate 0.6]

@@ -88,7 +88,7 @@ def worker_counters(address: str) -> dict[str, float]:
 
 
 def worker_metrics_address() -> str:
-    from tokenfleet.launcher import cluster_state
+    from tokenfleet.cli.context import cluster_state
 
     metrics = cluster_state().get("metrics", {})
     workers = [m["address"] for name, m in sorted(metrics.items()) if m["job"] == "worker"]

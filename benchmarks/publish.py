@@ -65,7 +65,7 @@ def goodput_section(path: Path) -> tuple[list[str], str]:
              f"`{rel(path)}` ({d['started']}, git {d['git']}; machine: {d['machine']}). Command: "
              f"`benchmarks/goodput.py --systems {' '.join(a['systems'])} --rounds {a['rounds']} --start-rate "
              f"{a['start_rate']} --factor {a['factor']} --requests {a['requests']}{machine_flag}`.", "",
-             "The workload is fixed in `benchmarks/serving/mixed_workload.py`:",
+             "The workload is fixed in `benchmarks/serving/mixed_workload.py`:", "",
              "- open-loop Poisson arrivals;",
              "- 70 % chat prompts of 64-512 tokens;",
              "- 20 % one of 8 shared 1,500-token prefixes plus 64-256 new tokens;",

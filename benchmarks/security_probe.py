@@ -194,7 +194,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "reports" / "security-probe.json"))
     args = parser.parse_args()
-    from tokenfleet import launcher
+    from tokenfleet.cli import launcher
     from tokenfleet.cluster.etcd import EtcdClient
     from tokenfleet.models.gguf_import import ensure_default_model
     from tokenfleet.security.identity import Identity

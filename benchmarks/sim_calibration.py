@@ -38,8 +38,9 @@ def main() -> None:
     p.add_argument("--out", default=str(REPO / "benchmarks" / "reports" / "sim-calibration.json"))
     args = p.parse_args()
 
-    from tokenfleet.planning.calibrate import calibrate, predict_serve
+    from tokenfleet.cli.calibrate import calibrate
     from tokenfleet.planning.costs import Profile
+    from tokenfleet.planning.predict import predict_serve
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""What tracing costs (issue 24): CPU-seconds per request of the serving processes with traces on vs off.
+"""What tracing costs (`tokenfleet up --tracing`): CPU-seconds per request of the serving processes with traces on vs off.
 
 The serving benchmark's tokenfleet cluster (etcd, one worker `--role both`, router, gateway on mutual TLS; serve.py's
 `Tokenfleet`) is started fresh for each run, with `TOKENFLEET_TRACING=1 TOKENFLEET_TRACE_SAMPLE=1.0` or without,
@@ -125,7 +125,7 @@ def main() -> None:
 
 def report(out: dict) -> str:
     a = out["args"]
-    lines = ["## What tracing costs (issue 24)", "",
+    lines = ["## What tracing costs", "",
              f"A fresh cluster per run (etcd, one worker `--role both --threads {a['worker_threads']}`, router, gateway, "
              f"mutual TLS), {a['num_prompts']} requests of {a['input_len']} prompt tokens and {a['output_len']} output "
              f"tokens at concurrency {a['concurrency']} through the gateway; with tracing on, every request traced "

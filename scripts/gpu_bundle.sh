@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What a GPU machine without network needs for issue 25's end-to-end run (scripts/gpu_check.sh's serve phase), in
+# What a GPU machine without network needs for the end-to-end run on a GPU (scripts/gpu_check.sh's serve phase), in
 # .gpu/ (ignored by git: added to .git/info/exclude), about 30 MB, carried to the machine with the tree (the
 # device tool's carry [".gpu"]):
 #   .gpu/whl/    CPython 3.12 wheels of the services' packages the GPU image lacks (device/KINDS.md lists its own)

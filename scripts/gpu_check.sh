@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU device checks in one run, for a session lent a GPU machine (docs/guide.md, "On a GPU"), each phase capped so
+# The GPU device checks in one run, for a session lent a GPU machine (docs/gpu.md), each phase capped so
 # the whole run fits the device tool's 10-minute command limit:
 #   0. with .gpu/ carried (scripts/gpu_bundle.sh): install its wheels into /tmp/site, unpack etcd, and write random
 #      weights in SmolLM2's shape with its real tokenizer (tokenfleet models random);

@@ -1,9 +1,10 @@
 """Every environment variable tokenfleet reads, in one place: its own (prefixed ``TOKENFLEET_``) and the
-two standard ones it honours (``CC``, ``ETCD_BIN``)."""
+standard ones it honours (``CC``, ``ETCD_BIN``, ``PATH``, Triton's ``TRITON_INTERPRET``)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -118,3 +119,42 @@ def kernels() -> str:
     matmuls: "auto" (the native C kernels on CPU, Triton on CUDA, else torch), "torch" (the torch reference
     everywhere: F.linear, torch attention and layer ops) or "triton" (also on CPU, through Triton's interpreter: tests)."""
     return os.environ.get("TOKENFLEET_KERNELS", "auto")
+
+
+def etcd_search_path() -> list[str]:
+    """``PATH``'s folders, in order (where an ``etcd`` binary is looked for)."""
+    return os.environ.get("PATH", "").split(os.pathsep)
+
+
+def triton_interpret() -> bool:
+    """``TRITON_INTERPRET``: Triton runs its kernels in its CPU interpreter (tests); the kernels then skip what
+    only compiled code supports."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pricing_file() -> str | None:
+    """``TOKENFLEET_PRICING``: the pricing file (YAML or JSON) usage reports cost with (tenancy.pricing)."""
+    return os.environ.get("TOKENFLEET_PRICING")
+
+
+TRACING, TRACE_SAMPLE, TRACE_CONTENT = "TOKENFLEET_TRACING", "TOKENFLEET_TRACE_SAMPLE", "TOKENFLEET_TRACE_CONTENT"
+
+
+def _on(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def tracing(environ: Mapping[str, str] | None = None) -> bool:
+    """``TOKENFLEET_TRACING``: OpenTelemetry traces from this process (telemetry.tracing). ``environ``: read it
+    instead of the process's environment (tests)."""
+    return _on((os.environ if environ is None else environ).get(TRACING))
+
+
+def trace_sample(environ: Mapping[str, str] | None = None) -> float:
+    """``TOKENFLEET_TRACE_SAMPLE``: the share of requests traced (default 1; telemetry.tracing checks the range)."""
+    return float((os.environ if environ is None else environ).get(TRACE_SAMPLE, "1") or 1)
+
+
+def trace_content(environ: Mapping[str, str] | None = None) -> bool:
+    """``TOKENFLEET_TRACE_CONTENT``: traces carry prompts and completions (off by default)."""
+    return _on((os.environ if environ is None else environ).get(TRACE_CONTENT))

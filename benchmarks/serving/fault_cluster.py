@@ -28,7 +28,7 @@ import psutil
 from benchmarks.serving.fault_load import MODEL, QUESTIONS
 from benchmarks.serving.fault_proxy import FaultProxy
 from benchmarks.serving.procs import free_port
-from tokenfleet.launcher import wait_listening
+from tokenfleet.cli.launcher import wait_listening
 
 # --- the cluster ----------------------------------------------------------------------------------------------------
 
@@ -150,11 +150,13 @@ class Cluster:
 
     def members(self) -> tuple[int, int] | None:
         """(replicas, gateways) registered in the cluster's etcd now, as the operator reads them; None: unreadable."""
+        from tokenfleet.cli.context import ClusterContext
         from tokenfleet.cluster.etcd import EtcdClient
-        from tokenfleet.launcher import operator_plane
 
         state = self.state
-        identity = operator_plane(state.get("certs") or None, bool(state.get("insecure"))).identity
+        context = ClusterContext(state=state, registry=state.get("registry", ""), etcd=state["etcd"],
+                                 certs=state.get("certs") or None, insecure=bool(state.get("insecure")))
+        identity = context.plane.identity
 
         async def read() -> tuple[int, int]:
             client = EtcdClient(state["etcd"], identity=identity)

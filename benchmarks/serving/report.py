@@ -37,7 +37,7 @@ def machine_line() -> str:
 
     import torch
 
-    from tokenfleet.cli_doctor import cpu_info
+    from tokenfleet.cli.doctor import cpu_info
 
     name, flags = cpu_info()
     bf16 = all(f in flags for f in ("avx512f", "avx512bw", "avx512_bf16"))

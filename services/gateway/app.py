@@ -3,7 +3,6 @@ authenticate, run the pipeline, render its events with the OpenAI encoder (JSON 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import structlog
@@ -12,6 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from tokenfleet.services.gateway.batch_api import add_batch_routes
+from tokenfleet.services.gateway.http_body import json_body, peer
 from tokenfleet.services.gateway.openai_encoder import OpenAIEncoder
 from tokenfleet.services.gateway.pipeline import Call, Gateway, client_deadline, request_trace, trace_request, validate_body
 
@@ -52,8 +53,6 @@ def create_app(gateway: Gateway, api_docs: bool = False, batches: BatchStore | N
     port is public). /metrics is not here: the gateway serves it on its own port (--metrics-port).
     ``batches``: the batch tier's store (the Files and Batch endpoints answer 404 without one, naming ``batch_url``,
     where the fleet serves it)."""
-    from tokenfleet.services.gateway.batch_api import add_batch_routes
-
     if api_docs:
         app = FastAPI(title="tokenfleet gateway")
     else:
@@ -150,10 +149,6 @@ async def _serve(gateway: Gateway, request: Request, chat: bool) -> Response:
         raise
 
 
-def peer(request: Request) -> str:
-    return f"{request.client.host}:{request.client.port}" if request.client else ""
-
-
 def route_label(request: Request) -> str:
     """The metric label of a request: its route's template, never the raw path (which callers,
     authenticated or not, could vary without bound)."""
@@ -170,37 +165,5 @@ def _headers(call: Call, own: dict[str, str] | None = None) -> dict[str, str]:
     return headers
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it passes ``limit`` bytes: a declared Content-Length
-    over it is refused before reading, and a chunked body is counted as it streams in."""
-    length = request.headers.get("content-length")
-    if length is not None:
-        if not length.isdigit():
-            raise APIError(400, "Content-Length is not a number")
-        if int(length) > limit:
-            raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 async def _parse(request: Request, schema: type) -> Any:
     return validate_body(schema, await json_body(request, BODY_LIMITS.get(request.url.path, MAX_BODY_BYTES)))
-
-
-async def json_body(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object; 400 for one that is not UTF-8 JSON or not an object, 413 past ``limit``."""
-    raw = await read_body(request, limit)
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise APIError(400, f"request body is not valid UTF-8 (byte {e.start})") from e
-    except json.JSONDecodeError as e:
-        raise APIError(400, f"request body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
-    return body

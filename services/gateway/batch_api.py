@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from tokenfleet.services.gateway.app import json_body, peer, read_body
+from tokenfleet.services.gateway.http_body import json_body, peer, read_body
 from tokenfleet.services.gateway.pipeline import Gateway
 
 from tokenfleet.api.openai_schema import APIError

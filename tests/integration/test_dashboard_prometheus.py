@@ -1,4 +1,4 @@
-"""The Grafana dashboard's queries against a real Prometheus scraping a running `tokenfleet up` (issue 24).
+"""The Grafana dashboard's queries against a real Prometheus scraping a running `tokenfleet up`.
 
 Grafana cannot run here; Prometheus can (Debian's `prometheus`, which `scripts/install.sh --dev` installs as root).
 The cluster serves a few chat requests; Prometheus scrapes every service through the configuration

@@ -21,8 +21,8 @@ import pytest
 
 from tests.integration.conftest import ServiceProcess, plane, start_service, wait_for
 from tests.integration.test_membership import replicas
+from tokenfleet.cli.launcher import register_model
 from tokenfleet.cluster.etcd_server import EtcdServer
-from tokenfleet.launcher import register_model
 
 MODEL = "smol"
 REPLICA_HEADER = "x-tokenfleet-replica"

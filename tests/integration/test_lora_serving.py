@@ -16,8 +16,8 @@ from tokenfleet.services.registry.convert import record_to_proto
 from tests.integration.conftest import plane
 from tests.model.helpers import greedy, make_core, run_to_completion
 from tests.model.test_lora import make_adapter
-from tokenfleet import launcher
 from tokenfleet.api.chat_template import render_chat
+from tokenfleet.cli import launcher
 from tokenfleet.cluster.registry import ModelRecord
 from tokenfleet.v1 import engine_pb2, engine_pb2_grpc, registry_pb2, registry_pb2_grpc
 

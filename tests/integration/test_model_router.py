@@ -14,7 +14,7 @@ import pytest
 from tokenfleet.services.gateway.main import default_ledger
 
 from tests.integration.conftest import plane
-from tokenfleet import launcher
+from tokenfleet.cli import launcher
 from tokenfleet.tenancy.ledger import records
 from tokenfleet.v1 import registry_pb2, registry_pb2_grpc
 

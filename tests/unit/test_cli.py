@@ -75,16 +75,16 @@ def test_generate_without_prompt_exits_2():
 
 
 def test_a_detached_up_passes_every_option_to_the_cluster_process():
-    from tokenfleet.cli import _parser
-    from tokenfleet.cli_up import detached_up_argv
+    from tokenfleet.cli import build_parser
+    from tokenfleet.cli.up import detached_up_argv
 
     given = ["up", "--workers", "2", "--prefill-workers", "1", "--threads", "3", "--port", "0", "--role", "decode",
              "--dtype", "float32", "--model", "/m", "--model", "g=/g", "--model-name", "smol", "--detach", "--ask", "hi",
              "--host", "10.0.0.5", "--auth", "on", "--insecure-no-auth", "--certs", "/c", "--insecure",
              "--autoscale", "--max-workers", "3", "--target-concurrency", "2.5", "--warm-pool", "1",
              "--ttft-objective", "0.7", "--scale-down-after", "5", "--scale-down-cooldown", "8"]
-    parent = _parser().parse_args(given)
-    child = _parser().parse_args(detached_up_argv(parent))
+    parent = build_parser().parse_args(given)
+    child = build_parser().parse_args(detached_up_argv(parent))
     skip = {"detach", "ask", "func"}
     assert {k: v for k, v in vars(child).items() if k not in skip} == \
         {k: v for k, v in vars(parent).items() if k not in skip}

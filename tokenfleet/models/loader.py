@@ -9,8 +9,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tokenfleet import envs
 from tokenfleet.engine.runner import KernelCheck
-from tokenfleet.models.attention import PagedAttention, TorchPagedAttention, fallbacks, select_attention
+from tokenfleet.models import native
+from tokenfleet.models.attention import (
+    NativePagedAttention,
+    PagedAttention,
+    TorchPagedAttention,
+    fallbacks,
+)
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.gemma3 import Gemma3LayerWeights, Gemma3Model, Gemma3Weights
 from tokenfleet.models.kernel_check import checked_attention, checked_layer_ops, checked_linear
@@ -20,6 +27,32 @@ from tokenfleet.models.linear import Fp8Linear, LinearKernel, select_linear
 from tokenfleet.models.llama import LayerWeights, LlamaModel, LlamaWeights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def select_attention(dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "") -> PagedAttention:
+    """The attention a model runs (here, not in models.attention, which the kernels it chooses from import).
+    The native kernel where it applies (on CPU: bf16, or fp32 with a cache in the model's dtype; a compiler
+    present), the Triton kernel on CUDA (triton installed), else the torch reference; TOKENFLEET_KERNELS=torch|triton
+    overrides. ``kv_cache_dtype`` "fp8" (models.kv_fp8): the native kernel's FP8 variant on CPU in bf16; the Triton
+    and torch ones read both kinds."""
+    choice = envs.kernels()
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"TOKENFLEET_KERNELS={choice!r}: auto, torch or triton")
+    if choice == "torch":
+        return TorchPagedAttention()
+    if device.type == "cuda" or choice == "triton":
+        from tokenfleet.models import triton_attention
+
+        if triton_attention.available():
+            return triton_attention.TritonPagedAttention()
+        if choice == "triton":
+            raise ValueError("TOKENFLEET_KERNELS=triton but triton is not installed")
+    fp8 = kv_cache_dtype == "fp8"
+    if device.type == "cpu" and (dtype == torch.bfloat16 or (dtype == torch.float32 and not fp8)):
+        lib = native.load("paged_attention")
+        if lib is not None:
+            return NativePagedAttention(lib, fp8=fp8, dtype=dtype)
+    return TorchPagedAttention()
 
 
 def resolve_dtype(name: str, device: torch.device, quantization: str = "") -> str:

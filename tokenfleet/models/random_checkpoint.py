@@ -2,7 +2,7 @@
 
 For machines the real weights cannot reach (the GPU machines have no network and take 64 MiB of files): the
 tokenizer files are small, so ``tokenfleet models random FOLDER OUT`` there gives ``tokenfleet up --model OUT`` a
-model that serves text with the real vocabulary and the real geometry, for speed runs (issue 25's end-to-end
+model that serves text with the real vocabulary and the real geometry, for speed runs (``benchmarks/gpu_serve.py``'s end-to-end
 load). The weights are N(0, 0.02), norms one, as ``loader.random_model``; the names are HF's Llama names, which
 the loader reads.
 """

@@ -20,7 +20,6 @@ through Triton's interpreter on CPU, and on CUDA in ``tests/gpu``.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -274,7 +273,7 @@ PV_MODES = {"fp32": 0, "tf32x3": 1, "model": 2}  # envs.attn_pv -> the kernel's 
 
 
 def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return envs.triton_interpret()
 
 
 class TritonPagedAttention:

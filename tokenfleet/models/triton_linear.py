@@ -18,7 +18,6 @@ and on CUDA in tests/gpu.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -37,7 +36,7 @@ def available() -> bool:
 
 
 def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return envs.triton_interpret()
 
 
 if triton is not None:

@@ -16,10 +16,9 @@ and on CUDA in tests/gpu.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from tokenfleet import envs
 from tokenfleet.models import kv_fp8
 from tokenfleet.models.attention import ForwardBatch
 from tokenfleet.models.config import ModelConfig
@@ -36,7 +35,7 @@ def available() -> bool:
 
 
 def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return envs.triton_interpret()
 
 
 def pow2(n: int) -> int:

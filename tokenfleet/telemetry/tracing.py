@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-ENV_ON, ENV_SAMPLE, ENV_CONTENT = "TOKENFLEET_TRACING", "TOKENFLEET_TRACE_SAMPLE", "TOKENFLEET_TRACE_CONTENT"
+from tokenfleet import envs
+
 TRACEPARENT, TRACESTATE = "traceparent", "tracestate"
 
 _tracer: Any = None  # an opentelemetry Tracer once setup() turned tracing on
@@ -55,21 +55,16 @@ class _NoSpan:
 NO_SPAN = _NoSpan()
 
 
-def _on(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "on", "yes")
-
-
 def setup(service: str, environ: Mapping[str, str] | None = None) -> bool:
     """Turn tracing on for this process when the environment asks (``TOKENFLEET_TRACING``): a tracer provider
     named ``tokenfleet-<service>``, sampled by ratio at the root, exporting OTLP/HTTP in batches (flushed at exit).
     Returns whether tracing is on."""
     global _tracer, _propagator, _content
-    env = os.environ if environ is None else environ
-    if not _on(env.get(ENV_ON)):
+    if not envs.tracing(environ):
         return False
-    ratio = float(env.get(ENV_SAMPLE, "1") or 1)
+    ratio = envs.trace_sample(environ)
     if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"{ENV_SAMPLE} must be between 0 and 1, got {ratio}")
+        raise ValueError(f"{envs.TRACE_SAMPLE} must be between 0 and 1, got {ratio}")
     from opentelemetry import trace
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
@@ -85,7 +80,7 @@ def setup(service: str, environ: Mapping[str, str] | None = None) -> bool:
     atexit.register(provider.shutdown)  # the last batch goes out before the process ends
     _tracer = provider.get_tracer("tokenfleet")
     _propagator = TraceContextTextMapPropagator()
-    _content = _on(env.get(ENV_CONTENT))
+    _content = envs.trace_content(environ)
     trace.set_tracer_provider(provider)
     return True
 

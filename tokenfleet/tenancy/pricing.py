@@ -24,12 +24,11 @@ that say nothing about any real deployment: set yours.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ENV = "TOKENFLEET_PRICING"
+from tokenfleet import envs
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ class Pricing:
     @classmethod
     def load(cls, path: str | Path | None = None) -> Pricing:
         """From ``path`` (YAML or JSON), else ``$TOKENFLEET_PRICING``, else the defaults."""
-        path = path or os.environ.get(ENV)
+        path = path or envs.pricing_file()
         if not path:
             return cls()
         text = Path(path).read_text()

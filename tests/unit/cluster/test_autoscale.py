@@ -106,7 +106,7 @@ def test_helpers():
 
 
 def test_prefill_and_decode_pools_get_their_own_policies():
-    from tokenfleet.cluster.autoscale_cli import pool_policies
+    from tokenfleet.cli.autoscale import pool_policies
 
     default = ScalePolicy(target_concurrency=16, max_replicas=4)
     policies = pool_policies(["m/prefill:ttft_objective=0.5,target_concurrency=8", "m/decode:max_replicas=16",

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from tokenfleet.services.worker.identity import AUTO, HOSTNAME
 
-from tokenfleet import cli
+from tokenfleet.cli import parser as cli
 
 ROOT = Path(__file__).resolve().parents[3]
 COMPOSE_DIR = ROOT / "compose"

@@ -39,7 +39,7 @@ from tests.unit.compose.files import (
     tokenfleet_services,
     worker_role,
 )
-from tokenfleet import cli
+from tokenfleet.cli import parser as cli
 
 # ---------------------------------------------------------------------------------------------------------------------
 # (b) Commands: the CLI knows them and each service's own parser accepts the flags
@@ -53,14 +53,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            cli._parser().parse_args([command])  # the top-level parser lists the command
+            cli.build_parser().parse_args([command])  # the top-level parser lists the command
             if command in ("decode", "prefill"):
                 from tokenfleet.services.worker.main import parse_args as worker_args
 
                 return worker_args(rest, default_role=command)
             if command in cli.SERVICE_COMMANDS:
                 return importlib.import_module(f"tokenfleet.services.{command}.main").parse_args(rest)
-            args = cli._parser().parse_args(argv[1:])
+            args = cli.build_parser().parse_args(argv[1:])
     except SystemExit:
         pytest.fail(f"`{shlex.join(argv)}` does not parse:\n{stderr.getvalue()}")
     assert hasattr(args, "func"), f"`{shlex.join(argv)}` names no command"

@@ -72,9 +72,9 @@ def test_probes_scrape_annotations_gpus_and_drain():
 
 
 def test_container_args_parse_with_the_services_own_parsers():
-    from tokenfleet.cli import _parser
+    from tokenfleet.cli import build_parser
 
-    parser = _parser()
+    parser = build_parser()
     for w in WORKLOADS:
         if w["metadata"]["name"] == "etcd":
             continue

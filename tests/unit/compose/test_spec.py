@@ -32,7 +32,7 @@ from tests.unit.compose.files import (
     services,
     tokenfleet_services,
 )
-from tokenfleet import cli
+from tokenfleet.cli import parser as cli
 
 # ---------------------------------------------------------------------------------------------------------------------
 # (a) The Compose specification

@@ -19,9 +19,9 @@ from tokenfleet.engine.request import Request
 from tokenfleet.engine.sampling_params import SamplingParams
 from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig
 from tokenfleet.planning.calc import GPUS, MODELS, Layout, prefill_seconds
-from tokenfleet.planning.calibrate import predict_serve
 from tokenfleet.planning.costs import Profile, Roofline, StepShape, fit_profile
 from tokenfleet.planning.metrics import summarize
+from tokenfleet.planning.predict import predict_serve
 from tokenfleet.planning.sim import LEAST_LOADED, PREFIX_AWARE, ROUND_ROBIN, FleetConfig, Simulator
 from tokenfleet.planning.workload import Arrivals, ChatTraffic, ClosedLoop, Conversations, peak_rate
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from tokenfleet.cli import _parser
+from tokenfleet.cli import build_parser
 
 
 @pytest.mark.nightly  # a simulated day (~12 s); the replica-level autoscale cases below stay in the suite
 def test_autoscale_day_saves_gpu_hours_and_follows_the_traffic(tmp_path):
-    from tokenfleet.planning.commands import _cmd_autoscale_day
+    from tokenfleet.cli.simulate import _cmd_autoscale_day
 
     out = tmp_path / "day.md"
-    args = _parser().parse_args(["simulate", "autoscale-day", "--replicas", "3", "--rate", "10", "--day-seconds", "60",
+    args = build_parser().parse_args(["simulate", "autoscale-day", "--replicas", "3", "--rate", "10", "--day-seconds", "60",
                                  "--min-replicas", "1", "--scale-start-seconds", "5", "--sensitivity", "0.8",
                                  "--out", str(out), "--jobs", "1"])
     assert _cmd_autoscale_day(args) == 0
@@ -38,7 +38,7 @@ def test_a_drained_replica_leaves_and_its_work_still_counts():
     from tokenfleet.cluster.autoscale import ScalePolicy
     from tokenfleet.planning.scenario import scenario_from_args
 
-    args = _parser().parse_args(["simulate", "run", "--replicas", "3", "--rate", "2", "--duration", "30", "--warmup", "0"])
+    args = build_parser().parse_args(["simulate", "run", "--replicas", "3", "--rate", "2", "--duration", "30", "--warmup", "0"])
     scenario = scenario_from_args(args)
     from dataclasses import replace
 

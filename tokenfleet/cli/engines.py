@@ -82,10 +82,11 @@ def _gate(engine: str, checkpoint: str, tp: int, args: argparse.Namespace) -> Ga
 def _register(plan: BuildPlan, args: argparse.Namespace, result: GateResult | None) -> int:
     record = record_for(plan, args.name or Path(plan.output).name, args.version, result)
     if args.registry and not getattr(args, "dry_run", False):
-        from tokenfleet.launcher import operator_plane
+        from tokenfleet.cli.context import cluster_context
         from tokenfleet.services.registry.client import register_model
 
-        register_model(args.registry, record, operator_plane(args.certs, args.insecure))
+        context = cluster_context(registry=args.registry, certs=args.certs, insecure=args.insecure)
+        register_model(context.require_registry(), record, context.plane)
         print(f"registered {record.ref} ({record.status})")
     else:
         print(json.dumps(json.loads(record.to_json()), indent=2))

@@ -16,6 +16,7 @@ import json
 import signal
 from typing import Any
 
+from tokenfleet.cli.context import cluster_context
 from tokenfleet.cluster.autoscale import Autoscaler, ScalePolicy
 from tokenfleet.cluster.autoscale_service import (
     CONTROL,
@@ -98,14 +99,9 @@ def targets(specs: list[str]) -> dict[str, str]:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from tokenfleet import launcher
-
-    state = launcher.cluster_state()
-    endpoint = args.etcd or state.get("etcd")
-    if not endpoint:
-        raise ConnectionError("no --etcd given and no `tokenfleet up` cluster is running")
-    plane = launcher.operator_plane(args.certs, args.insecure)
-    identity = None if endpoint.startswith("http://") or args.insecure else plane.identity
+    # --registry has no default here: the fleet view follows the registry only when one is named
+    context = cluster_context(etcd=args.etcd, certs=args.certs, insecure=args.insecure)
+    endpoint, identity, plane = context.require_etcd(), context.etcd_identity(), context.plane
     control = next(((pool, value) for pool, value in (
         (args.pause, {"paused": True}), (args.resume, {}), (args.clear, {}),
         (args.set[0] if args.set else None, {"replicas": int(args.set[1])} if args.set else {})) if pool), None)

@@ -3,7 +3,7 @@
 etcd -> registry (the model is registered there) -> N engine workers (load the model as its
 registry record says, register in etcd) -> router -> gateway. Ctrl-C, SIGTERM or
 `tokenfleet down` stops everything in reverse order; workers drain their streams first. While it runs,
-a service that dies is started again on its address, with backoff (tokenfleet.supervise).
+a service that dies is started again on its address, with backoff (tokenfleet.cli.supervise).
 
 The internal plane is mutual TLS by default: the certificates in ``envs.certs_dir()`` (created on
 first use, ``tokenfleet certs``), etcd with client-certificate auth, every administrative call
@@ -27,15 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from tokenfleet import envs
+from tokenfleet.cli.context import state_file
+from tokenfleet.cli.supervise import Supervisor
 from tokenfleet.cluster.etcd_server import EtcdServer
 from tokenfleet.security import certs as certs_lib
 from tokenfleet.security.identity import Identity
 from tokenfleet.security.plane import INSECURE_WARNING, Plane
-from tokenfleet.supervise import Supervisor
-
-
-def state_file() -> Path:
-    return envs.cache_dir() / "cluster.json"
 
 
 @dataclass
@@ -157,15 +154,6 @@ def register_model(registry: str, name: str, model_dir: str, plane: Plane, dtype
 
 def audit_file() -> Path:
     return envs.cache_dir() / "audit.log"
-
-
-def operator_plane(certs: str | None = None, insecure: bool = False) -> Plane:
-    """The CLI's plane, as an operator: plaintext with ``insecure`` or when the running `tokenfleet up`
-    cluster is plaintext; else the certificates in ``certs``, the running cluster's, or the default folder."""
-    state = cluster_state()
-    if insecure or (certs is None and state.get("insecure")):
-        return Plane.plaintext()
-    return Plane(Identity(Path(certs or state.get("certs") or envs.certs_dir()), "operator"))
 
 
 def resolve_model(spec: str) -> tuple[str, str]:
@@ -321,12 +309,6 @@ def worker_threads(num_workers: int) -> int:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return max(1, cores // max(1, num_workers))
-
-
-def cluster_state() -> dict[str, Any]:
-    """Addresses of the running `tokenfleet up` cluster ({} when none)."""
-    path = state_file()
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _wait_serving(url: str, model: str, timeout: float = 120) -> None:

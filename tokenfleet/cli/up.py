@@ -1,4 +1,4 @@
-"""`tokenfleet up`, `down` and `scrape-config`: the local cluster's commands (split from cli.py, which wires them in)."""
+"""`tokenfleet up`, `down` and `scrape-config`: the local cluster's commands (parser.py wires them in)."""
 
 from __future__ import annotations
 
@@ -118,9 +118,10 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
 def _cmd_scrape_config(args: argparse.Namespace) -> int:
     import yaml
 
-    from tokenfleet import launcher
+    from tokenfleet.cli import launcher
+    from tokenfleet.cli.context import cluster_state
 
-    state = launcher.cluster_state()
+    state = cluster_state()
     if not state.get("metrics"):
         print("no `tokenfleet up` cluster is running (or it predates per-service metrics)", file=sys.stderr)
         return 1
@@ -129,7 +130,8 @@ def _cmd_scrape_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from tokenfleet import launcher
+    from tokenfleet.cli import launcher
+    from tokenfleet.cli.context import cluster_context
     from tokenfleet.models.gguf_import import DEFAULT_MODEL_NAME
 
     launcher.check_auth(args.host, args.auth == "on", args.insecure_no_auth)  # before anything starts
@@ -219,8 +221,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
         if args.ask and not auth:
             print(launcher.ask(cluster.gateway_url, name, args.ask), flush=True)
         if policy is not None:
-            scaler = launcher.LocalAutoscaler(cluster, name, policy, launcher.operator_plane(args.certs, args.insecure),
-                                              metrics_port=args.autoscale_metrics_port, warm_pool=args.warm_pool)
+            plane = cluster_context(certs=args.certs, insecure=args.insecure).plane  # the cluster just recorded
+            scaler = launcher.LocalAutoscaler(cluster, name, policy, plane, metrics_port=args.autoscale_metrics_port,
+                                              warm_pool=args.warm_pool)
             scaler.start()
             print(f"autoscaling {name}: {policy.min_replicas}-{policy.max_replicas} workers, "
                   f"{policy.target_concurrency:g} requests each, warm pool {args.warm_pool}", flush=True)
@@ -233,7 +236,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
-    from tokenfleet import launcher
+    from tokenfleet.cli import launcher
 
     if launcher.down():
         print("cluster stopped")

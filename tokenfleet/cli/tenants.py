@@ -77,17 +77,15 @@ def _run(args: argparse.Namespace, operation):  # type: ignore[no-untyped-def]
 
     if args.file:
         return asyncio.run(operation(FileTenantStore(args.file)))
-    from tokenfleet import launcher
+    from tokenfleet.cli.context import cluster_context
     from tokenfleet.cluster.etcd import EtcdClient
 
-    endpoint = args.etcd or launcher.cluster_state().get("etcd")
-    if not endpoint:
-        raise ConnectionError("no --etcd or --file given and no `tokenfleet up` cluster is running")
-
-    plane = launcher.operator_plane(args.certs, args.insecure) if not endpoint.startswith("http://") else None
+    context = cluster_context(etcd=args.etcd, certs=args.certs, insecure=args.insecure)
+    endpoint = context.require_etcd("--etcd or --file")
+    identity = context.etcd_identity()
 
     async def run():  # type: ignore[no-untyped-def]
-        client = EtcdClient(endpoint, args.etcd_root, identity=plane.identity if plane is not None else None)
+        client = EtcdClient(endpoint, args.etcd_root, identity=identity)
         try:
             return await operation(EtcdTenantStore(client))
         finally:

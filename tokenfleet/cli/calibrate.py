@@ -14,8 +14,9 @@ gateway's streaming ``/v1/completions`` with probes whose steps the scheduler ma
 ``costs.fit_profile`` fits the linear cost model to the medians over ``repeats``. Measuring through
 the serving path rather than the bare engine core matters on a 2-core machine: the worker's own
 threads, the gateway, etcd and the client take CPU from the model's OpenMP threads (the bare core
-runs ~30 % faster). The simulator run with the profile and a ``ClosedLoop`` source predicts
-``benchmarks/serve.py`` (``benchmarks/sim_calibration.py`` checks it against a real run).
+runs ~30 % faster). The simulator run with the profile and a ``ClosedLoop`` source
+(``planning.predict.predict_serve``) predicts ``benchmarks/serve.py`` (``benchmarks/sim_calibration.py``
+checks it against a real run).
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ def calibrate(model: str | None = None, threads: int = 2, repeats: int = 3,
               log: Callable[[str], None] = print) -> Profile:
     from pathlib import Path
 
+    from tokenfleet.cli.launcher import up
     from tokenfleet.engine.config import EngineConfig
-    from tokenfleet.launcher import up
     from tokenfleet.models.config import ModelConfig
     from tokenfleet.models.gguf_import import DEFAULT_MODEL_NAME, ensure_default_model
 
@@ -120,33 +121,3 @@ def calibrate(model: str | None = None, threads: int = 2, repeats: int = 3,
               "max_num_running": config.max_num_running, "num_blocks": config.num_kv_blocks(kv_bytes),
               "kv_bytes_per_token": kv_bytes, "threads": threads, "model": folder, "dtype": dtype}
     return fit_profile(shapes, seconds, engine, extra=[float(t) for t in is_ttft])
-
-
-def predict_serve(profile: Profile, concurrency: int, num_requests: int, input_tokens: int, output_tokens: int,
-                  hop_seconds: float | None = None) -> dict[str, float]:
-    """``benchmarks/serve.py``'s figures for one concurrency, simulated: one colocated replica with the
-    profile's engine settings, C closed-loop clients, fresh prompts (no prefix hits). ``hop_seconds``
-    (each way; default: half the round trip the calibration measured)."""
-    if hop_seconds is None:
-        hop_seconds = profile.rpc_seconds / 2
-    import numpy as np
-
-    from tokenfleet.engine.scheduler import SchedulerConfig
-    from tokenfleet.planning.sim import LEAST_LOADED, FleetConfig, Simulator
-    from tokenfleet.planning.workload import ClosedLoop
-
-    engine = profile.engine
-    fleet = FleetConfig(replicas=1, gpus_per_replica=1, num_blocks=int(engine["num_blocks"]),
-                        block_size=int(engine["block_size"]), policy=LEAST_LOADED, hop_seconds=hop_seconds,
-                        scheduler=SchedulerConfig(max_num_batched_tokens=int(engine["max_num_batched_tokens"]),
-                                                  max_num_running=int(engine["max_num_running"]),
-                                                  max_num_waiting=1024, max_model_len=1 << 20))
-    source = ClosedLoop(concurrency, num_requests, input_tokens, output_tokens)
-    sim = Simulator(fleet, profile, source, warmup_seconds=0.0, duration_seconds=1e9, drain_seconds=0.0).run()
-    tracks = [t for t in sim.tracks.values() if t.done and t.first is not None and t.last is not None]
-    ttft = [t.ttft for t in tracks]
-    tpot = [v for v in (t.tpot for t in tracks) if v is not None]
-    wall = max(t.last or 0.0 for t in tracks) - min(t.sent for t in tracks)
-    return {"concurrency": concurrency, "ttft_p50_ms": float(np.percentile(ttft, 50)) * 1000,
-            "tpot_p50_ms": float(np.percentile(tpot, 50)) * 1000,
-            "out_tok_s": sum(t.num_output for t in tracks) / wall, "requests": len(tracks)}

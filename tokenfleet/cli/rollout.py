@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Coroutine
 from typing import Any
 
+from tokenfleet.cli.context import add_registry_arguments, cluster_context, registry_stub
 from tokenfleet.cluster.rollout import Rollout, RolloutConfig, VersionStats, merge_stats, parse_version_stats
 from tokenfleet.services.registry.convert import view_from_snapshot
 
@@ -20,7 +21,7 @@ ROLLOUTS = "rollouts/"
 CONTROLS = ("pause", "resume", "abort")
 
 
-def add_parser(models: Any, add_common: Any) -> None:
+def add_parser(models: Any) -> None:
     p = models.add_parser("rollout", help="move ALIAS to a new version in canary steps, rolling back on a regression")
     p.add_argument("alias")
     p.add_argument("--to", help="NAME@VERSION to roll out (the alias's current target stays the baseline)")
@@ -41,7 +42,7 @@ def add_parser(models: Any, add_common: Any) -> None:
         g.add_argument(f"--{command}", action="store_true", help=f"{command} the alias's running rollout")
     g.add_argument("--set-weight", type=float, help="manual override: set the canary's weight and hold it (paused)")
     g.add_argument("--status", action="store_true", help="print the alias's rollout record")
-    add_common(p)
+    add_registry_arguments(p)
     p.set_defaults(func=run_command)
 
 
@@ -110,18 +111,13 @@ class ClusterIO:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from tokenfleet import launcher
-    from tokenfleet.cli import _operator_plane, _registry_stub
     from tokenfleet.cluster.etcd import EtcdClient
     from tokenfleet.v1 import registry_pb2
 
-    state = launcher.cluster_state()
-    endpoint = args.etcd or state.get("etcd")
-    if not endpoint:
-        raise ConnectionError("no --etcd given and no `tokenfleet up` cluster is running")
-    plane = _operator_plane(args)
+    context = cluster_context(registry=args.registry, etcd=args.etcd, certs=args.certs, insecure=args.insecure)
+    endpoint, identity = context.require_etcd(), context.etcd_identity()
     run = _Loop()
-    etcd = run(_connect(EtcdClient, endpoint, args.etcd_root, None if endpoint.startswith("http://") else plane.identity))
+    etcd = run(_connect(EtcdClient, endpoint, args.etcd_root, identity))
     if args.status:
         raw = run(etcd.get(f"{ROLLOUTS}{args.alias}"))
         print(raw.decode() if raw else f"no rollout recorded for {args.alias}")
@@ -137,12 +133,12 @@ def run_command(args: argparse.Namespace) -> int:
         return 0
     if not args.to:
         raise ValueError("give --to NAME@VERSION (or a control: --pause, --resume, --abort, --set-weight, --status)")
-    args.metrics = args.metrics or ([state["gateway_metrics"]] if state.get("gateway_metrics") else [])
+    args.metrics = args.metrics or ([context.state["gateway_metrics"]] if context.state.get("gateway_metrics") else [])
     if not args.metrics:
         raise ValueError("give each gateway's --metrics host:port (no `tokenfleet up` cluster to read them from)")
     if args.min_eval_score is not None and not args.eval_command:
         raise ValueError("--min-eval-score needs an --eval-command")
-    stub = _registry_stub(args)
+    stub = registry_stub(context)
     view = view_from_snapshot(stub.ListModels(registry_pb2.ListModelsRequest(), timeout=30))
     if args.alias not in view.aliases:
         raise ValueError(f"alias {args.alias!r} does not exist: point it at the current version first")

@@ -153,7 +153,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from tokenfleet.planning.calibrate import calibrate, predict_serve
+    from tokenfleet.cli.calibrate import calibrate
+    from tokenfleet.planning.predict import predict_serve
 
     profile = calibrate(args.model, args.threads, args.repeats, log=lambda m: print(m, file=sys.stderr))
     profile.save(args.out)
@@ -166,8 +167,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
-    from tokenfleet.planning.calibrate import predict_serve
     from tokenfleet.planning.costs import Profile
+    from tokenfleet.planning.predict import predict_serve
 
     profile = Profile.load(args.profile)
     for c in args.concurrency:
