@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout wi
 
 from tokenfleet.backends.trtllm.engine import TrtllmEngine  # noqa: E402 (imports no tensorrt_llm)
 from tokenfleet.backends.trtllm.spec import PYTORCH, TRT_ENGINE, TrtllmSpec, load_api  # noqa: E402
-from tokenfleet.engine.sampling_params import SamplingParams  # noqa: E402
 from tokenfleet.engine.request_spec import RequestSpec
+from tokenfleet.engine.sampling_params import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 

@@ -16,26 +16,17 @@ Importing ``a.b.c`` also runs the ``__init__`` of ``a`` and ``a.b``, but that is
 with them unless a child imports the package's ``__init__`` itself (``from pkg import name`` of a name that is not
 a module). Imports outside the two trees are not nodes.
 
-A cycle is a strongly connected component of more than one module; the test names one path through each.
-``KNOWN_CYCLES`` lists the cycles in code another change is rewriting (the engine core, the backends, the worker
-service and the gateway's pipeline): a component made only of modules listed there passes. A test of the test
-plants cycles in a scratch tree and expects them reported.
+A cycle is a strongly connected component of more than one module; the test names one path through each. A test
+of the test plants cycles in a scratch tree and expects them reported.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 
 from tests.unit.test_layering import ROOT, SOURCES, imports, module_files
-
-# Cycles in files that are being rewritten elsewhere (remove an entry once its cycle is gone).
-KNOWN_CYCLES: tuple[tuple[str, ...], ...] = (
-    ("tokenfleet.engine.core", "tokenfleet.engine.kv_connector"),
-    ("tokenfleet.backends.torch.sampler", "tokenfleet.backends.torch.sampler_check"),
-)
 
 
 def _target(reached: str, modules: set[str]) -> str | None:
@@ -117,25 +108,15 @@ def cycle_path(graph: dict[str, set[str]], component: list[str]) -> list[str]:
     raise AssertionError(f"{component} is not strongly connected")
 
 
-def cycles(root: Path, known: Iterable[Iterable[str]] = KNOWN_CYCLES) -> list[str]:
-    """Each cycle not made only of ``known`` modules, as ``a -> b -> a`` (the whole component after it)."""
-    allowed = {module for cycle in known for module in cycle}
+def cycles(root: Path) -> list[str]:
+    """Each cycle, as ``a -> b -> a`` (the whole component after it)."""
     graph = import_graph(root)
-    out = []
-    for component in strongly_connected(graph):
-        if not set(component) <= allowed:
-            out.append(" -> ".join(cycle_path(graph, component)) + f"  (component: {', '.join(component)})")
-    return out
+    return [" -> ".join(cycle_path(graph, component)) + f"  (component: {', '.join(component)})"
+            for component in strongly_connected(graph)]
 
 
 def test_no_module_imports_itself_back():
     assert cycles(ROOT) == []
-
-
-def test_the_known_cycles_are_still_there():
-    """An entry of KNOWN_CYCLES whose cycle is gone is removed, so the list only shrinks."""
-    found = {module for component in strongly_connected(import_graph(ROOT)) for module in component}
-    assert [cycle for cycle in KNOWN_CYCLES if not set(cycle) <= found] == []
 
 
 def _plant(root: Path, files: dict[str, str]) -> None:
@@ -156,7 +137,7 @@ def _plant(root: Path, files: dict[str, str]) -> None:
 ])
 def test_a_planted_cycle_is_reported(tmp_path, files):
     _plant(tmp_path, files)
-    found = cycles(tmp_path, known=())
+    found = cycles(tmp_path)
     assert len(found) == 1, found
     path = found[0].partition("  ")[0].split(" -> ")
     assert path[0] == path[-1] and len(path) == len(files) + 1, found
@@ -168,14 +149,5 @@ def test_a_package_init_that_re_exports_its_children_is_no_cycle(tmp_path):
                       "tokenfleet/p/other.py": "import tokenfleet.p.main as m"})
     graph = import_graph(tmp_path)
     assert graph["tokenfleet.p"] == {"tokenfleet.p.main"} and graph["tokenfleet.p.main"] == {"tokenfleet.p.other"}
-    assert cycles(tmp_path, known=()) == ["tokenfleet.p.main -> tokenfleet.p.other -> tokenfleet.p.main  "
+    assert cycles(tmp_path) == ["tokenfleet.p.main -> tokenfleet.p.other -> tokenfleet.p.main  "
                                           "(component: tokenfleet.p.main, tokenfleet.p.other)"]
-
-
-def test_a_known_cycle_passes_and_a_cycle_reaching_beyond_it_does_not(tmp_path):
-    _plant(tmp_path, {"tokenfleet/engine/core.py": "from tokenfleet.engine import kv",
-                      "tokenfleet/engine/kv.py": "from tokenfleet.engine.core import Core"})
-    assert cycles(tmp_path, known=[("tokenfleet.engine.core", "tokenfleet.engine.kv")]) == []
-    (tmp_path / "tokenfleet/engine/kv.py").write_text("from tokenfleet.engine.core import Core\nimport tokenfleet.x\n")
-    (tmp_path / "tokenfleet/x.py").write_text("from tokenfleet.engine import kv\n")
-    assert len(cycles(tmp_path, known=[("tokenfleet.engine.core", "tokenfleet.engine.kv")])) == 1

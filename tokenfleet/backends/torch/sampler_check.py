@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import TYPE_CHECKING
 
 import structlog
 import torch
 
+from tokenfleet.backends.torch.sampling_ops import NativeTemperatureSampler, filtered_probs_batch
 from tokenfleet.engine.runner import KernelCheck
 from tokenfleet.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from tokenfleet.backends.torch.sampler import NativeTemperatureSampler
 
 log = structlog.get_logger(__name__)
 
@@ -28,8 +25,6 @@ log = structlog.get_logger(__name__)
 @functools.cache
 def checked_native_sampler() -> tuple[NativeTemperatureSampler | None, tuple[KernelCheck, ...]]:
     """The native kernel (None: none could be built, or it failed its check) and its check, once per process."""
-    from tokenfleet.backends.torch.sampler import NativeTemperatureSampler
-
     draw = NativeTemperatureSampler.load()
     if draw is None:
         return None, ()
@@ -41,8 +36,6 @@ TOLERANCE = "the very token the torch inverse-CDF draw picks, for uniforms at th
 
 
 def check_temperature_sampler(draw: NativeTemperatureSampler) -> KernelCheck:
-    from tokenfleet.backends.torch.sampler import filtered_probs_batch
-
     start = time.perf_counter()
     g = torch.Generator().manual_seed(7)
     mismatches, detail = 0, ""
