@@ -48,7 +48,7 @@ def allocation(num_blocks: int, windows: tuple[int, ...], context: int, output: 
         scheduler.add_request(Request(f"r{i}", prompt, params, arrival_time=i, max_tokens=output))
     at_context, held = 0, {"full": 0, "window": 0}
     while scheduler.has_unfinished():
-        out = scheduler.schedule()
+        out = scheduler.schedule(0.0)
         full = [r for r in scheduler.running if r.num_computed_tokens >= prompt_len]
         at_context = max(at_context, len(full))
         for r in full:

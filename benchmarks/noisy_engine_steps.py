@@ -59,8 +59,8 @@ def main() -> None:
 
     schedule = core.scheduler.schedule
 
-    def recorded() -> Any:
-        out = schedule()
+    def recorded(now: float) -> Any:
+        out = schedule(now)
         comp.append([(s.start, s.num_new_tokens, owner.get(s.request_id, "?")) for s in out.scheduled])
         return out
 

@@ -9,20 +9,22 @@ from tokenfleet.services.common.errors import map_errors
 from tokenfleet.services.router.fleet import FleetView
 
 from tokenfleet.cluster.affinity import AffinityMap
-from tokenfleet.kvcache.block_hash import hash_blocks
-from tokenfleet.kvcache.salt import chain_salt
 from tokenfleet.routing.placement import (
     DEFAULT_DISAGG_CONFIG,
     LEAST_LOADED,
     PREFIX_AWARE,
     ROUND_ROBIN,
     DisaggConfig,
+    Placement,
+    PlacementQuery,
+    Route,
+    anchor_of,
     live_homes,
-    place,
-    prefix_peer,
+    prompt_chain,
+    route,
 )
 from tokenfleet.routing.policies import NoReplicaError, RoundRobin
-from tokenfleet.routing.prefix import DEFAULT_PREFIX_CONFIG, PrefixPolicyConfig, matched_prefix
+from tokenfleet.routing.prefix import DEFAULT_PREFIX_CONFIG, PrefixPolicyConfig
 from tokenfleet.telemetry.metrics import RouterMetrics
 from tokenfleet.v1 import router_pb2, router_pb2_grpc
 
@@ -62,23 +64,30 @@ class Router(router_pb2_grpc.RouterServiceServicer):
                                     "batch work now")
             snapshot = spare
         layout, cached, tiered = self.fleet.prefix_view(snapshot)
-        prompt = list(request.prompt_token_ids)
-        salt = chain_salt(layout.hash_salt, request.cache_scope) if layout is not None else ""
-        chain = hash_blocks(prompt, layout.block_size, salt) if prompt and layout is not None else []
-        block_size = layout.block_size if layout is not None else 1
-        anchor_homes: tuple[str, ...] = ()
-        if self.affinity is not None and len(chain) >= self.prefix_config.min_match_blocks:
-            anchor_homes = self.affinity.homes_of(name, chain[self.prefix_config.min_match_blocks - 1])
+        prompt = request.prompt_token_ids
+        chain = prompt_chain(prompt, layout, request.cache_scope)
+        anchor = anchor_of(chain, self.prefix_config)
+        anchor_homes = self.affinity.homes_of(name, anchor) if self.affinity is not None and anchor is not None else ()
         policy = _POLICY_NAMES.get(request.policy or self.default_policy, PREFIX_AWARE)
+        query = PlacementQuery(snapshot, chain, cached, anchor_homes, len(prompt) or request.num_prompt_tokens,
+                               layout.block_size if layout is not None else 1, policy, self.round_robin,
+                               self.prefix_config, self.disagg, colocated=request.colocated,
+                               homes_count=self.affinity.homes_count() if self.affinity is not None else None,
+                               tiered=tiered)
+        peer_min = self.prefix_config.peer_min_blocks if self.peer_fetch and not request.colocated else None
         try:
-            placement = place(snapshot, chain, cached, anchor_homes, len(prompt) or request.num_prompt_tokens,
-                              block_size, policy, self.round_robin, self.prefix_config, self.disagg,
-                              colocated=request.colocated,
-                              homes_count=self.affinity.homes_count() if self.affinity is not None else None,
-                              tiered=tiered)
+            routed = route(query, peer_min)
         except NoReplicaError as e:
             self.metrics.picks.labels(name, "unavailable").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{name}@{version or '*'}: {e}")
+        self._record(name, version, routed.placement, anchor_homes)
+        log.debug("picked", model=f"{name}@{version}", replica=routed.placement.decode.replica_id, policy=policy,
+                  matched_blocks=routed.placement.matched_blocks,
+                  prefill=routed.placement.prefill.replica_id if routed.placement.prefill else None)
+        return self._response(name, version, routed)
+
+    def _record(self, name: str, version: str, placement: Placement, anchor_homes: tuple[str, ...]) -> None:
+        """What a placement changes in the router's state: the anchor's homes, the replicas' assignments."""
         chosen = placement.decode
         if placement.record_home and placement.anchor is not None and self.affinity is not None:
             live = {r.replica_id for r in self.fleet.snapshot(name, version).replicas}
@@ -87,23 +96,15 @@ class Router(router_pb2_grpc.RouterServiceServicer):
         if placement.prefill is not None:
             self.fleet.note_assignment(placement.prefill.replica_id, name, version)
         self.metrics.picks.labels(name, "ok").inc()
-        log.debug("picked", model=f"{name}@{version}", replica=chosen.replica_id, policy=policy,
-                  matched_blocks=placement.matched_blocks,
-                  prefill=placement.prefill.replica_id if placement.prefill else None)
+
+    def _response(self, name: str, version: str, routed: Route) -> router_pb2.PickResponse:
+        placement, chosen = routed.placement, routed.placement.decode
         response = router_pb2.PickResponse(replica_id=chosen.replica_id, address=chosen.address, model=name,
-                                           model_version=version,
-                                           cached_prompt_tokens=min(placement.matched_blocks * block_size,
-                                                                    len(prompt)))
-        computes = chosen  # the replica that computes the prompt: a peer can save it a recompute
+                                           model_version=version, cached_prompt_tokens=routed.cached_prompt_tokens)
         if placement.prefill is not None:
             response.prefill_replica_id = placement.prefill.replica_id
             response.prefill_address = placement.prefill.address
-            computes = placement.prefill
-        if chain and self.peer_fetch and not request.colocated:
-            held = matched_prefix(chain, cached.get(computes.replica_id, ()))
-            peer = prefix_peer(snapshot, chain, cached, computes.replica_id, held, self.prefix_config.peer_min_blocks)
-            if peer is not None:
-                response.prefix_replica_id, response.prefix_address = peer[0].replica_id, peer[0].address
-                response.prefix_blocks = peer[1]
-                self.metrics.picks.labels(name, "peer_prefix").inc()
-        return response
+        if routed.peer is not None:
+            response.prefix_replica_id, response.prefix_address = routed.peer[0].replica_id, routed.peer[0].address
+            response.prefix_blocks = routed.peer[1]
+            self.metrics.picks.labels(name, "peer_prefix").inc()

@@ -66,7 +66,7 @@ def test_bf16_close_to_fp32_reference(default_model_dir, hf_model):
     agree, max_err = 0, 0.0
     for pos in range(len(ref)):
         request_id = core.add_request(RequestSpec(prompt + ref[:pos], greedy(1), request_id=f"bf16-{pos}"))
-        schedule = core.scheduler.schedule()
+        schedule = core.scheduler.schedule(0.0)
         logits = core.runner.compute_logits(schedule, core.scheduler.requests)[0]
         core.scheduler.update(schedule, {request_id: int(logits.argmax())})
         agree += int(logits.argmax()) == int(ref_logits[pos].argmax())

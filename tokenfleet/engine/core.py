@@ -196,10 +196,9 @@ class EngineCore:
         """The grammar compiler, built on first use (seconds: the tokenizer's token trie); thread-safe."""
         with self._guides_lock:
             if self._guides is None:
-                to_json = getattr(self.tokenizer, "to_json", None)
-                if to_json is None:
+                if self.tokenizer is None:
                     raise ValueError("guided decoding needs the model's tokenizer")
-                self._guides = GuideCompiler(to_json(), self.model.vocab_size, self.model.eos_token_ids)
+                self._guides = GuideCompiler(self.tokenizer.to_json(), self.model.vocab_size, self.model.eos_token_ids)
             return self._guides
 
     # ---- requests ---------------------------------------------------------------------------
@@ -346,7 +345,7 @@ class EngineCore:
             self.spec.propose(self.scheduler.running, self.scheduler.config.max_num_batched_tokens)
         if self.itl_guard is not None:
             self.scheduler.prefill_allowance = self.itl_guard.allowance()
-        output = self.scheduler.schedule()
+        output = self.scheduler.schedule(time.monotonic())
         self.offload_evicted()  # before the restores and the forward overwrite those blocks
         if output.is_empty:
             return []

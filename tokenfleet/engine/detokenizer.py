@@ -16,7 +16,13 @@ _PROMPT_CONTEXT = 6  # prompt tokens kept as left context (leading-space handlin
 
 
 class Decoder(Protocol):
+    """The model's tokenizer, as the engine uses it."""
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def to_json(self) -> str:
+        """Its tokenizer.json (guided decoding compiles grammars over the vocabulary)."""
+        ...
 
 
 class IncrementalDetokenizer:

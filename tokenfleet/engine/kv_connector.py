@@ -105,7 +105,7 @@ class KVConnector:
             core.stats.num_kv_blocks_received += num_blocks
 
     def activate_remote(self, request_id: str) -> None:
-        self.core.scheduler.activate_remote(request_id)
+        self.core.scheduler.activate_remote(request_id, time.monotonic())
 
     def fallback_to_local(self, request_id: str) -> None:
         core = self.core

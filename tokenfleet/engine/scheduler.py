@@ -28,7 +28,6 @@ pieces that stand alone already live apart (``BlockManager``, ``FairQueue``, ``R
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -211,7 +210,7 @@ class Scheduler:
         self.finish_request(request_id, reason)
         return request
 
-    def activate_remote(self, request_id: str) -> None:
+    def activate_remote(self, request_id: str, now: float) -> None:
         """The prompt's KV is installed: the request joins the running batch for its next token."""
         request = self.remote_request(request_id)
         bs = self.block_manager.block_size
@@ -223,7 +222,7 @@ class Scheduler:
         self._lift(request.tenant)
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:  # its wait: until the prompt's KV arrived
-            request.first_scheduled_time = time.monotonic()
+            request.first_scheduled_time = now
         self.running.append(request)
 
     def fallback_to_local(self, request_id: str) -> None:
@@ -303,7 +302,9 @@ class Scheduler:
         """Whether a running request is generating (its next step computes one token)."""
         return any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float) -> SchedulerOutput:
+        """The next step. ``now``: the caller's clock (the engine's monotonic time, the simulator's virtual one), when
+        a request first scheduled now started (its queue wait ends)."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         copies: list[tuple[int, int]] = []
@@ -336,7 +337,7 @@ class Scheduler:
             self._spend(request, request.num_computed_tokens, n)
             i += 1
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled, copies, restores)
+            budget = self._admit_waiting(budget, scheduled, copies, restores, now)
         scheduled.sort(key=lambda s: s.num_new_tokens != 1 and not s.draft)  # stable: decodes (and verifications) first
         self._allowance = None
         self.num_block_copies += len(copies)
@@ -396,7 +397,7 @@ class Scheduler:
                 return None
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], copies: list,
-                       restores: list[tuple[int, bytes]]) -> int:
+                       restores: list[tuple[int, bytes]], now: float) -> int:
         bm, bs = self.block_manager, self.block_manager.block_size
         held_back: set[str] = set()  # long prompts the ITL guard holds back this step: those behind them go ahead
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_running:
@@ -435,7 +436,7 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = min(computed, request.num_prompt_tokens)
             if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
+                request.first_scheduled_time = now
             request.num_computed_tokens = computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)

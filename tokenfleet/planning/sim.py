@@ -54,6 +54,7 @@ from tokenfleet.routing.placement import (
     PREFIX_AWARE,
     ROUND_ROBIN,
     Placement,
+    PlacementQuery,
     live_homes,
     place,
 )
@@ -219,9 +220,10 @@ class Simulator:
             anchor_homes = self._homes.get(chain[fleet.prefix.min_match_blocks - 1], ())
         cached = {rid: r.held() for rid, r in self.replicas.items()}
         tiered = {rid: r.tier_only() for rid, r in self.replicas.items() if r.tier is not None}
-        placement = place(self._snapshot(), chain, cached, anchor_homes, num_tokens, fleet.block_size, fleet.policy,
-                          self._round_robin, fleet.prefix, fleet.disagg, colocated=not fleet.disaggregated,
-                          homes_count=self._homes_count, tiered=tiered)
+        placement = place(PlacementQuery(self._snapshot(), chain, cached, anchor_homes, num_tokens, fleet.block_size,
+                                         fleet.policy, self._round_robin, fleet.prefix, fleet.disagg,
+                                         colocated=not fleet.disaggregated, homes_count=self._homes_count,
+                                         tiered=tiered))
         if placement.record_home and placement.anchor is not None:
             homes = live_homes(anchor_homes, self.replicas.keys(), placement.decode.replica_id)
             self._homes_count.subtract(anchor_homes)
@@ -365,7 +367,7 @@ class Simulator:
         if decode.scheduler.append_remote_token(rid, token) is not None:
             self._finish(track)  # the first token ended it (max_tokens 1)
             return
-        decode.scheduler.activate_remote(rid)
+        decode.scheduler.activate_remote(rid, self.now)
         self._wake(decode)
 
     # ---- stepping --------------------------------------------------------------------------------------
@@ -375,7 +377,7 @@ class Simulator:
             self.at(self.now, self._step, replica)
 
     def _step(self, replica: SimReplica) -> None:
-        output = replica.scheduler.schedule()
+        output = replica.scheduler.schedule(self.now)
         replica.offload_evicted()
         if output.is_empty:
             replica.busy = False

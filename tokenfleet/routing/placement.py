@@ -18,6 +18,9 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from tokenfleet.kvcache.block_hash import hash_blocks
+from tokenfleet.kvcache.layout import KVLayout
+from tokenfleet.kvcache.salt import chain_salt
 from tokenfleet.routing.policies import FleetSnapshot, ReplicaLoad, RoundRobin, least_loaded
 from tokenfleet.routing.prefix import DEFAULT_PREFIX_CONFIG, PrefixPolicyConfig, matched_prefix, prefix_aware
 
@@ -80,37 +83,45 @@ def with_affinity(cached: Mapping[str, Collection[bytes]], chain: Sequence[bytes
     return merged
 
 
-def place(
-    snapshot: FleetSnapshot,
-    chain: Sequence[bytes],
-    cached: Mapping[str, Collection[bytes]],
-    homes: Collection[str],
-    num_prompt_tokens: int,
-    block_size: int,
-    policy: str = PREFIX_AWARE,
-    round_robin: RoundRobin | None = None,
-    prefix_config: PrefixPolicyConfig = DEFAULT_PREFIX_CONFIG,
-    disagg: DisaggConfig = DEFAULT_DISAGG_CONFIG,
-    colocated: bool = False,
-    homes_count: Mapping[str, int] | None = None,
-    tiered: Mapping[str, Collection[bytes]] | None = None,
-) -> Placement:
-    """Raises NoReplicaError when no decode replica is serving. ``homes_count``: prefixes homed
-    on each replica (the affinity map), to spread new prefixes over the pool. ``tiered``: of each
-    replica's reported hashes, those only in its second tier (worth less than pool blocks)."""
+@dataclass(frozen=True)
+class PlacementQuery:
+    """Everything one placement decision reads. ``homes``: the affinity map's homes of the prompt's anchor.
+    ``homes_count``: prefixes homed on each replica (the affinity map), to spread new prefixes over the pool.
+    ``tiered``: of each replica's reported hashes, those only in its second tier (worth less than pool blocks)."""
+
+    snapshot: FleetSnapshot
+    chain: Sequence[bytes]
+    cached: Mapping[str, Collection[bytes]]
+    homes: Collection[str]
+    num_prompt_tokens: int
+    block_size: int
+    policy: str = PREFIX_AWARE
+    round_robin: RoundRobin | None = None
+    prefix_config: PrefixPolicyConfig = DEFAULT_PREFIX_CONFIG
+    disagg: DisaggConfig = DEFAULT_DISAGG_CONFIG
+    colocated: bool = False
+    homes_count: Mapping[str, int] | None = None
+    tiered: Mapping[str, Collection[bytes]] | None = None
+
+
+def place(query: PlacementQuery) -> Placement:
+    """Raises NoReplicaError when no decode replica is serving."""
+    q = query
+    snapshot, chain, cached, homes, prefix_config = q.snapshot, q.chain, q.cached, q.homes, q.prefix_config
+    policy, homes_count, tiered = q.policy, q.homes_count, q.tiered
     anchor = anchor_of(chain, prefix_config)
     known = with_affinity(cached, chain, homes if anchor is not None else (), prefix_config)
     if policy == PREFIX_AWARE:
         decode = prefix_aware(snapshot, chain, known, prefix_config, homes_count=homes_count, tiered=tiered).replica
     elif policy == ROUND_ROBIN:
-        decode = (round_robin or RoundRobin()).pick(snapshot)
+        decode = (q.round_robin or RoundRobin()).pick(snapshot)
     else:
         decode = least_loaded(snapshot)
     matched = matched_prefix(chain, known.get(decode.replica_id, ()))
     prefill = None
-    if not colocated:
-        prefill = choose_prefill(snapshot, decode, chain, known, num_prompt_tokens - matched * block_size,
-                                 prefix_config, disagg, tiered)
+    if not q.colocated:
+        prefill = choose_prefill(snapshot, decode, chain, known, q.num_prompt_tokens - matched * q.block_size,
+                                 prefix_config, q.disagg, tiered)
     record = anchor is not None and decode.replica_id not in homes
     return Placement(decode, prefill, matched, anchor, record)
 
@@ -145,3 +156,33 @@ def prefix_peer(snapshot: FleetSnapshot, chain: Sequence[bytes], cached: Mapping
         if n - chosen_blocks >= min_blocks and (best is None or n > best[1]):
             best = (replica, n)
     return best
+
+
+@dataclass(frozen=True)
+class Route:
+    """A router's whole answer for one request (``route``)."""
+
+    placement: Placement
+    cached_prompt_tokens: int  # of the prompt, held by the decode replica (reported or by affinity)
+    peer: tuple[ReplicaLoad, int] | None  # a replica holding more of the prompt's leading blocks, and how many
+
+
+def prompt_chain(prompt: Sequence[int], layout: KVLayout | None, cache_scope: str) -> list[bytes]:
+    """The prompt's block-hash chain as the replicas of ``layout`` hash it for ``cache_scope`` ([] without a layout)."""
+    if not prompt or layout is None:
+        return []
+    return hash_blocks(list(prompt), layout.block_size, chain_salt(layout.hash_salt, cache_scope))
+
+
+def route(query: PlacementQuery, peer_min_blocks: int | None) -> Route:
+    """``place`` and what the response says besides: the prompt tokens the chosen replica holds and, when
+    ``peer_min_blocks`` is set (peer fetch on, a placement that may move blocks), a peer the replica computing the
+    prompt can fetch its prefix from. Raises NoReplicaError when no decode replica is serving."""
+    placement = place(query)
+    cached_tokens = min(placement.matched_blocks * query.block_size, query.num_prompt_tokens)
+    peer = None
+    if query.chain and peer_min_blocks is not None:
+        computes = placement.prefill or placement.decode  # the replica that computes the prompt
+        held = matched_prefix(query.chain, query.cached.get(computes.replica_id, ()))
+        peer = prefix_peer(query.snapshot, query.chain, query.cached, computes.replica_id, held, peer_min_blocks)
+    return Route(placement, cached_tokens, peer)

@@ -45,7 +45,7 @@ def step(sched, admitted: list[str]) -> None:
     for r in waiting:
         heads.setdefault((r.priority, r.tenant), []).append(r)
     counters = dict(sched.waiting.counters)
-    out = sched.schedule()
+    out = sched.schedule(0.0)
     assert not out.preempted_ids
     ids = {r.request_id for r in waiting}
     now = [entry.request_id for entry in out.scheduled if entry.request_id in ids]
@@ -102,17 +102,17 @@ def test_counters_charge_computed_prompt_tokens_when_scheduled_and_output_tokens
     first = tenant_request("A", 0.0, prompt=0, max_tokens=2)
     first.prompt_token_ids = list(prompt)
     sched.add_request(first)
-    out = sched.schedule()
+    out = sched.schedule(0.0)
     assert sched.waiting.counters["A"] == 16  # charged at scheduling, before the forward
     sched.update(out, {first.request_id: 7})
     assert sched.waiting.counters["A"] == 16 + 3
-    out = sched.schedule()
+    out = sched.schedule(0.0)
     sched.update(out, {first.request_id: 7})
     assert first.is_finished and sched.waiting.counters["A"] == 16 + 3 + 3
     again = tenant_request("A", 1.0, prompt=0, max_tokens=1)
     again.prompt_token_ids = list(prompt)
     sched.add_request(again)
-    out = sched.schedule()
+    out = sched.schedule(0.0)
     assert out.scheduled[0].start == 12  # three cached blocks: only the last 4 prompt tokens are computed
     assert sched.waiting.counters["A"] == 22 + 4
 
@@ -145,7 +145,7 @@ def test_interactive_before_batch_whatever_the_counters_and_batch_preempted_firs
     tight.add_request(b)
     tight.add_request(i)
     for _ in range(8):  # both grow until the 6 blocks run out
-        out = tight.schedule()
+        out = tight.schedule(0.0)
         tight.update(out, {s.request_id: 7 for s in out.scheduled if s.samples})
         if out.preempted_ids:
             assert out.preempted_ids == (b.request_id,)
@@ -162,7 +162,7 @@ def test_without_fair_queuing_the_order_is_first_come_first_served():
     sched.add_request(second)
     admitted: list[str] = []
     while sched.has_unfinished():
-        out = sched.schedule()
+        out = sched.schedule(0.0)
         admitted += [s.request_id for s in out.scheduled if s.start == 0]
         sched.update(out, {s.request_id: 7 for s in out.scheduled if s.samples})
     assert admitted == [first.request_id, second.request_id]
@@ -179,13 +179,13 @@ def test_random_tenants_and_arrivals_never_starve_and_keep_the_block_pool_consis
                                    max_tokens=rng.randint(1, 6), priority=rng.choice([0, 0, 1]))
                 sched.add_request(r)
                 requests.append(r)
-        out = sched.schedule()
+        out = sched.schedule(0.0)
         sched.update(out, {s.request_id: 7 for s in out.scheduled if s.samples})
         sched.block_manager.check_invariants()
     for _ in range(2000):
         if not sched.has_unfinished():
             break
-        out = sched.schedule()
+        out = sched.schedule(0.0)
         sched.update(out, {s.request_id: 7 for s in out.scheduled if s.samples})
         sched.block_manager.check_invariants()
     assert all(r.is_finished for r in requests)
@@ -228,7 +228,7 @@ def test_random_adds_steps_aborts_and_preemptions_keep_the_queues_consistent_and
             sched.add_request(r)
             requests.append(r)
         elif op[0] == "step":
-            out = sched.schedule()
+            out = sched.schedule(0.0)
             sched.update(out, {s.request_id: 7 for s in out.scheduled if s.samples})
         elif op[0] == "abort" and sched.requests:
             ids = sorted(sched.requests)
@@ -241,7 +241,7 @@ def test_random_adds_steps_aborts_and_preemptions_keep_the_queues_consistent_and
     for _ in range(bound):
         if not sched.has_unfinished():
             break
-        out = sched.schedule()
+        out = sched.schedule(0.0)
         sched.update(out, {s.request_id: 7 for s in out.scheduled if s.samples})
         check_queues(sched)
     assert all(r.is_finished for r in requests)

@@ -18,7 +18,7 @@ def _forks(parent, n):
 
 
 def _run_step(scheduler, tokens):
-    out = scheduler.schedule()
+    out = scheduler.schedule(0.0)
     sampled = {}
     for s in out.scheduled:
         if s.samples:
@@ -153,8 +153,8 @@ def test_a_request_with_samples_waits_until_they_fit_the_batch():
     s = make_scheduler(num_blocks=64, block_size=4, max_num_running=3)
     first = make_request(num_prompt_tokens=4, max_tokens=5)
     s.add_request(first)
-    s.schedule()
+    s.schedule(0.0)
     parent = make_request(num_prompt_tokens=4, max_tokens=2)
     s.add_request(parent, _forks(parent, 3))  # 1 + 2 samples + the running one > 3
-    out = s.schedule()
+    out = s.schedule(0.0)
     assert [e.request_id for e in out.scheduled] == [first.request_id]

@@ -51,7 +51,7 @@ def _prompt(sched, name: str, tokens: int, tenant: str = "") -> None:  # type: i
 def _step(sched, allowance: PrefillAllowance | None) -> list[tuple[str, int]]:  # type: ignore[no-untyped-def]
     """One step under ``allowance``, its tokens sampled: (request id, tokens) of what it scheduled."""
     sched.prefill_allowance = allowance
-    out = sched.schedule()
+    out = sched.schedule(0.0)
     sched.update(out, {s.request_id: 1 for s in out.scheduled if s.samples})
     return [(s.request_id, s.num_new_tokens) for s in out.scheduled]
 
@@ -83,22 +83,22 @@ def test_beside_a_decoding_stream_a_long_prompt_is_cut_to_the_allowance_and_a_sh
     sched = make_scheduler(num_blocks=512, block_size=4, max_num_batched_tokens=2048)
     stream = make_request(num_prompt_tokens=5, max_tokens=50, request_id="stream")
     sched.add_request(stream)
-    sched.update(out := sched.schedule(), {s.request_id: 1 for s in out.scheduled if s.samples})
+    sched.update(out := sched.schedule(0.0), {s.request_id: 1 for s in out.scheduled if s.samples})
     long = make_request(num_prompt_tokens=1000, max_tokens=2, request_id="long")
     sched.add_request(long)
     assert sched.decoding
     sched.prefill_allowance = PrefillAllowance(40.0, 0.0)
-    out = sched.schedule()
+    out = sched.schedule(0.0)
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("stream", 1), ("long", 40)]
     sched.update(out, {s.request_id: 1 for s in out.scheduled if s.samples})
     short = make_request(num_prompt_tokens=12, max_tokens=2, request_id="short")
     sched.add_request(short)
     sched.prefill_allowance = PrefillAllowance(40.0, 0.0)
-    out = sched.schedule()  # a short prompt is computed whole beside it
+    out = sched.schedule(0.0)  # a short prompt is computed whole beside it
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("stream", 1), ("long", 40), ("short", 12)]
     sched.update(out, {s.request_id: 1 for s in out.scheduled if s.samples})
     sched.prefill_allowance = None  # the guard off: the whole budget
-    out = sched.schedule()
+    out = sched.schedule(0.0)
     assert dict((s.request_id, s.num_new_tokens) for s in out.scheduled)["long"] == 1000 - 80
 
 
@@ -108,14 +108,14 @@ def test_with_nothing_decoding_a_long_prompt_takes_full_chunks_unless_a_short_pr
     long.tenant = "b"
     sched.add_request(long)
     sched.prefill_allowance = PrefillAllowance(40.0, 0.0)
-    out = sched.schedule()  # alone: its allowance is not applied
+    out = sched.schedule(0.0)  # alone: its allowance is not applied
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("long", 256)]
     sched.update(out, {})
     short = make_request(num_prompt_tokens=10, max_tokens=2, request_id="short")
     short.tenant = "a"
     sched.add_request(short)
     sched.prefill_allowance = PrefillAllowance(40.0, 0.0)
-    out = sched.schedule()  # a short prompt waits: the long one is held to the allowance, the short one whole
+    out = sched.schedule(0.0)  # a short prompt waits: the long one is held to the allowance, the short one whole
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("long", 40), ("short", 10)]
 
 

@@ -182,9 +182,9 @@ def make_scheduler(num_blocks: int = 64) -> Scheduler:
 def decode_step(sched: Scheduler, *requests: Request):
     for r in requests:
         sched.add_request(r)
-    output = sched.schedule()  # prefill
+    output = sched.schedule(0.0)  # prefill
     sched.update(output, {s.request_id: 7 for s in output.scheduled if s.samples})
-    return sched.schedule()  # the first decode step
+    return sched.schedule(0.0)  # the first decode step
 
 
 def test_lookahead_is_the_decode_step_one_position_on():
@@ -215,7 +215,7 @@ def test_lookahead_declines_what_needs_the_full_scheduler(case):
     a = Request("a", prompt, params, max_tokens=9)
     if case == "prefill":
         sched.add_request(a)
-        assert lookahead(sched, sched.schedule()) is None
+        assert lookahead(sched, sched.schedule(0.0)) is None
         return
     output = decode_step(sched, a)
     if case == "waiting":

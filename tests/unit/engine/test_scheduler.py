@@ -8,7 +8,7 @@ from tokenfleet.engine.scheduler import QueueFullError, SchedulerOutput
 
 
 def run_step(sched, token: int = 1) -> SchedulerOutput:
-    out = sched.schedule()
+    out = sched.schedule(0.0)
     sched.update(out, {s.request_id: token for s in out.scheduled if s.samples})
     sched.block_manager.check_invariants()
     return out

@@ -140,7 +140,7 @@ def test_bad_speculative_config_is_refused(value, message):
 def _decoding(s, request):
     """Run ``request`` through its prefill: it decodes from the next step."""
     s.add_request(request)
-    out = s.schedule()
+    out = s.schedule(0.0)
     s.update(out, {e.request_id: 5 for e in out.scheduled if e.samples})
     return request
 
@@ -150,7 +150,7 @@ def test_verification_takes_the_accepted_run_and_trims_rejected_slots():
     r = _decoding(s, make_request(num_prompt_tokens=7, max_tokens=20))  # 8 tokens: two full blocks
     bm = s.block_manager
     r.draft_token_ids = [6, 7, 8, 9, 10, 11]
-    out = s.schedule()
+    out = s.schedule(0.0)
     (entry,) = out.scheduled
     assert entry.draft == (6, 7, 8, 9, 10, 11) and entry.num_new_tokens == 7 and entry.samples
     assert len(bm.block_table(r.request_id)) == 4  # slots for positions 7 .. 13
@@ -159,7 +159,7 @@ def test_verification_takes_the_accepted_run_and_trims_rejected_slots():
     assert r.num_computed_tokens == 10 and r.num_tokens == 11  # KV of 5, 6, 7 is valid; 42 is computed next
     assert len(bm.block_table(r.request_id)) == 3 and bm.num_used_blocks == 3  # the fourth block went back
     bm.check_invariants()
-    out = s.schedule()  # a plain decode of position 10
+    out = s.schedule(0.0)  # a plain decode of position 10
     assert out.scheduled[0].start == 10 and out.scheduled[0].num_new_tokens == 1
     s.update(out, {r.request_id: 1})
     bm.check_invariants()
@@ -169,7 +169,7 @@ def test_a_stop_inside_the_accepted_run_drops_the_rest():
     s = make_scheduler(num_blocks=32, block_size=4)
     r = _decoding(s, make_request(num_prompt_tokens=6, max_tokens=20, eos_token_ids=(2,)))
     r.draft_token_ids = [6, 2, 8]
-    out = s.schedule()
+    out = s.schedule(0.0)
     finished = s.update(out, {r.request_id: 6}, {r.request_id: [2, 8, 9]})
     assert finished == [r] and r.finish_reason is FinishReason.STOP
     assert r.output_token_ids == [5, 6, 2]
@@ -182,7 +182,7 @@ def test_proposals_never_pass_max_tokens_and_never_preempt():
     s = make_scheduler(num_blocks=4, block_size=4)
     r = _decoding(s, make_request(num_prompt_tokens=6, max_tokens=4))
     r.draft_token_ids = [1, 2, 3, 4, 5]
-    out = s.schedule()
+    out = s.schedule(0.0)
     assert out.scheduled[0].draft == (1, 2)  # one token was sampled; 3 more allowed, the last is the target's
     s.update(out, {r.request_id: 1}, {r.request_id: [2, 7]})
     assert r.finish_reason is FinishReason.LENGTH and len(r.output_token_ids) == 4
@@ -190,7 +190,7 @@ def test_proposals_never_pass_max_tokens_and_never_preempt():
     a = _decoding(s, make_request(num_prompt_tokens=7, max_tokens=30))  # 2 blocks
     b = _decoding(s, make_request(num_prompt_tokens=3, max_tokens=30))  # 1 block; one block left
     a.draft_token_ids = list(range(1, 9))  # would need two more blocks
-    out = s.schedule()
+    out = s.schedule(0.0)
     assert not s.num_preemptions and {e.request_id for e in out.scheduled} == {a.request_id, b.request_id}
     assert all(e.draft == () for e in out.scheduled)  # b still gets its block: no proposals this step
     s.block_manager.check_invariants()
@@ -216,7 +216,7 @@ def test_proposals_leave_the_budget_later_running_requests_need():
     for _ in range(4):
         for r in requests:
             r.draft_token_ids = [1, 2, 3, 4, 5]
-        out = s.schedule()
+        out = s.schedule(0.0)
         assert {e.request_id for e in out.scheduled} == {r.request_id for r in requests}  # nobody starves
         assert out.num_scheduled_tokens <= 12
         s.update(out, {e.request_id: 9 for e in out.scheduled}, {e.request_id: [] for e in out.scheduled})

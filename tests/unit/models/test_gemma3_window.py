@@ -57,7 +57,7 @@ def run(model_dir, prompts, num_steps, num_blocks=128, chunk=0, arrivals=None, c
             if arrivals[i] == step:
                 params = SamplingParams(max_tokens=num_steps, temperature=0.0, ignore_eos=True)
                 scheduler.add_request(Request(f"r{i}", list(prompt), params, arrival_time=i, max_tokens=num_steps))
-        out = scheduler.schedule()
+        out = scheduler.schedule(0.0)
         if not out.is_empty:
             step_logits = runner.compute_logits(out, scheduler.requests)
             sampling = [s.request_id for s in out.scheduled if s.samples]

@@ -52,7 +52,7 @@ def stepwise_logits(model_dir, dtype, prompts, num_steps, block_size=4, chunk=0,
         scheduler.add_request(Request(f"r{i}", list(prompt), params, arrival_time=i, max_tokens=num_steps))
         logits[f"r{i}"] = []
     while scheduler.has_unfinished():
-        out = scheduler.schedule()
+        out = scheduler.schedule(0.0)
         step_logits = runner.compute_logits(out, scheduler.requests)
         sampling = [s.request_id for s in out.scheduled if s.samples]
         for request_id, row in zip(sampling, step_logits):

@@ -54,7 +54,7 @@ def test_step_shape_is_read_from_the_real_schedulers_output():
     params = SamplingParams(max_tokens=4)
     scheduler.add_request(Request("a", list(range(10)), params, max_tokens=4))
     scheduler.add_request(Request("b", list(range(100, 170)), params, max_tokens=4))  # 70 tokens: chunked to 54
-    shape = StepShape.of(scheduler.schedule())
+    shape = StepShape.of(scheduler.schedule(0.0))
     assert (shape.tokens, shape.rows, shape.samples) == (64, 2, 1)  # only "a" reaches its end and samples
     assert shape.pairs == 10 * 11 // 2 + 54 * 55 // 2 and shape.kv == 64
 

@@ -151,8 +151,8 @@ def test_a_scheduled_steps_window_counts_are_per_row():
     params = SamplingParams(max_tokens=4)
     scheduler.add_request(Request("a", list(range(10)), params, max_tokens=4))
     scheduler.add_request(Request("b", list(range(100, 170)), params, max_tokens=4))  # chunked to 54
-    scheduler.update(scheduler.schedule(), {"a": 7})
-    output = scheduler.schedule()  # "a" decodes at 11 tokens, "b" computes its last 16 after 54
+    scheduler.update(scheduler.schedule(0.0), {"a": 7})
+    output = scheduler.schedule(0.0)  # "a" decodes at 11 tokens, "b" computes its last 16 after 54
     shape = StepShape.of(output, window=16)
     assert (shape.kv, shape.pairs) == (11 + 70, 11 + 16 * 54 + 16 * 17 // 2)
     assert shape.window_pairs == 11 + 16 * 16 and shape.window_kv == 11 + (16 + 16 - 1)

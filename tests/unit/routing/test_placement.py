@@ -8,6 +8,7 @@ from tokenfleet.routing.placement import (
     LEAST_LOADED,
     ROUND_ROBIN,
     DisaggConfig,
+    PlacementQuery,
     anchor_of,
     live_homes,
     place,
@@ -30,21 +31,21 @@ def snapshot(*replicas: ReplicaLoad) -> FleetSnapshot:
 
 def test_a_home_in_the_affinity_map_attracts_the_prefix_before_the_replica_reports_it():
     fleet = snapshot(replica(0, 1), replica(1, 2), replica(2, 0))
-    placement = place(fleet, PROMPT, {}, homes=("r1",), num_prompt_tokens=NUM_TOKENS, block_size=16)
+    placement = place(PlacementQuery(fleet, PROMPT, {}, homes=("r1",), num_prompt_tokens=NUM_TOKENS, block_size=16))
     assert placement.decode.replica_id == "r1" and placement.matched_blocks == 4
     assert placement.anchor == PROMPT[3] and not placement.record_home  # the assignment did not change
 
 
 def test_a_new_prefix_is_recorded_where_it_lands():
     fleet = snapshot(replica(0, 3), replica(1, 0))
-    placement = place(fleet, PROMPT, {}, homes=(), num_prompt_tokens=NUM_TOKENS, block_size=16)
+    placement = place(PlacementQuery(fleet, PROMPT, {}, homes=(), num_prompt_tokens=NUM_TOKENS, block_size=16))
     assert placement.decode.replica_id == "r1" and placement.record_home and placement.anchor == anchor_of(PROMPT, CONFIG)
 
 
 def test_a_spill_past_the_bound_records_a_second_home():
     fleet = snapshot(replica(0, 12), replica(1, 2), replica(2, 3))
-    placement = place(fleet, PROMPT, {"r0": set(PROMPT)}, homes=("r0",), num_prompt_tokens=NUM_TOKENS,
-                      block_size=16)
+    placement = place(PlacementQuery(fleet, PROMPT, {"r0": set(PROMPT)}, homes=("r0",), num_prompt_tokens=NUM_TOKENS,
+                      block_size=16))
     assert placement.decode.replica_id == "r1" and placement.record_home
     assert live_homes(("r0",), {"r0", "r1", "r2"}, "r1") == ("r0", "r1")
     assert live_homes(("dead", "r0"), {"r0", "r1"}, "r1") == ("r0", "r1")  # dead homes are dropped
@@ -52,16 +53,17 @@ def test_a_spill_past_the_bound_records_a_second_home():
 
 def test_short_prompts_have_no_anchor_and_record_nothing():
     short = chain(SYSTEM[:16 * 3])
-    placement = place(snapshot(replica(0), replica(1)), short, {}, homes=(), num_prompt_tokens=48, block_size=16)
+    placement = place(PlacementQuery(snapshot(replica(0), replica(1)), short, {}, homes=(), num_prompt_tokens=48, block_size=16))
     assert placement.anchor is None and not placement.record_home
 
 
 def test_baseline_policies_ignore_prefixes():
     fleet = snapshot(replica(0, 0), replica(1, 5))
     cached = {"r1": set(PROMPT)}
-    assert place(fleet, PROMPT, cached, (), NUM_TOKENS, 16, LEAST_LOADED).decode.replica_id == "r0"
+    assert place(PlacementQuery(fleet, PROMPT, cached, (), NUM_TOKENS, 16, LEAST_LOADED)).decode.replica_id == "r0"
     robin = RoundRobin()
-    picks = [place(fleet, PROMPT, cached, (), NUM_TOKENS, 16, ROUND_ROBIN, robin).decode.replica_id for _ in range(4)]
+    picks = [place(PlacementQuery(fleet, PROMPT, cached, (), NUM_TOKENS, 16, ROUND_ROBIN, robin)).decode.replica_id
+             for _ in range(4)]
     assert picks == ["r0", "r1", "r0", "r1"]
 
 
@@ -69,11 +71,11 @@ def test_a_decode_only_replica_gets_a_prefill_replica_for_long_uncached_prompts(
     decode = replica(0, roles=("decode",))
     fleet = snapshot(decode, replica(1, 3, roles=("prefill",)), replica(2, 1, roles=("prefill",)))
     disagg = DisaggConfig(min_uncached_tokens=64)
-    placement = place(fleet, PROMPT, {}, (), NUM_TOKENS, 16, disagg=disagg)
+    placement = place(PlacementQuery(fleet, PROMPT, {}, (), NUM_TOKENS, 16, disagg=disagg))
     assert placement.decode.replica_id == "r0" and placement.prefill is not None
     assert placement.prefill.replica_id == "r2"  # least loaded prefill replica
     # the prefill replica that holds the prefix is preferred
-    placement = place(fleet, PROMPT, {"r1": set(PROMPT)}, (), NUM_TOKENS, 16, disagg=disagg)
+    placement = place(PlacementQuery(fleet, PROMPT, {"r1": set(PROMPT)}, (), NUM_TOKENS, 16, disagg=disagg))
     assert placement.prefill is not None and placement.prefill.replica_id == "r1"
 
 
@@ -82,25 +84,25 @@ def test_short_cached_or_colocated_requests_prefill_on_the_decode_replica():
     fleet = snapshot(decode, replica(1, roles=("prefill",)))
     disagg = DisaggConfig(min_uncached_tokens=64)
     short = chain(SYSTEM[:48])
-    assert place(fleet, short, {}, (), 48, 16, disagg=disagg).prefill is None  # too short
-    mostly_cached = place(fleet, PROMPT, {"r0": set(PROMPT[:8])}, (), NUM_TOKENS, 16, disagg=disagg)
+    assert place(PlacementQuery(fleet, short, {}, (), 48, 16, disagg=disagg)).prefill is None  # too short
+    mostly_cached = place(PlacementQuery(fleet, PROMPT, {"r0": set(PROMPT[:8])}, (), NUM_TOKENS, 16, disagg=disagg))
     assert mostly_cached.matched_blocks == 8 and mostly_cached.prefill is None  # 32 uncached tokens < 64
-    assert place(fleet, PROMPT, {}, (), NUM_TOKENS, 16, disagg=disagg, colocated=True).prefill is None
+    assert place(PlacementQuery(fleet, PROMPT, {}, (), NUM_TOKENS, 16, disagg=disagg, colocated=True)).prefill is None
     both = snapshot(replica(0), replica(1, roles=("prefill",)))
-    assert place(both, PROMPT, {}, (), NUM_TOKENS, 16, disagg=disagg).prefill is None  # it prefills itself
+    assert place(PlacementQuery(both, PROMPT, {}, (), NUM_TOKENS, 16, disagg=disagg)).prefill is None  # it prefills itself
     alone = snapshot(decode)
-    assert place(alone, PROMPT, {}, (), NUM_TOKENS, 16, disagg=disagg).prefill is None  # no prefill pool: local
+    assert place(PlacementQuery(alone, PROMPT, {}, (), NUM_TOKENS, 16, disagg=disagg)).prefill is None  # no prefill pool: local
 
 
 
 def test_new_prefixes_spread_over_replicas_by_their_homes_within_the_load_bound():
     fleet = snapshot(replica(0, 1), replica(1, 1), replica(2, 2))
     counts = {"r0": 3, "r1": 1, "r2": 0}
-    assert place(fleet, PROMPT, {}, (), NUM_TOKENS, 16, homes_count=counts).decode.replica_id == "r2"
+    assert place(PlacementQuery(fleet, PROMPT, {}, (), NUM_TOKENS, 16, homes_count=counts)).decode.replica_id == "r2"
     hot = snapshot(replica(0, 1), replica(1, 1), replica(2, 9))  # r2 is over the bound: not given new prefixes
-    assert place(hot, PROMPT, {}, (), NUM_TOKENS, 16, homes_count=counts).decode.replica_id == "r1"
+    assert place(PlacementQuery(hot, PROMPT, {}, (), NUM_TOKENS, 16, homes_count=counts)).decode.replica_id == "r1"
     short = chain(SYSTEM[:32])  # too short for a home: plain least-loaded
-    assert place(fleet, short, {}, (), 32, 16, homes_count=counts).decode.replica_id == "r0"
+    assert place(PlacementQuery(fleet, short, {}, (), 32, 16, homes_count=counts)).decode.replica_id == "r0"
 
 
 def test_affinity_adds_the_anchors_head_without_copying_what_a_home_reported():
