@@ -108,3 +108,4 @@ class Router(router_pb2_grpc.RouterServiceServicer):
             response.prefix_replica_id, response.prefix_address = routed.peer[0].replica_id, routed.peer[0].address
             response.prefix_blocks = routed.peer[1]
             self.metrics.picks.labels(name, "peer_prefix").inc()
+        return response

@@ -12,6 +12,7 @@ from tokenfleet.routing.placement import (
     anchor_of,
     live_homes,
     place,
+    route,
     with_affinity,
 )
 from tokenfleet.routing.policies import FleetSnapshot, ReplicaLoad, RoundRobin
@@ -128,3 +129,16 @@ def test_prefix_peer_names_the_replica_holding_more_of_the_prefix():
     assert peer is not None and peer[0].replica_id == "b" and peer[1] == 9  # a draining replica still sends blocks
     assert prefix_peer(snapshot, chain, cached, "b", 9, min_blocks=4) is None  # the chosen one holds the most
     assert prefix_peer(snapshot, chain, cached, "c", 5, min_blocks=5) is None  # 4 more is under the threshold
+
+
+def test_route_names_the_peer_holding_more_of_the_prefix_for_the_replica_that_computes_it():
+    """The router's answer besides the placement: the prompt tokens the chosen replica holds, and a peer reporting at
+    least ``peer_min_blocks`` more leading blocks (none when peer fetch is off)."""
+    fleet = snapshot(replica(0, 12), replica(1, 0))
+    cached = {"r0": set(PROMPT[:8]), "r1": set(PROMPT[:2])}
+    query = PlacementQuery(fleet, PROMPT, cached, (), NUM_TOKENS, 16, policy=LEAST_LOADED)
+    routed = route(query, peer_min_blocks=4)
+    assert routed.placement.decode.replica_id == "r1" and routed.cached_prompt_tokens == 2 * 16
+    assert routed.peer is not None and routed.peer[0].replica_id == "r0" and routed.peer[1] == 8
+    assert route(query, peer_min_blocks=None).peer is None
+    assert route(query, peer_min_blocks=7).peer is None  # 6 more blocks: below the bar
