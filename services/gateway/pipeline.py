@@ -165,9 +165,7 @@ class Run:
         complete run."""
         await self.stream.aclose()
         self.trace.end("the client went away before the stream was read")  # a no-op after a complete run
-        if self.ticket is not None and not self.ticket.settled:
-            await self.ticket.finish("cancelled", self.ticket.prompt_tokens, 0, 0, None, durable=False,
-                                     detail="the client went away before the stream was read")
+        await settle(self.ticket, "cancelled", detail="the client went away before the stream was read")
 
 
 @dataclass
@@ -292,7 +290,7 @@ class Gateway:
                 raise
             status = ("cancelled" if isinstance(e, asyncio.CancelledError) else
                       "rejected" if isinstance(e, APIError) and e.code == "overloaded" else "failed")
-            await ticket.finish(status, len(prompt), 0, 0, None, durable=False, detail=str(e))
+            await settle(ticket, status, detail=str(e))
             # a client's own mistake (400s) says nothing about the version: a rollout must not count it as a failure
             client_error = isinstance(e, APIError) and e.status < 500 and e.code != "overloaded"
             self.metrics.settled(model.ref, "client_error" if client_error else status)
@@ -508,9 +506,9 @@ async def responses_of(run: Run, timer: RequestTimer, metrics: GatewayMetrics | 
                 usage.prompt_tokens = response.final.usage.prompt_tokens
                 usage.cached_prompt_tokens = response.final.usage.cached_prompt_tokens
                 usage.completion_tokens += response.final.usage.completion_tokens
-                if finals == run.n and run.ticket is not None:
-                    await run.ticket.finish("ok", usage.prompt_tokens, usage.cached_prompt_tokens,
-                                            usage.completion_tokens, ttft_ms())
+                if finals == run.n:
+                    await settle(run.ticket, "ok", usage.prompt_tokens, usage.cached_prompt_tokens,
+                                 usage.completion_tokens, ttft_ms())
             yield response
 
     status, detail = "failed", "the stream ended without a result"
@@ -538,9 +536,19 @@ async def responses_of(run: Run, timer: RequestTimer, metrics: GatewayMetrics | 
                 metrics.charge(run.ticket.caller.tenant.name, run.model.name,
                                usage.prompt_tokens or run.ticket.prompt_tokens, usage.cached_prompt_tokens,
                                usage.completion_tokens if ok else produced)
-        if run.ticket is not None and not run.ticket.settled:  # cancelled or failed: bill what was produced
-            await run.ticket.finish(status, run.ticket.prompt_tokens, 0, produced, ttft_ms(), durable=False,
-                                    detail=detail)
+        await settle(run.ticket, status, completion=produced, ttft_ms=ttft_ms(), detail=detail)  # cut: what was produced
+
+
+async def settle(ticket: Ticket | None, status: str, prompt: int | None = None, cached: int = 0, completion: int = 0,
+                 ttft_ms: float | None = None, detail: str = "") -> None:
+    """The one place a request's ticket is settled: its budget reconciled to what was used and its ledger record
+    written, durably (awaited before the client sees the end) for a completed request ("ok"), in the background for
+    one that failed, was refused or was cut. ``prompt``: the usage's prompt tokens (default: the admitted prompt's).
+    A no-op once settled (the first outcome stands)."""
+    if ticket is None or ticket.settled:
+        return
+    await ticket.finish(status, ticket.prompt_tokens if prompt is None else prompt, cached, completion, ttft_ms,
+                        durable=status == "ok", detail=detail)
 
 
 async def _chain(first: list[engine_pb2.GenerateResponse], rest: AsyncGenerator[engine_pb2.GenerateResponse, None]
