@@ -92,7 +92,7 @@ SHARED_WEIGHTS: dict[tuple[str, bool], object] = {}
 def model_for(geometry: str, mode: str):  # type: ignore[no-untyped-def]
     """A model of ``geometry`` for ``mode``: its kernels chosen now (under the variant's settings), its weights the
     ones already built for the same geometry and weight format if any."""
-    from tokenfleet.models.attention import select_attention
+    from tokenfleet.models.loader import select_attention
     from tokenfleet.models.kv_fp8 import check_device
     from tokenfleet.models.layer_ops import select_layer_ops
     from tokenfleet.models.linear import select_linear

@@ -185,7 +185,8 @@ def run_system(system: System, args: argparse.Namespace, vocab: int, runs: list[
             summary = summarize(results, wall, args.output_len)
             row = {"system": system.label, "target": target, "concurrency": concurrency, **summary,
                    "prefix_hit_tokens": None if hits_before is None or hits_after is None else hits_after - hits_before,
-                   "loadavg_1m_before": load_before, "cpu": monitor.report()}
+                   "loadavg_1m_before": load_before, "cpu": monitor.report(),
+                   "texts": [r.text for r in results]}  # greedy completions, by prompt: compared across revisions
             runs.append(row)
             print(_one_line(row), flush=True)
 

@@ -46,7 +46,8 @@ from serving.report import git_head, machine_line, write_report
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tokenfleet import envs, launcher  # noqa: E402
+from tokenfleet import envs  # noqa: E402
+from tokenfleet.cli import launcher  # noqa: E402
 from tokenfleet.models.gguf_import import ensure_default_model  # noqa: E402
 from tokenfleet.security.identity import Identity  # noqa: E402
 from tokenfleet.security.plane import Plane  # noqa: E402

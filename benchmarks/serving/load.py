@@ -33,6 +33,7 @@ class RequestResult:
     latency_s: float = 0.0
     output_tokens: int = 0
     error: str | None = None
+    text: str = ""  # the completion (greedy: the same prompt gives the same text on a correct server)
 
 
 def token_timing(start: float, first: float | None, last: float | None, n_out: int, result: RequestResult) -> None:
@@ -103,6 +104,7 @@ async def stream_completion(client: httpx.AsyncClient, model: str, prompt: list[
                     now = time.perf_counter()
                     first = now if first is None else first
                     last = now
+                    result.text += event["choices"][0].get("text") or ""
                 if event.get("usage"):
                     n_out = int(event["usage"]["completion_tokens"])
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:

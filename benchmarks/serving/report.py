@@ -37,7 +37,10 @@ def machine_line() -> str:
 
     import torch
 
-    from tokenfleet.cli.doctor import cpu_info
+    try:
+        from tokenfleet.cli.doctor import cpu_info
+    except ImportError:  # a revision from before the CLI package (compare_revisions --same-harness runs this on it)
+        from tokenfleet.cli_doctor import cpu_info  # type: ignore[no-redef]
 
     name, flags = cpu_info()
     bf16 = all(f in flags for f in ("avx512f", "avx512bw", "avx512_bf16"))

@@ -17,7 +17,8 @@ import pytest
 from tokenfleet.services.registry.convert import record_to_proto
 
 from tests.integration.conftest import plane
-from tokenfleet import envs, launcher
+from tokenfleet import envs
+from tokenfleet.cli import launcher
 from tokenfleet.cluster.registry import ModelRecord
 from tokenfleet.v1 import registry_pb2, registry_pb2_grpc
 

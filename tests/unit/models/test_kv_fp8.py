@@ -21,9 +21,9 @@ from tokenfleet.models.attention import (
     PrefillSpan,
     TorchPagedAttention,
     paged_attention,
-    select_attention,
 )
 from tokenfleet.models.layer_ops import TorchLayerOps
+from tokenfleet.models.loader import select_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not triton_attention.available(), reason="triton is not installed")

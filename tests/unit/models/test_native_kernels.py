@@ -18,10 +18,10 @@ from tokenfleet.models.attention import (
     PagedQueries,
     TorchPagedAttention,
     _prefill_attention,
-    select_attention,
 )
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.layer_ops import NativeLayerOps, TorchLayerOps, select_layer_ops
+from tokenfleet.models.loader import select_attention
 
 CPU = torch.device("cpu")
 needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C compiler: the torch path is what runs")
