@@ -92,12 +92,11 @@ SHARED_WEIGHTS: dict[tuple[str, bool], object] = {}
 def model_for(geometry: str, mode: str):  # type: ignore[no-untyped-def]
     """A model of ``geometry`` for ``mode``: its kernels chosen now (under the variant's settings), its weights the
     ones already built for the same geometry and weight format if any."""
-    from tokenfleet.models.loader import select_attention
     from tokenfleet.models.kv_fp8 import check_device
     from tokenfleet.models.layer_ops import select_layer_ops
     from tokenfleet.models.linear import select_linear
     from tokenfleet.models.llama import LlamaModel
-    from tokenfleet.models.loader import random_model
+    from tokenfleet.models.loader import random_model, select_attention
 
     config = ModelConfig.from_dict(GEOMETRIES[geometry])
     quantization, kv_dtype, device = "fp8" if fp8_weights(mode) else "", "fp8" if fp8_kv(mode) else "", torch.device("cuda")
