@@ -1,7 +1,8 @@
 """The gateway's one request pipeline, shared by the OpenAI HTTP API and the public gRPC API:
 validate (the transports parse into the pydantic requests) -> prepare (render, tokenize, check
-the context) -> admit (the tenant's budget) -> place (dispatch.py: Pick, Generate, resume) ->
-events (events.py: typed choice events the transports' encoders render).
+the context; request.py: the one request object, made at this edge) -> admit (the tenant's budget) -> place
+(dispatch.py: Pick, Generate, resume) -> events (choices.py turns worker responses into events.py's typed choice
+events, which the transports' encoders render).
 
 Who is calling, where the request was placed and the response headers it earned travel in an
 explicit ``Call``, not in context variables.
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import math
 import time
@@ -24,6 +24,7 @@ import structlog
 from pydantic import ValidationError
 from tokenfleet.services.gateway import events as ev
 from tokenfleet.services.gateway.catalog import ModelCatalog, ServedModel
+from tokenfleet.services.gateway.choices import FINISH, Translator
 from tokenfleet.services.gateway.dispatch import (
     DEFAULT_STALL_TIMEOUT_S,
     NO_SPARE_CAPACITY,
@@ -33,14 +34,11 @@ from tokenfleet.services.gateway.dispatch import (
     Placement,
 )
 from tokenfleet.services.gateway.preparer import Preparer
+from tokenfleet.services.gateway.request import Edge, Prepared
 
 from tokenfleet.api.chat_template import render_chat
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
-from tokenfleet.api.tools import CallStarted, ContentText, ToolCallParser, ToolEvent, parse, prepare_messages, tool_format
-from tokenfleet.engine.request import Priority
-from tokenfleet.engine.request_spec import RequestSpec
-from tokenfleet.engine.sampling_params import SamplingParams
-from tokenfleet.models.tokenizer import Tokenizer
+from tokenfleet.api.tools import prepare_messages, tool_format
 from tokenfleet.routing.model_router import RouteInput
 from tokenfleet.security.plane import Channels, Plane
 from tokenfleet.telemetry import tracing
@@ -57,12 +55,6 @@ log = structlog.get_logger()
 DEADLINE_HEADERS = ("x-request-timeout", "x-stainless-read-timeout")
 DEFAULT_DEADLINE_S = 600.0  # the official client's default timeout
 MAX_DEADLINE_S = 3600.0
-TIER_PRIORITY = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}  # a tenant's tier: its requests'
-FINISH = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
 
 
 @dataclass
@@ -81,55 +73,6 @@ class Call:
     batch_line: bool = False
     ticket: Ticket | None = None  # its admission (set by Gateway.open): a batch line's record is kept on it
     deadline: float | None = None  # time.monotonic() when the client stops waiting for the response to start
-
-
-@dataclass(frozen=True)
-class Edge:
-    """Who sent a body: what the gateway's edge adds to it to make the request (``Edge.request``)."""
-
-    tenant: Tenant
-    client_request_id: str = ""
-
-    def request(self, model: ServedModel, body: ChatCompletionRequest | CompletionRequest, prompt: Sequence[int],
-                params: SamplingParams, request_id: str) -> RequestSpec:
-        """The one request object (tokenfleet.engine.request_spec) for ``body`` on ``model``: built once, here."""
-        tenant = self.tenant
-        return body.request_spec(prompt, params, request_id, tenant=tenant.name,
-                                 share_group=tenant.cache_group or tenant.name, priority=TIER_PRIORITY[tenant.tier],
-                                 adapter=model.adapter, max_model_len=model.max_model_len,
-                                 client_request_id=self.client_request_id)
-
-
-@dataclass
-class Prepared:
-    """A validated request, rendered and tokenized, not yet admitted: the request every layer passes
-    (``RequestSpec``, built here once) and what only the gateway's encoders need."""
-
-    model: ServedModel
-    request: RequestSpec
-    include_usage: bool
-    tools: bool = False  # parse tool calls out of the output (chat with tools, tool_choice not "none")
-    echo: str = ""  # completions with echo: the prompt's text, sent before each choice's text
-    echo_added: int = 0  # special tokens the tokenizer put before the echoed text's own (Gemma's <bos>): no text
-    chat: bool = True
-    requested_model: str = ""  # the routing alias the client named, when the model router chose ``model``
-
-    @property
-    def request_id(self) -> str:
-        return self.request.id
-
-    @property
-    def prompt(self) -> Sequence[int]:
-        return self.request.prompt_token_ids
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.sampling_params
-
-    @property
-    def limit(self) -> int:
-        """Output tokens it may produce per sample on ``model`` (the edge's limit)."""
-        return self.request.output_limit(self.model.max_model_len)
 
 
 @dataclass
@@ -378,100 +321,6 @@ async def _first(stream: AsyncGenerator[engine_pb2.GenerateResponse, None]) -> e
         return await stream.__anext__()
     except StopAsyncIteration as e:
         raise APIError(500, "worker closed the stream without a result", "server_error") from e
-
-
-def logprobs_of(tokenizer: Tokenizer, logprobs: list[common_pb2.TokenLogprob]) -> tuple[ev.Logprob, ...]:
-    def text(token_id: int) -> str:
-        return tokenizer.decode([token_id], skip_special_tokens=False)
-
-    return tuple(ev.Logprob(text(lp.token_id), lp.logprob, tuple((text(t.token_id), t.logprob) for t in lp.top))
-                 for lp in logprobs)
-
-
-class Translator:
-    """A request's worker responses -> its choice events (one ``_Choice`` per sample)."""
-
-    def __init__(self, prepared: Prepared):
-        self.choices = [_Choice(prepared, index) for index in range(prepared.params.n)]
-
-    def start(self) -> list[ev.ChoiceEvent]:
-        return [event for choice in self.choices for event in choice.opened()]
-
-    def feed(self, response: engine_pb2.GenerateResponse) -> list[ev.ChoiceEvent]:
-        if response.HasField("chunk"):
-            return self.choices[response.chunk.index].chunk(response.chunk)
-        return self.choices[response.final.index].final(response.final)
-
-
-class _Choice:
-    """One choice's worker chunks -> events: tool-call parsing, echo, text offsets, logprob tokens."""
-
-    def __init__(self, prepared: Prepared, index: int):
-        self.prepared, self.index = prepared, index
-        self.tokenizer = prepared.model.tokenizer
-        self.parser = ToolCallParser() if prepared.tools else None
-        self.text = ""
-        self.offset = len(prepared.echo)
-        self.echoed = not prepared.echo
-
-    def opened(self) -> list[ev.ChoiceEvent]:
-        return [ev.Opened(self.index)] if self.prepared.chat else []
-
-    def _echo(self, chunk: engine_pb2.TokenChunk | None) -> list[ev.ChoiceEvent]:
-        """The prompt first, with its logprobs (they come on the first chunk) when logprobs were asked for."""
-        if self.echoed:
-            return []
-        self.echoed = True
-        logprobs: tuple[ev.Logprob, ...] = ()
-        if self.prepared.params.logprobs is not None:
-            prompt = self.prepared.prompt
-            values = list(chunk.prompt_logprobs) if chunk is not None else []
-            first = ev.Logprob(self.tokenizer.decode(prompt[:1], skip_special_tokens=False), None)
-            logprobs = (first, *logprobs_of(self.tokenizer, values))
-            # tokens the tokenizer added (not in the echoed text) get no text: the tokens join up to the echo, offsets hold
-            added = self.prepared.echo_added
-            logprobs = tuple(dataclasses.replace(lp, token="") for lp in logprobs[:added]) + logprobs[added:]
-        return [ev.Echo(self.index, self.prepared.echo, logprobs)]
-
-    def chunk(self, chunk: engine_pb2.TokenChunk) -> list[ev.ChoiceEvent]:
-        out = self._echo(chunk)
-        logprobs = logprobs_of(self.tokenizer, list(chunk.logprobs))
-        self.text += chunk.text
-        parts: list[ToolEvent] = [ContentText(chunk.text)] if chunk.text else []
-        if self.parser is not None:
-            try:
-                parts = self.parser.feed(chunk.text)
-            except ValueError as e:  # not a well-formed call (the grammar prevents it): the rest is text
-                log.warning("tool call output does not parse; passing it on as text", error=str(e))
-                self.parser = None
-        if not parts and (logprobs or not self.prepared.chat):
-            parts = [ContentText("")]  # held by the call parser, the logprobs go now (completions: every chunk)
-        for i, part in enumerate(parts):
-            out.append(self._event(part, logprobs if i == 0 else ()))
-        self.offset += len(chunk.text)
-        return out
-
-    def _event(self, part: ToolEvent, logprobs: tuple[ev.Logprob, ...]) -> ev.ChoiceEvent:
-        if isinstance(part, ContentText):
-            return ev.Text(self.index, part.text, self.offset, logprobs)
-        if isinstance(part, CallStarted):
-            return ev.ToolCallStarted(self.index, part.index, part.call, logprobs)
-        return ev.ToolArguments(self.index, part.index, part.fragment, logprobs)
-
-    def final(self, final: engine_pb2.GenerateFinal) -> list[ev.ChoiceEvent]:
-        out = self._echo(None)
-        reason = FINISH.get(final.finish_reason, "stop")
-        content: str | None = self.text
-        calls: tuple = ()
-        if self.parser is not None:
-            out += [self._event(part, ()) for part in self.parser.finish()]
-        if self.prepared.tools:
-            content, parsed = parse(self.text)  # the whole text: the same calls the stream parser found
-            calls = tuple(parsed)
-            if calls and reason == "stop":
-                reason = "tool_calls"
-        out.append(ev.Finished(self.index, reason, self.text, content, calls))
-        return out
 
 
 @contextlib.asynccontextmanager
