@@ -76,21 +76,22 @@ class System:
 class Tokenfleet(System):
     label = "tokenfleet"
 
-    def __init__(self, children: Children, model_dir: str, model_name: str, threads: int, direct: bool):
+    def __init__(self, children: Children, model_dir: str, model_name: str, threads: int, direct: bool,
+                 dtype: str = "bfloat16"):
 
         self.children, self.model_name, self.direct = children, model_name, direct
         children.start_etcd()
         etcd = children.etcd.endpoint
         self.worker = children.spawn_service(
             "worker", "tokenfleet.services.decode", "--model", model_dir, "--model-name", model_name, "--etcd", etcd,
-            "--role", "both", "--threads", str(threads), "--replica-id", "bench-worker-0", "--dtype", "bfloat16",
+            "--role", "both", "--threads", str(threads), "--replica-id", "bench-worker-0", "--dtype", dtype,
             threads=threads)
         router = children.spawn_service("router", "tokenfleet.services.router", "--etcd", etcd)
         gateway = children.spawn_service("gateway", "tokenfleet.services.gateway", "--router", router.address,
                                          "--model", f"{model_name}={model_dir}")
         self.url = f"http://{gateway.address}"
         wait_completion(self.url, model_name, 120, lambda: all(c.proc.poll() is None for c in children.children))
-        self.config = {"worker_threads": threads, "worker": self.worker.address, "gateway": self.url,
+        self.config = {"worker_threads": threads, "dtype": dtype, "worker": self.worker.address, "gateway": self.url,
                        "internal_plane": "plaintext" if children.insecure else "mutual TLS",
                        "processes": f"etcd, one worker (--role both --threads {threads}), router, gateway "
                                     "(TOKENFLEET_NUM_THREADS=1)"}
@@ -326,6 +327,9 @@ def main() -> None:
                              "threads collapse there: OpenMP spin-waiting)")
     parser.add_argument("--model", help="HF folder (default: the imported SmolLM2-135M-Instruct)")
     parser.add_argument("--model-name", help="served model name (default: tokenfleet's default model name)")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="the tokenfleet worker's --dtype (auto: what `tokenfleet doctor` says it picks here; a CPU "
+                             "without AVX-512 BF16 computes bf16 slowly); vLLM-CPU runs bfloat16")
     parser.add_argument("--skip-tokenfleet", action="store_true")
     parser.add_argument("--insecure", action="store_true",
                         help="tokenfleet's internal plane in plaintext (default: mutual TLS, as deployed)")
@@ -361,7 +365,8 @@ def main() -> None:
     try:
         if not args.skip_tokenfleet:
             print(f"starting tokenfleet (worker threads {args.worker_threads}) ...", flush=True)
-            system: System = Tokenfleet(children, model_dir, model_name, args.worker_threads, not args.skip_direct)
+            system: System = Tokenfleet(children, model_dir, model_name, args.worker_threads, not args.skip_direct,
+                                        args.dtype)
             result["configs"]["tokenfleet"] = system.config
             run_system(system, args, vocab, result["runs"])
             children.stop_all()
