@@ -7,8 +7,8 @@ services of a serving benchmark) get the same tree: PYTHONPATH names it, and a l
 ``tokenfleet.services`` from reaching into the working tree. Runs alternate (old, new, old,
 new, ...) --runs times each; every run's JSON (the script's --json output) is kept, and for each
 numeric leaf the median of the per-round ratios new / old (round i: the i-th old run and the i-th new run, which
-ran next to each other) is reported, with every run's value. Every list of strings the script writes (serve.py:
-each run's greedy completions) is compared across the revisions, round by round: ``outputs`` says how many are
+ran next to each other) is reported, with every run's value. Every list of strings the script writes under a ``texts``
+key (serve.py: each run's greedy completions) is compared across the revisions, round by round: ``outputs`` says how many are
 identical. ``--same-harness`` runs this tree's script and benchmark helpers on both sides (the same load generator
 and checks; only tokenfleet differs).
 
@@ -62,14 +62,15 @@ def leaves(d: object, prefix: str = "") -> dict[str, float]:
 
 
 def texts(d: object, prefix: str = "") -> dict[str, list[str]]:
-    """Every list of strings in a result (e.g. serve.py's greedy completions), by path."""
+    """Every list of strings a result keeps under a key named ``texts`` (serve.py's greedy completions), by path."""
     out: dict[str, list[str]] = {}
     if isinstance(d, dict):
         for k, v in d.items():
             out |= texts(v, f"{prefix}.{k}" if prefix else str(k))
     elif isinstance(d, list):
         if d and all(isinstance(v, str) for v in d):
-            out[prefix] = list(d)
+            if prefix.rpartition(".")[2] == "texts":
+                out[prefix] = list(d)
         else:
             for i, v in enumerate(d):
                 out |= texts(v, f"{prefix}[{i}]")

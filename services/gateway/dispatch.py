@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -88,11 +87,15 @@ class Job:
     def params(self) -> SamplingParams:
         return self.request.sampling_params
 
+    def __post_init__(self) -> None:
+        if self.request.limit is None:
+            raise ValueError("a dispatched request carries its output limit (the gateway's edge sets it)")
+
     @property
     def limit(self) -> int:
         """Output tokens it may produce per sample (the edge's limit)."""
-        limit = self.request.limit if self.request.limit is not None else self.params.max_tokens
-        return limit if limit is not None else sys.maxsize
+        assert self.request.limit is not None
+        return self.request.limit
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """The client's own request id, for the next hop's logs."""

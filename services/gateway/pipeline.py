@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -131,8 +132,8 @@ class Gateway:
         if self.ttft_objectives is not None:
             self.dispatcher.ttft_objectives = dict(self.ttft_objectives)
 
-    async def prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant = ANONYMOUS_CALLER.tenant,
-                           deadline: float | None = None, client_request_id: str = "") -> Prepared:
+    async def prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant, deadline: float | None = None,
+                           client_request_id: str = "") -> Prepared:
         """``tenant``: with the body's ``user``, the conversation's key for an alias's canary split; its tier, a feature
         of the model router's when ``body.model`` is a routing alias; its pinned versions (model name -> ref), applied
         first; its cache group and priority, the request's."""
@@ -147,8 +148,8 @@ class Gateway:
         prepared.requested_model = body.model if name != body.model else ""
         return prepared
 
-    async def prepare_completion(self, body: CompletionRequest, tenant: Tenant = ANONYMOUS_CALLER.tenant,
-                                 deadline: float | None = None, client_request_id: str = "") -> Prepared:
+    async def prepare_completion(self, body: CompletionRequest, tenant: Tenant, deadline: float | None = None,
+                                 client_request_id: str = "") -> Prepared:
         text = body.prompt if isinstance(body.prompt, str) else ""
         name = self._route(dict(tenant.pins).get(body.model, body.model),
                            RouteInput([("user", text)], tier=tenant.tier, max_tokens=body.max_tokens or 0))
@@ -221,7 +222,8 @@ class Gateway:
         if prepared.requested_model:
             ticket.model, ticket.requested_model = model.name, prepared.requested_model
         call.trace.event("admitted")
-        job = Job(model.ref, prepared.request, call.caller.tenant, call.placement, trace=call.trace,
+        request = prepared.request if prepared.request.limit == limit else dataclasses.replace(prepared.request, limit=limit)
+        job = Job(model.ref, request, call.caller.tenant, call.placement, trace=call.trace,
                   spare_only=call.batch_line, deadline=call.deadline)
         stream = self.dispatcher.generate(job)
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import time
 import uuid
@@ -108,7 +109,9 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        convert.sampling_params(request.sampling)  # bad input: INVALID_ARGUMENT before anything else
+        # bad input: INVALID_ARGUMENT before anything else
+        spec = convert.request_from_proto(request, request.request_id,
+                                          client_request_id=from_metadata(context.invocation_metadata()) or "")
         if self.fail_fraction and random.random() < self.fail_fraction:
             raise RuntimeError("injected failure (--fail-fraction: a chaos test of rollouts and retries)")
         self._check_objective(request)
@@ -118,12 +121,7 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             await self.sources.check(request.prefill.replica_id, request.prefill.address)
             kv_source = RemotePrefill(self.channels.get(request.prefill.address, "worker"), request, context, span)
         request_id = self._admit(request.request_id)
-        try:
-            spec = convert.request_from_proto(request, request_id, kv_source,
-                                              from_metadata(context.invocation_metadata()) or "")
-        except BaseException:
-            self.in_flight.discard(request_id)
-            raise
+        spec = dataclasses.replace(spec, request_id=request_id, kv_source=kv_source)
         start, first, last, count = time.monotonic(), None, None, 0
         final: Any = None
         outputs: AsyncIterator[Any] = self._outputs(request, spec)
@@ -170,7 +168,9 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
     async def Prefill(
         self, request: engine_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.PrefillResponse]:
-        convert.sampling_params(request.sampling)  # bad input: INVALID_ARGUMENT before anything else
+        # bad input: INVALID_ARGUMENT before anything else
+        spec = convert.request_from_proto(request, request.request_id,
+                                          client_request_id=from_metadata(context.invocation_metadata()) or "")
         layout = convert.layout_from_proto(request.layout) if request.HasField("layout") else None
         request_id = self._admit(request.request_id)
         span = tracing.current()
@@ -179,9 +179,8 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         try:
             if request.HasField("prefix_source") and request.prefix_source.address:
                 await self._fetch_from_peer(request, request_id)  # e.g. the replies the decode replica generated
-            spec = convert.request_from_proto(request, request_id,
-                                              client_request_id=from_metadata(context.invocation_metadata()) or "")
-            stream = self.engine.prefill(spec, list(request.held_block_hashes), layout)
+            stream = self.engine.prefill(dataclasses.replace(spec, request_id=request_id),
+                                         list(request.held_block_hashes), layout)
             # A cancelled call (the decode side went away) closes the stream: the held blocks are freed.
             async with contextlib.aclosing(stream) as events:
                 sent = 0

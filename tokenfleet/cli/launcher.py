@@ -215,7 +215,7 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
     model's record's (JSON, engine.spec_decode.SpecConfig.parse): its workers speculate. ``lora``: NAME=PATH PEFT
     adapters every worker of the first model loads (clients ask for MODEL:NAME). ``kv_cache_dtype``: the first
     model's record's ("fp8": models.kv_fp8). ``async_scheduling``: every worker overlaps scheduling with its device
-    (EngineCore.enable_overlap). ``batch_slots``: the router gives a
+    (CoreParts.overlap). ``batch_slots``: the router gives a
     worker batch lines only while it runs fewer requests (and none waits); ``batch_concurrency``: batch lines the
     gateway runs at once. ``gateways``: that many gateways (the first on ``gateway_port``, the others on free ports),
     one database (ledger, batch tier) and one router between them."""

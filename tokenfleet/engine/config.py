@@ -44,7 +44,7 @@ class EngineConfig:
     kv_cache_dtype: str = ""
     # CUDA: decode steps of up to this many requests replay captured graphs; 0 = min(max_num_running, 256)
     cuda_graph_max_batch: int = 0
-    # Overlapped scheduling (EngineCore.enable_overlap): the next decode step is queued on the device before the
+    # Overlapped scheduling (CoreParts.overlap): the next decode step is queued on the device before the
     # host reads this one's tokens. Off by default until measured on a GPU (benchmarks/gpu_step.py).
     async_scheduling: bool = False
     # A step beside decoding streams takes at most this times a decode-only step: prompt chunks get the rest

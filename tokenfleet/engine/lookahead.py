@@ -1,6 +1,6 @@
 """Overlapped scheduling's half of the scheduler: the step after one still running on the device.
 
-``EngineCore`` queues that step behind the running one (``enable_overlap``), so the device goes from step to step
+``EngineCore`` queues that step behind the running one (built with ``CoreParts.overlap``), so the device goes from step to step
 without waiting for the host; the runner takes its input tokens from the running step's samples on the device.
 """
 

@@ -52,7 +52,7 @@ class EngineStats:
     spec_step_seconds: float = 0.0
     num_plain_decode_steps: int = 0
     plain_decode_step_seconds: float = 0.0
-    # overlapped scheduling (EngineCore.enable_overlap): steps queued behind the one running, and their rows for
+    # overlapped scheduling (CoreParts.overlap): steps queued behind the one running, and their rows for
     # requests that ended with the step before (a stop token the host had not read yet): computed, discarded
     num_overlapped_steps: int = 0
     num_overlap_discarded_rows: int = 0

@@ -1,4 +1,4 @@
-"""Overlapped scheduling (``EngineCore.enable_overlap``, ``engine.lookahead``, ``TorchModelRunner.launch``) on the
+"""Overlapped scheduling (``CoreParts.overlap``, ``engine.lookahead``, ``TorchModelRunner.launch``) on the
 default model's real weights in fp32: the next decode step is queued before the host reads the running step's
 tokens (on CPU the "device" is the CPU itself, so this checks the bookkeeping, not the speed: the GPU figures
 come from benchmarks/gpu_step.py). Every output must equal the plain engine's, token for token, text, logprobs

@@ -183,7 +183,7 @@ class TorchModelRunner:
     def launch(self, output: SchedulerOutput, requests: Mapping[str, Request], carry: Launched | None = None
                ) -> Launched:
         """Queue a decode step (each entry samples one token; no drafts, forks, guided rows or prompt logprobs) and
-        return without waiting for its tokens (overlapped scheduling, ``EngineCore.enable_overlap``). ``carry``: the
+        return without waiting for its tokens (overlapped scheduling, ``CoreParts.overlap``). ``carry``: the
         step queued before it: an entry whose input token is not on the host yet (its position is its request's
         token count) takes that step's sample for it on the device."""
         if output.copies:
