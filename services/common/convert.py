@@ -47,7 +47,8 @@ def request_to_proto(spec: RequestSpec) -> engine_pb2.GenerateRequest:
     msg = engine_pb2.GenerateRequest(request_id=spec.id, prompt_token_ids=spec.prompt_token_ids,
                                      sampling=sampling_to_proto(spec.sampling_params),
                                      priority=_PRIORITY_TO_PROTO[Priority(spec.priority)], tenant=spec.tenant,
-                                     cache_scope=spec.cache_scope, adapter=spec.adapter)
+                                     cache_scope=spec.cache_scope, adapter=spec.adapter,
+                                     conversation=spec.conversation, retention_ms=round(spec.retention_s * 1000))
     if spec.resume is not None:
         msg.resume.output_token_ids.extend(spec.resume.output_token_ids)
         msg.resume.text = spec.resume.text
@@ -58,10 +59,13 @@ def request_from_proto(msg: engine_pb2.GenerateRequest | engine_pb2.PrefillReque
                        kv_source: KVSource | None = None, client_request_id: str = "") -> RequestSpec:
     """A worker's Generate or Prefill request as the engine takes it (ValueError -> INVALID_ARGUMENT)."""
     resumed = resume(msg.resume) if isinstance(msg, engine_pb2.GenerateRequest) else None
-    adapter = msg.adapter if isinstance(msg, engine_pb2.GenerateRequest) else ""
+    generate = isinstance(msg, engine_pb2.GenerateRequest)
+    adapter = msg.adapter if generate else ""
     return RequestSpec(list(msg.prompt_token_ids), sampling_params(msg.sampling), request_id, priority(msg.priority),
                        resume=resumed, tenant=msg.tenant, cache_scope=cache_scope(msg.cache_scope), adapter=adapter,
-                       kv_source=kv_source, client_request_id=client_request_id)
+                       kv_source=kv_source, client_request_id=client_request_id,
+                       conversation=msg.conversation if generate else "",
+                       retention_s=msg.retention_ms / 1000 if generate else 0.0)
 
 
 def prefill_request(msg: engine_pb2.GenerateRequest, held_block_hashes: Sequence[bytes], layout: KVLayout

@@ -33,6 +33,11 @@ class RequestSpec:
     hash of the request is salted. ``resume``: output another replica already delivered. ``kv_source``: take the
     prompt's first token and KV from a prefill replica. ``hold_kv``: keep the blocks when done (prefill role).
     ``client_request_id``: the caller's own id (x-request-id), for logs and traces across hops.
+    ``conversation``: the conversation the request continues (a stored response chain, or the client's
+    ``prompt_cache_key``), as a digest already scoped to the tenant's cache scope ("" = none): the router keeps a
+    conversation on the replica that holds its transcript. ``retention_s``: when the request ends, keep its blocks
+    (prompt and output) cached at a priority above plain LRU for this many seconds, because the conversation is
+    expected back (0 = plain LRU); released early by ``Engine.release(conversation)``.
     """
 
     prompt_token_ids: Sequence[int]
@@ -48,12 +53,16 @@ class RequestSpec:
     kv_source: KVSource | None = None
     client_request_id: str = ""
     limit: int | None = None
+    conversation: str = ""
+    retention_s: float = 0.0
     kv_scope: str = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
         object.__setattr__(self, "priority", int(self.priority))
         object.__setattr__(self, "kv_scope", adapter_scope(self.cache_scope, self.adapter))
+        if self.retention_s < 0:
+            raise ValueError(f"retention_s must not be negative, got {self.retention_s}")
 
     @property
     def id(self) -> str:
@@ -74,4 +83,5 @@ class RequestSpec:
         """What a log line says about the request: its ids and who asked (never the prompt)."""
         return {"engine_request_id": self.request_id, "client_request_id": self.client_request_id or None,
                 "tenant": self.tenant or None, "adapter": self.adapter or None, "priority": self.priority,
-                "prompt_tokens": self.num_prompt_tokens}
+                "prompt_tokens": self.num_prompt_tokens, "conversation": self.conversation or None,
+                "retention_s": self.retention_s or None}

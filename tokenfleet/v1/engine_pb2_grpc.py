@@ -70,6 +70,11 @@ class EngineServiceStub:
                 request_serializer=tokenfleet_dot_v1_dot_engine__pb2.LoadAdapterRequest.SerializeToString,
                 response_deserializer=tokenfleet_dot_v1_dot_engine__pb2.LoadAdapterResponse.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/tokenfleet.v1.EngineService/Release',
+                request_serializer=tokenfleet_dot_v1_dot_engine__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=tokenfleet_dot_v1_dot_engine__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -136,6 +141,14 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """Stop retaining a conversation's blocks (its stored response was deleted, or it expired at the
+        gateway): they return to plain LRU.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -173,6 +186,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.LoadAdapter,
                     request_deserializer=tokenfleet_dot_v1_dot_engine__pb2.LoadAdapterRequest.FromString,
                     response_serializer=tokenfleet_dot_v1_dot_engine__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=tokenfleet_dot_v1_dot_engine__pb2.ReleaseRequest.FromString,
+                    response_serializer=tokenfleet_dot_v1_dot_engine__pb2.ReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -365,6 +383,33 @@ class EngineService:
             '/tokenfleet.v1.EngineService/LoadAdapter',
             tokenfleet_dot_v1_dot_engine__pb2.LoadAdapterRequest.SerializeToString,
             tokenfleet_dot_v1_dot_engine__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenfleet.v1.EngineService/Release',
+            tokenfleet_dot_v1_dot_engine__pb2.ReleaseRequest.SerializeToString,
+            tokenfleet_dot_v1_dot_engine__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

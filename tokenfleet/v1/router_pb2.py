@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atokenfleet/v1/router.proto\x12\rtokenfleet.v1\"\xf6\x01\n\x0bPickRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12%\n\x06policy\x18\x04 \x01(\x0e\x32\x15.tokenfleet.v1.Policy\x12\x1b\n\x13\x65xclude_replica_ids\x18\x05 \x03(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x11\n\tcolocated\x18\x07 \x01(\x08\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x08 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\t \x01(\t\x12\x12\n\nspare_only\x18\n \x01(\x08\"\xf6\x01\n\x0cPickResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12\x1a\n\x12prefill_replica_id\x18\x05 \x01(\t\x12\x17\n\x0fprefill_address\x18\x06 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11prefix_replica_id\x18\x08 \x01(\t\x12\x16\n\x0eprefix_address\x18\t \x01(\t\x12\x15\n\rprefix_blocks\x18\n \x01(\r*j\n\x06Policy\x12\x16\n\x12POLICY_UNSPECIFIED\x10\x00\x12\x17\n\x13POLICY_LEAST_LOADED\x10\x01\x12\x16\n\x12POLICY_ROUND_ROBIN\x10\x02\x12\x17\n\x13POLICY_PREFIX_AWARE\x10\x03\x32P\n\rRouterService\x12?\n\x04Pick\x12\x1a.tokenfleet.v1.PickRequest\x1a\x1b.tokenfleet.v1.PickResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atokenfleet/v1/router.proto\x12\rtokenfleet.v1\"\x8c\x02\n\x0bPickRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12%\n\x06policy\x18\x04 \x01(\x0e\x32\x15.tokenfleet.v1.Policy\x12\x1b\n\x13\x65xclude_replica_ids\x18\x05 \x03(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x11\n\tcolocated\x18\x07 \x01(\x08\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x08 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\t \x01(\t\x12\x12\n\nspare_only\x18\n \x01(\x08\x12\x14\n\x0c\x63onversation\x18\x0b \x01(\t\"\xf6\x01\n\x0cPickResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12\x1a\n\x12prefill_replica_id\x18\x05 \x01(\t\x12\x17\n\x0fprefill_address\x18\x06 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11prefix_replica_id\x18\x08 \x01(\t\x12\x16\n\x0eprefix_address\x18\t \x01(\t\x12\x15\n\rprefix_blocks\x18\n \x01(\r*j\n\x06Policy\x12\x16\n\x12POLICY_UNSPECIFIED\x10\x00\x12\x17\n\x13POLICY_LEAST_LOADED\x10\x01\x12\x16\n\x12POLICY_ROUND_ROBIN\x10\x02\x12\x17\n\x13POLICY_PREFIX_AWARE\x10\x03\x32P\n\rRouterService\x12?\n\x04Pick\x12\x1a.tokenfleet.v1.PickRequest\x1a\x1b.tokenfleet.v1.PickResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenfleet.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_POLICY']._serialized_start=543
-  _globals['_POLICY']._serialized_end=649
+  _globals['_POLICY']._serialized_start=565
+  _globals['_POLICY']._serialized_end=671
   _globals['_PICKREQUEST']._serialized_start=46
-  _globals['_PICKREQUEST']._serialized_end=292
-  _globals['_PICKRESPONSE']._serialized_start=295
-  _globals['_PICKRESPONSE']._serialized_end=541
-  _globals['_ROUTERSERVICE']._serialized_start=651
-  _globals['_ROUTERSERVICE']._serialized_end=731
+  _globals['_PICKREQUEST']._serialized_end=314
+  _globals['_PICKRESPONSE']._serialized_start=317
+  _globals['_PICKRESPONSE']._serialized_end=563
+  _globals['_ROUTERSERVICE']._serialized_start=673
+  _globals['_ROUTERSERVICE']._serialized_end=753
 # @@protoc_insertion_point(module_scope)

@@ -19,7 +19,7 @@ POLICY_ROUND_ROBIN: Policy
 POLICY_PREFIX_AWARE: Policy
 
 class PickRequest(_message.Message):
-    __slots__ = ("model", "request_id", "num_prompt_tokens", "policy", "exclude_replica_ids", "prompt_token_ids", "colocated", "cache_scope", "adapter", "spare_only")
+    __slots__ = ("model", "request_id", "num_prompt_tokens", "policy", "exclude_replica_ids", "prompt_token_ids", "colocated", "cache_scope", "adapter", "spare_only", "conversation")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class PickRequest(_message.Message):
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     SPARE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     request_id: str
     num_prompt_tokens: int
@@ -40,7 +41,8 @@ class PickRequest(_message.Message):
     cache_scope: str
     adapter: str
     spare_only: bool
-    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., exclude_replica_ids: _Optional[_Iterable[str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., colocated: _Optional[bool] = ..., cache_scope: _Optional[str] = ..., adapter: _Optional[str] = ..., spare_only: _Optional[bool] = ...) -> None: ...
+    conversation: str
+    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., exclude_replica_ids: _Optional[_Iterable[str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., colocated: _Optional[bool] = ..., cache_scope: _Optional[str] = ..., adapter: _Optional[str] = ..., spare_only: _Optional[bool] = ..., conversation: _Optional[str] = ...) -> None: ...
 
 class PickResponse(_message.Message):
     __slots__ = ("replica_id", "address", "model", "model_version", "prefill_replica_id", "prefill_address", "cached_prompt_tokens", "prefix_replica_id", "prefix_address", "prefix_blocks")
