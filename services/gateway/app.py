@@ -15,6 +15,7 @@ from tokenfleet.services.gateway.batch_api import add_batch_routes
 from tokenfleet.services.gateway.http_body import json_body, peer
 from tokenfleet.services.gateway.openai_encoder import OpenAIEncoder
 from tokenfleet.services.gateway.pipeline import Call, Gateway, client_deadline, request_trace, trace_request, validate_body
+from tokenfleet.services.gateway.responses_api import Responses, add_response_routes
 
 from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
 from tokenfleet.batch.store import BatchStore
@@ -48,11 +49,12 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 
 
 def create_app(gateway: Gateway, api_docs: bool = False, batches: BatchStore | None = None,
-               batch_url: str = "") -> FastAPI:
+               batch_url: str = "", responses: Responses | None = None) -> FastAPI:
     """The API app. ``api_docs``: also serve /openapi.json, /docs and /redoc (off by default: the API
     port is public). /metrics is not here: the gateway serves it on its own port (--metrics-port).
     ``batches``: the batch tier's store (the Files and Batch endpoints answer 404 without one, naming ``batch_url``,
-    where the fleet serves it)."""
+    where the fleet serves it). ``responses``: the Responses API's state (default: no store, so nothing is stored
+    and every stored id is unknown)."""
     if api_docs:
         app = FastAPI(title="tokenfleet gateway")
     else:
@@ -108,6 +110,7 @@ def create_app(gateway: Gateway, api_docs: bool = False, batches: BatchStore | N
         return await _serve(gateway, request, chat=False)
 
     add_batch_routes(app, gateway, batches, batch_url)
+    add_response_routes(app, responses or Responses(gateway, None), _headers)
     return app
 
 

@@ -22,13 +22,16 @@ from tokenfleet.services.gateway.grpc_api import InferenceAPI
 from tokenfleet.services.gateway.http_protocol import HeadTimeoutH11Protocol
 from tokenfleet.services.gateway.pipeline import Gateway
 from tokenfleet.services.gateway.preparer import DEFAULT_MAX_QUEUED, Preparer
+from tokenfleet.services.gateway.responses_api import Responses
 from tokenfleet.services.registry.client import watch_registry
 
+from tokenfleet.api.openai_schema import DEFAULT_RETENTION_WINDOW_S
 from tokenfleet.batch.formats import Limits as BatchLimits
 from tokenfleet.batch.store import BatchStore
 from tokenfleet.cluster.etcd import EtcdClient
 from tokenfleet.cluster.gateways import GatewayPeers, GatewayRecord
 from tokenfleet.cluster.registry import RegistryView
+from tokenfleet.responses.store import ResponseStore
 from tokenfleet.security import plane as plane_args
 from tokenfleet.security.plane import Plane
 from tokenfleet.telemetry.metrics import GatewayMetrics
@@ -74,6 +77,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--gateway-id", help="this gateway's id in etcd (default: <hostname>-<port>)")
     p.add_argument("--ledger", default=str(default_ledger()),
                    help="SQLite usage ledger (one record per request; 'none' turns it off)")
+    p.add_argument("--retention-window-s", type=float, default=DEFAULT_RETENTION_WINDOW_S,
+                   help="how long a conversation's transcript stays cached above plain LRU after a stored response or "
+                   "a request with prompt_cache_retention=in_memory (the client is expected back; workers clamp it "
+                   "to their --kv-retention-max-s)")
     p.add_argument("--batch-tier", choices=["on", "off"], default="on", help="serve and run the batch tier "
                    "(/v1/files, /v1/batches; its state is in the --ledger database, so every gateway that serves it "
                    "must open the same file). off: those endpoints answer 404 naming --batch-url")
@@ -166,7 +173,8 @@ async def serve(args: argparse.Namespace) -> None:
     gateway = Gateway(routers, catalog, metrics=metrics, plane=plane, max_resumes=args.max_resumes,
                       stall_timeout=args.stall_timeout,
                       admission=admission, preparer=Preparer(max_queued=args.max_queued_requests),
-                      ttft_objectives=ttft_objectives(args.ttft_objective))
+                      ttft_objectives=ttft_objectives(args.ttft_objective),
+                      retention_window_s=args.retention_window_s)
     log.info("gateway admission", auth=args.auth, ledger=args.ledger)
     store = runner = None
     if ledger is not None and args.batch_tier == "on":  # in the ledger's database: a line and its charge, one commit
@@ -175,9 +183,17 @@ async def serve(args: argparse.Namespace) -> None:
                                                     max_queued_lines=args.batch_max_queued_lines))
         runner = BatchRunner(gateway, store, ledger, gateway_id, args.batch_concurrency, args.batch_lease_seconds)
         background.append(runner.start())
+    # stored responses live in the ledger's database too; without one nothing is stored
+    response_store = ResponseStore(args.ledger) if ledger is not None else None
+    responses = Responses(gateway, response_store, owner=gateway_id)
+    if response_store is not None:
+        recovered = await asyncio.to_thread(response_store.recover, gateway_id)
+        if recovered:
+            log.warning("background responses this gateway ran when it stopped are failed", count=recovered)
+        background.append(asyncio.create_task(responses.sweep_forever()))
     serve_metrics(metrics.registry, args.host, args.metrics_port)
     http = _Server(uvicorn.Config(create_app(gateway, api_docs=args.api_docs, batches=store,
-                                             batch_url=args.batch_url), log_level="warning",
+                                             batch_url=args.batch_url, responses=responses), log_level="warning",
                                   http=HeadTimeoutH11Protocol,  # slow-loris connections are closed
                                   ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key,
                                   timeout_graceful_shutdown=int(args.grace_seconds)))
@@ -224,6 +240,8 @@ async def serve(args: argparse.Namespace) -> None:
             ledger.close()
         if store is not None:
             store.close()
+        if response_store is not None:
+            response_store.close()
     log.info("gateway stopped")
 
 

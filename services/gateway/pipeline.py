@@ -38,7 +38,12 @@ from tokenfleet.services.gateway.preparer import Preparer
 from tokenfleet.services.gateway.request import Edge, Prepared
 
 from tokenfleet.api.chat_template import render_chat
-from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
+from tokenfleet.api.openai_schema import (
+    DEFAULT_RETENTION_WINDOW_S,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from tokenfleet.api.tools import prepare_messages, tool_format
 from tokenfleet.routing.model_router import RouteInput
 from tokenfleet.security.plane import Channels, Plane
@@ -124,6 +129,7 @@ class Gateway:
     ttft_objectives: dict[str, float] | None = None  # per tier, as the operator set them (early rejection)
     plane: Plane = field(default_factory=Plane.plaintext)  # the internal plane: router and workers
     preparer: Preparer = field(default_factory=Preparer)  # templating, tokenizing, grammars: off the event loop
+    retention_window_s: float = DEFAULT_RETENTION_WINDOW_S  # prompt_cache_retention "in_memory" (--retention-window-s)
     dispatcher: Dispatcher = field(init=False)
 
     def __post_init__(self) -> None:
@@ -143,7 +149,7 @@ class Gateway:
             [(m.role, m.text()) for m in body.messages], tools=body.tool_choice_name != "none",
             json_mode=fmt != "text", tier=tenant.tier, max_tokens=limit or 0))
         model = await self.models.get(name, body.user or tenant.name)
-        prepared = await self.preparer.run(self._prepare_chat, model, body, Edge(tenant, client_request_id),
+        prepared = await self.preparer.run(self._prepare_chat, model, body, self._edge(tenant, client_request_id),
                                            deadline=deadline)
         prepared.requested_model = body.model if name != body.model else ""
         return prepared
@@ -154,10 +160,13 @@ class Gateway:
         name = self._route(dict(tenant.pins).get(body.model, body.model),
                            RouteInput([("user", text)], tier=tenant.tier, max_tokens=body.max_tokens or 0))
         model = await self.models.get(name, body.user or tenant.name)
-        prepared = await self.preparer.run(self._prepare_completion, model, body, Edge(tenant, client_request_id),
+        prepared = await self.preparer.run(self._prepare_completion, model, body, self._edge(tenant, client_request_id),
                                            deadline=deadline)
         prepared.requested_model = body.model if name != body.model else ""
         return prepared
+
+    def _edge(self, tenant: Tenant, client_request_id: str) -> Edge:
+        return Edge(tenant, client_request_id, self.retention_window_s)
 
     async def prepare(self, body: ChatCompletionRequest | CompletionRequest, call: Call) -> Prepared:
         """``body`` prepared for ``call``'s tenant: chat or completion by its type. ``call.deadline``: the client's;

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from tokenfleet.services.gateway.catalog import ServedModel
 
-from tokenfleet.api.openai_schema import ChatCompletionRequest, CompletionRequest
+from tokenfleet.api.openai_schema import DEFAULT_RETENTION_WINDOW_S, ChatCompletionRequest, CompletionRequest
 from tokenfleet.engine.request import Priority
 from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import SamplingParams
@@ -23,6 +23,7 @@ class Edge:
 
     tenant: Tenant
     client_request_id: str = ""
+    retention_window_s: float = DEFAULT_RETENTION_WINDOW_S  # what prompt_cache_retention "in_memory" keeps
 
     def request(self, model: ServedModel, body: ChatCompletionRequest | CompletionRequest, prompt: Sequence[int],
                 params: SamplingParams, request_id: str) -> RequestSpec:
@@ -31,7 +32,8 @@ class Edge:
         return body.request_spec(prompt, params, request_id, tenant=tenant.name,
                                  share_group=tenant.cache_group or tenant.name, priority=TIER_PRIORITY[tenant.tier],
                                  adapter=model.adapter, max_model_len=model.max_model_len,
-                                 client_request_id=self.client_request_id)
+                                 client_request_id=self.client_request_id,
+                                 retention_window_s=self.retention_window_s)
 
 
 @dataclass

@@ -23,6 +23,8 @@ Every ``import`` / ``from ... import`` in a module counts, function-level and TY
   gRPC / HTTP libraries; of cluster only the autoscaler's pure policy (``cluster.autoscale``).
 - batch: the batch tier's file formats and store. Never engine, backends, models, cluster nor the gRPC /
   HTTP libraries (the gateway drives it).
+- responses: the Responses API's request, items and stored responses. Never engine, backends, models, cluster,
+  tenancy, batch nor the gRPC / HTTP libraries (the gateway serves it; it builds on api's schema).
 - telemetry, envs, files, v1: leaves everything imports. No other tokenfleet package (telemetry reads its
   settings through envs; v1's generated modules import each other).
 - the operator's surface: only cli starts and calls the services (services call each other), and nothing
@@ -57,6 +59,8 @@ RULES: dict[str, tuple[str, ...]] = {  # package -> module prefixes it must not 
     "tokenfleet.planning": ("tokenfleet.backends", "tokenfleet.models", "tokenfleet.cluster", "torch", *HTTP_AND_GRPC),
     "tokenfleet.batch": ("tokenfleet.engine", "tokenfleet.backends", "tokenfleet.models", "tokenfleet.cluster",
                          *HTTP_AND_GRPC),
+    "tokenfleet.responses": ("tokenfleet.engine", "tokenfleet.backends", "tokenfleet.models", "tokenfleet.cluster",
+                             "tokenfleet.tenancy", "tokenfleet.batch", *HTTP_AND_GRPC),
     "tokenfleet.telemetry": ("tokenfleet",),
     "tokenfleet.envs": ("tokenfleet",),
     "tokenfleet.files": ("tokenfleet",),
@@ -163,6 +167,7 @@ def test_the_packages_keep_their_layers():
     ("tokenfleet/planning/planted.py", "from tokenfleet.backends.torch.runner import TorchModelRunner"),
     ("tokenfleet/batch/planted.py", "from tokenfleet.engine.scheduler import Scheduler"),
     ("tokenfleet/batch/planted.py", "import fastapi"),
+    ("tokenfleet/responses/planted.py", "from tokenfleet.tenancy.ledger import Ledger"),
     ("tokenfleet/telemetry/planted.py", "from tokenfleet.engine.stats import SchedulerStats"),
     ("tokenfleet/v1/planted.py", "from tokenfleet.api import openai_schema"),
     ("tokenfleet/envs.py", "from tokenfleet.telemetry import logging"),

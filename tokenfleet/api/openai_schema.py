@@ -17,7 +17,7 @@ from tokenfleet.engine.grammar import GrammarError, Guided, validate
 from tokenfleet.engine.request import Priority
 from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.sampling_params import MAX_N, SamplingParams
-from tokenfleet.kvcache.salt import request_scope
+from tokenfleet.kvcache.salt import conversation_key, request_scope
 
 DEFAULT_RETRY_AFTER = "1"  # seconds
 
@@ -45,6 +45,11 @@ MAX_MESSAGES = 2048
 MAX_TOOLS = 128  # as OpenAI's API
 MAX_LOGIT_BIAS = 300
 MAX_CACHE_SALT = 256
+MAX_CACHE_KEY = 256
+# How long a conversation's transcript stays cached above plain LRU after a turn that says it will be back
+# (``prompt_cache_retention``): "in_memory" is the gateway's window (--retention-window-s), "24h" a day.
+DEFAULT_RETENTION_WINDOW_S = 300.0
+RETENTION_24H_S = 24 * 3600.0
 # Accepted, with no effect on generation (bookkeeping fields clients send by default).
 INFORMATIONAL = {"metadata", "service_tier"}
 
@@ -73,6 +78,10 @@ class _Common(BaseModel):
     # Prefix-cache isolation within a tenant (as vLLM's field): requests share cached blocks only with
     # requests of the same tenant share group and the same cache_salt (tokenfleet.kvcache.salt).
     cache_salt: str | None = Field(default=None, max_length=MAX_CACHE_SALT)
+    # OpenAI's prompt caching hints: requests with one key are kept on the replica that holds their prefix; a
+    # retention keeps the prompt and reply cached above plain LRU after the request (the client is coming back)
+    prompt_cache_key: str | None = Field(default=None, max_length=MAX_CACHE_KEY)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     # extras that benchmark clients send (vLLM-compatible)
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -84,12 +93,17 @@ class _Common(BaseModel):
 
     def request_spec(self, prompt: Sequence[int], params: SamplingParams, request_id: str, *, tenant: str = "",
                      share_group: str = "", priority: int = Priority.INTERACTIVE, adapter: str = "",
-                     max_model_len: int | None = None, client_request_id: str = "") -> RequestSpec:
+                     max_model_len: int | None = None, client_request_id: str = "",
+                     retention_window_s: float = DEFAULT_RETENTION_WINDOW_S) -> RequestSpec:
         """This body as the request every layer passes (``RequestSpec``): its prompt and sampling, its scope (the
-        tenant's share group and this body's cache_salt), and its output limit on a model of ``max_model_len``."""
-        spec = RequestSpec(prompt, params, request_id, priority, tenant=tenant,
-                           cache_scope=request_scope(share_group, self.cache_salt or ""), adapter=adapter,
-                           client_request_id=client_request_id)
+        tenant's share group and this body's cache_salt), its conversation and retention (chat's
+        ``prompt_cache_key`` and ``prompt_cache_retention``), and its output limit on a model of ``max_model_len``."""
+        scope = request_scope(share_group, self.cache_salt or "")
+        key, retention = self.prompt_cache_key, self.prompt_cache_retention
+        spec = RequestSpec(prompt, params, request_id, priority, tenant=tenant, cache_scope=scope, adapter=adapter,
+                           client_request_id=client_request_id,
+                           conversation=conversation_key(scope, key) if key else "",
+                           retention_s=retention_seconds(retention, retention_window_s))
         return dataclasses.replace(spec, limit=spec.output_limit(max_model_len)) if max_model_len else spec
 
     def _check_unsupported(self) -> None:
@@ -142,6 +156,11 @@ class _Common(BaseModel):
         except ValueError as e:
             param = "logit_bias" if "logit_bias" in str(e) else None
             raise APIError(400, str(e), param=param) from e
+
+
+def retention_seconds(retention: str | None, window_s: float) -> float:
+    """``prompt_cache_retention`` in seconds: None -> 0 (plain LRU), "in_memory" -> ``window_s``, "24h" -> a day."""
+    return 0.0 if retention is None else RETENTION_24H_S if retention == "24h" else window_s
 
 
 class FunctionCallIn(BaseModel):

@@ -26,6 +26,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                      "repeat for several")
     add.add_argument("--internal", action="store_true",
                      help="an operator's tenant: responses name the replica that served them (x-tokenfleet-replica)")
+    add.add_argument("--response-days", type=float, default=30.0,
+                     help="stored responses (the Responses API) are kept this many days (default 30)")
+    add.add_argument("--response-bytes", type=int, default=0,
+                     help="bytes of stored responses at once; a response past it is served, not stored (0 = no limit)")
+    add.add_argument("--retention-tokens", type=int, default=0,
+                     help="transcript tokens its conversations may keep retained in the engines' KV cache at once; "
+                     "past it a turn is served without retention (0 = no limit)")
     add.add_argument("--update", action="store_true", help="change an existing tenant's settings (no new key)")
     add.add_argument("--if-missing", action="store_true", help="do nothing (exit 0) when the tenant exists")
     add.set_defaults(func=_cmd_add)
@@ -68,7 +75,9 @@ def _tenant(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             raise ValueError(f"--pin takes NAME=REF, got {spec!r}")
         pins[name.strip()] = ref.strip()
     return Tenant(args.name, args.tier, args.tokens_per_minute, args.requests_per_minute, args.max_concurrent, models,
-                  cache_group=args.cache_group, internal=args.internal, pins=tuple(pins.items()))
+                  cache_group=args.cache_group, internal=args.internal, pins=tuple(pins.items()),
+                  response_days=args.response_days, response_bytes=args.response_bytes,
+                  retention_tokens=args.retention_tokens)
 
 
 def _run(args: argparse.Namespace, operation):  # type: ignore[no-untyped-def]
@@ -137,6 +146,7 @@ def _cmd_usage(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tokenfleet import envs
+    from tokenfleet.responses.store import usage as responses_usage
     from tokenfleet.tenancy.ledger import format_report, report
     from tokenfleet.tenancy.pricing import Pricing
 
@@ -145,6 +155,11 @@ def _cmd_usage(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"no ledger at {path}")
     since = datetime.strptime(args.since, "%Y-%m-%d").replace(tzinfo=UTC).timestamp() if args.since else 0.0
     print(format_report(report(path, since, args.tenant, Pricing.load(args.pricing)), args.format), end="")
+    stored = {t: u for t, u in responses_usage(path).items() if args.tenant in (None, t)}
+    if stored and args.format == "table":
+        print("\nstored responses (now)\ntenant\tresponses\tbytes\tretained KV tokens")
+        for tenant, u in sorted(stored.items()):
+            print(f"{tenant}\t{u['responses']}\t{u['bytes']}\t{u['retained_tokens']}")
     return 0
 
 

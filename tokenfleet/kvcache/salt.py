@@ -37,3 +37,11 @@ def adapter_scope(scope: str, adapter: str) -> str:
 def chain_salt(layout_salt: str, scope: str) -> str:
     """The salt a request's block hashes start from (``block_hash.root_hash``)."""
     return f"{layout_salt}\x00scope={scope}" if scope else layout_salt
+
+
+def conversation_key(scope: str, key: str) -> str:
+    """A conversation's key as the router and the engine see it: the client's key (``prompt_cache_key``, a stored
+    response chain's first id) digested within the request's scope, so that one tenant's key never names
+    another's conversation and client text never reaches a worker."""
+    payload = "\x00".join(("tokenfleet-conversation-v1", scope, key)).encode()
+    return hashlib.sha256(payload).hexdigest()[:SCOPE_CHARS]

@@ -36,6 +36,13 @@ class Tenant:
     # Pinned versions: a model name or alias it sends -> the ref it gets instead (e.g. a fine-tune's adapter version:
     # ("support-bot", "support-bot@v3")); given as a mapping, kept as sorted pairs.
     pins: tuple[tuple[str, str], ...] = ()
+    # Stored responses (the Responses API): kept this many days, at most this many bytes at once (0 = no limit;
+    # a response past it is served and not stored).
+    response_days: float = 30.0
+    response_bytes: int = 0
+    # Transcript tokens its conversations may keep retained in the engines' KV cache at once (0 = no limit; past it,
+    # a turn is served without retention).
+    retention_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -44,7 +51,10 @@ class Tenant:
             raise ValueError(f"cache group {self.cache_group!r}: 1-64 letters, digits, '.', '_' or '-'")
         if self.tier not in TIERS:
             raise ValueError(f"tier must be one of {', '.join(TIERS)}, got {self.tier!r}")
-        for field in ("tokens_per_minute", "requests_per_minute", "max_concurrent"):
+        if self.response_days <= 0:
+            raise ValueError(f"response_days must be > 0, got {self.response_days}")
+        for field in ("tokens_per_minute", "requests_per_minute", "max_concurrent", "response_bytes",
+                      "retention_tokens"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{field} must be >= 0")
         object.__setattr__(self, "models", tuple(self.models))

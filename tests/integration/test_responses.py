@@ -1,0 +1,214 @@
+"""The Responses API end to end with the official openai client: gateway (API keys from etcd, the ledger's database)
+-> router -> worker, real processes and the real model. Stored responses, streaming events, a two-turn function
+calling loop with previous_response_id, tenants that cannot see each other's responses, and the bad-input cases in
+OpenAI's error shape."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.conftest import start_service, wait_for
+from tests.integration.test_membership import replicas, start_worker
+from tests.integration.test_tenancy import add_tenant, cli
+from tokenfleet.cluster.etcd_server import EtcdServer
+
+MODEL = "smol"
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city now",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def stack(default_model_dir, tmp_path_factory):
+    etcd = EtcdServer.create().start()
+    services = []
+    ledger = tmp_path_factory.mktemp("ledger") / "ledger.sqlite3"
+    try:
+        services.append(start_worker(default_model_dir, etcd, "r0", ttl=5))
+        router = start_service("tokenfleet.services.router", "--etcd", etcd.endpoint)
+        services.append(router)
+        gateway = start_service("tokenfleet.services.gateway", "--router", router.address, "--model",
+                                f"{MODEL}={default_model_dir}", "--auth", "on", "--etcd", etcd.endpoint,
+                                "--ledger", str(ledger))
+        services.append(gateway)
+        wait_for(lambda: replicas(etcd.endpoint), "worker registered")
+        keys = {name: add_tenant(etcd.endpoint, name) for name in ("alice", "bob")}
+        clients = {name: openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key=key, max_retries=0,
+                                       timeout=120) for name, key in keys.items()}
+        wait_for(lambda: _ready(clients["alice"]), "gateway knows the tenants")
+        yield clients, gateway, ledger, etcd
+    finally:
+        for service in reversed(services):
+            service.stop()
+        etcd.cleanup()
+
+
+def _ready(client: openai.OpenAI) -> bool:
+    try:
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=1, store=False)
+        return True
+    except openai.APIError:
+        return False
+
+
+def test_create_retrieve_list_items_and_delete(stack):
+    clients, _, ledger, _ = stack
+    alice = clients["alice"]
+    r = alice.responses.create(model=MODEL, input="What is the capital of France?", max_output_tokens=20,
+                               temperature=0, instructions="Answer in one sentence.")
+    assert r.status == "completed" and r.id.startswith("resp_")
+    assert "Paris" in r.output_text
+    assert r.usage.input_tokens > 10 and 0 < r.usage.output_tokens <= 20
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    again = alice.responses.retrieve(r.id)
+    assert again.output_text == r.output_text and again.status == "completed"
+    items = alice.responses.input_items.list(r.id)
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [
+        ("message", "user", "What is the capital of France?")]
+    with sqlite3.connect(ledger) as conn:  # billed as chat is, under the Responses endpoint
+        billed = conn.execute("SELECT tenant, status, prompt_tokens, completion_tokens FROM usage "
+                              "WHERE endpoint = '/v1/responses' AND completion_tokens = ?",
+                              (r.usage.output_tokens,)).fetchall()
+    assert ("alice", "ok", r.usage.input_tokens, r.usage.output_tokens) in billed
+    deleted = alice.responses.delete(r.id)
+    assert deleted is None or getattr(deleted, "deleted", True)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve(r.id)
+
+
+def test_streaming_sends_the_documented_events_and_the_same_text(stack):
+    alice = stack[0]["alice"]
+    ask = {"model": MODEL, "input": "Write a haiku about rain.", "max_output_tokens": 24, "temperature": 0}
+    whole = alice.responses.create(**ask)
+    events = list(alice.responses.create(**ask, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{whole.status}"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text
+    final = events[-1].response
+    assert final.output_text == text and final.usage.output_tokens == whole.usage.output_tokens
+    assert alice.responses.retrieve(final.id).output_text == text  # stored as streamed
+
+
+def test_two_turn_function_calling_loop_reuses_the_transcript(stack):
+    alice = stack[0]["alice"]
+    first = alice.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER],
+                                   tool_choice="required", temperature=0, max_output_tokens=60)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather"
+    assert "city" in json.loads(calls[0].arguments)
+    second = alice.responses.create(
+        model=MODEL, previous_response_id=first.id, tools=[WEATHER], temperature=0, max_output_tokens=30,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                "output": json.dumps({"temperature_c": 18, "sky": "sunny"})}])
+    assert second.status in ("completed", "incomplete") and second.previous_response_id == first.id
+    assert second.output and second.usage.input_tokens > first.usage.input_tokens
+    # the first turn's transcript was cached on the same replica: most of it is a prefix hit
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 2
+    items = alice.responses.input_items.list(second.id, order="asc")
+    assert [i.type for i in items.data] == ["function_call_output"]
+
+
+def test_streamed_function_call_events(stack):
+    alice = stack[0]["alice"]
+    events = list(alice.responses.create(model=MODEL, input="What is the weather in Rome?", tools=[WEATHER],
+                                         tool_choice="required", temperature=0, max_output_tokens=60, stream=True))
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert done.arguments == deltas and json.loads(deltas)["city"]
+    assert events[-1].response.output[-1].arguments == deltas
+
+
+def test_a_tenant_cannot_see_another_tenants_responses(stack):
+    clients = stack[0]
+    mine = clients["alice"].responses.create(model=MODEL, input="Say hello.", max_output_tokens=5)
+    bob = clients["bob"]
+    for attempt in (lambda: bob.responses.retrieve(mine.id), lambda: bob.responses.delete(mine.id),
+                    lambda: bob.responses.input_items.list(mine.id),
+                    lambda: bob.responses.create(model=MODEL, input="And?", previous_response_id=mine.id)):
+        with pytest.raises(openai.NotFoundError) as caught:
+            attempt()
+        assert caught.value.body["code"] == "not_found" and mine.id in caught.value.body["message"]
+    assert clients["alice"].responses.retrieve(mine.id).id == mine.id  # still there for its owner
+
+
+def test_store_false_leaves_nothing_and_unknown_ids_are_404(stack):
+    alice = stack[0]["alice"]
+    r = alice.responses.create(model=MODEL, input="Say hello.", max_output_tokens=5, store=False)
+    assert r.store is False and r.output_text
+    for missing in (r.id, "resp_" + "0" * 32):
+        with pytest.raises(openai.NotFoundError):
+            alice.responses.retrieve(missing)
+        with pytest.raises(openai.NotFoundError):
+            alice.responses.create(model=MODEL, input="And?", previous_response_id=missing)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"input": [{"type": "function_call_output", "call_id": "call_nowhere", "output": "42"}]}, "input"),
+    ({"input": "hi", "prompt_cache_retention": "1h"}, "prompt_cache_retention"),
+    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input.0.content.0"),
+    ({"input": "hi", "background": True, "store": False}, "background"),
+])
+def test_bad_input_is_a_400_naming_the_field(stack, extra, param):
+    alice = stack[0]["alice"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        alice.responses.create(model=MODEL, max_output_tokens=5, **extra)
+    assert caught.value.status_code == 400 and caught.value.body["param"] == param
+
+
+def test_background_response_runs_and_a_finished_one_cannot_be_cancelled(stack):
+    alice = stack[0]["alice"]
+    r = alice.responses.create(model=MODEL, input="Count from one to five.", max_output_tokens=20, background=True)
+    assert r.status in ("queued", "in_progress") and r.background
+    wait_for(lambda: alice.responses.retrieve(r.id).status == "completed", "background response done", 120)
+    assert alice.responses.retrieve(r.id).output_text
+    with pytest.raises(openai.APIStatusError) as caught:
+        alice.responses.cancel(r.id)
+    assert caught.value.status_code == 409
+    plain = alice.responses.create(model=MODEL, input="Say hi.", max_output_tokens=3)
+    with pytest.raises(openai.BadRequestError):
+        alice.responses.cancel(plain.id)  # only background responses are cancelled
+
+
+def test_a_tenant_over_its_stored_bytes_is_served_and_not_stored(stack):
+    clients, gateway, _, etcd = stack
+    key = add_tenant(etcd.endpoint, "carol", "--response-bytes", "100")
+    carol = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key=key, max_retries=0, timeout=120)
+    wait_for(lambda: _ready(carol), "gateway knows carol")
+    raw = carol.responses.with_raw_response.create(model=MODEL, input="Say hello.", max_output_tokens=5)
+    r = raw.parse()
+    assert r.output_text and r.store is False and raw.headers["x-tokenfleet-store"] == "quota-exceeded"
+    with pytest.raises(openai.NotFoundError):
+        carol.responses.retrieve(r.id)
+    report = cli("tenants", "usage", "--ledger", str(stack[2]))
+    assert "stored responses" in report and "alice" in report.split("stored responses")[1]
+
+
+def test_prompt_cache_key_and_retention_are_accepted_on_chat(stack):
+    alice = stack[0]["alice"]
+    r = alice.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=3,
+                                      prompt_cache_key="conversation-1", prompt_cache_retention="in_memory")
+    assert r.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError) as caught:
+        alice.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=3,
+                                      extra_body={"prompt_cache_retention": "forever"})
+    assert caught.value.body["param"] == "prompt_cache_retention"
+
+
+def test_unauthenticated_callers_get_401_not_404(stack):
+    gateway = stack[1]
+    answer = httpx.get(f"http://{gateway.address}/v1/responses/resp_x", timeout=10)
+    assert answer.status_code == 401 and answer.json()["error"]["type"]

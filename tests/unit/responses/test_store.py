@@ -1,0 +1,115 @@
+"""Stored responses: ownership, chains, quotas, expiry, cancellation, recovery after a gateway stopped."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenfleet.responses.store import Conflict, NotFound, Released, ResponseStore
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def obj(status: str = "in_progress") -> dict:
+    return {"status": status, "output": []}
+
+
+def items(text: str) -> list[dict]:
+    return [{"id": f"msg_{text}", "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}]
+
+
+@pytest.fixture
+def store(tmp_path):
+    clock = Clock()
+    s = ResponseStore(tmp_path / "ledger.sqlite3", clock=clock)
+    s.clock = clock
+    yield s
+    s.close()
+
+
+def test_a_response_is_its_tenants_alone(store):
+    assert store.create("alice", "resp_1", obj(), items("hi"), None, "resp_1", None, False)
+    assert store.get("alice", "resp_1").input == items("hi")
+    for attempt in (lambda: store.get("bob", "resp_1"), lambda: store.delete("bob", "resp_1"),
+                    lambda: store.input_items("bob", "resp_1"), lambda: store.chain("bob", "resp_1")):
+        with pytest.raises(NotFound):
+            attempt()
+    assert store.get("alice", "resp_1").id == "resp_1"  # bob's delete removed nothing
+
+
+def test_a_chain_is_read_oldest_first_and_breaks_when_a_link_is_gone(store):
+    store.create("a", "r1", obj(), items("1"), None, "r1", None, False)
+    store.finish("a", "r1", obj("completed"), [{"id": "fc_1", "type": "function_call"}])
+    store.create("a", "r2", obj(), items("2"), "r1", "r1", None, False)
+    store.finish("a", "r2", obj("completed"), [])
+    chain = store.chain("a", "r2")
+    assert [s.id for s in chain] == ["r1", "r2"] and chain[0].output == [{"id": "fc_1", "type": "function_call"}]
+    store.delete("a", "r1")
+    with pytest.raises(NotFound):
+        store.chain("a", "r2")
+
+
+def test_the_byte_quota_refuses_to_store_and_stores_nothing(store):
+    assert not store.create("a", "big", obj(), items("x" * 500), None, "big", None, False, quota_bytes=100)
+    with pytest.raises(NotFound):
+        store.get("a", "big")
+    assert store.create("a", "small", obj(), items("x"), None, "small", None, False, quota_bytes=1000)
+
+
+def test_expired_responses_are_gone_and_the_sweep_releases_their_retention(store):
+    store.create("a", "r1", obj(), items("1"), None, "r1", None, False, days=1)
+    store.finish("a", "r1", obj("completed"), [], conversation="c1", address="w:1", retained_tokens=50,
+                 retained_for=2 * 86400)
+    assert store.retained_tokens("a") == 50
+    store.clock.now += 86400 + 1
+    with pytest.raises(NotFound):
+        store.get("a", "r1")
+    assert store.sweep() == [Released("w:1", "c1")]
+    assert store.usage() == {}
+
+
+def test_a_later_turn_supersedes_the_earlier_turns_retention(store):
+    store.create("a", "r1", obj(), items("1"), None, "r1", None, False)
+    store.finish("a", "r1", obj("completed"), [], "c", "w:1", retained_tokens=100, retained_for=300)
+    store.create("a", "r2", obj(), items("2"), "r1", "r1", None, False)
+    store.finish("a", "r2", obj("completed"), [], "c", "w:1", retained_tokens=150, retained_for=300)
+    assert store.retained_tokens("a") == 150
+    assert store.delete("a", "r2") == Released("w:1", "c")
+    store.clock.now += 301
+    assert store.delete("a", "r1") is None  # its retention lapsed: nothing to release
+
+
+def test_cancel_is_for_running_background_responses(store):
+    store.create("a", "bg", obj(), items("1"), None, "bg", None, True, owner="gw")
+    store.create("a", "fg", obj(), items("1"), None, "fg", None, False, owner="gw")
+    with pytest.raises(ValueError):
+        store.cancel("a", "fg", obj("cancelled"))
+    store.cancel("a", "bg", obj("cancelled"))
+    assert not store.finish("a", "bg", obj("completed"), [])  # cancelled stays cancelled
+    assert store.get("a", "bg").status == "cancelled"
+    with pytest.raises(Conflict):
+        store.cancel("a", "bg", obj("cancelled"))
+
+
+def test_a_restarted_gateway_fails_the_background_responses_it_was_running(store):
+    store.create("a", "bg", obj(), items("1"), None, "bg", None, True, owner="gw-1")
+    store.create("a", "other", obj(), items("1"), None, "other", None, True, owner="gw-2")
+    assert store.recover("gw-1") == 1
+    failed = store.get("a", "bg")
+    assert failed.status == "failed" and failed.object["error"]["code"] == "server_error"
+    assert store.get("a", "other").status == "in_progress"
+
+
+def test_input_items_pages(store):
+    many = [{"id": f"msg_{i}", "type": "message"} for i in range(5)]
+    store.create("a", "r", obj(), many, None, "r", None, False)
+    page = store.input_items("a", "r", limit=2, order="asc")
+    assert [i["id"] for i in page["data"]] == ["msg_0", "msg_1"] and page["has_more"]
+    rest = store.input_items("a", "r", after="msg_1", limit=10, order="asc")
+    assert [i["id"] for i in rest["data"]] == ["msg_2", "msg_3", "msg_4"] and not rest["has_more"]
+    assert store.input_items("a", "r")["first_id"] == "msg_4"  # newest first by default

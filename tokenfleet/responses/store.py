@@ -1,0 +1,279 @@
+"""Stored responses: each response's request, input items, output items and response object, in the usage
+ledger's SQLite database (the one the batch tier uses), owned by a tenant.
+
+- Ownership: every read and write names the tenant; another tenant's id is "not found", exactly as an id that
+  never existed (nothing says whether it exists).
+- Durability: a response is written (synchronous=FULL) before the client is told it is complete, and a background
+  response before its id is returned; a gateway killed while a background response ran leaves it ``failed`` with
+  the reason, found again by ``recover`` when a gateway of the same id starts.
+- Retention: a stored response expires ``days`` after it was made (the tenant's period); ``sweep`` deletes what
+  expired. Per tenant a byte quota bounds what is stored: a response that would pass it is served, not stored.
+- KV retention bookkeeping: a response whose transcript the engine keeps cached (``retained_tokens`` until
+  ``retained_until``) names the replica that holds it (``address``) and the conversation key the engine retains it
+  under, so that deleting it (or its expiry) can release the blocks; a later turn of the same conversation
+  supersedes the earlier one's retention (the engine re-pins the longer transcript).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created_at REAL NOT NULL, expires_at REAL NOT NULL,
+    status TEXT NOT NULL, background INTEGER NOT NULL, owner TEXT NOT NULL, previous_id TEXT, root_id TEXT NOT NULL,
+    instructions TEXT, input TEXT NOT NULL, output TEXT NOT NULL, object TEXT NOT NULL, bytes INTEGER NOT NULL,
+    conversation TEXT NOT NULL DEFAULT '', address TEXT NOT NULL DEFAULT '',
+    retained_tokens INTEGER NOT NULL DEFAULT 0, retained_until REAL NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS responses_tenant ON responses (tenant, created_at);
+CREATE INDEX IF NOT EXISTS responses_expiry ON responses (expires_at);
+CREATE INDEX IF NOT EXISTS responses_root ON responses (tenant, root_id);
+"""
+FINISHED = ("completed", "incomplete", "failed", "cancelled")
+CONTINUABLE = ("completed", "incomplete")
+DEFAULT_DAYS = 30.0  # OpenAI keeps stored responses 30 days
+
+
+class NotFound(LookupError):
+    """No response of this id for this tenant (never made, deleted, expired, another tenant's, or not stored)."""
+
+
+class Conflict(Exception):
+    """The response is not in a state that allows the operation (e.g. cancelling a finished one)."""
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A stored response as the gateway reads it back."""
+
+    id: str
+    tenant: str
+    status: str
+    background: bool
+    previous_id: str | None
+    root_id: str
+    instructions: str | None
+    input: list[dict[str, Any]]
+    output: list[dict[str, Any]]
+    object: dict[str, Any]
+    conversation: str
+    address: str
+    retained_tokens: int
+    retained_until: float
+
+
+@dataclass(frozen=True)
+class Released:
+    """A response's KV retention that no longer holds (deleted, expired): release ``conversation`` on ``address``."""
+
+    address: str
+    conversation: str
+
+
+_COLUMNS = ("id, tenant, status, background, previous_id, root_id, instructions, input, output, object, conversation, "
+            "address, retained_tokens, retained_until")
+
+
+def _row(row: tuple) -> Stored:
+    (rid, tenant, status, background, previous, root, instructions, inp, out, obj, conversation, address, tokens,
+     until) = row
+    return Stored(rid, tenant, status, bool(background), previous, root, instructions, json.loads(inp), json.loads(out),
+                  json.loads(obj), conversation, address, tokens, until)
+
+
+class ResponseStore:
+    """Every method is one short transaction (callers run them with ``asyncio.to_thread``); gateways that open the
+    same database file share the responses."""
+
+    def __init__(self, path: str | Path, clock: Any = time.time):
+        self.path = Path(path)
+        self.clock = clock
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(self.path, timeout=30, check_same_thread=False, isolation_level=None)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.executescript(SCHEMA)
+        self._lock = threading.RLock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            conn = self._conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    # ---- writes ---------------------------------------------------------------------------------------
+    def create(self, tenant: str, response_id: str, obj: dict[str, Any], input_items: list[dict[str, Any]],
+               previous_id: str | None, root_id: str, instructions: str | None, background: bool, owner: str = "",
+               days: float = DEFAULT_DAYS, quota_bytes: int = 0) -> bool:
+        """Store a response as it starts (``obj`` with its status). False, and nothing stored, when the tenant's
+        ``quota_bytes`` (0: none) cannot hold its input."""
+        now = self.clock()
+        inp, out, body = json.dumps(input_items), "[]", json.dumps(obj)
+        size = len(inp) + len(body) + len(instructions or "")
+        with self._tx() as conn:
+            if quota_bytes:
+                used = conn.execute("SELECT COALESCE(SUM(bytes), 0) FROM responses WHERE tenant = ? AND expires_at > ?",
+                                    (tenant, now)).fetchone()[0]
+                if used + size > quota_bytes:
+                    return False
+            conn.execute("INSERT INTO responses (id, tenant, created_at, expires_at, status, background, owner, "
+                         "previous_id, root_id, instructions, input, output, object, bytes) "
+                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         (response_id, tenant, now, now + days * 86400, obj["status"], int(background), owner,
+                          previous_id, root_id, instructions, inp, out, body, size))
+        return True
+
+    def finish(self, tenant: str, response_id: str, obj: dict[str, Any], output_items: list[dict[str, Any]],
+               conversation: str = "", address: str = "", retained_tokens: int = 0, retained_for: float = 0.0
+               ) -> bool:
+        """Record the response's end (durably: the caller tells the client only after). A response cancelled in the
+        meantime stays cancelled (False). With ``retained_tokens``, the engine keeps the transcript cached for
+        ``retained_for`` seconds on ``address`` under ``conversation``; earlier turns of the conversation no longer
+        count (their transcript is part of this one)."""
+        now = self.clock()
+        out, body = json.dumps(output_items), json.dumps(obj)
+        with self._tx() as conn:
+            row = conn.execute("SELECT status, root_id FROM responses WHERE id = ? AND tenant = ?",
+                               (response_id, tenant)).fetchone()
+            if row is None or row[0] == "cancelled":
+                return False
+            conn.execute("UPDATE responses SET status = ?, output = ?, object = ?, bytes = bytes + ?, conversation = ?, "
+                         "address = ?, retained_tokens = ?, retained_until = ? WHERE id = ?",
+                         (obj["status"], out, body, len(out), conversation, address, retained_tokens,
+                          now + retained_for if retained_tokens else 0.0, response_id))
+            if retained_tokens:
+                conn.execute("UPDATE responses SET retained_tokens = 0, retained_until = 0 "
+                             "WHERE tenant = ? AND root_id = ? AND id != ?", (tenant, row[1], response_id))
+        return True
+
+    def cancel(self, tenant: str, response_id: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Cancel a background response still running: Conflict when it already finished, ValueError when it is not
+        a background response."""
+        with self._tx() as conn:
+            row = conn.execute("SELECT status, background FROM responses WHERE id = ? AND tenant = ? AND expires_at > ?",
+                               (response_id, tenant, self.clock())).fetchone()
+            if row is None:
+                raise NotFound(response_id)
+            if not row[1]:
+                raise ValueError("only background responses can be cancelled")
+            if row[0] in FINISHED:
+                raise Conflict(f"cannot cancel a response that is {row[0]}")
+            conn.execute("UPDATE responses SET status = 'cancelled', object = ? WHERE id = ?",
+                         (json.dumps(obj), response_id))
+        return obj
+
+    def delete(self, tenant: str, response_id: str) -> Released | None:
+        """Delete a response and its items; what its KV retention held, to release (None: nothing held)."""
+        with self._tx() as conn:
+            row = conn.execute("SELECT address, conversation, retained_until FROM responses "
+                               "WHERE id = ? AND tenant = ? AND expires_at > ?",
+                               (response_id, tenant, self.clock())).fetchone()
+            if row is None:
+                raise NotFound(response_id)
+            conn.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+        address, conversation, until = row
+        return Released(address, conversation) if address and conversation and until > self.clock() else None
+
+    def recover(self, owner: str) -> int:
+        """Background responses this gateway (``owner``) ran when it stopped: failed, with the reason. Returns how
+        many."""
+        with self._tx() as conn:
+            rows = conn.execute("SELECT id, object FROM responses WHERE owner = ? AND background = 1 "
+                                "AND status IN ('queued', 'in_progress')", (owner,)).fetchall()
+            for rid, obj in rows:
+                body = json.loads(obj)
+                body["status"] = "failed"
+                body["error"] = {"code": "server_error", "message": "the gateway stopped before the response finished"}
+                conn.execute("UPDATE responses SET status = 'failed', object = ? WHERE id = ?", (json.dumps(body), rid))
+        return len(rows)
+
+    def sweep(self) -> list[Released]:
+        """Delete expired responses; the retention each still held, to release."""
+        now = self.clock()
+        with self._tx() as conn:
+            rows = conn.execute("SELECT address, conversation, retained_until FROM responses WHERE expires_at <= ?",
+                                (now,)).fetchall()
+            conn.execute("DELETE FROM responses WHERE expires_at <= ?", (now,))
+        return [Released(a, c) for a, c, until in rows if a and c and until > now]
+
+    # ---- reads ----------------------------------------------------------------------------------------
+    def get(self, tenant: str, response_id: str) -> Stored:
+        with self._lock:
+            row = self._conn.execute(f"SELECT {_COLUMNS} FROM responses WHERE id = ? AND tenant = ? AND expires_at > ?",
+                                     (response_id, tenant, self.clock())).fetchone()
+        if row is None:
+            raise NotFound(response_id)
+        return _row(row)
+
+    def chain(self, tenant: str, response_id: str, limit: int = 10_000) -> list[Stored]:
+        """The conversation up to ``response_id``: its responses, oldest first. NotFound when any of them is
+        missing (deleted, expired) or not the tenant's."""
+        chain: list[Stored] = []
+        current: str | None = response_id
+        while current is not None and len(chain) < limit:
+            stored = self.get(tenant, current)
+            chain.append(stored)
+            current = stored.previous_id
+        chain.reverse()
+        return chain
+
+    def input_items(self, tenant: str, response_id: str, after: str | None = None, limit: int = 20,
+                    order: str = "desc") -> dict[str, Any]:
+        """OpenAI's list of a response's input items (this request's own), a page of ``limit`` after ``after``."""
+        items = self.get(tenant, response_id).input
+        if order == "desc":
+            items = list(reversed(items))
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise NotFound(after)
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+    def retained_tokens(self, tenant: str) -> int:
+        """Transcript tokens the engine keeps cached for the tenant's responses now (the retention quota's use)."""
+        with self._lock:
+            return self._conn.execute("SELECT COALESCE(SUM(retained_tokens), 0) FROM responses "
+                                      "WHERE tenant = ? AND retained_until > ?", (tenant, self.clock())).fetchone()[0]
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Per tenant: stored responses, their bytes, and transcript tokens retained in KV now."""
+        now = self.clock()
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT tenant, COUNT(*), SUM(bytes), SUM(CASE WHEN retained_until > ? THEN retained_tokens ELSE 0 END) "
+                "FROM responses WHERE expires_at > ? GROUP BY tenant", (now, now)).fetchall()
+        return {t: {"responses": n, "bytes": b or 0, "retained_tokens": r or 0} for t, n, b, r in rows}
+
+
+def usage(path: str | Path) -> dict[str, dict[str, int]]:
+    """``ResponseStore.usage`` of the database at ``path`` (the `tokenfleet tenants usage` report); {} when it holds
+    no responses table."""
+    if not Path(path).exists():
+        return {}
+    store = ResponseStore(path)
+    try:
+        return store.usage()
+    finally:
+        store.close()
