@@ -28,6 +28,7 @@ MAX_BODY_BYTES = 4 << 20
 # Per route: what a body may hold, counted as it arrives (a chunked body has no Content-Length).
 BODY_LIMITS = {"/v1/chat/completions": MAX_BODY_BYTES, "/v1/completions": MAX_BODY_BYTES}
 REPLICA_HEADER = "x-tokenfleet-replica"
+PREFIX_EXPECTED_HEADER = "x-tokenfleet-prefix-expected"  # prompt tokens the router expected the replica to hold
 
 
 def _json_body(schema: type) -> dict[str, Any]:
@@ -161,10 +162,12 @@ def route_label(request: Request) -> str:
 
 def _headers(call: Call, own: dict[str, str] | None = None) -> dict[str, str]:
     """The response's headers: its own, the tenant's rate-limit state, and for internal callers
-    the replica that served it."""
+    the replica that served it and the prompt tokens the router expected it to hold (the usage says what it found)."""
     headers = {**call.headers, **(own or {})}
     if call.placement.replica is not None and call.caller.sees_placement:
         headers[REPLICA_HEADER] = call.placement.replica
+        if call.placement.expected_cached_tokens is not None:
+            headers[PREFIX_EXPECTED_HEADER] = str(call.placement.expected_cached_tokens)
     return headers
 
 

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import itertools
 import time
+import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from tokenfleet.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_gr
 
 log = structlog.get_logger()
 PICK_TIMEOUT_S = 10.0
+RELEASE_TIMEOUT_S = 3.0  # Release is best effort: a worker that cannot answer by then keeps the blocks until they expire
 MAX_PLACEMENTS = 3  # a request tries at most this many replicas before its first token
 RESUME_PICK_WAIT_S = 3.0  # a stream being resumed waits this long for the fleet to show a replica
 # A new request that no router can place yet (a router restarting, the fleet's only worker restarting) waits this long
@@ -59,9 +61,13 @@ DEFAULT_TTFT_OBJECTIVES = {"interactive": 30.0, "batch": 300.0}
 
 @dataclass
 class Placement:
-    """Where a request ran: the replica of its latest placement (the response's replica header)."""
+    """Where a request ran: the replica of its latest placement (the response's replica header), its worker's
+    address (where a conversation's retained blocks are released), and the prompt tokens the router expected that
+    replica to hold (PickResponse.cached_prompt_tokens; what it found is the usage's cached_prompt_tokens)."""
 
     replica: str | None = None
+    address: str | None = None
+    expected_cached_tokens: int | None = None
 
 
 NO_SPARE_CAPACITY = "no_spare_capacity"  # a batch line's Pick found the fleet busy: the runner tries it later
@@ -173,8 +179,9 @@ class Dispatcher:
             model=job.model_ref, request_id=job.request_id, num_prompt_tokens=spec.num_prompt_tokens,
             prompt_token_ids=spec.prompt_token_ids, exclude_replica_ids=list(exclude),
             colocated=colocated or bool(spec.adapter), cache_scope=spec.kv_scope,  # the scope the worker hashes with
-            adapter=spec.adapter, spare_only=job.spare_only and not resuming)  # a started line finishes anyway
-        start = next(self._turn) % len(self.routers)
+            adapter=spec.adapter, spare_only=job.spare_only and not resuming,  # a started line finishes anyway
+            conversation=spec.conversation)
+        start = self._first_router(spec.conversation)
         error: grpc.aio.AioRpcError | None = None
         for address in [*self.routers[start:], *self.routers[:start]]:
             stub = router_pb2_grpc.RouterServiceStub(self.channels.get(address, "router"))
@@ -198,11 +205,37 @@ class Dispatcher:
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     continue
                 break
-            job.placement.replica = picked.replica_id
+            job.placement.replica, job.placement.address = picked.replica_id, picked.address
+            job.placement.expected_cached_tokens = picked.cached_prompt_tokens
+            job.trace.set(**{"tokenfleet.prefix.expected_tokens": picked.cached_prompt_tokens})
             return picked
         assert error is not None
         log.warning("no router placed the request", code=error.code().name, details=error.details())
         raise APIError(503, "no replica available", "server_error", code="no_replica")
+
+    def _first_router(self, conversation: str) -> int:
+        """The router asked first: the conversation's own (a stable hash, the same from every gateway), since each
+        router remembers only the conversations it placed; without one, the routers take turns."""
+        if conversation:
+            return zlib.crc32(conversation.encode()) % len(self.routers)
+        return next(self._turn) % len(self.routers)
+
+    async def release(self, address: str, conversation: str) -> int:
+        """Ask the worker at ``address`` to stop retaining ``conversation``'s blocks (they go back to plain LRU);
+        the number of blocks it had retained. Best effort: a worker that is unreachable, too slow (past
+        RELEASE_TIMEOUT_S) or does not implement Release gives 0, logged, never an error, since the blocks expire
+        on their own at the end of their retention."""
+        if not conversation:
+            return 0
+        stub = engine_pb2_grpc.EngineServiceStub(self.channels.get(address, "worker"))
+        try:
+            response = await stub.Release(engine_pb2.ReleaseRequest(conversation=conversation),
+                                          timeout=RELEASE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            log.info("release not done; the blocks expire with their retention", address=address,
+                     code=e.code().name, details=e.details())
+            return 0
+        return response.blocks
 
     async def _place(self, job: Job, progress: _Progress) -> router_pb2.PickResponse:
         """A placement avoiding the replicas this request left; when resuming a stream whose replica
@@ -282,7 +315,9 @@ class Dispatcher:
                         raise APIError(500, "The server had an error while processing your request.", "server_error")
                     responded = True
                     progress.note(response)
-                    finals += response.HasField("final")
+                    if response.HasField("final"):
+                        finals += 1
+                        job.trace.set(**{"tokenfleet.prefix.found_tokens": response.final.usage.cached_prompt_tokens})
                     finished = finals >= job.params.n  # n > 1: every sample's final
                     yield response
                 if not finished:  # e.g. a worker that predates n > 1 and sent one final

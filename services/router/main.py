@@ -15,6 +15,7 @@ from tokenfleet.services.router.servicer import Router
 
 from tokenfleet.cluster.affinity import DEFAULT_TTL, AffinityMap
 from tokenfleet.cluster.etcd import EtcdClient
+from tokenfleet.routing.conversations import ConversationConfig, ConversationHomes
 from tokenfleet.routing.placement import DisaggConfig
 from tokenfleet.routing.prefix import PrefixPolicyConfig
 from tokenfleet.security import plane as plane_args
@@ -57,6 +58,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "prefix than the picked replica (that replica then recomputes it)")
     p.add_argument("--affinity-ttl", type=int, default=DEFAULT_TTL,
                    help="seconds an affinity entry lives in etcd after its last write")
+    p.add_argument("--conversation-ttl", type=float, default=ConversationConfig.ttl_s,
+                   help="seconds the router remembers where a conversation was served last, after its last turn")
+    p.add_argument("--conversation-max", type=int, default=ConversationConfig.max_entries,
+                   help="conversations remembered at most (the least recently served are forgotten first)")
     p.add_argument("--batch-slots", type=int, default=8, help="batch work (the gateway's batch tier) goes only to "
                    "a replica with nothing waiting and fewer than this many requests running")
     p.add_argument("--grace-seconds", type=float, default=5.0)
@@ -86,7 +91,8 @@ async def serve(args: argparse.Namespace) -> None:
                         plane=plane, audit=AuditLog(args.audit_log, "router"), max_message_bytes=MAX_MESSAGE_BYTES)
     metrics = RouterMetrics(fleet.metric_rows, registry)
     router = Router(fleet, POLICIES[args.policy], metrics, affinity, prefix, DisaggConfig(args.disagg_min_tokens),
-                    peer_fetch=not args.no_peer_fetch, batch_slots=args.batch_slots)
+                    peer_fetch=not args.no_peer_fetch, batch_slots=args.batch_slots,
+                    conversations=ConversationHomes(ConversationConfig(args.conversation_ttl, args.conversation_max)))
     router_pb2_grpc.add_RouterServiceServicer_to_server(router, server.server)
     await server.start()
     log.info("router serving", address=server.address, policy=args.policy)

@@ -1,7 +1,18 @@
 """RouterService: Pick a replica for a request from the fleet view with a pure placement
-(tokenfleet.routing.placement), and record prefix assignments in the etcd affinity map."""
+(tokenfleet.routing.placement), record prefix assignments in the etcd affinity map, and remember where each
+conversation was served last.
+
+Conversation homes are kept in this router's memory (tokenfleet.routing.conversations), not in etcd: a
+conversation's home changes with every turn (its prompt's length), and the affinity map is written only when an
+assignment changes, never per request. Several routers each learn their own homes, which is enough: a gateway asks
+the same router for every turn of a conversation (Dispatcher.pick), and a router that has not seen a conversation
+(the gateway's first choice was away, or this router restarted) places the turn by prefix, where the home's
+reported blocks and the prompt's affinity homes point to the same replica; it remembers the home from then on.
+"""
 
 from __future__ import annotations
+
+import time
 
 import grpc
 import structlog
@@ -9,11 +20,13 @@ from tokenfleet.services.common.errors import map_errors
 from tokenfleet.services.router.fleet import FleetView
 
 from tokenfleet.cluster.affinity import AffinityMap
+from tokenfleet.routing.conversations import ConversationHomes
 from tokenfleet.routing.placement import (
     DEFAULT_DISAGG_CONFIG,
     LEAST_LOADED,
     PREFIX_AWARE,
     ROUND_ROBIN,
+    ConversationHome,
     DisaggConfig,
     Placement,
     PlacementQuery,
@@ -37,7 +50,8 @@ class Router(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, fleet: FleetView, default_policy: int = router_pb2.POLICY_PREFIX_AWARE,
                  metrics: RouterMetrics | None = None, affinity: AffinityMap | None = None,
                  prefix_config: PrefixPolicyConfig = DEFAULT_PREFIX_CONFIG,
-                 disagg: DisaggConfig = DEFAULT_DISAGG_CONFIG, peer_fetch: bool = True, batch_slots: int = 8):
+                 disagg: DisaggConfig = DEFAULT_DISAGG_CONFIG, peer_fetch: bool = True, batch_slots: int = 8,
+                 conversations: ConversationHomes | None = None):
         self.fleet = fleet
         self.metrics = metrics or RouterMetrics(fleet.metric_rows)
         self.default_policy = default_policy
@@ -47,6 +61,7 @@ class Router(router_pb2_grpc.RouterServiceServicer):
         self.disagg = disagg
         self.peer_fetch = peer_fetch  # name a peer holding more of the prefix (PickResponse.prefix_*)
         self.batch_slots = batch_slots  # a replica takes batch work (spare_only) while it runs fewer than this
+        self.conversations = conversations or ConversationHomes()  # where each conversation was served last
 
     @map_errors
     async def Pick(self, request: router_pb2.PickRequest, context: grpc.aio.ServicerContext) -> router_pb2.PickResponse:
@@ -69,11 +84,13 @@ class Router(router_pb2_grpc.RouterServiceServicer):
         anchor = anchor_of(chain, self.prefix_config)
         anchor_homes = self.affinity.homes_of(name, anchor) if self.affinity is not None and anchor is not None else ()
         policy = _POLICY_NAMES.get(request.policy or self.default_policy, PREFIX_AWARE)
+        now = time.monotonic()
+        home = self.conversations.home(name, version, request.conversation, now) if request.conversation else None
         query = PlacementQuery(snapshot, chain, cached, anchor_homes, len(prompt) or request.num_prompt_tokens,
                                layout.block_size if layout is not None else 1, policy, self.round_robin,
                                self.prefix_config, self.disagg, colocated=request.colocated,
                                homes_count=self.affinity.homes_count() if self.affinity is not None else None,
-                               tiered=tiered)
+                               tiered=tiered, conversation=home)
         peer_min = self.prefix_config.peer_min_blocks if self.peer_fetch and not request.colocated else None
         try:
             routed = route(query, peer_min)
@@ -81,6 +98,8 @@ class Router(router_pb2_grpc.RouterServiceServicer):
             self.metrics.picks.labels(name, "unavailable").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{name}@{version or '*'}: {e}")
         self._record(name, version, routed.placement, anchor_homes)
+        if request.conversation:
+            self._remember(name, version, request.conversation, routed.placement, chain, home is None, now)
         log.debug("picked", model=f"{name}@{version}", replica=routed.placement.decode.replica_id, policy=policy,
                   matched_blocks=routed.placement.matched_blocks,
                   prefill=routed.placement.prefill.replica_id if routed.placement.prefill else None)
@@ -96,6 +115,15 @@ class Router(router_pb2_grpc.RouterServiceServicer):
         if placement.prefill is not None:
             self.fleet.note_assignment(placement.prefill.replica_id, name, version)
         self.metrics.picks.labels(name, "ok").inc()
+
+    def _remember(self, name: str, version: str, conversation: str, placement: Placement, chain: list[bytes],
+                  is_new: bool, now: float) -> None:
+        """The conversation's next turn is placed where this one went (which then holds this prompt); the
+        metric counts whether this turn followed its home, left it (why) or had none."""
+        self.conversations.remember(name, version, conversation,
+                                    ConversationHome.of(placement.decode.replica_id, chain), now)
+        outcome = "new" if is_new else placement.conversation or "ignored"  # "ignored": a baseline policy
+        self.metrics.conversations.labels(name, outcome).inc()
 
     def _response(self, name: str, version: str, routed: Route) -> router_pb2.PickResponse:
         placement, chosen = routed.placement, routed.placement.decode

@@ -7,6 +7,12 @@ its ``min_match_blocks``-th block, ``affinity/<model>/<anchor>`` in etcd). A hom
 holding the anchor's blocks even before the replica has reported them, so a burst of one new
 prefix and a freshly restarted router both follow the recorded assignment.
 
+A request that continues a conversation (``ConversationHome``: the replica that served its last turn) stays
+there while that replica is serving and within the same load bound that limits prefix affinity, whatever the
+other replicas report: the home retains the transcript's blocks (in its pool or demoted to its second tier)
+and may not have reported them yet, so block hashes alone undercount it. An overloaded, draining, excluded or
+vanished home is left for the prefix-aware choice.
+
 Disaggregation is conditional: a replica with the prefill role prefills its own requests; a
 decode-only replica gets a separate prefill replica only when the prompt has at least
 ``min_uncached_tokens`` tokens it does not hold already (short prompts and mostly cached
@@ -22,10 +28,18 @@ from tokenfleet.kvcache.block_hash import hash_blocks
 from tokenfleet.kvcache.layout import KVLayout
 from tokenfleet.kvcache.salt import chain_salt
 from tokenfleet.routing.policies import FleetSnapshot, ReplicaLoad, RoundRobin, least_loaded
-from tokenfleet.routing.prefix import DEFAULT_PREFIX_CONFIG, PrefixPolicyConfig, matched_prefix, prefix_aware
+from tokenfleet.routing.prefix import (
+    DEFAULT_PREFIX_CONFIG,
+    PrefixPolicyConfig,
+    matched_prefix,
+    overloaded,
+    prefix_aware,
+)
 
 PREFIX_AWARE, LEAST_LOADED, ROUND_ROBIN = "prefix-aware", "least-loaded", "round-robin"
 POLICIES = (PREFIX_AWARE, LEAST_LOADED, ROUND_ROBIN)
+# What a placement did with a conversation's home (Placement.conversation; "" when it had none)
+FOLLOWED, LEFT_OVERLOADED, LEFT_UNAVAILABLE = "followed", "left_overloaded", "left_unavailable"
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,29 @@ class Placement:
     matched_blocks: int  # leading prompt blocks the decode replica holds (reported or by affinity)
     anchor: bytes | None  # the prompt's affinity key, when it is long enough to have one
     record_home: bool  # write decode.replica_id into the anchor's homes (a new assignment or a spill)
+    conversation: str = ""  # FOLLOWED, LEFT_OVERLOADED or LEFT_UNAVAILABLE when the query named a home, else ""
+
+
+@dataclass(frozen=True)
+class ConversationHome:
+    """The replica that served a conversation's last turn, and what it is known to hold of the transcript: the
+    last turn's prompt was ``num_blocks`` blocks long, the last of them hashing to ``last_block_hash``. The chain
+    hash covers every block before it, so a new prompt whose block ``num_blocks - 1`` has that hash starts with
+    the whole of the last turn's prompt (the transcript only grew), which the home retains."""
+
+    replica_id: str
+    num_blocks: int = 0
+    last_block_hash: bytes | None = None
+
+    @classmethod
+    def of(cls, replica_id: str, chain: Sequence[bytes]) -> ConversationHome:
+        """The home a turn with prompt ``chain`` leaves behind on ``replica_id``."""
+        return cls(replica_id, len(chain), chain[-1] if chain else None)
+
+    def held_blocks(self, chain: Sequence[bytes]) -> int:
+        """Leading blocks of ``chain`` the home holds from the last turn (0 when the transcript was rewritten)."""
+        n = self.num_blocks
+        return n if 0 < n <= len(chain) and chain[n - 1] == self.last_block_hash else 0
 
 
 def anchor_of(chain: Sequence[bytes], config: PrefixPolicyConfig) -> bytes | None:
@@ -102,16 +139,40 @@ class PlacementQuery:
     colocated: bool = False
     homes_count: Mapping[str, int] | None = None
     tiered: Mapping[str, Collection[bytes]] | None = None
+    conversation: ConversationHome | None = None  # the request continues a conversation served there last
+
+
+def conversation_replica(snapshot: FleetSnapshot, home: ConversationHome,
+                         config: PrefixPolicyConfig) -> tuple[ReplicaLoad | None, str]:
+    """The home's replica when the request may stay on it (FOLLOWED), else None and why it leaves: not a serving
+    decode replica of this snapshot (draining, excluded, gone, another model's) or above the load bound that
+    limits prefix affinity (``prefix.overloaded``: the spill floor and the slack over the pool's mean)."""
+    candidates = snapshot.candidates("decode")
+    replica = next((r for r in candidates if r.replica_id == home.replica_id), None)
+    if replica is None:
+        return None, LEFT_UNAVAILABLE
+    if overloaded(replica, candidates, config):
+        return None, LEFT_OVERLOADED
+    return replica, FOLLOWED
 
 
 def place(query: PlacementQuery) -> Placement:
-    """Raises NoReplicaError when no decode replica is serving."""
+    """Raises NoReplicaError when no decode replica is serving. A conversation's home is followed only under the
+    prefix-aware policy (the baselines ignore what replicas hold)."""
     q = query
     snapshot, chain, cached, homes, prefix_config = q.snapshot, q.chain, q.cached, q.homes, q.prefix_config
     policy, homes_count, tiered = q.policy, q.homes_count, q.tiered
     anchor = anchor_of(chain, prefix_config)
     known = with_affinity(cached, chain, homes if anchor is not None else (), prefix_config)
-    if policy == PREFIX_AWARE:
+    conversation = q.conversation if policy == PREFIX_AWARE else None
+    home, outcome = None, ""
+    if conversation is not None:
+        home, outcome = conversation_replica(snapshot, conversation, prefix_config)
+    if conversation is not None and home is not None:  # it holds what it was reported to and the last turn's prompt
+        held = frozenset(chain[: conversation.held_blocks(chain)])
+        known[home.replica_id] = _WithHead(held, known.get(home.replica_id, ()))
+        decode = home
+    elif policy == PREFIX_AWARE:
         decode = prefix_aware(snapshot, chain, known, prefix_config, homes_count=homes_count, tiered=tiered).replica
     elif policy == ROUND_ROBIN:
         decode = (q.round_robin or RoundRobin()).pick(snapshot)
@@ -123,7 +184,7 @@ def place(query: PlacementQuery) -> Placement:
         prefill = choose_prefill(snapshot, decode, chain, known, q.num_prompt_tokens - matched * q.block_size,
                                  prefix_config, q.disagg, tiered)
     record = anchor is not None and decode.replica_id not in homes
-    return Placement(decode, prefill, matched, anchor, record)
+    return Placement(decode, prefill, matched, anchor, record, outcome)
 
 
 def choose_prefill(snapshot: FleetSnapshot, decode: ReplicaLoad, chain: Sequence[bytes],

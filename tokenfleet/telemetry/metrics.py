@@ -209,6 +209,11 @@ class RouterMetrics:
         self.registry = registry or CollectorRegistry()
         self.picks = Counter("tokenfleet_router_picks", "Pick answers by model and result", ["model", "result"],
                              registry=self.registry)
+        # outcome: followed (kept on the replica of its last turn), left_overloaded, left_unavailable (draining,
+        # excluded or gone), new (no home known), ignored (a baseline policy)
+        self.conversations = Counter("tokenfleet_router_conversation_picks", "Picks of requests continuing a "
+                                     "conversation, by model and what placement did with its home",
+                                     ["model", "outcome"], registry=self.registry)
         self.registry.register(_FleetCollector(fleet_rows))
 
 
