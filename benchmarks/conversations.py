@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from serving.load import httpx
 from serving.report import git_head, machine_line
 
 REPO = Path(__file__).resolve().parent.parent

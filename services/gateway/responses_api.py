@@ -19,6 +19,7 @@ and the ``x-tokenfleet-store: quota-exceeded`` header); over its retention quota
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import json
 import time
@@ -211,7 +212,10 @@ def add_response_routes(app: FastAPI, responses: Responses,
             turn, prepared = await _prepare(responses, body, call)
             trace_request(call.trace, "responses", call.caller.tenant, prepared)
             if body.background:
-                task = asyncio.create_task(_background(responses, call, turn, prepared))
+                # a fresh context: the task outlives this HTTP request, whose context (the server's per-request
+                # state) must not come along (inherited, the run's stream was never read to its end)
+                task = asyncio.get_running_loop().create_task(_background(responses, call, turn, prepared),
+                                                              context=contextvars.Context())
                 responses.running[turn.response_id] = task
                 task.add_done_callback(lambda _: responses.running.pop(turn.response_id, None))
                 return JSONResponse(turn.obj("in_progress"), headers=headers(call, None))
@@ -398,6 +402,8 @@ async def _background(responses: Responses, call: Call, turn: _Turn, prepared: A
     gateway, store = responses.gateway, responses.store
     assert store is not None
     builder = ResponseBuilder()
+    structlog.contextvars.bind_contextvars(request_id=call.request_id, tenant=call.caller.tenant.name,
+                                           response_id=turn.response_id)
     try:
         run = await gateway.open(call, prepared)
         try:

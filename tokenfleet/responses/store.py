@@ -268,7 +268,7 @@ class ResponseStore:
 
 
 def usage(path: str | Path) -> dict[str, dict[str, int]]:
-    """``ResponseStore.usage`` of the database at ``path`` (the `tokenfleet tenants usage` report); {} when it holds
+    """``ResponseStore.usage`` of the database at ``path`` (the `tokenfleet usage` report); {} when it holds
     no responses table."""
     if not Path(path).exists():
         return {}
