@@ -40,7 +40,7 @@ def stack(default_model_dir, tmp_path_factory):
         clients = {name: openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key=key, max_retries=0,
                                        timeout=120) for name, key in keys.items()}
         wait_for(lambda: _ready(clients["alice"]), "gateway knows the tenants")
-        yield clients, gateway, ledger, etcd
+        yield clients, gateway, ledger, etcd, router
     finally:
         for service in reversed(services):
             service.stop()
@@ -56,7 +56,7 @@ def _ready(client: openai.OpenAI) -> bool:
 
 
 def test_create_retrieve_list_items_and_delete(stack):
-    clients, _, ledger, _ = stack
+    clients, _, ledger, _, _ = stack
     alice = clients["alice"]
     r = alice.responses.create(model=MODEL, input="What is the capital of France?", max_output_tokens=20,
                                temperature=0, instructions="Answer in one sentence.")
@@ -188,7 +188,7 @@ def test_background_response_runs_and_a_finished_one_cannot_be_cancelled(stack):
 
 
 def test_a_tenant_over_its_stored_bytes_is_served_and_not_stored(stack):
-    clients, gateway, _, etcd = stack
+    clients, gateway, _, etcd, _ = stack
     key = add_tenant(etcd.endpoint, "carol", "--response-bytes", "100")
     carol = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key=key, max_retries=0, timeout=120)
     wait_for(lambda: _ready(carol), "gateway knows carol")
@@ -216,3 +216,29 @@ def test_unauthenticated_callers_get_401_not_404(stack):
     gateway = stack[1]
     answer = httpx.get(f"http://{gateway.address}/v1/responses/resp_x", timeout=10)
     assert answer.status_code == 401 and answer.json()["error"]["type"]
+
+
+def test_a_killed_gateway_loses_no_acknowledged_response(stack, tmp_path, default_model_dir):
+    """kill -9 while a background response runs: the responses whose end reached the client are still there after a
+    restart, and the background response (acknowledged with its id) is failed with the reason, not lost."""
+    _, _, _, etcd, router = stack
+    key = add_tenant(etcd.endpoint, "dave")
+    ledger = tmp_path / "ledger.sqlite3"
+    args = ("tokenfleet.services.gateway", "--router", router.address, "--model", f"{MODEL}={default_model_dir}", "--auth",
+            "on", "--etcd", etcd.endpoint, "--ledger", str(ledger), "--gateway-id", "gw-durable")
+    gateway = start_service(*args)
+    try:
+        dave = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key=key, max_retries=0, timeout=120)
+        wait_for(lambda: _ready(dave), "the gateway serves dave")
+        kept = dave.responses.create(model=MODEL, input="Say hello.", max_output_tokens=5)
+        running = dave.responses.create(model=MODEL, input="Count to one thousand.", max_output_tokens=2000,
+                                        background=True)
+        gateway.proc.kill()
+        gateway.proc.wait(timeout=30)
+        gateway = start_service(*args)
+        dave = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key=key, max_retries=0, timeout=120)
+        assert dave.responses.retrieve(kept.id).output_text == kept.output_text
+        failed = dave.responses.retrieve(running.id)
+        assert failed.status == "failed" and "stopped" in failed.error.message
+    finally:
+        gateway.stop()
