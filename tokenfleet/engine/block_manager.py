@@ -368,11 +368,11 @@ class BlockManager:
         self._restack(changed)
         return expired
 
-    def adopt(self, blocks: Sequence[tuple[bytes, str]]) -> list[int]:
+    def adopt(self, blocks: Sequence[tuple[bytes, str]]) -> list[tuple[int, bytes]]:
         """Blocks for cached content arriving from outside (a prefetch from the second tier): one per (hash,
         owner) not cached yet, taken from free or plain cached blocks only (never a retained one), ref 0,
-        hashed in the first group. Returns their ids, in order; the caller installs their K/V before any step
-        can read them. Stops early when only retained blocks are left."""
+        hashed in the first group. Returns (block id, hash) pairs, in order; the caller installs their K/V
+        before any step can read them. Stops early when only retained blocks are left."""
         ids = []
         for h, owner in blocks:
             if not self.num_plain_free_blocks:
@@ -386,7 +386,7 @@ class BlockManager:
             self.hash_version += 1
             (self._retained if h in self.retention else self._evictable)[block_id] = None
             self._prefetched.add(block_id)
-            ids.append(block_id)
+            ids.append((block_id, h))
         return ids
 
     def _restack(self, changed: Sequence[bytes]) -> None:

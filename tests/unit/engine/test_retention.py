@@ -157,7 +157,7 @@ def test_adopted_blocks_never_evict_retained_ones_and_count_their_hits():
     bm.retain("conv", "t", kept, now=0.0, seconds=10)
     outside = hash_blocks([7, 8, 9, 10], 2, "s")
     bm.retain("demoted", "t", outside, now=0.0, seconds=10)
-    assert bm.adopt([(h, "t") for h in outside]) == [2]  # one plain block left: the second is not taken
+    assert bm.adopt([(h, "t") for h in outside]) == [(2, outside[0])]  # one plain block left: the second is not taken
     assert blocks_of(bm, kept) == [0, 1] and bm.cached_block(outside[0]) == 2
     assert bm._retained[2] is None  # adopted into the retained LRU: its hash is pinned
     bm.check_invariants()
