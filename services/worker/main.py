@@ -57,7 +57,13 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
                    "tokens (GPU; off by default)")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, help="torch CPU threads (leave cores for other processes)")
-    p.add_argument("--num-blocks", type=int)
+    p.add_argument("--num-blocks", type=int, help="KV pool size in blocks (wins over --kv-pool-bytes)")
+    p.add_argument("--kv-pool-bytes", type=int, help="KV pool size in bytes: as many blocks as it holds at the "
+                   "model's KV bytes per block (default 1 GiB)")
+    p.add_argument("--kv-retention-max-s", type=float, default=300.0, help="a request's KV retention (a "
+                   "conversation expected back, retention_ms) is clamped to this many seconds")
+    p.add_argument("--kv-retention-tenant-blocks", type=int, default=0, help="KV blocks one tenant's conversations "
+                   "may retain above plain LRU; over it its oldest retention ends first (0: no quota)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-waiting", type=int, default=1024)
     p.add_argument("--max-num-running", type=int, default=128, help="requests decoding at once (the batch cap)")
@@ -130,6 +136,9 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
         device=args.device,
         num_threads=args.threads,
         num_blocks=args.num_blocks,
+        **({"kv_cache_bytes": args.kv_pool_bytes} if args.kv_pool_bytes else {}),  # type: ignore[arg-type]
+        kv_retention_max_s=args.kv_retention_max_s,
+        kv_retention_tenant_blocks=args.kv_retention_tenant_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_waiting=args.max_num_waiting,
         max_prefill_chunk=args.max_prefill_chunk,

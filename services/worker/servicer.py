@@ -1,4 +1,4 @@
-"""The engine worker servicer: Generate / Prefill / Abort / Load / Drain over any ``Engine``.
+"""The engine worker servicer: Generate / Prefill / Abort / Release / Load / Drain over any ``Engine``.
 
 Shared by the decode and prefill services (role decides what placement sends it). A Generate
 that names a prefill replica pulls the prompt's first token and KV from that replica's
@@ -257,6 +257,13 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.AbortResponse()
 
     @map_errors
+    async def Release(self, request: engine_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+                      ) -> engine_pb2.ReleaseResponse:
+        if not request.conversation:
+            raise ValueError("Release needs the conversation whose retained blocks to release")
+        return engine_pb2.ReleaseResponse(blocks=await self.engine.release(request.conversation))
+
+    @map_errors
     async def LoadAdapter(self, request: engine_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
                           ) -> engine_pb2.LoadAdapterResponse:
         if not request.name or not request.path:
@@ -392,6 +399,14 @@ class EngineWorker(engine_pb2_grpc.EngineServiceServicer):
             peak_flops=self.peaks[0],
             peak_bytes_per_s=self.peaks[1],
             kernel_checks=[convert.kernel_check_to_proto(c) for c in self.engine.kernel_checks()],
+            num_retention_releases=stats.num_retention_releases,
+            num_retention_expiries=stats.num_retention_expiries,
+            num_retained_evicted_blocks=stats.num_retained_evicted,
+            num_retained_demoted_blocks=stats.num_retained_demoted,
+            num_prefetched_blocks=stats.num_prefetched_blocks,
+            num_prefetch_hit_blocks=stats.num_prefetch_hits,
+            num_retained_blocks=stats.num_retained_blocks,
+            retained_bytes_per_tenant=stats.retained_bytes_per_tenant,
         )
 
 

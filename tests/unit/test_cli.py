@@ -82,7 +82,8 @@ def test_a_detached_up_passes_every_option_to_the_cluster_process():
              "--dtype", "float32", "--model", "/m", "--model", "g=/g", "--model-name", "smol", "--detach", "--ask", "hi",
              "--host", "10.0.0.5", "--auth", "on", "--insecure-no-auth", "--certs", "/c", "--insecure",
              "--autoscale", "--max-workers", "3", "--target-concurrency", "2.5", "--warm-pool", "1",
-             "--ttft-objective", "0.7", "--scale-down-after", "5", "--scale-down-cooldown", "8"]
+             "--ttft-objective", "0.7", "--scale-down-after", "5", "--scale-down-cooldown", "8",
+             "--kv-pool-bytes", "123456789"]
     parent = build_parser().parse_args(given)
     child = build_parser().parse_args(detached_up_argv(parent))
     skip = {"detach", "ask", "func"}

@@ -196,13 +196,18 @@ def tier_args(kv_tier: str, kv_tier_bytes: int, replica: str) -> list[str]:
     return ["--kv-tier", spec] + (["--kv-tier-bytes", str(kv_tier_bytes)] if kv_tier_bytes else [])
 
 
+def pool_args(kv_pool_bytes: int) -> list[str]:
+    """A worker's KV pool flag: its size in bytes (the worker converts it to blocks of its model); 0: its default."""
+    return ["--kv-pool-bytes", str(kv_pool_bytes)] if kv_pool_bytes else []
+
+
 def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_port: int,
        role: str = "both", dtype: str = "auto", prefill_workers: int = 0, record: bool = True,
        insecure: bool = False, certs: Path | None = None, host: str = "127.0.0.1", auth: bool = False,
        no_auth: bool = False, more_models: Sequence[tuple[str, str]] = (), kv_tier: str = "",
        kv_tier_bytes: int = 0, speculative_config: str = "", lora: Sequence[str] = (), batch_slots: int = 8,
        batch_concurrency: int = 8, kv_cache_dtype: str = "", async_scheduling: bool = False,
-       gateways: int = 1) -> Cluster:
+       gateways: int = 1, kv_pool_bytes: int = 0) -> Cluster:
     """``prefill_workers`` > 0 disaggregates: that many prefill workers, and the ``num_workers``
     others decode only (unless ``role`` says otherwise); the router sends long prompts' prefill there.
     ``record``: write the state file `tokenfleet down` reads (off for private clusters, e.g. calibration).
@@ -211,7 +216,8 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
     (tenants in this cluster's etcd); without keys only on loopback unless ``no_auth`` (check_auth).
     ``more_models``: further (name, folder) pairs, registered too and served by one worker each; the
     gateway serves every registered model. ``kv_tier``: each worker's second KV tier, ``memory`` or
-    ``disk:DIR`` (a folder per worker under DIR), of ``kv_tier_bytes`` bytes. ``speculative_config``: the first
+    ``disk:DIR`` (a folder per worker under DIR), of ``kv_tier_bytes`` bytes. ``kv_pool_bytes``: each worker's KV
+    pool in bytes (0: the worker's default). ``speculative_config``: the first
     model's record's (JSON, engine.spec_decode.SpecConfig.parse): its workers speculate. ``lora``: NAME=PATH PEFT
     adapters every worker of the first model loads (clients ask for MODEL:NAME). ``kv_cache_dtype``: the first
     model's record's ("fp8": models.kv_fp8). ``async_scheduling``: every worker overlaps scheduling with its device
@@ -243,13 +249,14 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
         for name, worker_role in roles:
             cluster.spawn(name, "tokenfleet.services.decode", "--registry", registry, "--model-name",
                           model_name, "--etcd", etcd, "--replica-id", name, "--role", worker_role, *audit, *METRICS,
-                          *tier_args(kv_tier, kv_tier_bytes, name), *[w for spec in lora for w in ("--lora", spec)],
+                          *tier_args(kv_tier, kv_tier_bytes, name), *pool_args(kv_pool_bytes),
+                          *[w for spec in lora for w in ("--lora", spec)],
                           *(["--async-scheduling"] if async_scheduling else []), threads=threads)
         for extra, folder_of_extra in more_models:
             register_model(registry, extra, folder_of_extra, plane, dtype)
             cluster.spawn(f"worker-{extra}", "tokenfleet.services.decode", "--registry", registry, "--model-name",
                           extra, "--etcd", etcd, "--replica-id", f"{extra}-0", "--role", "both", *audit, *METRICS,
-                          *tier_args(kv_tier, kv_tier_bytes, f"{extra}-0"),
+                          *tier_args(kv_tier, kv_tier_bytes, f"{extra}-0"), *pool_args(kv_pool_bytes),
                           *(["--async-scheduling"] if async_scheduling else []), threads=threads)
         router = cluster.spawn("router", "tokenfleet.services.router", "--etcd", etcd, "--registry", registry, *audit,
                                *METRICS, "--batch-slots", str(batch_slots))

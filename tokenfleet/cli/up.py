@@ -22,6 +22,8 @@ def add_commands(sub: Any) -> None:
     up_cmd.add_argument("--kv-tier", default="", help="each worker's second KV tier: memory or disk:DIR (a folder "
                         "per worker under DIR); blocks the pool evicts are restored from it instead of recomputed")
     up_cmd.add_argument("--kv-tier-bytes", type=int, default=0, help="each worker's second-tier budget (default 4 GiB)")
+    up_cmd.add_argument("--kv-pool-bytes", type=int, default=0, help="each worker's KV pool in bytes (its blocks: "
+                        "this over the model's KV bytes per block; default 1 GiB)")
     up_cmd.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                         help="dtype in the model's registry record; auto: float32 on CPUs (answers that do not depend "
                         "on the CPU's rounding), bfloat16 on GPUs; bfloat16 on a CPU with AVX512-BF16 or AMX is faster")
@@ -100,6 +102,7 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--insecure"] if args.insecure else []
     argv += ["--host", args.host, "--auth", args.auth] + (["--insecure-no-auth"] if args.insecure_no_auth else [])
     argv += ["--kv-tier", args.kv_tier, "--kv-tier-bytes", str(args.kv_tier_bytes)] if args.kv_tier else []
+    argv += ["--kv-pool-bytes", str(args.kv_pool_bytes)] if args.kv_pool_bytes else []
     argv += ["--speculative-config", args.speculative_config] if args.speculative_config else []
     argv += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
     argv += ["--async-scheduling"] if args.async_scheduling else []
@@ -199,7 +202,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     cluster = launcher.up(args.workers, model_dir, name, args.threads, args.port, args.role, args.dtype,
                           args.prefill_workers, insecure=args.insecure, certs=Path(args.certs) if args.certs else None,
                           host=args.host, auth=auth, no_auth=args.insecure_no_auth, more_models=more,
-                          kv_tier=args.kv_tier, kv_tier_bytes=args.kv_tier_bytes,
+                          kv_tier=args.kv_tier, kv_tier_bytes=args.kv_tier_bytes, kv_pool_bytes=args.kv_pool_bytes,
                           speculative_config=args.speculative_config, lora=args.lora,
                           kv_cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling,
                           batch_slots=args.batch_slots,

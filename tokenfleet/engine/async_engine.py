@@ -240,6 +240,10 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(_Abort(request_id))
 
+    async def release(self, conversation: str) -> int:
+        """``Engine.release``: on the engine thread (``EngineCore.release``)."""
+        return await self.call(lambda core: core.release(conversation))
+
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
@@ -320,8 +324,9 @@ class AsyncEngine:
         self.lora = self if core.adapters is not None else None
         self._snapshot(core)  # a restarted worker's second tier is reported from its first Load report
         ready.set_result(None)
+        more = False  # a prefetch batch was full: come back without waiting for work
         while True:
-            block = not core.has_unfinished()
+            block = not core.has_unfinished() and not more
             if not self._drain_commands(core, block):
                 try:
                     core.close()  # keeps the pool's blocks in a persistent second tier
@@ -329,6 +334,11 @@ class AsyncEngine:
                     log.warning("engine_close_failed", error=repr(e))
                 return
             core.kv.expire_held()
+            try:
+                more = core.tend(time.monotonic())
+            except Exception as e:  # noqa: BLE001 - like a step's failure: fail every stream, never hang them
+                self._fail_all(core, e)
+                return
             if core.has_unfinished():
                 try:
                     outputs = core.step()
@@ -355,10 +365,8 @@ class AsyncEngine:
             try:
                 command = self._commands.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:
-                if block:
-                    core.kv.expire_held()
-                    self._snapshot(core)
-                    continue
+                # idle for a while, or nothing queued: the loop's housekeeping runs (held blocks' deadlines,
+                # retention and prefetch, the snapshot), then it waits again
                 return True
             block = False
             if command is _STOP:

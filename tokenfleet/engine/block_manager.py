@@ -1,16 +1,22 @@
 """KV block manager: integers only (free list, ref counts, hash -> block, LRU of cached blocks).
 
-Every block is in exactly one of three states:
+Every block is in exactly one of four states:
 
-    free       ref 0, no hash     in ``_free_ids`` (FIFO)
-    cached     ref 0, has hash    in ``_evictable`` (LRU: oldest first) = the prefix cache
-    in use     ref > 0            in one or more block tables
+    free       ref 0, no hash             in ``_free_ids`` (FIFO)
+    cached     ref 0, has hash            in ``_evictable`` (LRU: oldest first) = the prefix cache
+    retained   ref 0, has a pinned hash   in ``_retained`` (LRU: oldest first)
+    in use     ref > 0                    in one or more block tables
 
-Allocation takes free blocks first and evicts the least recently used cached block only when
-none is left, so allocation never fails while any block has ref 0 (no fragmentation: blocks
-are interchangeable). Sharing (prefix hits, ``fork``) is copy-on-write: a request about to
-write into a shared, partially filled last block gets a private copy, returned as a
-(src, dst) pair for the model runner to copy. The manager never mutates a request.
+Allocation takes free blocks first, then evicts the least recently used cached block, and only
+when neither is left the least recently used retained one, so allocation never fails while any
+block has ref 0 (no fragmentation: blocks are interchangeable; retention orders eviction and
+never reserves a block). A hash is pinned while a conversation retains it (``engine.retention``:
+``retain``, ``release``, ``expire``); a retained block a request takes leaves ``_retained`` while
+in use and returns to it when freed if its hash is still pinned.
+
+Sharing (prefix hits, ``fork``) is copy-on-write: a request about to write into a shared,
+partially filled last block gets a private copy, returned as a (src, dst) pair for the model
+runner to copy. The manager never mutates a request.
 
 KV groups (``windows``, one per group of layers: tokenfleet.kvcache.layout.kv_groups): a request
 has one table per group, all drawn from the one pool. A sliding-window group's table keeps only
@@ -19,6 +25,10 @@ before are the null block (block 0, reserved, never allocated), and the blocks t
 released (cached ones stay in the prefix cache's LRU). A prefix hit must hold, in every
 sliding-window group, the blocks the window reaches from the hit's end. One group with window 0
 (a Llama) is the plain case: no null block, one table.
+
+Slightly above 500 lines on purpose: the four states above and their moves must stay in one class
+for ``check_invariants`` to see them; the retention bookkeeping that stands alone (which hashes are
+pinned, by whom, until when) lives in ``engine.retention``.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from collections import OrderedDict, deque
 from collections.abc import KeysView, Sequence
 from dataclasses import dataclass
 
+from tokenfleet.engine.retention import Retention
 from tokenfleet.kvcache.layout import window_first_block
 
 NULL_BLOCK = 0  # with sliding-window groups: what a table holds where the window no longer reaches
@@ -48,7 +59,8 @@ class PrefixHit(list[int]):
     tables: tuple[list[int], ...] = ()
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int] = (0,)):
+    def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int] = (0,),
+                 retention: Retention | None = None):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         if not windows or any(w < 0 for w in windows):
@@ -67,6 +79,11 @@ class BlockManager:
         self._hash_to_block: list[dict[bytes, int]] = [{} for _ in self.windows]
         self._free_ids: deque[int] = deque(range(first, num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._retained: OrderedDict[int, None] = OrderedDict()  # evicted only when _evictable is empty
+        self.retention = retention if retention is not None else Retention()
+        self._prefetched: set[int] = set()  # cached blocks ``adopt`` installed that no request has taken yet
+        self.num_retained_evicted = 0  # retained blocks evicted under pressure (demoted, with a second tier)
+        self.num_prefetch_hits = 0  # adopted blocks a request then took
         self._tables: dict[str, list[list[int]]] = {}  # request -> one table per group
         self._num_slots: dict[str, int] = {}  # tokens each table covers
         self._num_hashed: dict[str, int] = {}  # leading blocks of each table already hashed
@@ -86,8 +103,18 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation can take now (free + evictable cached)."""
+        """Blocks an allocation can take now (free + evictable cached + retained)."""
+        return len(self._free_ids) + len(self._evictable) + len(self._retained)
+
+    @property
+    def num_plain_free_blocks(self) -> int:
+        """Blocks an allocation takes before any retained one (free + evictable cached)."""
         return len(self._free_ids) + len(self._evictable)
+
+    @property
+    def num_retained_idle_blocks(self) -> int:
+        """Retained blocks no request holds now."""
+        return len(self._retained)
 
     @property
     def num_used_blocks(self) -> int:
@@ -125,7 +152,7 @@ class BlockManager:
         """The first group's cached blocks as (block id, hash, owner), least recently used first: the
         evictable ones in eviction order, then those requests hold now."""
         found = self._hash_to_block[0]
-        idle = [b for b in self._evictable if self._block_group[b] == 0 and self._block_hash[b] in found]
+        idle = [b for b in (*self._evictable, *self._retained) if self._block_group[b] == 0 and self._block_hash[b] in found]
         held = set(idle)
         busy = [b for b in found.values() if b not in held]
         return [(b, self._block_hash[b] or b"", self._block_owner[b]) for b in idle + busy]
@@ -314,11 +341,69 @@ class BlockManager:
         self._num_slots[request_id] = num_tokens if keep == -(-num_tokens // self.block_size) else keep * self.block_size
 
     def reset_prefix_cache(self) -> None:
-        """Evict every cached block that no request uses."""
-        while self._evictable:
-            block_id, _ = self._evictable.popitem(last=False)
-            self._forget_hash(block_id)
-            self._free_ids.append(block_id)
+        """Evict every cached block that no request uses (retained ones too; their pins stay)."""
+        for lru in (self._evictable, self._retained):
+            while lru:
+                block_id, _ = lru.popitem(last=False)
+                self._forget_hash(block_id)
+                self._free_ids.append(block_id)
+
+    # ---- retention (engine.retention) ----------------------------------------------------
+    def retain(self, key: str, owner: str, block_hashes: Sequence[bytes], now: float, seconds: float) -> None:
+        """Keep the blocks of ``block_hashes`` (a finished request's full blocks, prompt and output) above plain
+        LRU under ``key`` (its conversation) until ``now + seconds`` (clamped by the retention's maximum),
+        replacing ``key``'s earlier retention. Call after the request's blocks were freed."""
+        self._restack(self.retention.pin(key, owner, block_hashes, now, seconds))
+
+    def release(self, key: str) -> int:
+        """End ``key``'s retention now: its blocks go back to plain LRU (unless another conversation retains
+        them). Returns how many blocks it retained (0: unknown or already ended)."""
+        pin, changed = self.retention.unpin(key)
+        self._restack(changed)
+        return len(pin.hashes) if pin is not None else 0
+
+    def expire(self, now: float) -> int:
+        """End the retentions whose deadline passed; returns how many."""
+        expired, changed = self.retention.expire(now)
+        self._restack(changed)
+        return expired
+
+    def adopt(self, blocks: Sequence[tuple[bytes, str]]) -> list[tuple[int, bytes]]:
+        """Blocks for cached content arriving from outside (a prefetch from the second tier): one per (hash,
+        owner) not cached yet, taken from free or plain cached blocks only (never a retained one), ref 0,
+        hashed in the first group. Returns (block id, hash) pairs, in order; the caller installs their K/V
+        before any step can read them. Stops early when only retained blocks are left."""
+        ids = []
+        for h, owner in blocks:
+            if not self.num_plain_free_blocks:
+                break
+            if h in self._hash_to_block[0]:
+                continue
+            block_id = self._pop_free()
+            self._ref_counts[block_id] = 0
+            self._block_hash[block_id], self._block_group[block_id], self._block_owner[block_id] = h, 0, owner
+            self._hash_to_block[0][h] = block_id
+            self.hash_version += 1
+            (self._retained if h in self.retention else self._evictable)[block_id] = None
+            self._prefetched.add(block_id)
+            ids.append((block_id, h))
+        return ids
+
+    def _restack(self, changed: Sequence[bytes]) -> None:
+        """Move the idle blocks of hashes whose pinned state changed to the LRU they now belong to: newly pinned
+        ones to ``_retained`` (tail blocks first: evicted first, as ``free`` orders them), unpinned ones to the
+        oldest end of ``_evictable`` (a conversation released or not back in time is the least likely prefix)."""
+        idle = [b for h in changed for found in self._hash_to_block
+                if (b := found.get(h)) is not None and not self._ref_counts[b]]
+        for block_id in reversed(idle):  # appended at the newest end: the tail first
+            if block_id in self._evictable and self._block_hash[block_id] in self.retention:
+                del self._evictable[block_id]
+                self._retained[block_id] = None
+        for block_id in idle:  # moved to the oldest end one by one: the tail ends first
+            if block_id in self._retained and self._block_hash[block_id] not in self.retention:
+                del self._retained[block_id]
+                self._evictable[block_id] = None
+                self._evictable.move_to_end(block_id, last=False)
 
     # ---- internals ---------------------------------------------------------------------
     def _drop_outside_window(self, request_id: str, start: int) -> None:
@@ -347,22 +432,33 @@ class BlockManager:
 
     def _take_ref(self, block_id: int) -> None:
         if self._ref_counts[block_id] == 0:
-            del self._evictable[block_id]
+            if block_id in self._evictable:
+                del self._evictable[block_id]
+            else:
+                del self._retained[block_id]
+            if block_id in self._prefetched:
+                self._prefetched.discard(block_id)
+                self.num_prefetch_hits += 1
         self._ref_counts[block_id] += 1
 
     def _release(self, block_id: int) -> None:
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] == 0:
-            if self._block_hash[block_id] is not None:
-                self._evictable[block_id] = None
-            else:
+            h = self._block_hash[block_id]
+            if h is None:
                 self._free_ids.append(block_id)
+            else:
+                (self._retained if h in self.retention else self._evictable)[block_id] = None
 
     def _pop_free(self) -> int:
         if self._free_ids:
             block_id = self._free_ids.popleft()
         else:
-            block_id, _ = self._evictable.popitem(last=False)
+            if self._evictable:
+                block_id, _ = self._evictable.popitem(last=False)
+            else:  # only retained blocks are left: a running or arriving request is never refused for them
+                block_id, _ = self._retained.popitem(last=False)
+                self.num_retained_evicted += 1
             h = self._block_hash[block_id]
             if self.track_evictions and h is not None:
                 self.evicted.append((block_id, h, self._block_owner[block_id]))
@@ -375,6 +471,7 @@ class BlockManager:
         if h is not None:
             del self._hash_to_block[self._block_group[block_id]][h]
             self._block_hash[block_id] = None
+            self._prefetched.discard(block_id)
             self.hash_version += 1
 
     def check_invariants(self) -> None:
@@ -392,17 +489,23 @@ class BlockManager:
         free = set(self._free_ids)
         _check(len(free) == len(self._free_ids), "duplicate in free list")
         _check(not free & set(self._evictable), "block both free and evictable")
+        _check(not (free | set(self._evictable)) & set(self._retained), "block both retained and free or evictable")
+        problem = self.retention.problem()
+        _check(problem is None, f"retention: {problem}")
         for block_id in range(self.num_blocks):
             h, ref = self._block_hash[block_id], self._ref_counts[block_id]
-            in_free, in_lru = block_id in free, block_id in self._evictable
+            in_free, in_lru, in_kept = block_id in free, block_id in self._evictable, block_id in self._retained
             if block_id == self._null:
-                _check(not in_free and not in_lru and h is None, "the null block is allocatable or hashed")
+                _check(not in_free and not in_lru and not in_kept and h is None, "the null block is allocatable or hashed")
                 continue
             if ref > 0:
-                _check(not in_free and not in_lru, f"block {block_id} in use and free")
+                _check(not in_free and not in_lru and not in_kept, f"block {block_id} in use and free")
             else:
-                _check(in_free != in_lru, f"block {block_id} lost (ref 0, in no list)")
-                _check(in_lru == (h is not None), f"block {block_id}: hash/list mismatch")
+                _check(in_free + in_lru + in_kept == 1, f"block {block_id} lost (ref 0, in no list) or in two")
+                _check(in_free == (h is None), f"block {block_id}: hash/list mismatch")
+                _check(in_kept == (h is not None and h in self.retention), f"block {block_id}: retained/pin mismatch")
+            _check(block_id not in self._prefetched or (h is not None and ref == 0),
+                   f"block {block_id}: prefetched yet uncached or in use")
             if h is not None:
                 found = self._hash_to_block[self._block_group[block_id]]
                 _check(found.get(h) == block_id, f"block {block_id}: hash map mismatch")

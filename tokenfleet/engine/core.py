@@ -23,6 +23,7 @@ from tokenfleet.engine.kv_connector import KVConnector
 from tokenfleet.engine.kv_tier import SecondTier, StagedBlocks, TierChain
 from tokenfleet.engine.lookahead import lookahead, queueable
 from tokenfleet.engine.output import OutputState, RequestOutput
+from tokenfleet.engine.prefetch import Prefetcher
 from tokenfleet.engine.request import FinishReason, Request, RequestStatus
 from tokenfleet.engine.request_spec import RequestSpec
 from tokenfleet.engine.runner import (
@@ -100,6 +101,9 @@ class EngineCore:
         if parts.tier is not None:
             self.tier = parts.tier
             self.scheduler.block_manager.track_evictions = True
+        # retained conversations' blocks the pool demoted to the tier come back between steps (engine.prefetch)
+        self.prefetcher = Prefetcher(scheduler.block_manager, self.tier, self.blocks) \
+            if self.tier is not None and self.blocks is not None else None
         tiers = [t for t in (self.tier, self.staged) if t is not None]
         if tiers:
             self.scheduler.second_tier = tiers[0] if len(tiers) == 1 else TierChain(tiers)
@@ -157,8 +161,10 @@ class EngineCore:
     def offload_evicted(self) -> None:
         """Copy the blocks the pool just evicted into the second tier, before anything writes them again
         (call after every allocation: the step's, and a remote prefill's reservation)."""
-        evicted = self.scheduler.block_manager.take_evicted()
+        bm = self.scheduler.block_manager
+        evicted = bm.take_evicted()
         if evicted and self.tier is not None:
+            self.stats.num_retained_demoted += sum(block_hash in bm.retention for _, block_hash, _ in evicted)
             # wait=False: on CUDA a side-stream copy into pinned memory the tier's writer waits for
             payloads = self._blocks().export_blocks([block for block, _, _ in evicted], wait=False)
             for (_, block_hash, owner), payload in zip(evicted, payloads):
@@ -283,6 +289,8 @@ class EngineCore:
             tenant=spec.tenant,
             cache_scope=spec.kv_scope,
             adapter=spec.adapter,
+            conversation=spec.conversation,
+            retention_s=spec.retention_s,
         )
 
     def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
@@ -330,6 +338,34 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- retention (engine.retention) ---------------------------------------------------------
+    def retain(self, request: Request, now: float) -> None:
+        """``request`` ended (stop or length) with a retention: keep its computed full blocks, prompt and
+        output, retained under its conversation (its id without one) until ``now + retention_s`` (clamped)."""
+        if not self.scheduler.config.enable_prefix_caching:
+            return  # nothing is cached by hash: nothing to keep
+        bm = self.scheduler.block_manager
+        num_blocks = request.num_computed_tokens // bm.block_size
+        bm.retain(request.conversation or request.request_id, request.tenant, request.block_hashes[:num_blocks],
+                  now, request.retention_s)
+
+    def release(self, conversation: str) -> int:
+        """End ``conversation``'s retention now (the client said it is over): its blocks go back to plain LRU, in
+        the pool and in the second tier. Returns how many blocks it retained (0: none, or already ended)."""
+        num_blocks = self.scheduler.block_manager.release(conversation)
+        self.stats.num_retention_releases += num_blocks > 0
+        return num_blocks
+
+    def tend(self, now: float) -> bool:
+        """Between steps (engine thread; the async bridge calls it every loop, idle or not): end the retentions
+        whose deadline passed, then prefetch one bounded batch of retained blocks from the second tier when
+        nothing waits. True when the batch was full: call again soon rather than wait for work."""
+        self.stats.num_retention_expiries += self.scheduler.block_manager.expire(now)
+        if self.prefetcher is None or self._inflight is not None:  # a queued step's blocks are spoken for
+            return False
+        num = self.prefetcher.run(self.scheduler.num_waiting, self.scheduler.num_running, self.offload_evicted)
+        return num >= self.prefetcher.batch
+
     def kv_layout(self) -> KVLayout:
         return kv_layout(self.scheduler, self.runner, self.model)
 
@@ -345,7 +381,9 @@ class EngineCore:
             self.spec.propose(self.scheduler.running, self.scheduler.config.max_num_batched_tokens)
         if self.itl_guard is not None:
             self.scheduler.prefill_allowance = self.itl_guard.allowance()
-        output = self.scheduler.schedule(time.monotonic())
+        now = time.monotonic()
+        self.stats.num_retention_expiries += self.scheduler.block_manager.expire(now)
+        output = self.scheduler.schedule(now)
         self.offload_evicted()  # before the restores and the forward overwrite those blocks
         if output.is_empty:
             return []
@@ -474,6 +512,8 @@ class EngineCore:
         if request is not None and request.finish_reason is not None:
             if request_id in self.scheduler.held:
                 self.kv.hold(request_id)
+            elif request.retention_s > 0:  # ended by stop or length here: an abort never comes this way
+                self.retain(request, time.monotonic())
             self._states.pop(request_id)
             self._leave_group(request_id)
             self.runner.release(request_id)
@@ -482,6 +522,11 @@ class EngineCore:
                 self.spec.finished(request)
             out = state.finish(out, request.finish_reason)
         return out
+
+    def _block_bytes(self) -> int:
+        """Bytes one pool block holds: K and V of every layer."""
+        layout = self.kv_layout()
+        return 2 * layout.num_layers * layout.block_bytes
 
     def _leave_group(self, request_id: str) -> None:
         first = self._group_of.pop(request_id, None)
@@ -501,8 +546,16 @@ class EngineCore:
                         tier_evicted_blocks=t.evicted, tier_corrupt_blocks=t.corrupt, tier_bytes_written=t.bytes_written,
                         tier_bytes_read=t.bytes_read, tier_restore_seconds=t.restore_seconds,
                         tier_bytes_used=t.bytes_used, tier_entries=t.entries)
+        owned = bm.retention.owner_blocks()
+        block_bytes = self._block_bytes() if owned else 0
         return self.stats.snapshot(
             **tier,
+            num_retained_blocks=bm.retention.num_hashes,
+            num_retained_idle_blocks=bm.num_retained_idle_blocks,
+            num_retained_evicted=bm.num_retained_evicted,
+            num_prefetched_blocks=self.prefetcher.num_prefetched if self.prefetcher is not None else 0,
+            num_prefetch_hits=bm.num_prefetch_hits,
+            retained_bytes_per_tenant={tenant: n * block_bytes for tenant, n in owned.items()},
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             num_blocks_used=bm.num_used_blocks,

@@ -105,6 +105,11 @@ class Engine(Protocol):
     async def abort(self, request_id: str) -> None:
         """End a request; its stream yields a final output with finish reason ABORT."""
 
+    async def release(self, conversation: str) -> int:
+        """End ``conversation``'s retention now (``RequestSpec.retention_s``): its blocks are cached at plain LRU
+        priority again. Returns how many blocks it retained (0: unknown, ended, or an engine without retention)."""
+        ...
+
     def stats(self) -> EngineStats:
         """Counters and gauges (running, waiting, KV blocks, prefix hits, step time)."""
 

@@ -15,6 +15,9 @@ tier holds and can verify, their bytes ready to install before the forward reads
   the siblings of other namespaces (another model version or layout) are deleted when a tier opens.
 - Budget: an LRU over every entry (``budget_bytes``) and, per tenant, ``tenant_quota_bytes``: a tenant
   over its quota evicts its own oldest entries first.
+- Retention (``engine.retention``): entries whose hash a conversation retains are evicted only after every
+  entry no conversation retains (the oldest of those first), until the retention ends (its deadline or a
+  release): the same pins the pool's block manager orders its eviction by.
 - Hashes are the pool's, salted by the request's cache scope: isolation carries over unchanged.
 """
 
@@ -27,7 +30,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, KeysView, Sequence
+from collections.abc import Callable, Container, KeysView, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -96,12 +99,15 @@ class _Entry:
 
 class SecondTier:
     def __init__(self, store: BlockStore, budget_bytes: int, namespace: str, tenant_quota_bytes: int = 0,
-                 cipher_key: bytes | None = None, max_pending: int = 256):
+                 cipher_key: bytes | None = None, max_pending: int = 256, retained: Container[bytes] = frozenset()):
+        """``retained``: the hashes conversations retain now (the block manager's ``Retention``), read at each
+        eviction."""
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
         self.store = store
         self.budget_bytes = budget_bytes
         self.tenant_quota_bytes = tenant_quota_bytes
+        self.retained = retained
         self._key = hashlib.blake2b(namespace.encode(), digest_size=32).digest()
         self._aead = _aead(cipher_key) if cipher_key else None
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU, oldest first (engine thread)
@@ -117,7 +123,7 @@ class SecondTier:
         self._writer.start()
 
     # ---- engine thread ---------------------------------------------------------------------
-    def __contains__(self, block_hash: bytes) -> bool:
+    def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._index
 
     def hashes(self) -> KeysView[bytes]:
@@ -138,9 +144,9 @@ class SecondTier:
             return
         if quota:
             while self._tenant_bytes.get(tenant, 0) + size > quota:
-                self._evict(next(h for h, e in self._index.items() if e.tenant == tenant))
+                self._evict(self._victim(tenant))
         while self.stats.bytes_used + size > self.budget_bytes:
-            self._evict(next(iter(self._index)))
+            self._evict(self._victim())
         self._index[block_hash] = _Entry(size, tenant)
         self._account(tenant, size)
         self.version += 1
@@ -205,6 +211,22 @@ class SecondTier:
         self._writer.join(timeout=30)
 
     # ---- internals ---------------------------------------------------------------------
+    def _victim(self, tenant: str | None = None) -> bytes:
+        """The entry to evict (of ``tenant``'s when given): the least recently used one no conversation retains,
+        else the least recently used retained one. Walks past the retained entries at the old end: as many
+        as the tenants' retention quotas allow."""
+        oldest = None
+        for h, entry in self._index.items():
+            if tenant is not None and entry.tenant != tenant:
+                continue
+            if h not in self.retained:
+                return h
+            if oldest is None:
+                oldest = h
+        if oldest is None:
+            raise KeyError(f"no entry to evict for tenant {tenant!r}")
+        return oldest
+
     def _evict(self, block_hash: bytes, count: bool = True) -> None:
         entry = self._index.pop(block_hash)
         with self._lock:  # here, not on the writer: a re-offer queued after the delete keeps its payload

@@ -62,6 +62,8 @@ class Request:
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1.. (prompt_logprobs set)
     draft_token_ids: list[int] = field(default_factory=list)  # speculative proposals to verify this step
     adapter: str = ""  # the LoRA adapter it runs with ("" = the base model)
+    conversation: str = ""  # retention's key when it ends ("" = its request id)
+    retention_s: float = 0.0  # when it ends (stop or length): keep its blocks retained this long (engine.retention)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenfleet.engine.request import Request
 
@@ -56,6 +56,15 @@ class EngineStats:
     # requests that ended with the step before (a stop token the host had not read yet): computed, discarded
     num_overlapped_steps: int = 0
     num_overlap_discarded_rows: int = 0
+    # retention (engine.retention, engine.prefetch): conversations released early and expired, retained blocks
+    # the pool evicted under pressure (all of them) and of those the ones offered to the second tier, blocks
+    # prefetched back from it and prefetched blocks a request then took
+    num_retention_releases: int = 0
+    num_retention_expiries: int = 0
+    num_retained_evicted: int = 0
+    num_retained_demoted: int = 0
+    num_prefetched_blocks: int = 0
+    num_prefetch_hits: int = 0
     # gauges (filled by snapshot)
     num_running: int = 0
     num_waiting: int = 0
@@ -76,6 +85,10 @@ class EngineStats:
     tier_restore_seconds: float = 0.0
     tier_bytes_used: int = 0
     tier_entries: int = 0
+    # retention gauges: distinct blocks retained (pool or tier), those idle in the pool, bytes retained per tenant
+    num_retained_blocks: int = 0
+    num_retained_idle_blocks: int = 0
+    retained_bytes_per_tenant: dict[str, int] = field(default_factory=dict)
 
     @property
     def mean_step_seconds(self) -> float:
@@ -128,7 +141,7 @@ class EngineStats:
         self.num_generated_tokens += len(request.output_token_ids)
         self.num_prefix_hit_tokens += request.num_cached_tokens
 
-    def snapshot(self, **gauges: float) -> EngineStats:
+    def snapshot(self, **gauges: object) -> EngineStats:
         return dataclasses.replace(self, **gauges)  # type: ignore[arg-type]
 
 

@@ -37,6 +37,7 @@ POLICY: Mapping[str, frozenset[str]] = {
     "/tokenfleet.v1.EngineService/FetchBlocks": frozenset({"worker"}),
     "/tokenfleet.v1.EngineService/Load": frozenset({"router"}) | OPERATORS,
     "/tokenfleet.v1.EngineService/Abort": OPERATORS,
+    "/tokenfleet.v1.EngineService/Release": frozenset({"gateway"}),  # a conversation ended at the gateway
     "/tokenfleet.v1.EngineService/Drain": OPERATORS,
     "/tokenfleet.v1.EngineService/LoadAdapter": OPERATORS,
     "/tokenfleet.v1.RouterService/Pick": frozenset({"gateway"}),

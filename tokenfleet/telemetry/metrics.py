@@ -157,12 +157,23 @@ class WorkerCollector(Collector):
                     "spec_proposed_tokens": "num_spec_proposed_tokens", "spec_accepted_tokens": "num_spec_accepted_tokens",
                     "spec_verifications": "num_spec_verifications", "spec_steps": "num_spec_steps",
                     "spec_step_seconds": "spec_step_seconds", "plain_decode_steps": "num_plain_decode_steps",
-                    "plain_decode_step_seconds": "plain_decode_step_seconds"}
+                    "plain_decode_step_seconds": "plain_decode_step_seconds",
+                    "retention_releases": "num_retention_releases", "retention_expiries": "num_retention_expiries",
+                    "retained_evicted_blocks": "num_retained_evicted_blocks",
+                    "retained_demoted_blocks": "num_retained_demoted_blocks",
+                    "prefetched_blocks": "num_prefetched_blocks", "prefetch_hit_blocks": "num_prefetch_hit_blocks"}
         for name, field in counters.items():
             yield CounterMetricFamily(f"tokenfleet_worker_{name}", f"Worker {name.replace('_', ' ')}",
                                       value=getattr(r, field))
         yield GaugeMetricFamily("tokenfleet_worker_tier_bytes_used", "Bytes held by the second KV tier",
                                 value=r.tier_bytes_used)  # type: ignore[attr-defined]
+        yield GaugeMetricFamily("tokenfleet_worker_retained_blocks", "Distinct KV blocks conversations retain "
+                                "(pool or second tier)", value=r.num_retained_blocks)  # type: ignore[attr-defined]
+        retained = GaugeMetricFamily("tokenfleet_worker_retained_bytes", "Bytes of the KV blocks a tenant's "
+                                     "conversations retain above plain LRU", labels=["tenant"])
+        for tenant, num_bytes in sorted(r.retained_bytes_per_tenant.items()):  # type: ignore[attr-defined]
+            retained.add_metric([tenant], num_bytes)  # the tenant label only: bounded by the tenants retaining
+        yield retained
         yield GaugeMetricFamily("tokenfleet_worker_step_seconds_mean", "Mean engine step time",
                                 value=r.step_ms_mean / 1000)  # type: ignore[attr-defined]
         proposed, accepted, verifications = (r.num_spec_proposed_tokens, r.num_spec_accepted_tokens,  # type: ignore[attr-defined]

@@ -153,6 +153,21 @@ def test_a_workers_engine_takes_the_records_quantization_and_kv_cache_dtype():
     assert not engine_config(args, rec()).async_scheduling
 
 
+def test_a_workers_kv_pool_bytes_and_retention_flags_reach_its_engine():
+    from tokenfleet.services.worker.main import engine_config, parse_args
+
+    from tokenfleet.cli.launcher import pool_args
+
+    config = engine_config(parse_args([*pool_args(1 << 20), "--kv-retention-max-s", "30",
+                                       "--kv-retention-tenant-blocks", "64"], "decode"), rec())
+    assert config.kv_cache_bytes == 1 << 20 and config.num_kv_blocks(kv_bytes_per_token=1024) == 64  # 16-token blocks
+    assert (config.kv_retention_max_s, config.kv_retention_tenant_blocks) == (30.0, 64)
+    default = engine_config(parse_args(pool_args(0), "decode"), rec())  # 0: no flag, the engine's default pool
+    assert default.kv_cache_bytes == 1 << 30 and default.kv_retention_max_s == 300.0
+    assert engine_config(parse_args(["--kv-pool-bytes", "4096", "--num-blocks", "7"], "decode"), rec()
+                         ).num_kv_blocks(1024) == 7  # --num-blocks wins
+
+
 def test_routing_aliases_survive_the_view_and_snapshots():
     from tokenfleet.services.registry.convert import snapshot_to_proto, view_from_snapshot
 

@@ -119,9 +119,11 @@ def test_grafana_provisioning_points_at_prometheus_and_the_dashboards() -> None:
 
 
 class _AnyReport:
-    """A worker load report whose every field reads 1 (and one kernel check, its fields 1 too)."""
+    """A worker load report whose every field reads 1 (one kernel check, its fields 1 too; one tenant retaining 1 byte)."""
 
     def __getattr__(self, name: str) -> object:
+        if name == "retained_bytes_per_tenant":
+            return {"acme": 1}
         return [_AnyReport()] if name == "kernel_checks" else 1
 
 

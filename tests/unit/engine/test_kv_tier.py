@@ -29,9 +29,9 @@ def payload(i: int, size: int = 1000) -> bytes:
 def make_tier(request, tmp_path):
     tiers = []
 
-    def make(budget=100_000, quota=0, key=None, namespace=NS, max_pending=256):
+    def make(budget=100_000, quota=0, key=None, namespace=NS, max_pending=256, retained=frozenset()):
         store = MemoryStore() if request.param == "memory" else DiskStore(tmp_path / "tier", namespace)
-        tier = SecondTier(store, budget, namespace, quota, key, max_pending)
+        tier = SecondTier(store, budget, namespace, quota, key, max_pending, retained)
         tiers.append(tier)
         return tier
 
@@ -94,6 +94,33 @@ def test_a_tenant_over_its_quota_evicts_its_own_blocks_not_others(make_tier):
     tier.flush()
     assert h(0) in tier and [x in tier for x in map(h, range(1, 5))] == [False, False, True, True]
     assert tier.snapshot().per_tenant_bytes["greedy"] <= 2 * 1100
+
+
+def test_retained_entries_are_evicted_after_every_unretained_one_until_released(make_tier):
+    retained = {h(0), h(1)}  # the block manager's Retention: a live view, read at each eviction
+    tier = make_tier(budget=3 * 1100, retained=retained)
+    for i in range(3):
+        tier.offer(h(i), "t", payload(i))
+    tier.offer(h(3), "t", payload(3))  # the oldest, 0 and 1, are retained: 2 goes
+    assert [x in tier for x in map(h, range(4))] == [True, True, False, True]
+    tier.offer(h(4), "t", payload(4))  # 3 is the only unretained entry left
+    assert [x in tier for x in map(h, range(5))] == [True, True, False, False, True]
+    tier.offer(h(5), "t", payload(5))  # 4 goes; then only retained ones are older than the new entry
+    tier.offer(h(6), "t", payload(6))
+    assert [x in tier for x in map(h, range(7))] == [True, True, False, False, False, False, True]
+    retained.discard(h(0))  # released: its priority drops at once
+    tier.offer(h(7), "t", payload(7))
+    assert [x in tier for x in (h(0), h(1), h(6), h(7))] == [False, True, True, True]
+    retained.clear()
+    tier.offer(h(8), "t", payload(8))  # nothing retained: plain LRU again (1 is the oldest)
+    assert h(1) not in tier and tier.snapshot().evicted == 6
+
+
+def test_a_tenant_over_its_quota_evicts_its_unretained_blocks_first(make_tier):
+    tier = make_tier(quota=2 * 1100, retained={h(1)})
+    for i in range(1, 4):
+        tier.offer(h(i), "t", payload(i))
+    assert [x in tier for x in map(h, range(1, 4))] == [True, False, True]
 
 
 def test_a_block_larger_than_the_budget_is_dropped(make_tier):

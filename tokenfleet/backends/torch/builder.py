@@ -13,6 +13,7 @@ from tokenfleet.engine.block_manager import BlockManager
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.core import CoreParts, EngineCore, kv_layout
 from tokenfleet.engine.itl_guard import ItlGuard
+from tokenfleet.engine.retention import Retention
 from tokenfleet.engine.runner import ModelInfo
 from tokenfleet.engine.scheduler import Scheduler
 from tokenfleet.models.kv_fp8 import row_bytes
@@ -55,7 +56,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         from tokenfleet.backends.torch.draft import DraftModel
 
         runner.drafter = DraftModel(draft, num_blocks, config.block_size, runner.build_batch)
-    block_manager = BlockManager(num_blocks, config.block_size, tuple(g.window for g in groups))
+    retention = Retention(config.kv_retention_max_s, config.kv_retention_tenant_blocks)
+    block_manager = BlockManager(num_blocks, config.block_size, tuple(g.window for g in groups), retention)
     scheduler = Scheduler(config.scheduler_config(max_model_len), block_manager, config.hash_salt())
     tokenizer = Tokenizer(config.model)
     info = ModelInfo(
@@ -76,7 +78,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
             raise ValueError("a second KV tier is not supported yet for models with sliding-window layers")
         namespace = kv_store.namespace(kv_layout(scheduler, runner, info).key(), config.model)
         tier = kv_tier.SecondTier(kv_store.open_store(config.kv_tier, namespace), config.kv_tier_bytes, namespace,
-                                  config.kv_tier_tenant_bytes, kv_store.read_key(config.kv_tier_key_file))
+                                  config.kv_tier_tenant_bytes, kv_store.read_key(config.kv_tier_key_file),
+                                  retained=retention)
     single_group = len(groups) == 1  # whole blocks move only with one KV group (sliding-window models: not yet)
     parts = CoreParts(
         blocks=runner, tier=tier, peer_blocks=single_group, speculation=spec,

@@ -206,6 +206,12 @@ class TrtllmEngine:
         if handle is not None:
             handle.abort()
 
+    async def release(self, conversation: str) -> int:
+        """Always 0: TensorRT-LLM's KV cache manager has no retention tier here, so ``retention_s`` is not
+        honoured by this adapter and there is never a conversation's retention to end (its blocks age in
+        TensorRT-LLM's own LRU like any other)."""
+        return 0
+
     def _check_accepting(self) -> None:
         if not self._accepting:
             raise EngineStoppedError("engine is not accepting requests (starting, draining, stopped or failed)")
