@@ -19,8 +19,9 @@ Modes:
   keeps the conversation on its replica and asks the engine to retain the transcript for the tool pause).
 - chat: `POST /v1/chat/completions`, streamed with usage, the whole transcript resent every turn.
 
-Per run: turn-2+ TTFT p50 and p99 of the conversations, cached prompt tokens / prompt tokens of every turn 2+
-(usage ... cached_tokens), and the other tenant's TTFT p99. Rounds alternate the modes' order (responses first
+Per run: turn-2+ TTFT p50 and p99 of the conversations; the cached share of every turn 2+: its cached prompt
+tokens (usage ... cached_tokens) over its transcript, the previous turn's prompt and reply (its new input cannot
+be cached); and the other tenant's TTFT p99. Rounds alternate the modes' order (responses first
 in odd rounds); every run is reported. Bars, each on the median of per-round ratios: conversation TTFT p50
 chat / responses >= 2; cached tokens >= 90 % of the transcript in every turn 2+ of the responses mode (reported
 as the share of turns that reach it, and the median share cached); other-tenant TTFT p99 responses / chat
@@ -69,6 +70,7 @@ class Turn:
     ttft_s: float | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    completion_tokens: int = 0
     text: str = ""
     error: str | None = None
 
@@ -144,6 +146,7 @@ async def stream_turn(client: httpx.AsyncClient, mode: str, convo: Conversation,
                         usage = event["response"]["usage"]
                         turn.prompt_tokens = usage["input_tokens"]
                         turn.cached_tokens = usage["input_tokens_details"]["cached_tokens"]
+                        turn.completion_tokens = usage["output_tokens"]
                         convo.previous = event["response"]["id"]
                     elif event["type"] in ("error", "response.failed"):
                         turn.error = json.dumps(event)[:200]
@@ -153,6 +156,7 @@ async def stream_turn(client: httpx.AsyncClient, mode: str, convo: Conversation,
                     if event.get("usage"):
                         turn.prompt_tokens = event["usage"]["prompt_tokens"]
                         turn.cached_tokens = event["usage"]["prompt_tokens_details"]["cached_tokens"]
+                        turn.completion_tokens = event["usage"]["completion_tokens"]
                 if delta:
                     if turn.ttft_s is None:
                         turn.ttft_s = time.perf_counter() - sent
@@ -218,14 +222,25 @@ async def run_mode(url: str, mode: str, args: argparse.Namespace, keys: dict[str
         wall = time.perf_counter() - start
     later = [t for t in turns if t.turn > 0 and t.error is None]
     ttft = sorted(t.ttft_s * 1000 for t in later if t.ttft_s is not None)
-    shares = [t.cached_tokens / t.prompt_tokens for t in later if t.prompt_tokens]
+    # a turn's transcript: the previous turn's prompt and reply (what the cache could hold); its new input cannot be
+    previous = {(t.conversation, t.turn): t for t in turns}
+    shares = []
+    for t in later:
+        before = previous.get((t.conversation, t.turn - 1))
+        if before is not None and before.prompt_tokens:
+            shares.append(min(1.0, t.cached_tokens / (before.prompt_tokens + before.completion_tokens)))
+    first = [t.prompt_tokens for t in turns if t.turn == 0 and t.prompt_tokens]
+    last = [t.prompt_tokens for t in turns if t.turn == args.turns - 1 and t.prompt_tokens]
     return {"mode": mode, "wall_s": round(wall, 1), "turns": len(turns), "errors": sum(t.error is not None for t in turns),
             "first_error": next((t.error for t in turns if t.error), None),
             "ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)} if ttft else None,
             "cached_share": {"median": statistics.median(shares) if shares else None,
                              "turns_at_90": sum(s >= 0.9 for s in shares) / len(shares) if shares else None,
                              "min": min(shares) if shares else None},
+            "prompt_tokens": {"first_turn": [min(first, default=0), max(first, default=0)],
+                              "last_turn": [min(last, default=0), max(last, default=0)]},
             "other": {"requests": len(other_ttft), "errors": other_errors,
+                      "distinct_tokens_sent_approx": len(other_ttft) * args.other_len,
                       "ttft_p99_ms": percentile(sorted(x * 1000 for x in other_ttft), 99) if other_ttft else None,
                       "distinct_tokens_target": other_tokens},
             "first_turns": {t.conversation: t.text for t in turns if t.turn == 0}}
@@ -296,7 +311,8 @@ def markdown(result: dict) -> str:
              f"tokens a turn, tool pause {a['pause_min']}-{a['pause_max']} s, replies <= {a['output_len']} tokens. "
              f"Distinct prefix tokens: conversations ~{result['conversation_tokens']}, other tenant target "
              f"{result['other_tokens']} (pools: ~{result['conversation_tokens']} tokens in all). Other tenant: "
-             f"{a['other_concurrency']} streams of {a['other_len']}-token distinct prompts.", "",
+             f"{a['other_concurrency']} streams of {a['other_len']}-token distinct prompts. The cached share of a turn is its "
+             "cached prompt tokens over the previous turn's prompt and reply.", "",
              f"Outputs check: {result['agreement']}", "",
              "| round | mode | turn 2+ TTFT p50 ms | p99 ms | cached share median | turns >= 90 % cached | min share | "
              "other TTFT p99 ms | other requests | wall s | errors |", "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -12,7 +12,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from tests.integration.conftest import start_service, wait_for
+from tests.integration.conftest import load_report, start_service, wait_for
 from tests.integration.test_membership import replicas, start_worker
 from tests.integration.test_tenancy import add_tenant, cli
 from tokenfleet.cluster.etcd_server import EtcdServer
@@ -40,7 +40,7 @@ def stack(default_model_dir, tmp_path_factory):
         clients = {name: openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key=key, max_retries=0,
                                        timeout=120) for name, key in keys.items()}
         wait_for(lambda: _ready(clients["alice"]), "gateway knows the tenants")
-        yield clients, gateway, ledger, etcd, router
+        yield clients, gateway, ledger, etcd, router, services[0]
     finally:
         for service in reversed(services):
             service.stop()
@@ -56,7 +56,7 @@ def _ready(client: openai.OpenAI) -> bool:
 
 
 def test_create_retrieve_list_items_and_delete(stack):
-    clients, _, ledger, _, _ = stack
+    clients, _, ledger, _, _, _ = stack
     alice = clients["alice"]
     r = alice.responses.create(model=MODEL, input="What is the capital of France?", max_output_tokens=20,
                                temperature=0, instructions="Answer in one sentence.")
@@ -78,6 +78,19 @@ def test_create_retrieve_list_items_and_delete(stack):
     assert deleted is None or getattr(deleted, "deleted", True)
     with pytest.raises(openai.NotFoundError):
         alice.responses.retrieve(r.id)
+
+
+def test_a_stored_turn_is_retained_on_its_worker_until_deleted(stack):
+    clients, worker = stack[0], stack[5]
+    before = load_report(worker.address)
+    r = clients["alice"].responses.create(model=MODEL, input="Name three colours.", max_output_tokens=12)
+    held = wait_for(lambda: (report := load_report(worker.address)).retained_bytes_per_tenant.get("alice") and report,
+                    "the worker retains alice's transcript")
+    assert held.num_retained_blocks >= r.usage.input_tokens // 16
+    clients["alice"].responses.delete(r.id)
+    after = wait_for(lambda: (report := load_report(worker.address)).num_retention_releases
+                     > before.num_retention_releases and report, "the delete released it")
+    assert after.num_retained_blocks < held.num_retained_blocks
 
 
 def test_streaming_sends_the_documented_events_and_the_same_text(stack):
@@ -188,7 +201,7 @@ def test_background_response_runs_and_a_finished_one_cannot_be_cancelled(stack):
 
 
 def test_a_tenant_over_its_stored_bytes_is_served_and_not_stored(stack):
-    clients, gateway, _, etcd, _ = stack
+    clients, gateway, _, etcd, _, _ = stack
     key = add_tenant(etcd.endpoint, "carol", "--response-bytes", "100")
     carol = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key=key, max_retries=0, timeout=120)
     wait_for(lambda: _ready(carol), "gateway knows carol")
@@ -221,7 +234,7 @@ def test_unauthenticated_callers_get_401_not_404(stack):
 def test_a_killed_gateway_loses_no_acknowledged_response(stack, tmp_path, default_model_dir):
     """kill -9 while a background response runs: the responses whose end reached the client are still there after a
     restart, and the background response (acknowledged with its id) is failed with the reason, not lost."""
-    _, _, _, etcd, router = stack
+    _, _, _, etcd, router, _ = stack
     key = add_tenant(etcd.endpoint, "dave")
     ledger = tmp_path / "ledger.sqlite3"
     args = ("tokenfleet.services.gateway", "--router", router.address, "--model", f"{MODEL}={default_model_dir}", "--auth",
