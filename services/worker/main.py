@@ -62,6 +62,9 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
                    "model's KV bytes per block (default 1 GiB)")
     p.add_argument("--kv-retention-max-s", type=float, default=300.0, help="a request's KV retention (a "
                    "conversation expected back, retention_ms) is clamped to this many seconds")
+    p.add_argument("--kv-retention-tier-max-s", type=float, default=86400.0, help="with --kv-tier: how long a "
+                   "request's KV retention (prompt_cache_retention 24h) keeps the second tier's priority, past the "
+                   "pool's --kv-retention-max-s (a day)")
     p.add_argument("--kv-retention-tenant-blocks", type=int, default=0, help="KV blocks one tenant's conversations "
                    "may retain above plain LRU; over it its oldest retention ends first (0: no quota)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -138,6 +141,7 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
         num_blocks=args.num_blocks,
         **({"kv_cache_bytes": args.kv_pool_bytes} if args.kv_pool_bytes else {}),  # type: ignore[arg-type]
         kv_retention_max_s=args.kv_retention_max_s,
+        kv_retention_tier_max_s=args.kv_retention_tier_max_s,
         kv_retention_tenant_blocks=args.kv_retention_tenant_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_waiting=args.max_num_waiting,

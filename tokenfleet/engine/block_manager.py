@@ -10,9 +10,10 @@ Every block is in exactly one of four states:
 Allocation takes free blocks first, then evicts the least recently used cached block, and only
 when neither is left the least recently used retained one, so allocation never fails while any
 block has ref 0 (no fragmentation: blocks are interchangeable; retention orders eviction and
-never reserves a block). A hash is pinned while a conversation retains it (``engine.retention``:
-``retain``, ``release``, ``expire``); a retained block a request takes leaves ``_retained`` while
-in use and returns to it when freed if its hash is still pinned.
+never reserves a block). A hash is pinned while a conversation retains it for the pool
+(``engine.retention``: ``retain``, ``release``, ``expire``; a pin past its pool horizon but not its
+tier horizon leaves its blocks plain cached here); a retained block a request takes leaves
+``_retained`` while in use and returns to it when freed if its hash is still pinned.
 
 Sharing (prefix hits, ``fork``) is copy-on-write: a request about to write into a shared,
 partially filled last block gets a private copy, returned as a (src, dst) pair for the model
@@ -351,19 +352,21 @@ class BlockManager:
     # ---- retention (engine.retention) ----------------------------------------------------
     def retain(self, key: str, owner: str, block_hashes: Sequence[bytes], now: float, seconds: float) -> None:
         """Keep the blocks of ``block_hashes`` (a finished request's full blocks, prompt and output) above plain
-        LRU under ``key`` (its conversation) until ``now + seconds`` (clamped by the retention's maximum),
-        replacing ``key``'s earlier retention. Call after the request's blocks were freed."""
+        LRU under ``key`` (its conversation) until ``now + seconds`` (clamped by the retention's pool maximum; the
+        second tier ranks them for longer: ``Retention.pin``), replacing ``key``'s earlier retention. Call after
+        the request's blocks were freed."""
         self._restack(self.retention.pin(key, owner, block_hashes, now, seconds))
 
     def release(self, key: str) -> int:
-        """End ``key``'s retention now: its blocks go back to plain LRU (unless another conversation retains
-        them). Returns how many blocks it retained (0: unknown or already ended)."""
+        """End ``key``'s retention now, for the pool and the tier: its blocks go back to plain LRU (unless another
+        conversation retains them). Returns how many blocks it retained (0: unknown or already ended)."""
         pin, changed = self.retention.unpin(key)
         self._restack(changed)
         return len(pin.hashes) if pin is not None else 0
 
     def expire(self, now: float) -> int:
-        """End the retentions whose deadline passed; returns how many."""
+        """Pass the retention horizons that are due: blocks past their pool horizon go to the oldest end of the
+        plain LRU. Returns how many retentions ended altogether (past their tier horizon too)."""
         expired, changed = self.retention.expire(now)
         self._restack(changed)
         return expired

@@ -35,9 +35,11 @@ class EngineConfig:
     kv_tier_bytes: int = 4 << 30
     kv_tier_tenant_bytes: int = 0
     kv_tier_key_file: str = ""
-    # Retention (engine.retention): a request's retention_s is clamped to kv_retention_max_s; one tenant's
-    # conversations retain at most kv_retention_tenant_blocks distinct blocks (0: no quota)
+    # Retention (engine.retention): a request's retention_s is clamped to kv_retention_max_s in the pool and to
+    # kv_retention_tier_max_s in the second tier (with one); one tenant's conversations retain at most
+    # kv_retention_tenant_blocks distinct blocks, pool and tier together (0: no quota)
     kv_retention_max_s: float = 300.0
+    kv_retention_tier_max_s: float = 86400.0
     kv_retention_tenant_blocks: int = 0
     # Speculative decoding (engine.spec_decode.SpecConfig.parse): the registry record's speculative_config JSON,
     # e.g. {"decoding_type": "NGram", "max_draft_len": 5}; "" = off
@@ -62,8 +64,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.kv_retention_max_s < 0 or self.kv_retention_tenant_blocks < 0:
-            raise ValueError(f"kv_retention_max_s ({self.kv_retention_max_s}) and kv_retention_tenant_blocks "
+        if self.kv_retention_max_s < 0 or self.kv_retention_tier_max_s < 0 or self.kv_retention_tenant_blocks < 0:
+            raise ValueError(f"kv_retention_max_s ({self.kv_retention_max_s}), kv_retention_tier_max_s "
+                             f"({self.kv_retention_tier_max_s}) and kv_retention_tenant_blocks "
                              f"({self.kv_retention_tenant_blocks}) must be >= 0")
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")

@@ -341,7 +341,8 @@ class EngineCore:
     # ---- retention (engine.retention) ---------------------------------------------------------
     def retain(self, request: Request, now: float) -> None:
         """``request`` ended (stop or length) with a retention: keep its computed full blocks, prompt and
-        output, retained under its conversation (its id without one) until ``now + retention_s`` (clamped)."""
+        output, retained under its conversation (its id without one) until ``now + retention_s``, clamped to the
+        pool's window and, past it, to the second tier's (``Retention.pin``)."""
         if not self.scheduler.config.enable_prefix_caching:
             return  # nothing is cached by hash: nothing to keep
         bm = self.scheduler.block_manager

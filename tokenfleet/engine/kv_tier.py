@@ -16,8 +16,9 @@ tier holds and can verify, their bytes ready to install before the forward reads
 - Budget: an LRU over every entry (``budget_bytes``) and, per tenant, ``tenant_quota_bytes``: a tenant
   over its quota evicts its own oldest entries first.
 - Retention (``engine.retention``): entries whose hash a conversation retains are evicted only after every
-  entry no conversation retains (the oldest of those first), until the retention ends (its deadline or a
-  release): the same pins the pool's block manager orders its eviction by.
+  entry no conversation retains (the oldest of those first), until the retention's tier horizon (up to a day
+  for ``prompt_cache_retention: "24h"``, past the pool's shorter window) or a release: the same pins the
+  pool's block manager orders its eviction by, read through ``Retention.tier_pinned``.
 - Hashes are the pool's, salted by the request's cache scope: isolation carries over unchanged.
 """
 
@@ -100,8 +101,8 @@ class _Entry:
 class SecondTier:
     def __init__(self, store: BlockStore, budget_bytes: int, namespace: str, tenant_quota_bytes: int = 0,
                  cipher_key: bytes | None = None, max_pending: int = 256, retained: Container[bytes] = frozenset()):
-        """``retained``: the hashes conversations retain now (the block manager's ``Retention``), read at each
-        eviction."""
+        """``retained``: the hashes conversations retain for the tier now (the block manager's
+        ``Retention.tier_pinned``, a live view), read at each eviction."""
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
         self.store = store

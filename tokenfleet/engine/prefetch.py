@@ -1,6 +1,10 @@
 """Prefetch: while a client runs its tool, bring a retained conversation's blocks that the pool demoted to the
 second tier back into the pool, so its next turn is a pool hit instead of a restore on the admission's path.
 
+Only conversations that still hold the pool's priority come back (``Retention.pool_pins_newest_first``): one
+retained for a day that has been idle past the worker's pool window stays in the tier, ranked above unretained
+entries, until its next turn restores it at admission.
+
 Off the critical path by construction: it runs between steps (the engine thread, ``EngineCore.tend``), only
 when no request waits, a bounded number of blocks per call, and only into room the plain LRU leaves beyond a
 reserve for the running requests and the next arrivals (``prefetch_room``). It takes free or plain cached
@@ -63,13 +67,13 @@ class Prefetcher:
         """One bounded batch; returns the blocks brought back (a full batch: call again soon). ``offload``: copies
         the plain cached blocks the adoption evicted into the tier before their blocks are written."""
         bm = self.block_manager
-        if num_waiting or not len(bm.retention):
+        if num_waiting or not bm.retention.num_pool_pins:
             return 0
         limit = min(prefetch_room(bm.num_plain_free_blocks, bm.capacity, num_running), self.batch)
         state = (bm.hash_version, bm.retention.version, self.tier.version, limit)
         if not limit or state == self._idle_at:
             return 0
-        plan = prefetch_plan(bm.retention.newest_first(), bm.cached_hash_view(), self.tier, limit)
+        plan = prefetch_plan(bm.retention.pool_pins_newest_first(), bm.cached_hash_view(), self.tier, limit)
         payloads = {}
         for h, _ in plan:
             got = self.tier.fetch_chain([h])

@@ -159,11 +159,14 @@ def test_a_workers_kv_pool_bytes_and_retention_flags_reach_its_engine():
     from tokenfleet.cli.launcher import pool_args
 
     config = engine_config(parse_args([*pool_args(1 << 20), "--kv-retention-max-s", "30",
-                                       "--kv-retention-tenant-blocks", "64"], "decode"), rec())
+                                       "--kv-retention-tenant-blocks", "64", "--kv-retention-tier-max-s", "7200"],
+                                      "decode"), rec())
     assert config.kv_cache_bytes == 1 << 20 and config.num_kv_blocks(kv_bytes_per_token=1024) == 64  # 16-token blocks
     assert (config.kv_retention_max_s, config.kv_retention_tenant_blocks) == (30.0, 64)
+    assert config.kv_retention_tier_max_s == 7200.0
     default = engine_config(parse_args(pool_args(0), "decode"), rec())  # 0: no flag, the engine's default pool
     assert default.kv_cache_bytes == 1 << 30 and default.kv_retention_max_s == 300.0
+    assert default.kv_retention_tier_max_s == 86400.0
     assert engine_config(parse_args(["--kv-pool-bytes", "4096", "--num-blocks", "7"], "decode"), rec()
                          ).num_kv_blocks(1024) == 7  # --num-blocks wins
 

@@ -1,6 +1,8 @@
 """Retention in the block manager (engine.retention): retained blocks are evicted only after the plain LRU, a
 full pool still serves every request by evicting them, and release, expiry, quotas and re-retention move
-exactly the blocks they should. Block ids and LRU orders are asserted exactly; invariants after each step."""
+exactly the blocks they should. A day-long retention holds the pool only for the pool's window, then the second
+tier alone (its eviction order and prefetch) until its tier horizon. Block ids and LRU orders are asserted
+exactly; invariants after each step."""
 
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tokenfleet.engine.block_manager import BlockManager
+from tokenfleet.engine.kv_store import MemoryStore
+from tokenfleet.engine.kv_tier import SecondTier
+from tokenfleet.engine.prefetch import Prefetcher
 from tokenfleet.engine.retention import Retention
 from tokenfleet.kvcache.block_hash import hash_blocks
 
@@ -98,12 +103,26 @@ def test_expiry_ends_only_the_retentions_whose_deadline_passed():
 
 
 def test_retention_is_clamped_to_the_maximum():
-    bm = BlockManager(num_blocks=4, block_size=2, retention=Retention(max_seconds=30))
+    bm = BlockManager(num_blocks=4, block_size=2, retention=Retention(max_seconds=30, tier_max_seconds=0))
     kept = finish(bm, "a", [1, 2])
-    bm.retain("conv", "t", kept, now=100.0, seconds=3600)
+    bm.retain("conv", "t", kept, now=100.0, seconds=3600)  # no second tier (0): the pool's window is all
     pin = bm.retention.get("conv")
-    assert pin is not None and pin.until == 130.0
-    assert bm.expire(now=130.0) == 1
+    assert pin is not None and (pin.until, pin.tier_until) == (130.0, 130.0)
+    assert bm.expire(now=130.0) == 1 and len(bm.retention) == 0 and not bm.retention.tier_pinned
+
+
+def test_the_tier_horizon_is_clamped_to_its_maximum_and_never_precedes_the_pool_horizon():
+    retention = Retention(max_seconds=30, tier_max_seconds=3600)
+    retention.pin("day", "t", [b"a"], now=100.0, seconds=86400)
+    retention.pin("short", "t", [b"b"], now=100.0, seconds=10)
+    day, short = retention.get("day"), retention.get("short")
+    assert day is not None and (day.until, day.tier_until) == (130.0, 3700.0)
+    assert short is not None and (short.until, short.tier_until) == (110.0, 110.0)
+    narrow = Retention(max_seconds=30, tier_max_seconds=5)
+    narrow.pin("c", "t", [b"a"], now=0.0, seconds=60)
+    pin = narrow.get("c")
+    assert pin is not None and (pin.until, pin.tier_until) == (30.0, 30.0)
+    assert narrow.problem() is None and retention.problem() is None
 
 
 def test_re_retaining_a_conversation_replaces_its_earlier_pin():
@@ -178,6 +197,147 @@ def test_a_zero_retention_pins_nothing_and_drops_an_earlier_pin():
 def test_negative_limits_are_refused():
     with pytest.raises(ValueError):
         Retention(max_seconds=-1)
+    with pytest.raises(ValueError):
+        Retention(tier_max_seconds=-1)
+
+
+# ---- a day-long retention: the pool's window, then the tier alone -------------------------
+
+DAY = 86400.0
+
+
+def test_past_its_pool_horizon_a_day_long_retention_leaves_its_blocks_plain_lru_in_the_pool():
+    bm = BlockManager(num_blocks=4, block_size=2, retention=Retention(max_seconds=30))
+    bm.track_evictions = True
+    day = finish(bm, "a", [1, 2, 3, 4])  # blocks 0, 1
+    bm.retain("day", "t", day, now=0.0, seconds=DAY)
+    newer = finish(bm, "b", [5, 6])  # block 2: plain, used after the conversation; block 3 stays free
+    assert list(bm._retained) == [1, 0] and list(bm._evictable) == [2]
+    assert bm.expire(now=29.9) == 0 and bm.retention.in_pool("day")
+    assert bm.expire(now=30.0) == 0  # the pool horizon: nothing ends, the pin is tier-only now
+    assert not bm.retention.in_pool("day") and len(bm.retention) == 1 and bm.retention.num_pool_pins == 0
+    assert all(h not in bm.retention and h in bm.retention.tier_pinned for h in day)
+    assert list(bm._evictable) == [1, 0, 2] and bm.num_retained_idle_blocks == 0  # the oldest end, tail first
+    bm.check_invariants()
+    got = bm.allocate_slots("c", 4, start=0)  # 2 new blocks: the free one, then the plain LRU's oldest
+    assert got is not None and got.new_block_ids == [3, 1]  # the conversation's tail goes before newer blocks
+    assert [(block, block_hash) for block, block_hash, _ in bm.take_evicted()] == [(1, day[1])]  # to the tier
+    assert bm.cached_block(newer[0]) == 2
+    hit = bm.match_prefix(day[:1])
+    assert list(hit) == [0]
+    assert bm.allocate_slots("next", 3, hit) is not None  # a prefix hit on it is a plain hit...
+    bm.free("next")
+    assert 0 in bm._evictable and not bm._retained  # ...and the block goes back to the plain LRU
+    bm.check_invariants()
+
+
+def test_past_its_tier_horizon_a_day_long_retention_ends():
+    bm = BlockManager(num_blocks=6, block_size=2, retention=Retention(max_seconds=30))
+    day = finish(bm, "a", [1, 2, 3, 4])
+    bm.retain("day", "t", day, now=0.0, seconds=DAY)
+    assert bm.expire(now=30.0) == 0
+    assert bm.expire(now=DAY - 1) == 0 and set(bm.retention.tier_pinned) == set(day)
+    assert bm.expire(now=DAY) == 1
+    assert len(bm.retention) == 0 and not bm.retention.tier_pinned and bm.retention.owner_blocks() == {}
+    assert bm.retention.num_hashes == 0
+    bm.check_invariants()
+
+
+def test_release_drops_both_horizons():
+    bm = BlockManager(num_blocks=8, block_size=2, retention=Retention(max_seconds=30))
+    live = finish(bm, "a", [1, 2, 3, 4])
+    idle = finish(bm, "b", [5, 6])
+    bm.retain("live", "t", live, now=0.0, seconds=DAY)
+    bm.retain("idle", "t", idle, now=0.0, seconds=DAY)
+    bm.expire(now=30.0)
+    bm.retain("live", "t", live, now=40.0, seconds=DAY)  # its next turn: the pool's priority again
+    assert bm.retention.in_pool("live") and not bm.retention.in_pool("idle")
+    assert bm.release("live") == 2 and bm.release("idle") == 1  # pool-live and tier-only alike
+    assert len(bm.retention) == 0 and not bm.retention.tier_pinned and bm.num_retained_idle_blocks == 0
+    assert bm.expire(now=DAY + 40) == 0  # their deadlines are stale: nothing left to end
+    bm.check_invariants()
+
+
+def make_tier(retention: Retention, entries: int) -> SecondTier:
+    """A memory tier of ``entries`` 1000-byte blocks that ranks by ``retention``'s tier pins."""
+    return SecondTier(MemoryStore(), entries * 1100, "ns", retained=retention.tier_pinned)
+
+
+def test_the_tier_ranks_a_tier_only_retention_above_unretained_entries_until_its_tier_horizon():
+    retention = Retention(max_seconds=30)
+    bm = BlockManager(num_blocks=4, block_size=2, retention=retention)
+    tier = make_tier(retention, entries=3)
+    try:
+        day = finish(bm, "a", [1, 2])
+        bm.retain("day", "t", day, now=0.0, seconds=DAY)
+        bm.expire(now=30.0)
+        assert day[0] not in retention  # plain in the pool...
+        tier.offer(day[0], "t", bytes(1000))  # ...demoted to the tier, its oldest entry
+        plain = hash_blocks(list(range(10, 20)), 2, "s")
+        for h in plain[:3]:
+            tier.offer(h, "t", bytes(1000))
+        assert [h in tier for h in (day[0], *plain[:3])] == [True, False, True, True]  # the unretained one went
+        bm.expire(now=DAY)
+        tier.offer(plain[3], "t", bytes(1000))  # nothing retained now: plain LRU, the day-long entry goes
+        assert [h in tier for h in (day[0], plain[1], plain[2], plain[3])] == [False, True, True, True]
+    finally:
+        tier.close()
+
+
+class Blocks:
+    """A runner that moves whole blocks: records what a prefetch installs."""
+
+    def __init__(self) -> None:
+        self.imported: list[int] = []
+
+    def export_blocks(self, block_ids, wait=True):
+        return [bytes(1000) for _ in block_ids]
+
+    def block_bytes(self) -> int:
+        return 1000
+
+    def import_blocks(self, pairs) -> None:
+        self.imported += [block for block, _ in pairs]
+
+
+def test_prefetch_brings_back_only_conversations_still_within_their_pool_window():
+    retention = Retention(max_seconds=30)
+    bm = BlockManager(num_blocks=16, block_size=2, retention=retention)
+    tier = make_tier(retention, entries=16)
+    try:
+        day = hash_blocks([1, 2, 3, 4], 2, "s")  # demoted earlier: in the tier, not the pool
+        live = hash_blocks([5, 6, 7, 8], 2, "s")
+        for h in day + live:
+            tier.offer(h, "t", bytes(1000))
+        tier.flush()
+        bm.retain("day", "t", day, now=0.0, seconds=DAY)
+        bm.retain("live", "t", live, now=20.0, seconds=DAY)
+        bm.expire(now=40.0)  # "day" idle past the pool's window, "live" back 20 s later
+        blocks = Blocks()
+        prefetcher = Prefetcher(bm, tier, blocks)
+        assert prefetcher.run(num_waiting=0, num_running=0, offload=lambda: None) == 2
+        assert [bm.cached_block(h) is not None for h in day + live] == [False, False, True, True]
+        assert len(blocks.imported) == 2 and bm.num_retained_idle_blocks == 2
+        bm.expire(now=50.0)  # "live" past its pool window too: nothing left to bring back
+        assert retention.num_pool_pins == 0 and len(retention) == 2
+        assert prefetcher.run(num_waiting=0, num_running=0, offload=lambda: None) == 0
+        assert all(bm.cached_block(h) is None for h in day)
+        bm.check_invariants()
+    finally:
+        tier.close()
+
+
+def test_the_tenant_quota_counts_tier_only_retentions_and_releases_them_first():
+    bm = BlockManager(num_blocks=12, block_size=2, retention=Retention(max_seconds=30, tenant_quota_blocks=3))
+    day = finish(bm, "a", [1, 2, 3, 4])
+    bm.retain("day", "t", day, now=0.0, seconds=DAY)
+    bm.expire(now=30.0)
+    assert bm.retention.owner_blocks() == {"t": 2}  # tier-only, still counted
+    new = finish(bm, "b", [5, 6, 7, 8])
+    bm.retain("new", "t", new, now=31.0, seconds=DAY)  # 4 > 3: the oldest, tier-only, goes
+    assert bm.retention.get("day") is None and bm.retention.in_pool("new")
+    assert bm.retention.owner_blocks() == {"t": 2} and set(bm.retention.tier_pinned) == set(new)
+    bm.check_invariants()
 
 
 class RetentionMachine(RuleBasedStateMachine):
@@ -186,7 +346,8 @@ class RetentionMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(num_blocks=10, block_size=2, retention=Retention(max_seconds=20, tenant_quota_blocks=6))
+        self.bm = BlockManager(num_blocks=10, block_size=2,
+                               retention=Retention(max_seconds=10, tier_max_seconds=25, tenant_quota_blocks=6))
         self.bm.track_evictions = True
         self.running: dict[str, list[int]] = {}
         self.next_id = 0
@@ -220,7 +381,8 @@ class RetentionMachine(RuleBasedStateMachine):
     def tick(self, dt: float) -> None:
         self.now += dt
         self.bm.expire(self.now)
-        assert all(p.until > self.now for p in self.bm.retention.newest_first())
+        assert all(p.until > self.now for p in self.bm.retention.pool_pins_newest_first())
+        assert all(p.tier_until > self.now for p in self.bm.retention.newest_first())
 
     @rule(data=st.data())
     def adopt(self, data: st.DataObject) -> None:

@@ -1,7 +1,8 @@
 """Retention inside the engine (default model, fp32): a request that ends with ``retention_s`` keeps its prompt and
 output blocks through a flood that evicts every plain cached block, so the conversation's next turn is a pool hit;
 an aborted request retains nothing; release and expiry end it. With a second tier, a retained conversation the pool
-demoted comes back by prefetch between steps and the next turn hits the pool, not the tier."""
+demoted comes back by prefetch between steps and the next turn hits the pool, not the tier; one retained for a day
+and idle past the pool window stays in the tier, ranked above unretained entries, until its tier horizon."""
 
 from __future__ import annotations
 
@@ -70,8 +71,10 @@ def test_abort_retains_nothing_and_release_and_expiry_end_a_retention(default_mo
     assert retained >= len(prompt) // BS and bm.num_retained_idle_blocks == retained
     assert core.release("c1") == retained
     assert core.release("c1") == 0 and bm.num_retained_idle_blocks == 0
-    turn(core, "b", prompt, conversation="c2", retention_s=5)
-    core.tend(time.monotonic() + 5)
+    turn(core, "b", prompt, conversation="c2", retention_s=86400)  # a day, asked of a worker without a tier
+    pin = bm.retention.get("c2")
+    assert pin is not None and pin.tier_until == pin.until  # the pool's window only
+    core.tend(pin.until)
     stats = core.snapshot()
     assert (stats.num_retention_releases, stats.num_retention_expiries, stats.num_retained_blocks) == (1, 1, 0)
     bm.check_invariants()
@@ -112,3 +115,25 @@ def test_prefetch_waits_while_requests_wait(default_model_dir):
     core.add_request(RequestSpec(chat(core, "Hello"), greedy(2), request_id="queued"))
     assert core.scheduler.num_waiting == 1
     assert core.tend(time.monotonic()) is False and core.snapshot().num_prefetched_blocks == 0
+
+
+def test_a_day_long_conversation_past_the_pool_window_stays_ranked_in_the_tier_and_is_not_prefetched(
+        default_model_dir):
+    core = make_core(default_model_dir, num_blocks=40, kv_tier="memory", kv_tier_bytes=64 << 20,
+                     kv_retention_max_s=30)
+    assert core.tier is not None
+    bm = core.scheduler.block_manager
+    turn(core, "turn1", chat(core, "Which tyre pressure for gravel?"), retention_s=86400)
+    pin = bm.retention.get("conv")
+    assert pin is not None and pin.tier_until - pin.until == 86400 - 30
+    flood(core, "f", rounds=1, n=4)  # demoted to the tier, as in the prefetch test above
+    demoted = [h for h in pin.hashes if bm.cached_block(h) is None]
+    assert demoted and all(h in core.tier for h in demoted)
+    while core.tend(pin.until):  # the pool window has passed: nothing comes back
+        pass
+    assert core.snapshot().num_prefetched_blocks == 0 and all(bm.cached_block(h) is None for h in demoted)
+    assert all(h in core.tier.retained for h in pin.hashes)  # the tier still evicts them last
+    assert core.snapshot().num_retained_blocks == len(pin.hashes) and bm.num_retained_idle_blocks == 0
+    core.tend(pin.tier_until)
+    assert not any(h in core.tier.retained for h in pin.hashes) and core.snapshot().num_retention_expiries == 1
+    bm.check_invariants()

@@ -56,7 +56,9 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         from tokenfleet.backends.torch.draft import DraftModel
 
         runner.drafter = DraftModel(draft, num_blocks, config.block_size, runner.build_batch)
-    retention = Retention(config.kv_retention_max_s, config.kv_retention_tenant_blocks)
+    # without a second tier a pin past the pool window would rank nothing: 0 ends it with the pool horizon
+    retention = Retention(config.kv_retention_max_s, config.kv_retention_tenant_blocks,
+                          config.kv_retention_tier_max_s if config.kv_tier else 0.0)
     block_manager = BlockManager(num_blocks, config.block_size, tuple(g.window for g in groups), retention)
     scheduler = Scheduler(config.scheduler_config(max_model_len), block_manager, config.hash_salt())
     tokenizer = Tokenizer(config.model)
@@ -79,7 +81,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         namespace = kv_store.namespace(kv_layout(scheduler, runner, info).key(), config.model)
         tier = kv_tier.SecondTier(kv_store.open_store(config.kv_tier, namespace), config.kv_tier_bytes, namespace,
                                   config.kv_tier_tenant_bytes, kv_store.read_key(config.kv_tier_key_file),
-                                  retained=retention)
+                                  retained=retention.tier_pinned)
     single_group = len(groups) == 1  # whole blocks move only with one KV group (sliding-window models: not yet)
     parts = CoreParts(
         blocks=runner, tier=tier, peer_blocks=single_group, speculation=spec,
