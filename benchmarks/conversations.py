@@ -71,6 +71,8 @@ class Turn:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    replica: str = ""
+    expected_cached: int | None = None
     text: str = ""
     error: str | None = None
 
@@ -85,8 +87,8 @@ class Conversation:
 
 
 def words(rng: random.Random, n: int) -> str:
-    """About ``n`` tokens of text (SmolLM2's tokenizer: one of these words, with its space, is one token or two)."""
-    return " ".join(rng.choice(WORDS) for _ in range(max(1, n * 2 // 3)))
+    """About ``n`` tokens of text (SmolLM2's tokenizer: these words, with their spaces, are ~1.1 tokens each)."""
+    return " ".join(rng.choice(WORDS) for _ in range(max(1, n * 9 // 10)))
 
 
 def workload(args: argparse.Namespace) -> list[Conversation]:
@@ -134,6 +136,9 @@ async def stream_turn(client: httpx.AsyncClient, mode: str, convo: Conversation,
             if response.status_code != 200:
                 turn.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return
+            turn.replica = response.headers.get("x-tokenfleet-replica", "")
+            expected = response.headers.get("x-tokenfleet-prefix-expected")
+            turn.expected_cached = int(expected) if expected else None
             async for line in response.aiter_lines():
                 if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                     continue
@@ -230,6 +235,7 @@ async def run_mode(url: str, mode: str, args: argparse.Namespace, keys: dict[str
         if before is not None and before.prompt_tokens:
             shares.append(min(1.0, t.cached_tokens / (before.prompt_tokens + before.completion_tokens)))
     first = [t.prompt_tokens for t in turns if t.turn == 0 and t.prompt_tokens]
+    moved = sum(1 for t in later if (b := previous.get((t.conversation, t.turn - 1))) and b.replica != t.replica)
     last = [t.prompt_tokens for t in turns if t.turn == args.turns - 1 and t.prompt_tokens]
     return {"mode": mode, "wall_s": round(wall, 1), "turns": len(turns), "errors": sum(t.error is not None for t in turns),
             "first_error": next((t.error for t in turns if t.error), None),
@@ -237,6 +243,9 @@ async def run_mode(url: str, mode: str, args: argparse.Namespace, keys: dict[str
             "cached_share": {"median": statistics.median(shares) if shares else None,
                              "turns_at_90": sum(s >= 0.9 for s in shares) / len(shares) if shares else None,
                              "min": min(shares) if shares else None},
+            "moved_turns": moved,  # turns 2+ served on another replica than the turn before
+            "ttft_p50_ms_by_turn": [percentile(sorted(t.ttft_s * 1000 for t in turns if t.turn == k and t.ttft_s), 50)
+                                    for k in range(args.turns)],
             "prompt_tokens": {"first_turn": [min(first, default=0), max(first, default=0)],
                               "last_turn": [min(last, default=0), max(last, default=0)]},
             "other": {"requests": len(other_ttft), "errors": other_errors,
@@ -271,13 +280,14 @@ def start_cluster(args: argparse.Namespace, cache: Path, pool: int) -> tuple[sub
             gateway = line.split()[1]
     threading.Thread(target=lambda: [None for _ in up.stdout], daemon=True).start()  # type: ignore[union-attr]
     keys = {}
-    for tenant in ("conv", "other"):
-        done = subprocess.run([sys.executable, "-m", "tokenfleet.cli", "tenants", "add", tenant], env=env,
+    for tenant in ("conv", "other"):  # conv is internal: its responses name their replica (moves are counted)
+        extra = ["--internal"] if tenant == "conv" else []
+        done = subprocess.run([sys.executable, "-m", "tokenfleet.cli", "tenants", "add", tenant, *extra], env=env,
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(done.stderr)
         keys[tenant] = done.stdout.strip().splitlines()[-1]
-    url = gateway if gateway.startswith("http") else f"http://{gateway}"
+    url = gateway.removesuffix("/v1")
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:  # the gateway knows the keys and a worker answers
         try:
@@ -355,6 +365,8 @@ def main() -> None:
     parser.add_argument("--other-len", type=int, default=400)
     parser.add_argument("--tier-bytes", type=int, default=0, help="each worker's memory tier (default: its pool's size)")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--modes", nargs="+", default=["responses", "chat"], choices=["responses", "chat"],
+                        help="run only these modes (profiling one; the bars need both)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "reports" / "conversations.json"))
     args = parser.parse_args()
     from tokenfleet.models.gguf_import import ensure_default_model
@@ -375,6 +387,8 @@ def main() -> None:
     try:
         for rnd in range(args.rounds):
             for mode in (("responses", "chat") if rnd % 2 == 0 else ("chat", "responses")):
+                if mode not in args.modes:
+                    continue
                 cache = root / f"r{rnd}-{mode}"
                 cache.mkdir()
                 (cache / "models").symlink_to(models)  # the imported model, not imported again
