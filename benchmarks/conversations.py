@@ -325,12 +325,14 @@ def markdown(result: dict) -> str:
              "cached prompt tokens over the previous turn's prompt and reply.", "",
              f"Outputs check: {result['agreement']}", "",
              "| round | mode | turn 2+ TTFT p50 ms | p99 ms | cached share median | turns >= 90 % cached | min share | "
-             "other TTFT p99 ms | other requests | wall s | errors |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "turns moved | other TTFT p99 ms | other requests | wall s | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         t = r["ttft_ms"] or {"p50": float("nan"), "p99": float("nan")}
         c, o = r["cached_share"], r["other"]
         lines.append(f"| {r['round']} | {r['mode']} | {t['p50']:.0f} | {t['p99']:.0f} | {fmt(c['median'])} | "
-                     f"{fmt(c['turns_at_90'])} | {fmt(c['min'])} | {o['ttft_p99_ms'] or float('nan'):.0f} | "
+                     f"{fmt(c['turns_at_90'])} | {fmt(c['min'])} | {r.get('moved_turns', '-')} | "
+                     f"{o['ttft_p99_ms'] or float('nan'):.0f} | "
                      f"{o['requests']} | {r['wall_s']} | {r['errors']} |")
     lines += ["", "Per round (chat / responses TTFT p50; responses / chat other-tenant TTFT p99): "
               + "; ".join(f"round {i + 1}: {x:.2f}x, {y:.2f}x" for i, (x, y) in
@@ -340,7 +342,9 @@ def markdown(result: dict) -> str:
               f"- Cached share of each turn 2+ in the responses mode: median {fmt(bar['cached_median'])}, turns at "
               f">= 90 %: {fmt(bar['turns_at_90'])} (bar: every turn: {'pass' if bar['cached_ok'] else 'MISS'}).",
               f"- Other tenant's TTFT p99, responses / chat, median of per-round ratios: **{bar['other_ratio']:.2f}x** "
-              f"(bar <= 1.1: {'pass' if bar['other_ok'] else 'MISS'})."]
+              f"(bar <= 1.1: {'pass' if bar['other_ok'] else 'MISS'}).", "",
+              "Turns moved: turns 2+ served on another replica than the conversation's previous turn (the router left an "
+              "overloaded home, or in chat mode placed by prefix and load alone)."]
     return "\n".join(lines) + "\n"
 
 
@@ -365,10 +369,15 @@ def main() -> None:
     parser.add_argument("--other-len", type=int, default=400)
     parser.add_argument("--tier-bytes", type=int, default=0, help="each worker's memory tier (default: its pool's size)")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--render", help="only write the markdown of an existing JSON report (beside it)")
     parser.add_argument("--modes", nargs="+", default=["responses", "chat"], choices=["responses", "chat"],
                         help="run only these modes (profiling one; the bars need both)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "reports" / "conversations.json"))
     args = parser.parse_args()
+    if args.render:
+        report = Path(args.render)
+        report.with_suffix(".md").write_text(markdown(json.loads(report.read_text())))
+        return
     from tokenfleet.models.gguf_import import ensure_default_model
 
     model_dir = Path(ensure_default_model()).resolve()
