@@ -62,9 +62,13 @@ def test_without_the_conversation_the_same_fleet_goes_elsewhere():
 
 
 def test_the_home_is_left_when_it_is_overloaded():
-    # mean load (12 + 2 + 3) / 3 = 5.7; 12 > 1.25 x 5.7 and >= the floor: over the bound
-    placement = place(query(replica(0, 12), replica(1, 2), replica(2, 3)))
+    # the home holds 8 of the prompt's 10 blocks: its slack is 0.25 x (1 + 8 / 2) = 1.25, a bound of 2.25 x the mean;
+    # mean load (20 + 2 + 3) / 3 = 8.3; 20 > 2.25 x 8.3 and >= the floor: over the bound
+    placement = place(query(replica(0, 20), replica(1, 2), replica(2, 3)))
     assert placement.decode.replica_id == "r1" and placement.conversation == LEFT_OVERLOADED
+    # 12 against a mean of 5.7 is over the plain prefix bound (1.25x) but worth staying for: 8 blocks held, 2 new
+    placement = place(query(replica(0, 12), replica(1, 2), replica(2, 3)))
+    assert placement.decode.replica_id == "r0" and placement.conversation == FOLLOWED
     # a busy but balanced fleet keeps it home (within (1 + slack) x the mean)
     placement = place(query(replica(0, 12), replica(1, 11), replica(2, 11)))
     assert placement.decode.replica_id == "r0" and placement.conversation == FOLLOWED
@@ -88,8 +92,15 @@ def test_a_home_that_is_not_a_serving_decode_replica_is_left(fleet):
 
 
 def test_the_home_leaves_to_the_replica_reporting_the_transcript_when_it_must_leave():
-    placement = place(query(replica(0, 12), replica(1, 3), replica(2, 2), cached={"r1": set(PROMPT)}))
+    placement = place(query(replica(0, 20), replica(1, 3), replica(2, 2), cached={"r1": set(PROMPT)}))
     assert placement.decode.replica_id == "r1" and placement.matched_blocks == len(PROMPT)
+
+
+def test_a_rewritten_transcript_gets_the_plain_bound():
+    # the home holds nothing of this prompt (the last turn's block 8 differs): leaving costs nothing extra
+    rewritten = ConversationHome("r0", 8, b"another transcript")
+    placement = place(query(replica(0, 12), replica(1, 2), replica(2, 3), home=rewritten))
+    assert placement.decode.replica_id == "r1" and placement.conversation == LEFT_OVERLOADED
 
 
 def test_baseline_policies_ignore_conversations():
