@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
 import dataclasses
 import json
 import time
@@ -76,7 +77,10 @@ class ResponseBuilder:
         elif isinstance(event, ev.Text) and event.text:
             if self._open is None or self._open["type"] != "message":
                 out += self._close()
-                out += self._start(rs.message_item(rs.new_id("msg"), "", "in_progress"))
+                item = rs.message_item(rs.new_id("msg"), "", "in_progress")
+                part = item["content"].pop()  # announced empty (as OpenAI's), then its part
+                out += self._start(item)
+                item["content"].append(part)
                 out.append({"type": "response.content_part.added", "item_id": self._open_id, "output_index": self._index,
                             "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}})
             assert self._open is not None
@@ -97,7 +101,8 @@ class ResponseBuilder:
 
     @property
     def status(self) -> str:
-        return "incomplete" if self.reason == "length" else "completed"
+        """length: cut by max_output_tokens; abort: the engine stopped it (never a complete answer)."""
+        return {"length": "incomplete", "abort": "failed"}.get(self.reason, "completed")
 
     @property
     def _open_id(self) -> str:
@@ -110,7 +115,7 @@ class ResponseBuilder:
     def _start(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         self._open = item
         self.output.append(item)
-        return [{"type": "response.output_item.added", "output_index": self._index, "item": dict(item)}]
+        return [{"type": "response.output_item.added", "output_index": self._index, "item": copy.deepcopy(item)}]
 
     def _close(self) -> list[dict[str, Any]]:
         item, self._open = self._open, None
@@ -128,7 +133,8 @@ class ResponseBuilder:
         else:
             out = [{"type": "response.function_call_arguments.done", **where, "arguments": item["arguments"],
                     "name": item["name"]}]
-        return out + [{"type": "response.output_item.done", "output_index": where["output_index"], "item": dict(item)}]
+        return out + [{"type": "response.output_item.done", "output_index": where["output_index"],
+                       "item": copy.deepcopy(item)}]
 
 
 @dataclass
@@ -141,6 +147,7 @@ class Responses:
     store: ResponseStore | None
     owner: str = ""
     running: dict[str, asyncio.Task] = field(default_factory=dict)
+    finishing: set[asyncio.Task] = field(default_factory=set)  # stored ends of streams whose client went away
 
     async def db(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.to_thread(fn, *args)
@@ -174,14 +181,14 @@ class _Turn:
     created_at: float = field(default_factory=time.time)
 
     def obj(self, status: str, builder: ResponseBuilder | None = None, error: dict[str, Any] | None = None,
-            model: str | None = None) -> dict[str, Any]:
+            model: str | None = None, stored: bool | None = None) -> dict[str, Any]:
         usage = None
         if builder is not None and status in ("completed", "incomplete"):
             u = builder.usage
             usage = rs.usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
         return rs.response_object(self.response_id, self.body, status, builder.output if builder else [], usage,
                                   error, "max_output_tokens" if status == "incomplete" else None, self.created_at,
-                                  model, stored=self.stored)
+                                  model, stored=self.stored if stored is None else stored)
 
 
 def add_response_routes(app: FastAPI, responses: Responses,
@@ -212,6 +219,11 @@ def add_response_routes(app: FastAPI, responses: Responses,
             turn, prepared = await _prepare(responses, body, call)
             trace_request(call.trace, "responses", call.caller.tenant, prepared)
             if body.background:
+                if not turn.stored:  # accepted, it could never be retrieved
+                    raise APIError(400, "A background response must be stored, and this gateway cannot store it "
+                                   "(no database, or the tenant's stored-responses quota is used up).",
+                                   param="background", code="storage_unavailable")
+                call.deadline = None  # polled, not waited on: the client's read timeout does not bound it
                 # a fresh context: the task outlives this HTTP request, whose context (the server's per-request
                 # state) must not come along (inherited, the run's stream was never read to its end)
                 task = asyncio.get_running_loop().create_task(_background(responses, call, turn, prepared),
@@ -219,14 +231,19 @@ def add_response_routes(app: FastAPI, responses: Responses,
                 responses.running[turn.response_id] = task
                 task.add_done_callback(lambda _: responses.running.pop(turn.response_id, None))
                 return JSONResponse(turn.obj("in_progress"), headers=headers(call, None))
-            run = await gateway.open(call, prepared)
-            timer = RequestTimer(gateway.metrics)
-            if body.stream:
-                return StreamingResponse(_stream(responses, turn, run, call, timer), media_type="text/event-stream",
-                                         headers=headers(call, None), background=BackgroundTask(run.abandon))
             builder = ResponseBuilder()
-            async for event in gateway.events(run, timer):
-                builder.feed(event)
+            try:
+                run = await gateway.open(call, prepared)
+                timer = RequestTimer(gateway.metrics)
+                if body.stream:
+                    return StreamingResponse(_stream(responses, turn, run, call, timer),
+                                             media_type="text/event-stream", headers=headers(call, None),
+                                             background=BackgroundTask(run.abandon))
+                async for event in gateway.events(run, timer):
+                    builder.feed(event)
+            except BaseException as e:  # the stored row says how it ended, never in_progress for good
+                await asyncio.shield(_finish(responses, turn, call, builder, turn.obj("failed", builder, _error(e))))
+                raise
             obj = turn.obj(builder.status, builder, model=prepared.model.name)
             await _finish(responses, turn, call, builder, obj)
             return JSONResponse(obj, headers=headers(call, None))
@@ -296,6 +313,16 @@ def add_response_routes(app: FastAPI, responses: Responses,
         return JSONResponse(obj)
 
 
+def _error(e: BaseException) -> dict[str, Any]:
+    """A failed response's ``error``: an API error as the client would have seen it; anything else generic (the
+    detail, which may name replicas or internals, is in the gateway's log)."""
+    if isinstance(e, APIError):
+        return {"code": e.code or "server_error", "message": e.message}
+    if isinstance(e, asyncio.CancelledError | GeneratorExit):
+        return {"code": "cancelled", "message": "the request was cancelled before the response finished"}
+    return {"code": "server_error", "message": "The server had an error while processing the response."}
+
+
 def _validate(raw: Any) -> rs.ResponsesRequest:
     from tokenfleet.services.gateway.pipeline import validate_body
 
@@ -326,7 +353,7 @@ async def _prepare(responses: Responses, body: rs.ResponsesRequest, call: Call) 
     prepared = await gateway.prepare(chat, call)
     root = chain[0].root_id if chain else turn.response_id
     scope = prepared.request.cache_scope
-    turn.conversation = prepared.request.conversation or conversation_key(scope, root)
+    turn.conversation = prepared.request.conversation or conversation_key(scope, root, tenant.name)
     retention = prepared.request.retention_s or (gateway.retention_window_s if body.store else 0.0)
     if retention and store is not None and tenant.retention_tokens:
         used = await responses.db(store.retained_tokens, tenant.name)
@@ -339,7 +366,7 @@ async def _prepare(responses: Responses, body: rs.ResponsesRequest, call: Call) 
     prepared.request = dataclasses.replace(prepared.request, conversation=turn.conversation, retention_s=retention)
     if body.store and store is not None:
         turn.stored = await responses.db(
-            store.create, tenant.name, turn.response_id, turn.obj("in_progress"),
+            store.create, tenant.name, turn.response_id, turn.obj("in_progress", stored=True),
             items, body.previous_response_id, root, body.instructions, body.background, responses.owner,
             tenant.response_days, tenant.response_bytes)
         if not turn.stored:
@@ -390,8 +417,10 @@ async def _stream(responses: Responses, turn: _Turn, run: Run, call: Call, timer
     finally:
         if not ended:  # the client went away: the stored response says it did not finish
             error = {"code": "client_disconnected", "message": "the client went away before the response finished"}
-            asyncio.get_running_loop().create_task(
+            task = asyncio.get_running_loop().create_task(
                 _finish(responses, turn, call, builder, turn.obj("failed", builder, error=error, model=model)))
+            responses.finishing.add(task)  # kept until done (the loop holds only weak references)
+            task.add_done_callback(responses.finishing.discard)
     obj = turn.obj(builder.status, builder, model=model)
     await _finish(responses, turn, call, builder, obj)
     yield sse({"type": f"response.{builder.status}", "response": obj})
@@ -399,8 +428,7 @@ async def _stream(responses: Responses, turn: _Turn, run: Run, call: Call, timer
 
 async def _background(responses: Responses, call: Call, turn: _Turn, prepared: Any) -> None:
     """A background response: run to the end and store it; a failure is stored as the response's error."""
-    gateway, store = responses.gateway, responses.store
-    assert store is not None
+    gateway = responses.gateway
     builder = ResponseBuilder()
     structlog.contextvars.bind_contextvars(request_id=call.request_id, tenant=call.caller.tenant.name,
                                            response_id=turn.response_id)
@@ -418,5 +446,5 @@ async def _background(responses: Responses, call: Call, turn: _Turn, prepared: A
         obj = turn.obj("failed", builder, error={"code": e.code or "server_error", "message": e.message})
     except Exception as e:
         log.exception("background response failed", response_id=turn.response_id)
-        obj = turn.obj("failed", builder, error={"code": "server_error", "message": f"{type(e).__name__}: {e}"})
+        obj = turn.obj("failed", builder, error=_error(e))
     await _finish(responses, turn, call, builder, obj)

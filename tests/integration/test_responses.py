@@ -74,8 +74,9 @@ def test_create_retrieve_list_items_and_delete(stack):
                               "WHERE endpoint = '/v1/responses' AND completion_tokens = ?",
                               (r.usage.output_tokens,)).fetchall()
     assert ("alice", "ok", r.usage.input_tokens, r.usage.output_tokens) in billed
-    deleted = alice.responses.delete(r.id)
-    assert deleted is None or getattr(deleted, "deleted", True)
+    deleted = alice.responses.with_raw_response.delete(r.id)
+    assert deleted.status_code == 200 and deleted.http_response.json() == {"id": r.id, "object": "response",
+                                                                            "deleted": True}
     with pytest.raises(openai.NotFoundError):
         alice.responses.retrieve(r.id)
 
@@ -109,6 +110,19 @@ def test_streaming_sends_the_documented_events_and_the_same_text(stack):
     final = events[-1].response
     assert final.output_text == text and final.usage.output_tokens == whole.usage.output_tokens
     assert alice.responses.retrieve(final.id).output_text == text  # stored as streamed
+
+
+def test_the_clients_stream_helper_accumulates_the_same_text(stack):
+    """``responses.stream`` checks the event sequence as it folds it (item announced empty, then its part)."""
+    alice = stack[0]["alice"]
+    ask = {"model": MODEL, "input": "Name a colour.", "max_output_tokens": 60, "temperature": 0}
+    whole = alice.responses.create(**ask)
+    assert whole.status == "completed"  # the helper's final response needs response.completed (OpenAI's too)
+    with alice.responses.stream(**ask) as stream:
+        snapshots = [e.snapshot for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.output_text == whole.output_text and snapshots[-1] == whole.output_text
+    assert all(later.startswith(earlier) for earlier, later in zip(snapshots, snapshots[1:], strict=False))
 
 
 def test_two_turn_function_calling_loop_reuses_the_transcript(stack):
@@ -210,6 +224,9 @@ def test_a_tenant_over_its_stored_bytes_is_served_and_not_stored(stack):
     assert r.output_text and r.store is False and raw.headers["x-tokenfleet-store"] == "quota-exceeded"
     with pytest.raises(openai.NotFoundError):
         carol.responses.retrieve(r.id)
+    with pytest.raises(openai.BadRequestError) as caught:  # accepted, it could never be retrieved
+        carol.responses.create(model=MODEL, input="Say hello.", max_output_tokens=5, background=True)
+    assert caught.value.body["code"] == "storage_unavailable"
     report = cli("usage", "--ledger", str(stack[2]))
     assert "stored responses" in report and "alice" in report.split("stored responses")[1]
 

@@ -102,7 +102,7 @@ class _Common(BaseModel):
         key, retention = self.prompt_cache_key, self.prompt_cache_retention
         spec = RequestSpec(prompt, params, request_id, priority, tenant=tenant, cache_scope=scope, adapter=adapter,
                            client_request_id=client_request_id,
-                           conversation=conversation_key(scope, key) if key else "",
+                           conversation=conversation_key(scope, key, tenant) if key else "",
                            retention_s=retention_seconds(retention, retention_window_s))
         return dataclasses.replace(spec, limit=spec.output_limit(max_model_len)) if max_model_len else spec
 

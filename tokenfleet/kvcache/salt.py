@@ -39,9 +39,10 @@ def chain_salt(layout_salt: str, scope: str) -> str:
     return f"{layout_salt}\x00scope={scope}" if scope else layout_salt
 
 
-def conversation_key(scope: str, key: str) -> str:
+def conversation_key(scope: str, key: str, tenant: str = "") -> str:
     """A conversation's key as the router and the engine see it: the client's key (``prompt_cache_key``, a stored
-    response chain's first id) digested within the request's scope, so that one tenant's key never names
-    another's conversation and client text never reaches a worker."""
-    payload = "\x00".join(("tokenfleet-conversation-v1", scope, key)).encode()
+    response chain's first id) digested with the request's scope and its tenant, so that one tenant's key never
+    names another's conversation (not even in a shared cache group, whose tenants share a scope) and client text
+    never reaches a worker."""
+    payload = "\x00".join(("tokenfleet-conversation-v1", scope, tenant, key)).encode()
     return hashlib.sha256(payload).hexdigest()[:SCOPE_CHARS]

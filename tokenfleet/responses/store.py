@@ -115,10 +115,10 @@ class ResponseStore:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
+                conn.execute("COMMIT")
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
-            conn.execute("COMMIT")
 
     # ---- writes ---------------------------------------------------------------------------------------
     def create(self, tenant: str, response_id: str, obj: dict[str, Any], input_items: list[dict[str, Any]],

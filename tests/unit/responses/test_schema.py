@@ -81,6 +81,8 @@ def test_the_builder_announces_each_item_before_its_deltas_and_closes_it():
         "response.output_item.done", "response.output_item.added", "response.function_call_arguments.delta",
         "response.function_call_arguments.delta", "response.function_call_arguments.done",
         "response.output_item.done"]
+    assert stream[0]["item"]["content"] == []  # announced empty, as OpenAI's; the part follows
+    assert stream[1]["part"]["text"] == "" and stream[6]["item"]["content"][0]["text"] == "Let me check."
     message, call = builder.output
     assert message["content"][0]["text"] == "Let me check." and message["status"] == "completed"
     assert (call["call_id"], call["name"], call["arguments"]) == ("call_1", "w", "{\"a\": 1}")
@@ -93,3 +95,10 @@ def test_a_length_stop_is_an_incomplete_response():
     for event in (ev.Text(0, "abc"), ev.Finished(0, "length", "abc", "abc")):
         builder.feed(event)
     assert builder.status == "incomplete" and builder.output[0]["status"] == "incomplete"
+
+
+def test_an_aborted_generation_is_a_failed_response():
+    builder = ResponseBuilder()
+    for event in (ev.Text(0, "ab"), ev.Finished(0, "abort", "ab", "ab")):
+        builder.feed(event)
+    assert builder.status == "failed"
