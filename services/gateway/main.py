@@ -241,6 +241,10 @@ async def serve(args: argparse.Namespace) -> None:
         if store is not None:
             store.close()
         if response_store is not None:
+            for task in list(responses.running.values()):  # background responses cut by the stop are failed now,
+                task.cancel()                                # not left in progress for a restart to find
+            await asyncio.gather(*responses.running.values(), *responses.finishing, return_exceptions=True)
+            await asyncio.to_thread(response_store.recover, gateway_id)
             response_store.close()
     log.info("gateway stopped")
 

@@ -304,6 +304,8 @@ def add_response_routes(app: FastAPI, responses: Responses,
         except NotFound as e:
             raise not_found(response_id) from e
         except Conflict as e:
+            if stored.status == "cancelled":  # cancelling again answers as the first time did
+                return JSONResponse(stored.object)
             raise APIError(409, f"Cannot cancel response {response_id}: {e}", code="response_not_cancellable") from e
         except ValueError as e:
             raise APIError(400, f"Cannot cancel response {response_id}: {e}", param="response_id") from e
@@ -371,6 +373,9 @@ async def _prepare(responses: Responses, body: rs.ResponsesRequest, call: Call) 
             tenant.response_days, tenant.response_bytes)
         if not turn.stored:
             call.headers[STORE_HEADER] = "quota-exceeded"
+            if body.prompt_cache_retention is None and turn.retention_s:  # retained only because it would be stored
+                turn.retention_s = 0.0
+                prepared.request = dataclasses.replace(prepared.request, retention_s=0.0)
     return turn, prepared
 
 

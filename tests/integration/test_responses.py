@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 
 import httpx2 as httpx
 import openai
@@ -212,6 +213,12 @@ def test_background_response_runs_and_a_finished_one_cannot_be_cancelled(stack):
     plain = alice.responses.create(model=MODEL, input="Say hi.", max_output_tokens=3)
     with pytest.raises(openai.BadRequestError):
         alice.responses.cancel(plain.id)  # only background responses are cancelled
+    long = alice.responses.create(model=MODEL, input="Count to one thousand.", max_output_tokens=2000,
+                                  background=True)
+    assert alice.responses.cancel(long.id).status == "cancelled"
+    assert alice.responses.cancel(long.id).status == "cancelled"  # again: the same answer, not a 409
+    time.sleep(1.0)  # the run stops; nothing it still produced overwrites the cancellation
+    assert alice.responses.retrieve(long.id).status == "cancelled"
 
 
 def test_a_tenant_over_its_stored_bytes_is_served_and_not_stored(stack):

@@ -146,20 +146,21 @@ class ResponseStore:
                conversation: str = "", address: str = "", retained_tokens: int = 0, retained_for: float = 0.0
                ) -> bool:
         """Record the response's end (durably: the caller tells the client only after). A response cancelled in the
-        meantime stays cancelled (False). With ``retained_tokens``, the engine keeps the transcript cached for
+        meantime stays cancelled (False). Its bytes are counted again whole: input, instructions, output and the
+        response object (which repeats the output). With ``retained_tokens``, the engine keeps the transcript cached for
         ``retained_for`` seconds on ``address`` under ``conversation``; earlier turns of the conversation no longer
         count (their transcript is part of this one)."""
         now = self.clock()
         out, body = json.dumps(output_items), json.dumps(obj)
         with self._tx() as conn:
-            row = conn.execute("SELECT status, root_id FROM responses WHERE id = ? AND tenant = ?",
-                               (response_id, tenant)).fetchone()
+            row = conn.execute("SELECT status, root_id, length(input) + length(COALESCE(instructions, '')) "
+                               "FROM responses WHERE id = ? AND tenant = ?", (response_id, tenant)).fetchone()
             if row is None or row[0] == "cancelled":
                 return False
-            conn.execute("UPDATE responses SET status = ?, output = ?, object = ?, bytes = bytes + ?, conversation = ?, "
+            conn.execute("UPDATE responses SET status = ?, output = ?, object = ?, bytes = ?, conversation = ?, "
                          "address = ?, retained_tokens = ?, retained_until = ? WHERE id = ?",
-                         (obj["status"], out, body, len(out), conversation, address, retained_tokens,
-                          now + retained_for if retained_tokens else 0.0, response_id))
+                         (obj["status"], out, body, row[2] + len(out) + len(body), conversation, address,
+                          retained_tokens, now + retained_for if retained_tokens else 0.0, response_id))
             if retained_tokens:
                 conn.execute("UPDATE responses SET retained_tokens = 0, retained_until = 0 "
                              "WHERE tenant = ? AND root_id = ? AND id != ?", (tenant, row[1], response_id))

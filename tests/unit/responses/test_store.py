@@ -113,3 +113,10 @@ def test_input_items_pages(store):
     rest = store.input_items("a", "r", after="msg_1", limit=10, order="asc")
     assert [i["id"] for i in rest["data"]] == ["msg_2", "msg_3", "msg_4"] and not rest["has_more"]
     assert store.input_items("a", "r")["first_id"] == "msg_4"  # newest first by default
+
+
+def test_a_finished_response_counts_its_output_and_object(store):
+    store.create("a", "r", obj(), items("x"), None, "r", "be brief", False)
+    before = store.usage()["a"]["bytes"]
+    store.finish("a", "r", {"status": "completed", "output": ["y" * 1000]}, [{"text": "y" * 1000}])
+    assert store.usage()["a"]["bytes"] >= before + 2000  # the output, and the object that repeats it
