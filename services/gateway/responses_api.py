@@ -34,9 +34,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from tokenfleet.services.gateway import events as ev
 from tokenfleet.services.gateway.http_body import json_body, peer
-from tokenfleet.services.gateway.pipeline import Call, Gateway, Run, client_deadline, request_trace, trace_request
+from tokenfleet.services.gateway.pipeline import (
+    Call,
+    Gateway,
+    Run,
+    client_deadline,
+    request_trace,
+    trace_request,
+    validate_body,
+)
 
-from tokenfleet.api.openai_schema import APIError
+from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest
 from tokenfleet.kvcache.salt import conversation_key
 from tokenfleet.responses import schema as rs
 from tokenfleet.responses.store import Conflict, NotFound, Released, ResponseStore
@@ -326,8 +334,6 @@ def _error(e: BaseException) -> dict[str, Any]:
 
 
 def _validate(raw: Any) -> rs.ResponsesRequest:
-    from tokenfleet.services.gateway.pipeline import validate_body
-
     body: rs.ResponsesRequest = validate_body(rs.ResponsesRequest, raw)
     body.check()
     return body
@@ -351,7 +357,7 @@ async def _prepare(responses: Responses, body: rs.ResponsesRequest, call: Call) 
                            "completed response can be continued", param="previous_response_id")
     items = rs.input_items(body)
     transcript = [item for stored in chain for item in stored.input + stored.output] + items
-    chat = rs.validate_chat(rs.chat_request(body, rs.chat_messages(transcript, body.instructions)))
+    chat = validate_body(ChatCompletionRequest, rs.chat_request(body, rs.chat_messages(transcript, body.instructions)))
     prepared = await gateway.prepare(chat, call)
     root = chain[0].root_id if chain else turn.response_id
     scope = prepared.request.cache_scope

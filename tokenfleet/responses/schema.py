@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest
+from tokenfleet.api.openai_schema import APIError
 
 MAX_INPUT_ITEMS = 2048
 MAX_METADATA_KEYS = 16  # as OpenAI: 16 pairs, keys up to 64 characters, values up to 512
@@ -198,8 +198,8 @@ def chat_messages(transcript: list[dict[str, Any]], instructions: str | None) ->
 
 
 def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    """The chat completion body that generates this response (validated by the caller as a
-    ``ChatCompletionRequest``)."""
+    """The chat completion body that generates this response (the gateway validates it as a
+    ``ChatCompletionRequest``, as it does a chat body)."""
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "parallel_tool_calls": body.parallel_tool_calls}
     if body.max_output_tokens is not None:
         chat["max_completion_tokens"] = body.max_output_tokens
@@ -278,15 +278,3 @@ def response_object(response_id: str, body: ResponsesRequest, status: str, outpu
         "prompt_cache_key": body.prompt_cache_key, "prompt_cache_retention": body.prompt_cache_retention,
         "usage": usage_, "user": (body.model_extra or {}).get("user"),
     }
-
-
-def validate_chat(chat: dict[str, Any]) -> ChatCompletionRequest:
-    """The chat body as the chat path's request; a problem is a 400 (its field named as the chat path names it)."""
-    from pydantic import ValidationError
-
-    try:
-        return ChatCompletionRequest.model_validate(chat)
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ()))
-        raise APIError(400, f"{param}: {first.get('msg')}", param=param or None) from e

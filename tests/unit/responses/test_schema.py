@@ -7,7 +7,7 @@ import pytest
 from tokenfleet.services.gateway import events as ev
 from tokenfleet.services.gateway.responses_api import ResponseBuilder
 
-from tokenfleet.api.openai_schema import APIError
+from tokenfleet.api.openai_schema import APIError, ChatCompletionRequest
 from tokenfleet.api.tools import ToolCall
 from tokenfleet.responses import schema as rs
 
@@ -63,7 +63,7 @@ def test_the_chat_request_carries_generation_fields():
     b = body(tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}],
              tool_choice={"type": "function", "name": "f"}, max_output_tokens=7, temperature=0.5,
              text={"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}}})
-    chat = rs.validate_chat(rs.chat_request(b, [{"role": "user", "content": "hi"}]))
+    chat = ChatCompletionRequest.model_validate(rs.chat_request(b, [{"role": "user", "content": "hi"}]))
     assert chat.max_completion_tokens == 7 and chat.temperature == 0.5 and chat.tool_choice_name == "f"
     assert chat.tools[0].function.name == "f" and chat.response_format.type == "json_schema"
 
