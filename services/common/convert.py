@@ -166,7 +166,7 @@ def responses(out: RequestOutput) -> list[engine_pb2.GenerateResponse]:
             else common_pb2.FINISH_REASON_UNSPECIFIED,
             usage=common_pb2.Usage(
                 prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-                cached_prompt_tokens=out.num_cached_tokens,
+                cached_prompt_tokens=out.num_cached_tokens, retained_bytes=out.retained_bytes,
             ),
             request_id=out.request_id,
             index=out.index,

@@ -94,6 +94,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "requests over all its batches (a batch past it is refused with 429)")
     p.add_argument("--batch-lease-seconds", type=float, default=30.0, help="batch tier: a dead gateway's batches "
                    "pass to another gateway this long after its last renewal (a restarted one takes its own at once)")
+    p.add_argument("--response-lease-seconds", type=float, default=30.0, help="stored responses: one being generated "
+                   "when its gateway died is marked failed by any gateway sharing the database this long after its "
+                   "last renewal (a restarted gateway of the same --gateway-id does it at once)")
     p.add_argument("--ttft-objective", action="append", default=[], metavar="TIER=SECONDS",
                    help="early rejection: a request whose predicted wait for its first token exceeds its tier's "
                    "objective gets 503 (Retry-After) at once; without one, only a request predicted to wait past its "
@@ -185,7 +188,8 @@ async def serve(args: argparse.Namespace) -> None:
         background.append(runner.start())
     # stored responses live in the ledger's database too; without one nothing is stored
     response_store = ResponseStore(args.ledger) if ledger is not None else None
-    responses = Responses(gateway, response_store, owner=gateway_id)
+    gateway.retention = response_store  # the tenants' retention quotas are counted there
+    responses = Responses(gateway, response_store, owner=gateway_id, lease_s=args.response_lease_seconds)
     if response_store is not None:
         recovered = await asyncio.to_thread(response_store.recover, gateway_id)
         if recovered:

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from pydantic import ValidationError
@@ -61,6 +61,15 @@ log = structlog.get_logger()
 DEADLINE_HEADERS = ("x-request-timeout", "x-stainless-read-timeout")
 DEFAULT_DEADLINE_S = 600.0  # the official client's default timeout
 MAX_DEADLINE_S = 3600.0
+RETENTION_HEADER = "x-tokenfleet-retention"  # "quota-exceeded": served without retention (the tenant's quota)
+
+
+class RetentionLedger(Protocol):
+    """Where the tenants' retained transcripts are counted (tokenfleet.responses.store.ResponseStore)."""
+
+    def reserve_retention(self, tenant: str, key: str, tokens: int, seconds: float, quota_tokens: int = 0
+                          ) -> bool: ...
+    def settle_retention(self, tenant: str, key: str, tokens: int, kv_bytes: int) -> None: ...
 
 
 @dataclass
@@ -91,6 +100,8 @@ class Run:
     ticket: Ticket | None = None  # the admitted request's budget reservation, settled when it ends
     usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)  # totals over the samples so far
     trace: Trace = field(default_factory=Trace)
+    retention: RetentionLedger | None = None  # where its retention was reserved (settled when it completes)
+    retention_key: str = ""
 
     @property
     def model(self) -> ServedModel:
@@ -130,6 +141,8 @@ class Gateway:
     plane: Plane = field(default_factory=Plane.plaintext)  # the internal plane: router and workers
     preparer: Preparer = field(default_factory=Preparer)  # templating, tokenizing, grammars: off the event loop
     retention_window_s: float = DEFAULT_RETENTION_WINDOW_S  # prompt_cache_retention "in_memory" (--retention-window-s)
+    # counts retained transcripts against the tenants' retention quotas (None: no database, no quota)
+    retention: RetentionLedger | None = None
     dispatcher: Dispatcher = field(init=False)
 
     def __post_init__(self) -> None:
@@ -231,6 +244,7 @@ class Gateway:
         if prepared.requested_model:
             ticket.model, ticket.requested_model = model.name, prepared.requested_model
         call.trace.event("admitted")
+        key = await self._reserve_retention(call, prepared, len(prompt) + params.n * limit)
         request = prepared.request if prepared.request.limit == limit else dataclasses.replace(prepared.request, limit=limit)
         job = Job(model.ref, request, call.caller.tenant, call.placement, trace=call.trace,
                   spare_only=call.batch_line, deadline=call.deadline)
@@ -249,7 +263,24 @@ class Gateway:
             client_error = isinstance(e, APIError) and e.status < 500 and e.code != "overloaded"
             self.metrics.settled(model.ref, "client_error" if client_error else status)
             raise
-        return Run(prepared, first, stream, ticket, trace=call.trace)
+        return Run(prepared, first, stream, ticket, trace=call.trace, retention=self.retention if key else None,
+                   retention_key=key)
+
+    async def _reserve_retention(self, call: Call, prepared: Prepared, tokens: int) -> str:
+        """A request that asks the engine to retain its transcript counts against its tenant's retention quota
+        first (reserved with the check, so concurrent turns cannot pass it together): over it, the request is
+        served without retention (``prepared.request.retention_s`` becomes 0, the RETENTION_HEADER says so). The
+        key it was counted under ("": nothing counted)."""
+        spec, tenant = prepared.request, call.caller.tenant
+        if spec.retention_s <= 0 or self.retention is None:
+            return ""
+        key = spec.conversation or prepared.request_id
+        if await asyncio.to_thread(self.retention.reserve_retention, tenant.name, key, tokens, spec.retention_s,
+                                   tenant.retention_tokens):
+            return key
+        prepared.request = dataclasses.replace(spec, retention_s=0.0)
+        call.headers[RETENTION_HEADER] = "quota-exceeded"
+        return ""
 
     async def events(self, run: Run, timer: RequestTimer) -> AsyncIterator[ev.ChoiceEvent]:
         """The run's typed choice events (events.py), ending with ``Ended``; leaving early (client
@@ -366,6 +397,7 @@ async def responses_of(run: Run, timer: RequestTimer, metrics: GatewayMetrics | 
                 usage.prompt_tokens = response.final.usage.prompt_tokens
                 usage.cached_prompt_tokens = response.final.usage.cached_prompt_tokens
                 usage.completion_tokens += response.final.usage.completion_tokens
+                usage.retained_bytes += response.final.usage.retained_bytes
                 if finals == run.n:
                     await settle(run.ticket, "ok", usage.prompt_tokens, usage.cached_prompt_tokens,
                                  usage.completion_tokens, ttft_ms())
@@ -397,6 +429,19 @@ async def responses_of(run: Run, timer: RequestTimer, metrics: GatewayMetrics | 
                                usage.prompt_tokens or run.ticket.prompt_tokens, usage.cached_prompt_tokens,
                                usage.completion_tokens if ok else produced)
         await settle(run.ticket, status, completion=produced, ttft_ms=ttft_ms(), detail=detail)  # cut: what was produced
+        if run.retention is not None and finals == run.n:  # cut short: the reservation stands until its window ends
+            await _settle_retention(run)
+
+
+async def _settle_retention(run: Run) -> None:
+    """The retention a completed run reserved, as the engine reported it (none retained: the figure goes)."""
+    assert run.retention is not None and run.ticket is not None
+    u = run.usage
+    try:
+        await asyncio.to_thread(run.retention.settle_retention, run.ticket.caller.tenant.name, run.retention_key,
+                                u.prompt_tokens + u.completion_tokens, u.retained_bytes)
+    except Exception as e:  # a busy database: the reservation stands until its window ends
+        log.warning("retention not settled", error=str(e))
 
 
 async def settle(ticket: Ticket | None, status: str, prompt: int | None = None, cached: int = 0, completion: int = 0,

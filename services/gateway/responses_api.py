@@ -55,8 +55,9 @@ log = structlog.get_logger()
 ENDPOINT = "/v1/responses"
 MAX_BODY_BYTES = 8 << 20  # a transcript of items is larger than a chat request's messages
 STORE_HEADER = "x-tokenfleet-store"
-RETENTION_HEADER = "x-tokenfleet-retention"
 SWEEP_INTERVAL_S = 60.0
+WATCH_INTERVAL_S = 1.0  # how soon a cancel or delete made on another gateway stops a background response here
+LEASE_S = 30.0  # a response being generated: its lease; its gateway renews it every third of it
 
 
 def not_found(response_id: str) -> APIError:
@@ -154,7 +155,9 @@ class Responses:
     gateway: Gateway
     store: ResponseStore | None
     owner: str = ""
-    running: dict[str, asyncio.Task] = field(default_factory=dict)
+    running: dict[str, asyncio.Task] = field(default_factory=dict)  # background responses running here
+    live: set[str] = field(default_factory=set)  # stored responses being generated here (their leases renewed)
+    lease_s: float = LEASE_S  # a response generated here outlives this gateway's silence this long (--response-lease-seconds)
     finishing: set[asyncio.Task] = field(default_factory=set)  # stored ends of streams whose client went away
 
     async def db(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -164,15 +167,41 @@ class Responses:
         if released is not None:
             await self.gateway.dispatcher.release(released.address, released.conversation)
 
-    async def sweep_forever(self) -> None:
-        """Delete expired responses (and release the KV retention they still held), every minute."""
+    async def sweep_forever(self, watch_s: float = WATCH_INTERVAL_S, sweep_s: float = SWEEP_INTERVAL_S) -> None:
+        """The store's upkeep from this gateway: every ``watch_s`` stop the background responses running here that
+        were cancelled or deleted on another gateway; every third of ``lease_s`` renew the leases of the responses
+        generated here and fail those of gateways that stopped renewing theirs; every ``sweep_s`` delete expired responses
+        (and release the KV retention they still held)."""
+        last_renew = last_sweep = float("-inf")
+        lease_s = self.lease_s
         while self.store is not None:
+            now = time.monotonic()
             try:
-                for released in await self.db(self.store.sweep):
-                    await self.release(released)
+                await self.watch()
+                if now - last_renew >= lease_s / 3:
+                    last_renew = now
+                    await self.db(self.store.renew, self.owner, list(self.live), lease_s)
+                    failed = await self.db(self.store.fail_orphans)
+                    if failed:
+                        log.warning("background responses of a gateway that stopped are failed", count=failed)
+                if now - last_sweep >= sweep_s:
+                    last_sweep = now
+                    for released in await self.db(self.store.sweep):
+                        await self.release(released)
             except Exception as e:  # a busy database: try again next time
-                log.warning("responses sweep failed", error=str(e))
-            await asyncio.sleep(SWEEP_INTERVAL_S)
+                log.warning("responses upkeep failed", error=str(e))
+            await asyncio.sleep(watch_s)
+
+    async def watch(self) -> None:
+        """Stop the background responses running here whose stored row says cancelled, or is gone (deleted),
+        whichever gateway did it."""
+        if self.store is None or not self.running:
+            return
+        ids = list(self.running)
+        statuses = await self.db(self.store.statuses, ids)
+        for rid in ids:
+            if statuses.get(rid, "cancelled") == "cancelled" and rid in self.running:
+                self.running[rid].cancel()
 
 
 @dataclass
@@ -242,6 +271,7 @@ def add_response_routes(app: FastAPI, responses: Responses,
             builder = ResponseBuilder()
             try:
                 run = await gateway.open(call, prepared)
+                turn.retention_s = prepared.request.retention_s  # 0 when over the tenant's retention quota
                 timer = RequestTimer(gateway.metrics)
                 if body.stream:
                     return StreamingResponse(_stream(responses, turn, run, call, timer),
@@ -362,22 +392,18 @@ async def _prepare(responses: Responses, body: rs.ResponsesRequest, call: Call) 
     root = chain[0].root_id if chain else turn.response_id
     scope = prepared.request.cache_scope
     turn.conversation = prepared.request.conversation or conversation_key(scope, root, tenant.name)
-    retention = prepared.request.retention_s or (gateway.retention_window_s if body.store else 0.0)
-    if retention and store is not None and tenant.retention_tokens:
-        used = await responses.db(store.retained_tokens, tenant.name)
-        # the chain's own retention is replaced by this turn's, so it does not count against it
-        held = chain[-1].retained_tokens if chain and chain[-1].retained_until > time.time() else 0
-        if used - held + len(prepared.prompt) + (body.max_output_tokens or 0) > tenant.retention_tokens:
-            retention = 0.0
-            call.headers[RETENTION_HEADER] = "quota-exceeded"
-    turn.retention_s = retention
-    prepared.request = dataclasses.replace(prepared.request, conversation=turn.conversation, retention_s=retention)
+    # the tenant's retention quota is applied when the request is admitted (Gateway.open), as for chat
+    turn.retention_s = prepared.request.retention_s or (gateway.retention_window_s if body.store else 0.0)
+    prepared.request = dataclasses.replace(prepared.request, conversation=turn.conversation,
+                                           retention_s=turn.retention_s)
     if body.store and store is not None:
         turn.stored = await responses.db(
             store.create, tenant.name, turn.response_id, turn.obj("in_progress", stored=True),
             items, body.previous_response_id, root, body.instructions, body.background, responses.owner,
-            tenant.response_days, tenant.response_bytes)
-        if not turn.stored:
+            tenant.response_days, tenant.response_bytes, responses.lease_s)
+        if turn.stored:
+            responses.live.add(turn.response_id)
+        else:
             call.headers[STORE_HEADER] = "quota-exceeded"
             if body.prompt_cache_retention is None and turn.retention_s:  # retained only because it would be stored
                 turn.retention_s = 0.0
@@ -387,6 +413,7 @@ async def _prepare(responses: Responses, body: rs.ResponsesRequest, call: Call) 
 
 async def _finish(responses: Responses, turn: _Turn, call: Call, builder: ResponseBuilder, obj: dict[str, Any]) -> None:
     """Store the finished response (durably, before the client sees its end)."""
+    responses.live.discard(turn.response_id)
     if not turn.stored or responses.store is None:
         return
     retained = builder.usage.prompt_tokens + builder.usage.completion_tokens if turn.retention_s else 0
@@ -445,6 +472,7 @@ async def _background(responses: Responses, call: Call, turn: _Turn, prepared: A
                                            response_id=turn.response_id)
     try:
         run = await gateway.open(call, prepared)
+        turn.retention_s = prepared.request.retention_s
         try:
             async for event in gateway.events(run, RequestTimer(gateway.metrics)):
                 builder.feed(event)
@@ -452,6 +480,7 @@ async def _background(responses: Responses, call: Call, turn: _Turn, prepared: A
             await run.abandon()
         obj = turn.obj(builder.status, builder, model=prepared.model.name)
     except asyncio.CancelledError:
+        responses.live.discard(turn.response_id)
         return  # cancelled (or deleted): the store already says so
     except APIError as e:
         obj = turn.obj("failed", builder, error={"code": e.code or "server_error", "message": e.message})

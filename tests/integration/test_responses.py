@@ -279,3 +279,62 @@ def test_a_killed_gateway_loses_no_acknowledged_response(stack, tmp_path, defaul
         assert failed.status == "failed" and "stopped" in failed.error.message
     finally:
         gateway.stop()
+
+
+def test_gateways_sharing_the_database_cancel_and_recover_each_others_responses(stack, tmp_path, default_model_dir):
+    """A cancel made on another gateway stops the generation where it runs; a gateway killed while generating has
+    its background response failed by the other once its lease lapses (different --gateway-id: no restart needed)."""
+    _, _, _, etcd, router, worker = stack
+    key = add_tenant(etcd.endpoint, "frank")
+    ledger = tmp_path / "ledger.sqlite3"
+    base = ("tokenfleet.services.gateway", "--router", router.address, "--model", f"{MODEL}={default_model_dir}",
+            "--auth", "on", "--etcd", etcd.endpoint, "--ledger", str(ledger), "--response-lease-seconds", "2")
+    first = start_service(*base, "--gateway-id", "gw-a")
+    second = start_service(*base, "--gateway-id", "gw-b")
+    try:
+        a, b = (openai.OpenAI(base_url=f"http://{g.address}/v1", api_key=key, max_retries=0, timeout=120)
+                for g in (first, second))
+        wait_for(lambda: _ready(a) and _ready(b), "both gateways serve frank")
+        aborted = load_report(worker.address).num_aborted
+        running = a.responses.create(model=MODEL, input="Count to one thousand.", max_output_tokens=2000,
+                                     background=True)
+        assert b.responses.cancel(running.id).status == "cancelled"
+        wait_for(lambda: load_report(worker.address).num_aborted > aborted, "gateway A stopped the generation")
+        assert a.responses.retrieve(running.id).status == "cancelled"
+
+        orphan = a.responses.create(model=MODEL, input="Count to one thousand.", max_output_tokens=2000,
+                                    background=True)
+        first.proc.kill()
+        first.proc.wait(timeout=30)
+        wait_for(lambda: b.responses.retrieve(orphan.id).status == "failed", "gateway B failed the orphan")
+        assert "stopped" in b.responses.retrieve(orphan.id).error.message
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_the_retention_quota_applies_to_chat_and_usage_reports_retained_bytes(stack):
+    clients, gateway, ledger, etcd, _, _ = stack
+    key = add_tenant(etcd.endpoint, "erin", "--retention-tokens", "150")  # one ~110-token conversation, not two
+    erin = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key=key, max_retries=0, timeout=120)
+    wait_for(lambda: _ready(erin), "gateway knows erin")
+    messages = [{"role": "user", "content": "Tell me about the sea. " * 12}]
+
+    def chat(conversation: str):
+        return erin.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=8, prompt_cache_key=conversation,
+            prompt_cache_retention="in_memory")
+
+    kept = chat("first")
+    assert kept.parse().choices[0].message.content and "x-tokenfleet-retention" not in kept.headers
+    kept_again = chat("first")  # the same conversation's later turn replaces its own figure
+    assert "x-tokenfleet-retention" not in kept_again.headers
+    refused = chat("second")  # a second conversation does not fit beside the first: served, not retained
+    assert refused.parse().choices[0].message.content
+    assert refused.headers["x-tokenfleet-retention"] == "quota-exceeded"
+    usage = kept_again.parse().usage
+    report = cli("usage", "--ledger", str(ledger), "--tenant", "erin").split("retained conversations")[1]
+    row = next(line.split("\t") for line in report.splitlines() if line.startswith("erin\t"))
+    tokens, kv_bytes = int(row[3]), int(row[4])
+    assert tokens == usage.prompt_tokens + usage.completion_tokens  # settled: what the first conversation keeps
+    assert kv_bytes > 0  # as the engine reported it

@@ -157,9 +157,10 @@ def _cmd_usage(args: argparse.Namespace) -> int:
     print(format_report(report(path, since, args.tenant, Pricing.load(args.pricing)), args.format), end="")
     stored = {t: u for t, u in responses_usage(path).items() if args.tenant in (None, t)}
     if stored and args.format == "table":
-        print("\nstored responses (now)\ntenant\tresponses\tbytes\tretained KV tokens")
+        print("\nstored responses and retained conversations (now)\n"
+              "tenant\tresponses\tbytes\tretained KV tokens\tretained KV bytes")
         for tenant, u in sorted(stored.items()):
-            print(f"{tenant}\t{u['responses']}\t{u['bytes']}\t{u['retained_tokens']}")
+            print(f"{tenant}\t{u['responses']}\t{u['bytes']}\t{u['retained_tokens']}\t{u['retained_bytes']}")
     return 0
 
 

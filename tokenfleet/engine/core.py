@@ -339,16 +339,17 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # ---- retention (engine.retention) ---------------------------------------------------------
-    def retain(self, request: Request, now: float) -> None:
+    def retain(self, request: Request, now: float) -> int:
         """``request`` ended (stop or length) with a retention: keep its computed full blocks, prompt and
         output, retained under its conversation (its id without one) until ``now + retention_s``, clamped to the
-        pool's window and, past it, to the second tier's (``Retention.pin``)."""
+        pool's window and, past it, to the second tier's (``Retention.pin``). Returns the KV bytes retained."""
         if not self.scheduler.config.enable_prefix_caching:
-            return  # nothing is cached by hash: nothing to keep
+            return 0  # nothing is cached by hash: nothing to keep
         bm = self.scheduler.block_manager
         num_blocks = request.num_computed_tokens // bm.block_size
         bm.retain(request.conversation or request.request_id, request.tenant, request.block_hashes[:num_blocks],
                   now, request.retention_s)
+        return num_blocks * self._block_bytes()
 
     def release(self, conversation: str) -> int:
         """End ``conversation``'s retention now (the client said it is over): its blocks go back to plain LRU, in
@@ -514,7 +515,7 @@ class EngineCore:
             if request_id in self.scheduler.held:
                 self.kv.hold(request_id)
             elif request.retention_s > 0:  # ended by stop or length here: an abort never comes this way
-                self.retain(request, time.monotonic())
+                out.retained_bytes = self.retain(request, time.monotonic())
             self._states.pop(request_id)
             self._leave_group(request_id)
             self.runner.release(request_id)

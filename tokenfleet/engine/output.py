@@ -43,6 +43,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.., on the first output
     num_preemptions: int = 0
     queued_seconds: float | None = None  # arrival -> first scheduled (None: not scheduled yet)
+    retained_bytes: int = 0  # on the final output: KV bytes kept retained for its conversation (retention_s)
 
 
 class OutputState:

@@ -12,6 +12,15 @@ ledger's SQLite database (the one the batch tier uses), owned by a tenant.
   ``retained_until``) names the replica that holds it (``address``) and the conversation key the engine retains it
   under, so that deleting it (or its expiry) can release the blocks; a later turn of the same conversation
   supersedes the earlier one's retention (the engine re-pins the longer transcript).
+- The retention quota (``retention`` table): every request that asks the engine to retain its transcript (a stored
+  response, or chat's ``prompt_cache_retention``) reserves its tokens under its retention key (the conversation, or
+  the request) before it is sent, in one transaction with the check against the tenant's quota, so concurrent turns
+  cannot pass it together; its end settles the figure (tokens and the KV bytes the engine reported retaining). A
+  later turn of the same key replaces the earlier one's figure.
+- A response being generated holds a lease (``lease_until``) its gateway renews while it runs it; when a gateway
+  dies, any gateway sharing the database finds the lapsed leases (``fail_orphans``) and marks those responses
+  failed (never ``in_progress`` for good). A cancel or delete made on another gateway is seen by the running one
+  (``statuses``), which stops the generation.
 """
 
 from __future__ import annotations
@@ -32,12 +41,21 @@ CREATE TABLE IF NOT EXISTS responses (
     status TEXT NOT NULL, background INTEGER NOT NULL, owner TEXT NOT NULL, previous_id TEXT, root_id TEXT NOT NULL,
     instructions TEXT, input TEXT NOT NULL, output TEXT NOT NULL, object TEXT NOT NULL, bytes INTEGER NOT NULL,
     conversation TEXT NOT NULL DEFAULT '', address TEXT NOT NULL DEFAULT '',
-    retained_tokens INTEGER NOT NULL DEFAULT 0, retained_until REAL NOT NULL DEFAULT 0
+    retained_tokens INTEGER NOT NULL DEFAULT 0, retained_until REAL NOT NULL DEFAULT 0,
+    lease_until REAL NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS responses_tenant ON responses (tenant, created_at);
 CREATE INDEX IF NOT EXISTS responses_expiry ON responses (expires_at);
 CREATE INDEX IF NOT EXISTS responses_root ON responses (tenant, root_id);
+CREATE TABLE IF NOT EXISTS retention (
+    tenant TEXT NOT NULL, key TEXT NOT NULL, tokens INTEGER NOT NULL, bytes INTEGER NOT NULL DEFAULT 0,
+    until REAL NOT NULL, PRIMARY KEY (tenant, key)
+);
+CREATE INDEX IF NOT EXISTS retention_until ON retention (until);
 """
+# columns added after the table's first version: (name, declaration), added to an older database when it is opened
+_ADDED_COLUMNS = (("lease_until", "REAL NOT NULL DEFAULT 0"),)
+RUNNING = ("queued", "in_progress")
 FINISHED = ("completed", "incomplete", "failed", "cancelled")
 CONTINUABLE = ("completed", "incomplete")
 DEFAULT_DAYS = 30.0  # OpenAI keeps stored responses 30 days
@@ -102,6 +120,11 @@ class ResponseStore:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.executescript(SCHEMA)
+        columns = {row[1] for row in self._conn.execute("PRAGMA table_info(responses)")}
+        for name, declaration in _ADDED_COLUMNS:
+            if name not in columns:
+                self._conn.execute(f"ALTER TABLE responses ADD COLUMN {name} {declaration}")
+        self._conn.execute("CREATE INDEX IF NOT EXISTS responses_running ON responses (status, lease_until)")
         self._lock = threading.RLock()
 
     def close(self) -> None:
@@ -123,9 +146,10 @@ class ResponseStore:
     # ---- writes ---------------------------------------------------------------------------------------
     def create(self, tenant: str, response_id: str, obj: dict[str, Any], input_items: list[dict[str, Any]],
                previous_id: str | None, root_id: str, instructions: str | None, background: bool, owner: str = "",
-               days: float = DEFAULT_DAYS, quota_bytes: int = 0) -> bool:
+               days: float = DEFAULT_DAYS, quota_bytes: int = 0, lease_s: float = 0.0) -> bool:
         """Store a response as it starts (``obj`` with its status). False, and nothing stored, when the tenant's
-        ``quota_bytes`` (0: none) cannot hold its input."""
+        ``quota_bytes`` (0: none) cannot hold its input. ``lease_s``: its lease (its owner renews it while it runs
+        the response; 0: none, e.g. tests that never run it)."""
         now = self.clock()
         inp, out, body = json.dumps(input_items), "[]", json.dumps(obj)
         size = len(inp) + len(body) + len(instructions or "")
@@ -136,10 +160,10 @@ class ResponseStore:
                 if used + size > quota_bytes:
                     return False
             conn.execute("INSERT INTO responses (id, tenant, created_at, expires_at, status, background, owner, "
-                         "previous_id, root_id, instructions, input, output, object, bytes) "
-                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         "previous_id, root_id, instructions, input, output, object, bytes, lease_until) "
+                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                          (response_id, tenant, now, now + days * 86400, obj["status"], int(background), owner,
-                          previous_id, root_id, instructions, inp, out, body, size))
+                          previous_id, root_id, instructions, inp, out, body, size, now + lease_s if lease_s else 0.0))
         return True
 
     def finish(self, tenant: str, response_id: str, obj: dict[str, Any], output_items: list[dict[str, Any]],
@@ -191,15 +215,26 @@ class ResponseStore:
             if row is None:
                 raise NotFound(response_id)
             conn.execute("DELETE FROM responses WHERE id = ?", (response_id,))
-        address, conversation, until = row
-        return Released(address, conversation) if address and conversation and until > self.clock() else None
+            address, conversation, until = row
+            held = bool(address and conversation and until > self.clock())
+            if held:
+                conn.execute("DELETE FROM retention WHERE tenant = ? AND key = ?", (tenant, conversation))
+        return Released(address, conversation) if held else None
 
     def recover(self, owner: str) -> int:
-        """Background responses this gateway (``owner``) ran when it stopped: failed, with the reason. Returns how
+        """Responses this gateway (``owner``) was generating when it stopped: failed, with the reason. Returns how
         many."""
+        return self._fail_running("owner = ?", (owner,))
+
+    def fail_orphans(self) -> int:
+        """Responses whose gateway stopped renewing their lease (it died, or lost the database): failed, with the
+        reason. Any gateway may call it. Returns how many."""
+        return self._fail_running("lease_until > 0 AND lease_until < ?", (self.clock(),))
+
+    def _fail_running(self, where: str, args: tuple) -> int:
         with self._tx() as conn:
-            rows = conn.execute("SELECT id, object FROM responses WHERE owner = ? AND background = 1 "
-                                "AND status IN ('queued', 'in_progress')", (owner,)).fetchall()
+            rows = conn.execute(f"SELECT id, object FROM responses WHERE status IN {RUNNING} AND {where}",
+                                args).fetchall()
             for rid, obj in rows:
                 body = json.loads(obj)
                 body["status"] = "failed"
@@ -207,14 +242,70 @@ class ResponseStore:
                 conn.execute("UPDATE responses SET status = 'failed', object = ? WHERE id = ?", (json.dumps(body), rid))
         return len(rows)
 
+    def renew(self, owner: str, response_ids: list[str], lease_s: float) -> None:
+        """Extend the leases of the responses ``owner`` is generating."""
+        if not response_ids:
+            return
+        marks = ", ".join("?" * len(response_ids))
+        with self._tx() as conn:
+            conn.execute(f"UPDATE responses SET lease_until = ? WHERE owner = ? AND id IN ({marks})",
+                         (self.clock() + lease_s, owner, *response_ids))
+
+    def statuses(self, response_ids: list[str]) -> dict[str, str]:
+        """The stored status of each of ``response_ids`` that still exists (a deleted or expired one is missing):
+        how a gateway running background responses learns that another gateway cancelled or deleted one."""
+        if not response_ids:
+            return {}
+        marks = ", ".join("?" * len(response_ids))
+        with self._lock:
+            rows = self._conn.execute(f"SELECT id, status FROM responses WHERE id IN ({marks}) AND expires_at > ?",
+                                      (*response_ids, self.clock())).fetchall()
+        return dict(rows)
+
+    # ---- the retention quota --------------------------------------------------------------------------
+    def reserve_retention(self, tenant: str, key: str, tokens: int, seconds: float, quota_tokens: int = 0) -> bool:
+        """Before a request that asks the engine to retain its transcript is sent: count its ``tokens`` (prompt and
+        the most it may generate) against the tenant's ``quota_tokens`` (0: none) for ``seconds``, under ``key``
+        (its conversation, or the request), replacing that key's earlier figure. False, and nothing counted, when
+        the tenant's other retained transcripts leave no room."""
+        now = self.clock()
+        with self._tx() as conn:
+            if quota_tokens:
+                used = conn.execute("SELECT COALESCE(SUM(tokens), 0) FROM retention WHERE tenant = ? AND key != ? "
+                                    "AND until > ?", (tenant, key, now)).fetchone()[0]
+                if used + tokens > quota_tokens:
+                    return False
+            conn.execute("INSERT INTO retention (tenant, key, tokens, bytes, until) VALUES (?, ?, ?, 0, ?) "
+                         "ON CONFLICT (tenant, key) DO UPDATE SET tokens = excluded.tokens, until = excluded.until",
+                         (tenant, key, tokens, now + seconds))
+        return True
+
+    def settle_retention(self, tenant: str, key: str, tokens: int, kv_bytes: int) -> None:
+        """The request ended: the engine retains ``tokens`` (prompt and output) in ``kv_bytes`` of KV under ``key``
+        (0 bytes: it retained nothing, e.g. the request failed, and the key's figure goes)."""
+        with self._tx() as conn:
+            if kv_bytes:
+                conn.execute("UPDATE retention SET tokens = ?, bytes = ? WHERE tenant = ? AND key = ?",
+                             (tokens, kv_bytes, tenant, key))
+            else:
+                conn.execute("DELETE FROM retention WHERE tenant = ? AND key = ?", (tenant, key))
+
+    def end_retention(self, tenant: str, key: str) -> None:
+        """The retention under ``key`` was released (its response deleted)."""
+        with self._tx() as conn:
+            conn.execute("DELETE FROM retention WHERE tenant = ? AND key = ?", (tenant, key))
+
     def sweep(self) -> list[Released]:
         """Delete expired responses; the retention each still held, to release."""
         now = self.clock()
         with self._tx() as conn:
-            rows = conn.execute("SELECT address, conversation, retained_until FROM responses WHERE expires_at <= ?",
-                                (now,)).fetchall()
+            rows = conn.execute("SELECT tenant, address, conversation, retained_until FROM responses "
+                                "WHERE expires_at <= ?", (now,)).fetchall()
             conn.execute("DELETE FROM responses WHERE expires_at <= ?", (now,))
-        return [Released(a, c) for a, c, until in rows if a and c and until > now]
+            released = [(t, a, c) for t, a, c, until in rows if a and c and until > now]
+            conn.executemany("DELETE FROM retention WHERE tenant = ? AND key = ?", [(t, c) for t, _, c in released])
+            conn.execute("DELETE FROM retention WHERE until <= ?", (now,))
+        return [Released(a, c) for _, a, c in released]
 
     # ---- reads ----------------------------------------------------------------------------------------
     def get(self, tenant: str, response_id: str) -> Stored:
@@ -253,28 +344,40 @@ class ResponseStore:
                 "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
     def retained_tokens(self, tenant: str) -> int:
-        """Transcript tokens the engine keeps cached for the tenant's responses now (the retention quota's use)."""
+        """Transcript tokens the tenant's requests keep retained now (the retention quota's use)."""
         with self._lock:
-            return self._conn.execute("SELECT COALESCE(SUM(retained_tokens), 0) FROM responses "
-                                      "WHERE tenant = ? AND retained_until > ?", (tenant, self.clock())).fetchone()[0]
+            return self._conn.execute("SELECT COALESCE(SUM(tokens), 0) FROM retention WHERE tenant = ? AND until > ?",
+                                      (tenant, self.clock())).fetchone()[0]
 
     def usage(self) -> dict[str, dict[str, int]]:
-        """Per tenant: stored responses, their bytes, and transcript tokens retained in KV now."""
-        now = self.clock()
         with self._lock:
-            rows = self._conn.execute(
-                "SELECT tenant, COUNT(*), SUM(bytes), SUM(CASE WHEN retained_until > ? THEN retained_tokens ELSE 0 END) "
-                "FROM responses WHERE expires_at > ? GROUP BY tenant", (now, now)).fetchall()
-        return {t: {"responses": n, "bytes": b or 0, "retained_tokens": r or 0} for t, n, b, r in rows}
+            return _usage(self._conn, self.clock())
 
 
-def usage(path: str | Path) -> dict[str, dict[str, int]]:
-    """``ResponseStore.usage`` of the database at ``path`` (the `tokenfleet usage` report); {} when it holds
-    no responses table."""
+def _usage(conn: sqlite3.Connection, now: float) -> dict[str, dict[str, int]]:
+    """Per tenant: stored responses and their bytes; transcript tokens retained in the engines' KV now, and the KV
+    bytes the engines reported retaining for them."""
+    out: dict[str, dict[str, int]] = {}
+    for tenant, n, b in conn.execute("SELECT tenant, COUNT(*), SUM(bytes) FROM responses WHERE expires_at > ? "
+                                     "GROUP BY tenant", (now,)):
+        out[tenant] = {"responses": n, "bytes": b or 0, "retained_tokens": 0, "retained_bytes": 0}
+    for tenant, tokens, kv in conn.execute("SELECT tenant, SUM(tokens), SUM(bytes) FROM retention WHERE until > ? "
+                                           "GROUP BY tenant", (now,)):
+        row = out.setdefault(tenant, {"responses": 0, "bytes": 0, "retained_tokens": 0, "retained_bytes": 0})
+        row.update(retained_tokens=tokens or 0, retained_bytes=kv or 0)
+    return out
+
+
+def usage(path: str | Path, clock: Any = time.time) -> dict[str, dict[str, int]]:
+    """``ResponseStore.usage`` of the database at ``path`` (the `tokenfleet usage` report), read-only: {} when it
+    holds no responses (never created, or from before the Responses API)."""
     if not Path(path).exists():
         return {}
-    store = ResponseStore(path)
+    conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=30)
     try:
-        return store.usage()
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not {"responses", "retention"} <= tables:
+            return {}
+        return _usage(conn, clock())
     finally:
-        store.close()
+        conn.close()

@@ -37,10 +37,11 @@ def test_a_retained_conversation_survives_a_flood_and_its_next_turn_hits_the_poo
     core = make_core(default_model_dir, num_blocks=40)
     bm = core.scheduler.block_manager
     prompt = chat(core, "How do I adjust the rear derailleur?")
-    tokens, _ = turn(core, "turn1", prompt)
+    tokens, first = turn(core, "turn1", prompt)
     transcript = prompt + tokens
     retained = (len(transcript) - 1) // BS  # every full block computed: the last sampled token is not
     assert bm.retention.num_hashes == retained and bm.num_retained_idle_blocks == retained
+    assert first.retained_bytes == retained * core._block_bytes()  # reported to the gateway (the tenant's usage)
     flood(core, "f", rounds=2)  # every plain cached block goes, the retained ones stay
     assert bm.num_retained_idle_blocks == retained
     _, last = turn(core, "turn2", transcript + chat(core, "And the front one?")[1:])
@@ -51,7 +52,8 @@ def test_a_retained_conversation_survives_a_flood_and_its_next_turn_hits_the_poo
 def test_without_retention_the_flood_evicts_the_conversation(default_model_dir):
     core = make_core(default_model_dir, num_blocks=40)
     prompt = chat(core, "How do I adjust the rear derailleur?")
-    tokens, _ = turn(core, "turn1", prompt, retention_s=0.0)
+    tokens, first = turn(core, "turn1", prompt, retention_s=0.0)
+    assert first.retained_bytes == 0
     flood(core, "f", rounds=2)
     _, last = turn(core, "turn2", prompt + tokens + chat(core, "And the front one?")[1:], retention_s=0.0)
     assert last.num_cached_tokens < (len(prompt) // BS) * BS

@@ -1,10 +1,13 @@
-"""Stored responses: ownership, chains, quotas, expiry, cancellation, recovery after a gateway stopped."""
+"""Stored responses: ownership, chains, quotas, expiry, cancellation, recovery after a gateway stopped; the
+retention quota's reservations."""
 
 from __future__ import annotations
 
+import sqlite3
+
 import pytest
 
-from tokenfleet.responses.store import Conflict, NotFound, Released, ResponseStore
+from tokenfleet.responses.store import Conflict, NotFound, Released, ResponseStore, usage
 
 
 class Clock:
@@ -63,8 +66,10 @@ def test_the_byte_quota_refuses_to_store_and_stores_nothing(store):
 
 def test_expired_responses_are_gone_and_the_sweep_releases_their_retention(store):
     store.create("a", "r1", obj(), items("1"), None, "r1", None, False, days=1)
+    assert store.reserve_retention("a", "c1", 60, 2 * 86400)
     store.finish("a", "r1", obj("completed"), [], conversation="c1", address="w:1", retained_tokens=50,
                  retained_for=2 * 86400)
+    store.settle_retention("a", "c1", 50, 4096)
     assert store.retained_tokens("a") == 50
     store.clock.now += 86400 + 1
     with pytest.raises(NotFound):
@@ -78,8 +83,9 @@ def test_a_later_turn_supersedes_the_earlier_turns_retention(store):
     store.finish("a", "r1", obj("completed"), [], "c", "w:1", retained_tokens=100, retained_for=300)
     store.create("a", "r2", obj(), items("2"), "r1", "r1", None, False)
     store.finish("a", "r2", obj("completed"), [], "c", "w:1", retained_tokens=150, retained_for=300)
-    assert store.retained_tokens("a") == 150
+    assert store.reserve_retention("a", "c", 150, 300)
     assert store.delete("a", "r2") == Released("w:1", "c")
+    assert store.retained_tokens("a") == 0  # released: no longer counted
     store.clock.now += 301
     assert store.delete("a", "r1") is None  # its retention lapsed: nothing to release
 
@@ -120,3 +126,67 @@ def test_a_finished_response_counts_its_output_and_object(store):
     before = store.usage()["a"]["bytes"]
     store.finish("a", "r", {"status": "completed", "output": ["y" * 1000]}, [{"text": "y" * 1000}])
     assert store.usage()["a"]["bytes"] >= before + 2000  # the output, and the object that repeats it
+
+
+def test_the_retention_quota_is_reserved_with_its_check(store):
+    assert store.reserve_retention("a", "c1", 100, 300, quota_tokens=200)
+    assert not store.reserve_retention("a", "c2", 150, 300, quota_tokens=200)  # 100 + 150 > 200: nothing counted
+    assert store.retained_tokens("a") == 100
+    assert store.reserve_retention("a", "c1", 180, 300, quota_tokens=200)  # a later turn replaces its own figure
+    assert store.reserve_retention("b", "c2", 150, 300, quota_tokens=200)  # another tenant's quota is its own
+    store.settle_retention("a", "c1", 120, 8192)
+    assert store.usage()["a"] == {"responses": 0, "bytes": 0, "retained_tokens": 120, "retained_bytes": 8192}
+    store.settle_retention("b", "c2", 150, 0)  # the engine retained nothing
+    assert "b" not in store.usage()
+    store.clock.now += 301  # the window passed: no longer counted, and swept
+    assert store.retained_tokens("a") == 0 and store.reserve_retention("a", "c2", 190, 300, quota_tokens=200)
+    store.sweep()
+    assert store.usage()["a"]["retained_tokens"] == 190
+
+
+def test_a_gateway_that_stops_renewing_its_leases_has_its_responses_failed(store):
+    store.create("a", "mine", obj(), items("1"), None, "mine", None, True, owner="gw-1", lease_s=30)
+    store.create("a", "dead", obj(), items("1"), None, "dead", None, False, owner="gw-2", lease_s=30)
+    store.create("a", "unleased", obj(), items("1"), None, "unleased", None, False, owner="gw-3")
+    store.clock.now += 20
+    store.renew("gw-1", ["mine"], 30)
+    store.renew("gw-1", ["dead"], 30)  # not its own: untouched
+    store.clock.now += 20
+    assert store.fail_orphans() == 1
+    assert store.get("a", "dead").status == "failed"
+    assert store.get("a", "mine").status == "in_progress" and store.get("a", "unleased").status == "in_progress"
+
+
+def test_statuses_show_a_cancel_or_delete_made_elsewhere(store):
+    for rid in ("r1", "r2", "r3"):
+        store.create("a", rid, obj(), items("1"), None, rid, None, True, owner="gw-1")
+    store.cancel("a", "r1", obj("cancelled"))
+    store.delete("a", "r2")
+    assert store.statuses(["r1", "r2", "r3"]) == {"r1": "cancelled", "r3": "in_progress"}
+
+
+def test_the_usage_report_reads_without_writing(tmp_path):
+    path = tmp_path / "ledger.sqlite3"
+    sqlite3.connect(path).execute("CREATE TABLE usage (x)").connection.close()  # a ledger from before responses
+    assert usage(path) == {}
+    tables = {r[0] for r in sqlite3.connect(path).execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert tables == {"usage"}
+
+
+def test_an_older_database_gains_the_lease_column(tmp_path):
+    path = tmp_path / "ledger.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE responses (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created_at REAL NOT NULL, "
+                 "expires_at REAL NOT NULL, status TEXT NOT NULL, background INTEGER NOT NULL, owner TEXT NOT NULL, "
+                 "previous_id TEXT, root_id TEXT NOT NULL, instructions TEXT, input TEXT NOT NULL, output TEXT NOT NULL, "
+                 "object TEXT NOT NULL, bytes INTEGER NOT NULL, conversation TEXT NOT NULL DEFAULT '', "
+                 "address TEXT NOT NULL DEFAULT '', retained_tokens INTEGER NOT NULL DEFAULT 0, "
+                 "retained_until REAL NOT NULL DEFAULT 0)")
+    conn.commit()
+    conn.close()
+    store = ResponseStore(path)
+    try:
+        assert store.create("a", "r", obj(), items("1"), None, "r", None, True, owner="gw", lease_s=30)
+        assert store.get("a", "r").status == "in_progress"
+    finally:
+        store.close()
