@@ -61,7 +61,8 @@ log = structlog.get_logger()
 DEADLINE_HEADERS = ("x-request-timeout", "x-stainless-read-timeout")
 DEFAULT_DEADLINE_S = 600.0  # the official client's default timeout
 MAX_DEADLINE_S = 3600.0
-RETENTION_HEADER = "x-tokenfleet-retention"  # "quota-exceeded": served without retention (the tenant's quota)
+# served without retention: "quota-exceeded" (the tenant's retention quota), "unavailable" (the database cannot count it)
+RETENTION_HEADER = "x-tokenfleet-retention"
 
 
 class RetentionLedger(Protocol):
@@ -275,11 +276,15 @@ class Gateway:
         if spec.retention_s <= 0 or self.retention is None:
             return ""
         key = spec.conversation or prepared.request_id
-        if await asyncio.to_thread(self.retention.reserve_retention, tenant.name, key, tokens, spec.retention_s,
-                                   tenant.retention_tokens):
-            return key
+        try:
+            if await asyncio.to_thread(self.retention.reserve_retention, tenant.name, key, tokens, spec.retention_s,
+                                       tenant.retention_tokens):
+                return key
+            call.headers[RETENTION_HEADER] = "quota-exceeded"
+        except Exception as e:  # the database cannot count it (busy, full): served, not retained uncounted
+            log.warning("retention not reserved", error=str(e))
+            call.headers[RETENTION_HEADER] = "unavailable"
         prepared.request = dataclasses.replace(spec, retention_s=0.0)
-        call.headers[RETENTION_HEADER] = "quota-exceeded"
         return ""
 
     async def events(self, run: Run, timer: RequestTimer) -> AsyncIterator[ev.ChoiceEvent]:
