@@ -145,7 +145,11 @@ def _tensor(t) -> QuantTensor | torch.Tensor:  # type: ignore[no-untyped-def]
 def read_gguf_weights(path: str | os.PathLike[str]) -> dict[str, QuantTensor | torch.Tensor]:
     """The weights of the GGUF at ``path`` under our names (module docstring): quantized ones as ``QuantTensor``,
     float ones (norms, and whatever the file keeps in F32/F16/BF16) as torch tensors in the file's dtype."""
-    reader = open_gguf(path)
+    return weights_from_reader(open_gguf(path))
+
+
+def weights_from_reader(reader) -> dict[str, QuantTensor | torch.Tensor]:  # type: ignore[no-untyped-def]
+    """``read_gguf_weights`` of an open reader (``open_gguf``); the views keep its mapping alive."""
     arch = architecture(reader)
     named = [(hf_name(arch, t.name), t) for t in reader.tensors]
     for name, t in named:  # every type checked before anything is built
