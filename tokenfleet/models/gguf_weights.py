@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -64,15 +63,6 @@ SKIPPED = frozenset({"rope_freqs.weight"})
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
-@dataclass(frozen=True)
-class TypeTotal:
-    """The tensors of one GGML type in a GGUF file: how many, their elements and their bytes."""
-
-    count: int
-    elements: int
-    nbytes: int
-
-
 def hf_name(architecture: str, gguf_name: str) -> str | None:
     """Our name of the GGUF tensor ``gguf_name``; None for a tensor that is skipped on purpose (``SKIPPED``);
     ValueError for one we cannot place."""
@@ -106,17 +96,6 @@ def open_gguf(path: str | os.PathLike[str]):  # type: ignore[no-untyped-def]
     import gguf
 
     return gguf.GGUFReader(os.fspath(path), mode="c")
-
-
-def tensor_types(reader) -> dict[str, TypeTotal]:  # type: ignore[no-untyped-def]
-    """Every tensor of the file by GGML type name (F32, Q4_K, ...): count, elements, bytes."""
-    totals: dict[str, list[int]] = {}
-    for t in reader.tensors:
-        total = totals.setdefault(t.tensor_type.name, [0, 0, 0])
-        total[0] += 1
-        total[1] += int(t.n_elements)
-        total[2] += int(t.n_bytes)
-    return {k: TypeTotal(*v) for k, v in sorted(totals.items())}
 
 
 def _rotary_rows(rows: int, heads: int) -> torch.Tensor:

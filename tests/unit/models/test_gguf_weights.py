@@ -29,7 +29,8 @@ import torch
 
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.ggml_quant import QuantTensor
-from tokenfleet.models.gguf_weights import TypeTotal, open_gguf, read_gguf_weights, tensor_types, weights_from_reader
+from tokenfleet.models.gguf_weights import open_gguf, read_gguf_weights, weights_from_reader
+from tokenfleet.planning.gguf_size import TypeTotal, gguf_tensor_types
 
 gguf = pytest.importorskip("gguf")
 
@@ -71,7 +72,12 @@ def check_model(gguf_path: Path, folder: Path, types: dict[str, TypeTotal], file
     from safetensors import safe_open
 
     reader = open_gguf(gguf_path)
-    assert tensor_types(reader) == types
+    assert gguf_tensor_types(gguf_path) == types  # the planner's header walk
+    assert {k: (v.count, v.elements, v.nbytes) for k, v in types.items()} == {  # the gguf package's reader
+        k: (sum(1 for t in reader.tensors if t.tensor_type.name == k),
+            sum(int(t.n_elements) for t in reader.tensors if t.tensor_type.name == k),
+            sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type.name == k)) for k in types}
+    assert len(reader.tensors) == sum(v.count for v in types.values())
     assert gguf_path.stat().st_size == file_bytes
     weights = weights_from_reader(reader)
     config = ModelConfig.from_dir(folder)
