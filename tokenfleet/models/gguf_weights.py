@@ -136,6 +136,8 @@ def weights_from_reader(reader) -> dict[str, QuantTensor | torch.Tensor]:  # typ
             _check_type(t)
     heads = kv_heads = 0
     if arch == "llama":
+        if _field(reader, "llama.attention.head_count") is None:
+            raise ValueError("a llama GGUF without llama.attention.head_count: its Q and K rows cannot be put back")
         heads = int(_field(reader, "llama.attention.head_count"))
         kv_heads = int(_field(reader, "llama.attention.head_count_kv") or heads)
     out: dict[str, QuantTensor | torch.Tensor] = {}
