@@ -17,6 +17,9 @@ gemma-3-270m-q4_k_m.gguf, 253,113,024 bytes, 236 tensors:
   Q6_K     9 tensors   9,676,800 bytes  (9 down projections)
   F32    109 tensors     223,744 bytes  (norms)
   quantized 246,364,160 bytes (97.3% of the file); 246,587,904 bytes of tensors in all
+  Q4_K_M's K-quants need rows of whole 256-value blocks: the 640-wide rows (q, k, v, gate, up, the embedding) fall
+  back to Q5_0 / Q8_0. Layers 0, 1, 4, 7, 10, 13, 15, 16, 17 get the larger types for v (Q8_0, where q and k are
+  Q5_0: one layer's q, k and v are not all one type) and down (Q6_K; Q4_K elsewhere).
 """
 
 from __future__ import annotations
