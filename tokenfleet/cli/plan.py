@@ -6,7 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from tokenfleet.planning.calc import DTYPE_BYTES, GB, GPUS, MODELS, Layout, Model, Plan, plan
+from tokenfleet.planning.calc import DTYPE_BYTES, GB, GPUS, MODELS, WEIGHT_DTYPES, Layout, Model, Plan, plan
+from tokenfleet.planning.gguf_size import gguf_bytes_per_param
 
 
 def add_command(sub: Any) -> None:
@@ -16,7 +17,10 @@ def add_command(sub: Any) -> None:
     p.add_argument("--gpu", default="h100", choices=sorted(GPUS))
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--weight-dtype", default="fp8", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--weight-dtype", default="fp8", choices=sorted(WEIGHT_DTYPES),
+                   help="gguf: a GGUF's own block types (--gguf FILE, else planning.calc.GGUF_DEFAULT_BITS)")
+    p.add_argument("--gguf", metavar="FILE", help="weights as this GGUF ships them: bytes per parameter from its tensor "
+                                                  "types (sets --weight-dtype gguf)")
     p.add_argument("--kv-dtype", default="fp8", choices=sorted(DTYPE_BYTES))
     p.add_argument("--weights-gb", type=float, help="weight bytes per replica (default: parameters x dtype)")
     p.add_argument("--reserve-gb", type=float, default=10.0, help="per replica: activations, graphs, headroom")
@@ -32,8 +36,8 @@ def add_command(sub: Any) -> None:
 
 def _cmd_plan(a: argparse.Namespace) -> int:
     model = MODELS[a.model] if a.model in MODELS else Model.from_config(a.model)
-    layout = Layout(GPUS[a.gpu], a.tp, a.pp, a.weight_dtype, a.kv_dtype, a.reserve_gb * GB,
-                    a.prefill_efficiency, a.decode_efficiency)
+    layout = Layout(GPUS[a.gpu], a.tp, a.pp, "gguf" if a.gguf else a.weight_dtype, a.kv_dtype, a.reserve_gb * GB,
+                    a.prefill_efficiency, a.decode_efficiency, gguf_bytes_per_param(a.gguf) if a.gguf else None)
     weights = a.weights_gb * GB if a.weights_gb else None
     result = plan(model, layout, a.context, a.prompt_tokens, a.batch, a.target_tps, weights)
     if a.json:

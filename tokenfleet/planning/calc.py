@@ -26,6 +26,15 @@ from typing import Any
 
 GB = 1e9
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+# Weight formats (``Layout.weight_dtype``): the dtypes, and "gguf", a GGUF file's own block types kept as they ship
+# (``Layout.weight_bytes_per_param`` from the file: planning.gguf_size; without one, ``GGUF_DEFAULT_BITS``).
+WEIGHT_DTYPES = (*DTYPE_BYTES, "gguf")
+# Without a file, a "gguf" model is taken as Q4_K_M, llama.cpp's usual 4-bit mix: Q4_K (4.5 bits a weight) for most
+# matrices, Q6_K (6.5625) for some V and down projections and the output; about 4.85 bits a weight on a Llama-class
+# model. A real file can differ much: the shipped small models keep an 8-bit embedding that is a third (SmolLM2 135M:
+# 5.7 bits a weight in all) or two thirds (Gemma 3 270M: 7.4) of their weights.
+GGUF_DEFAULT_BITS = 4.85
+INT8_SCALE_BYTES = 4.0  # "int8" weights: one fp32 scale per output channel (row) of every matrix
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,13 @@ class Model:
         mlp = 3 * self.hidden_size * self.intermediate_size
         embeddings = (1 if self.tie_word_embeddings else 2) * self.vocab_size * self.hidden_size
         return self.num_layers * (attention + mlp) + embeddings
+
+    @property
+    def num_output_channels(self) -> int:
+        """Rows of every weight matrix ([out, in]): the per-channel scales a quantized copy keeps."""
+        attention = self.head_dim * (self.num_heads + 2 * self.num_kv_heads) + self.hidden_size
+        mlp = 2 * self.intermediate_size + self.hidden_size
+        return self.num_layers * (attention + mlp) + (1 if self.tie_word_embeddings else 2) * self.vocab_size
 
     def kv_bytes_per_layer_token(self, kv_dtype: str) -> float:
         return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[kv_dtype]
@@ -195,10 +211,17 @@ class Layout:
     reserve_bytes: float = 0.0  # per replica: activations, CUDA graphs, fragmentation
     prefill_efficiency: float = 0.5  # share of peak FLOPs a prefill reaches
     decode_efficiency: float = 0.7  # share of HBM bandwidth a decode step reaches
+    # weight bytes per parameter when known better than the dtype says: a GGUF file's own tensor types
+    # (planning.gguf_size.gguf_bytes_per_param); None: ``bytes_per_param(model, weight_dtype)``
+    weight_bytes_per_param: float | None = None
 
     @property
     def num_gpus(self) -> int:
         return self.tp * self.pp
+
+    def weight_bytes(self, model: Model) -> float:
+        """The model's weights in this layout's format, over all its GPUs."""
+        return weight_bytes(model, self.weight_dtype, per_param=self.weight_bytes_per_param)
 
 
 @dataclass(frozen=True)
@@ -221,13 +244,27 @@ class Plan:
         return asdict(self)
 
 
-def weight_bytes(model: Model, dtype: str, params: float | None = None) -> float:
-    return (params if params is not None else model.num_params) * DTYPE_BYTES[dtype]
+def bytes_per_param(model: Model, dtype: str) -> float:
+    """Weight bytes per parameter in ``dtype`` (``WEIGHT_DTYPES``): its size; "int8" adds its per-channel scales
+    (``INT8_SCALE_BYTES`` per row of every matrix); "gguf" without a file is ``GGUF_DEFAULT_BITS``."""
+    if dtype == "gguf":
+        return GGUF_DEFAULT_BITS / 8
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"weight dtype {dtype!r}: one of {', '.join(WEIGHT_DTYPES)}")
+    if dtype == "int8":
+        return DTYPE_BYTES[dtype] + INT8_SCALE_BYTES * model.num_output_channels / model.num_params
+    return DTYPE_BYTES[dtype]
+
+
+def weight_bytes(model: Model, dtype: str, params: float | None = None, per_param: float | None = None) -> float:
+    """``params`` (default: the model's) at ``per_param`` bytes each (default: ``bytes_per_param``)."""
+    n = params if params is not None else model.num_params
+    return n * (per_param if per_param is not None else bytes_per_param(model, dtype))
 
 
 def kv_budget(model: Model, layout: Layout, weights: float | None = None) -> float:
     total = layout.num_gpus * layout.gpu.memory_bytes
-    used = weight_bytes(model, layout.weight_dtype) if weights is None else weights
+    used = layout.weight_bytes(model) if weights is None else weights
     return max(0.0, total - used - layout.reserve_bytes)
 
 
@@ -243,14 +280,14 @@ def prefill_seconds(model: Model, layout: Layout, prompt_tokens: int) -> float:
     flops = 2 * model.num_params * prompt_tokens + model.attention_flops(
         pairs, attention_pairs(0, prompt_tokens, model.window))
     compute = flops / (n * gpu.flops(layout.weight_dtype) * layout.prefill_efficiency)
-    memory = weight_bytes(model, layout.weight_dtype) / (n * gpu.hbm_bytes_per_s)
+    memory = layout.weight_bytes(model) / (n * gpu.hbm_bytes_per_s)
     return max(compute, memory, _allreduce_seconds(model, layout, prompt_tokens))  # TP comms overlap compute
 
 
 def decode_step_seconds(model: Model, layout: Layout, batch: int, context: int) -> float:
     """Memory-bound in practice: every step reads the weights once and each request's KV."""
     gpu, n = layout.gpu, layout.num_gpus
-    read = weight_bytes(model, layout.weight_dtype) + batch * model.kv_bytes(context, layout.kv_dtype)
+    read = layout.weight_bytes(model) + batch * model.kv_bytes(context, layout.kv_dtype)
     memory = read / (n * gpu.hbm_bytes_per_s * layout.decode_efficiency)
     compute = 2 * model.num_params * batch / (n * gpu.flops(layout.weight_dtype) * layout.prefill_efficiency)
     return max(memory, compute) + _allreduce_seconds(model, layout, batch)  # small messages: latency, not hidden
@@ -272,7 +309,7 @@ def replicas_for(target_tokens_per_s: float, per_replica_tokens_per_s: float) ->
 
 def plan(model: Model, layout: Layout, context: int = 4096, prompt_tokens: int = 3000, batch: int = 64,
          target_tokens_per_s: float | None = None, weights_bytes: float | None = None) -> Plan:
-    weights = weight_bytes(model, layout.weight_dtype) if weights_bytes is None else weights_bytes
+    weights = layout.weight_bytes(model) if weights_bytes is None else weights_bytes
     tokens = resident_tokens(model, layout, weights, context)
     step = decode_step_seconds(model, layout, batch, context)
     rate = batch / step

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tokenfleet.engine.scheduler import SchedulerOutput
-from tokenfleet.planning.calc import DTYPE_BYTES, Layout, Model, attended_keys, attention_pairs, weight_bytes
+from tokenfleet.planning.calc import DTYPE_BYTES, Layout, Model, attended_keys, attention_pairs
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class Roofline:
         window_pairs, window_kv = shape.window_counts(m.window) if m.window else (shape.pairs, shape.kv)
         compute = self.flops(shape.tokens, shape.pairs, window_pairs) / (self.peak_flops() * lay.prefill_efficiency)
         keys = m.num_global_layers * shape.kv + m.num_sliding_layers * window_kv  # summed over layers
-        read = weight_bytes(m, lay.weight_dtype) + keys * m.kv_bytes_per_layer_token(lay.kv_dtype)
+        read = lay.weight_bytes(m) + keys * m.kv_bytes_per_layer_token(lay.kv_dtype)
         memory = read / (n * lay.gpu.hbm_bytes_per_s * lay.decode_efficiency)
         comms = 0.0
         if lay.tp > 1:

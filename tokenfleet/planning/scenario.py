@@ -11,8 +11,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tokenfleet.engine.scheduler import SchedulerConfig
-from tokenfleet.planning.calc import DTYPE_BYTES, GB, GPUS, MODELS, Layout, Model, resident_tokens
+from tokenfleet.planning.calc import DTYPE_BYTES, GB, GPUS, MODELS, WEIGHT_DTYPES, Layout, Model, resident_tokens
 from tokenfleet.planning.costs import CostModel, Profile, Roofline, StepShape
+from tokenfleet.planning.gguf_size import gguf_bytes_per_param
 from tokenfleet.planning.metrics import Objectives, summarize
 from tokenfleet.planning.sim import POLICIES, PREFIX_AWARE, FleetConfig, Simulator
 from tokenfleet.planning.workload import Arrivals, ChatTraffic, Conversations, peak_rate
@@ -79,7 +80,10 @@ def add_hardware_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="llama3-70b", help=f"a preset ({', '.join(MODELS)}) or an HF config.json")
     g.add_argument("--gpu", default="h100", choices=sorted(GPUS))
     g.add_argument("--tp", type=int, default=8, help="GPUs per replica (one replica per node at 8)")
-    g.add_argument("--weight-dtype", default="fp8", choices=sorted(DTYPE_BYTES))
+    g.add_argument("--weight-dtype", default="fp8", choices=sorted(WEIGHT_DTYPES),
+                   help="gguf: a GGUF's own block types (--gguf FILE, else planning.calc.GGUF_DEFAULT_BITS)")
+    g.add_argument("--gguf", metavar="FILE", help="weights as this GGUF ships them: bytes per parameter from its tensor "
+                                                  "types (sets --weight-dtype gguf)")
     g.add_argument("--kv-dtype", default="fp8", choices=sorted(DTYPE_BYTES))
     g.add_argument("--reserve-gb", type=float, default=10.0, help="per replica: activations, graphs, headroom")
     g.add_argument("--prefill-efficiency", type=float, default=0.5, help="share of peak FLOP/s a prefill reaches")
@@ -148,8 +152,10 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
 
 def hardware(args: argparse.Namespace) -> tuple[Model, Layout]:
     model = MODELS[args.model] if args.model in MODELS else Model.from_config(args.model)
-    layout = Layout(GPUS[args.gpu], args.tp, 1, args.weight_dtype, args.kv_dtype, args.reserve_gb * GB,
-                    args.prefill_efficiency, args.decode_efficiency)
+    gguf = getattr(args, "gguf", None)  # a namespace built without add_hardware_flags has none
+    layout = Layout(GPUS[args.gpu], args.tp, 1, "gguf" if gguf else args.weight_dtype, args.kv_dtype,
+                    args.reserve_gb * GB, args.prefill_efficiency, args.decode_efficiency,
+                    gguf_bytes_per_param(gguf) if gguf else None)
     return model, layout
 
 

@@ -1,0 +1,166 @@
+"""A GGUF file's weights read as they ship: block-quantized matrices stay quantized (``ggml_quant.QuantTensor``),
+float ones come back as torch tensors, all under the names ``loader.read_safetensors`` gives the imported folder
+(``layers.0.self_attn.q_proj.weight``, ``embed_tokens.weight``, ``norm.weight``, ...).
+
+The file is memory-mapped (``gguf.GGUFReader`` in copy-on-write mode: a tensor written to changes private pages, never
+the file) and every tensor is a ``torch.from_numpy`` view of the mapping, except where the converter's changes are
+undone, which copies:
+
+- Llama (``general.architecture`` "llama"): llama.cpp's converter reorders the rows of each head of the Q and K
+  projections from the two-halves rotary layout HF uses to the interleaved pairs llama.cpp rotates (row ``2i + j`` of
+  a head holds HF's row ``j * head_dim / 2 + i``); we put HF's order back. Rows are independent, so on a quantized
+  matrix this is a row selection of its bytes (``QuantTensor.select_rows``): Q and K of every layer are copied
+  (SmolLM2 135M: 60 matrices, 8.3 MB of its 96.6 MB).
+- Gemma 3 (``gemma3``): the converter stores each RMSNorm weight as ``1 + w`` (the factor llama.cpp multiplies by);
+  HF's weights, and so the imported folder, hold ``w``, and our loader adds the 1 back. The norms (fp32, 224 KB for
+  Gemma 3 270M) come back as ``w = stored - 1`` in fp32, new tensors; nothing else is changed (no rotary permutation:
+  Gemma's converter keeps HF's layout).
+
+Only the architectures our loader serves are read. A tensor type that is neither a float type nor one of
+``ggml_quant.TYPES``, or a tensor name we cannot place, is a ``ValueError`` naming the tensor, before any tensor is
+built. Tied embeddings: a GGUF of a tied model has no ``output.weight``, so no ``lm_head.weight`` comes back.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import torch
+
+from tokenfleet.models.ggml_quant import BY_ID, QuantTensor
+
+ARCHITECTURES = ("llama", "gemma3")
+
+# per-layer tensors: GGUF ``blk.N.<key>.weight`` -> ``layers.N.<value>.weight``
+_LAYER_COMMON = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+LAYER_NAMES = {
+    # Llama has one norm before the MLP: GGUF's ffn_norm is HF's post_attention_layernorm
+    "llama": {**_LAYER_COMMON, "ffn_norm": "post_attention_layernorm"},
+    # Gemma 3 has four norms around its two blocks, and RMSNorms on the heads' queries and keys
+    "gemma3": {**_LAYER_COMMON,
+               "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm",
+               "attn_q_norm": "self_attn.q_norm",
+               "attn_k_norm": "self_attn.k_norm"},
+}
+GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+                "output.weight": "lm_head.weight"}
+# In some Llama 3 GGUFs: the llama3 rope scaling's per-frequency factors, which the config's rope_scaling also gives
+SKIPPED = frozenset({"rope_freqs.weight"})
+
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def hf_name(architecture: str, gguf_name: str) -> str | None:
+    """Our name of the GGUF tensor ``gguf_name``; None for a tensor that is skipped on purpose (``SKIPPED``);
+    ValueError for one we cannot place."""
+    if gguf_name in SKIPPED:
+        return None
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    m = _LAYER.fullmatch(gguf_name)
+    names = LAYER_NAMES[architecture]
+    if m is None or m.group(2) not in names:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a {architecture} model")
+    return f"layers.{m.group(1)}.{names[m.group(2)]}.weight"
+
+
+def _field(reader, key: str):  # type: ignore[no-untyped-def]
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def architecture(reader) -> str:  # type: ignore[no-untyped-def]
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not one we read: {', '.join(ARCHITECTURES)}")
+    return str(arch)
+
+
+def open_gguf(path: str | os.PathLike[str]):  # type: ignore[no-untyped-def]
+    """A ``gguf.GGUFReader`` over ``path``, memory-mapped copy-on-write (writable views, the file never written).
+    Parsing the header reads every metadata field, the tokenizer's vocabulary included: most of the time of a read
+    (about 12 s for Gemma 3's 262k tokens; the tensors themselves are only mapped)."""
+    import gguf
+
+    return gguf.GGUFReader(os.fspath(path), mode="c")
+
+
+def _rotary_rows(rows: int, heads: int) -> torch.Tensor:
+    """For each HF row of a Q or K projection with ``heads`` heads, the GGUF row that holds it: HF's row
+    ``j * half + i`` of a head (``j`` in 0, 1; ``i`` < half) is the converter's row ``2i + j`` of that head."""
+    if rows % (2 * heads):
+        raise ValueError(f"{rows} rows do not split into {heads} heads of rotary pairs")
+    half = rows // heads // 2
+    return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+def _tensor(t) -> QuantTensor | torch.Tensor:  # type: ignore[no-untyped-def]
+    """One ``ReaderTensor`` as a view of the mapping: [rows, cols] with cols GGUF's ne[0] (the row length)."""
+    kind = t.tensor_type.name
+    dims = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists ne[0] (the row length) first
+    if kind in ("F32", "F16"):
+        return torch.from_numpy(t.data).reshape(dims)
+    if kind == "BF16":  # numpy has no bfloat16: the reader hands the bytes
+        return torch.from_numpy(t.data).view(torch.bfloat16).reshape(dims)
+    _check_type(t)
+    cols = dims[-1]
+    rows = int(np.prod(dims[:-1])) if len(dims) > 1 else 1
+    return QuantTensor(kind, rows, cols, torch.from_numpy(t.data).reshape(rows, -1))
+
+
+def read_gguf_weights(path: str | os.PathLike[str]) -> dict[str, QuantTensor | torch.Tensor]:
+    """The weights of the GGUF at ``path`` under our names (module docstring): quantized ones as ``QuantTensor``,
+    float ones (norms, and whatever the file keeps in F32/F16/BF16) as torch tensors in the file's dtype."""
+    return weights_from_reader(open_gguf(path))
+
+
+def weights_from_reader(reader) -> dict[str, QuantTensor | torch.Tensor]:  # type: ignore[no-untyped-def]
+    """``read_gguf_weights`` of an open reader (``open_gguf``); the views keep its mapping alive."""
+    arch = architecture(reader)
+    named = [(hf_name(arch, t.name), t) for t in reader.tensors]
+    for name, t in named:  # every type checked before anything is built
+        if name is not None:
+            _check_type(t)
+    heads = kv_heads = 0
+    if arch == "llama":
+        if _field(reader, "llama.attention.head_count") is None:
+            raise ValueError("a llama GGUF without llama.attention.head_count: its Q and K rows cannot be put back")
+        heads = int(_field(reader, "llama.attention.head_count"))
+        kv_heads = int(_field(reader, "llama.attention.head_count_kv") or heads)
+    out: dict[str, QuantTensor | torch.Tensor] = {}
+    for name, t in named:
+        if name is None:
+            continue
+        w = _tensor(t)
+        if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            index = _rotary_rows(w.shape[0], heads if ".q_proj." in name else kv_heads)
+            w = w.select_rows(index) if isinstance(w, QuantTensor) else w.index_select(0, index)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            if isinstance(w, QuantTensor):
+                raise ValueError(f"GGUF tensor {t.name!r}: a quantized ({w.kind}) norm")
+            w = w.float() - 1.0
+        out[name] = w
+    return out
+
+
+def _check_type(t) -> None:  # type: ignore[no-untyped-def]
+    kind = t.tensor_type.name
+    if kind in ("F32", "F16", "BF16"):
+        return
+    quant = BY_ID.get(int(t.tensor_type))
+    if quant is None or quant.name != kind:
+        raise ValueError(f"GGUF tensor {t.name!r} has type {kind}, which we do not read "
+                         f"(float: F32, F16, BF16; quantized: {', '.join(q.name for q in BY_ID.values())})")
