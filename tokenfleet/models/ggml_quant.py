@@ -82,3 +82,138 @@ class QuantTensor:
     def select_rows(self, index: torch.Tensor) -> QuantTensor:
         """Rows ``index`` (in that order), still quantized."""
         return QuantTensor(self.kind, int(index.numel()), self.cols, self.data.index_select(0, index).contiguous())
+
+
+# Dequantization: the torch reference every kernel is checked against. Each type's arithmetic repeats gguf-py's
+# numpy reference step for step (the same fp32 products and sums, none fused), so its values are bitwise those of
+# ``gguf.quants.dequantize``; tests hold it to that.
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[blocks, 2] little-endian fp16 bytes -> [blocks, 1] float32."""
+    return b.clone(memory_format=torch.contiguous_format).view(torch.float16).float()  # a copy: offset 0, aligned
+
+
+def _nibbles(b: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes -> [..., 2, n]: low nibbles, then high nibbles."""
+    return torch.stack((b & 0x0F, b >> 4), dim=-2)
+
+
+def _dequant_q4_1(blk: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(blk[:, 0:2]), _f16(blk[:, 2:4])
+    q = _nibbles(blk[:, 4:20]).reshape(-1, 32).float()
+    return d * q + m
+
+
+def _dequant_q5_0(blk: torch.Tensor) -> torch.Tensor:
+    d = _f16(blk[:, 0:2])
+    bits = torch.arange(8, dtype=torch.uint8)
+    high = ((blk[:, 2:6, None] >> bits) & 1).reshape(-1, 32) << 4  # bit i of the 4 little-endian bytes: value i's
+    q = (_nibbles(blk[:, 6:22]).reshape(-1, 32) | high).to(torch.int32) - 16
+    return d * q.float()
+
+
+def _dequant_q8_0(blk: torch.Tensor) -> torch.Tensor:
+    return blk[:, 2:34].contiguous().view(torch.int8).float() * _f16(blk[:, 0:2])
+
+
+def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[blocks, 12] packed bytes -> eight 6-bit scales and eight 6-bit mins, [blocks, 8] each. Bytes 0-3 hold scales
+    0-3 in their low 6 bits, bytes 4-7 mins 0-3; bytes 8-11 hold the low 4 bits of scales 4-7 (low nibble) and of
+    mins 4-7 (high nibble), whose top 2 bits are the top 2 bits of bytes 0-3 (scales) and 4-7 (mins)."""
+    lo, mid, top = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    scale = torch.cat((lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)), dim=1)
+    minimum = torch.cat((mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)), dim=1)
+    return scale, minimum
+
+
+def _dequant_q4_k(blk: torch.Tensor) -> torch.Tensor:
+    d, dmin = _f16(blk[:, 0:2]), _f16(blk[:, 2:4])
+    scale, minimum = _k_scale_min(blk[:, 4:16])
+    d_sub = (d * scale.float()).unsqueeze(-1)  # [blocks, 8, 1]
+    m_sub = (dmin * minimum.float()).unsqueeze(-1)
+    q = _nibbles(blk[:, 16:144].reshape(-1, 4, 32)).reshape(-1, 8, 32).float()  # per 64 values: 32 low, 32 high
+    return (d_sub * q - m_sub).reshape(-1, 256)
+
+
+def _dequant_q6_k(blk: torch.Tensor) -> torch.Tensor:
+    ql = _nibbles(blk[:, 0:128].reshape(-1, 2, 64)).reshape(-1, 8, 32)  # per 128 values: 64 low nibbles, 64 high
+    qh = blk[:, 128:192].reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    q = (ql | ((qh & 3).reshape(-1, 8, 32) << 4)).to(torch.int32) - 32
+    scale = blk[:, 192:208].contiguous().view(torch.int8).float()  # one per 16 values
+    d_sub = (_f16(blk[:, 208:210]) * scale).unsqueeze(-1)  # [blocks, 16, 1]
+    return (d_sub * q.reshape(-1, 16, 16).float()).reshape(-1, 256)
+
+
+_DEQUANT = {"Q4_1": _dequant_q4_1, "Q5_0": _dequant_q5_0, "Q8_0": _dequant_q8_0, "Q4_K": _dequant_q4_k,
+            "Q6_K": _dequant_q6_k}
+
+
+def dequantize(q: QuantTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The [rows, cols] values of ``q`` (computed in float32, then cast to ``dtype``)."""
+    t = q.type
+    blocks = q.data.reshape(-1, t.block_bytes)  # [rows * cols / block_elems, block_bytes]
+    return _DEQUANT[q.kind](blocks).reshape(q.rows, q.cols).to(dtype)
+
+
+def embedding(q: QuantTensor, token_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``token_ids`` (any shape) of an embedding table, dequantized alone: [*token_ids.shape, cols]."""
+    flat = token_ids.reshape(-1).to(device=q.data.device, dtype=torch.long)
+    return dequantize(q.select_rows(flat), dtype).reshape(*token_ids.shape, q.cols)
+
+
+# Quantizers (tests, kernel checks, int8 experiments): bitwise those of gguf-py's numpy reference, the same fp32 steps.
+
+def _round_away(x: torch.Tensor) -> torch.Tensor:
+    """Round half away from zero (C's roundf), as gguf-py computes it: floor(a) + floor(2 (a - floor(a)))."""
+    a = x.abs()
+    whole = a.floor()
+    return x.sign() * (whole + (2 * (a - whole)).floor())
+
+
+def _f16_bytes(v: torch.Tensor) -> torch.Tensor:
+    """[blocks, 1] float32 -> [blocks, 2] bytes of its fp16 rounding."""
+    return v.to(torch.float16).view(torch.uint8).reshape(-1, 2)
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d == 0, torch.zeros_like(d), 1 / torch.where(d == 0, torch.ones_like(d), d))
+
+
+def quantize_q8_0(w: torch.Tensor) -> QuantTensor:
+    """[rows, cols] (cols a multiple of 32) -> Q8_0: per 32 values d = max |w| / 127, q = round(w / d)."""
+    rows, cols = w.shape
+    blocks = w.float().reshape(-1, 32)
+    d = blocks.abs().amax(dim=1, keepdim=True) / 127
+    q = _round_away(blocks * _inverse(d)).to(torch.int8).view(torch.uint8)
+    return QuantTensor("Q8_0", rows, cols, torch.cat((_f16_bytes(d), q), dim=1).reshape(rows, -1))
+
+
+def quantize_q4_1(w: torch.Tensor) -> QuantTensor:
+    """[rows, cols] (cols a multiple of 32) -> Q4_1: per 32 values m = min, d = (max - min) / 15."""
+    rows, cols = w.shape
+    blocks = w.float().reshape(-1, 32)
+    hi, lo = blocks.amax(dim=1, keepdim=True), blocks.amin(dim=1, keepdim=True)
+    d = (hi - lo) / 15
+    q = ((blocks - lo) * _inverse(d) + 0.5).trunc().to(torch.uint8).clamp(0, 15)
+    packed = q[:, :16] | (q[:, 16:] << 4)
+    return QuantTensor("Q4_1", rows, cols, torch.cat((_f16_bytes(d), _f16_bytes(lo), packed), dim=1).reshape(rows, -1))
+
+
+# Random blocks: uniform bytes with drawn fp16 scales, so that values are ~1/sqrt(cols) in magnitude (x @ W^T of a
+# unit-normal x is O(1)). The integers' scale per type (the largest |q| times the sub-block scale's): d is drawn in
+# [0.5, 1] / (that * sqrt(cols)); Q4_1's m and Q4_K's dmin center the values.
+_INT_RANGE = {"Q4_1": 16, "Q5_0": 16, "Q8_0": 128, "Q4_K": 16 * 63, "Q6_K": 32 * 128}
+
+
+def random_quant(kind: str, rows: int, cols: int, generator: torch.Generator | None = None) -> QuantTensor:
+    t = TYPES[kind]
+    nblocks = rows * cols // t.block_elems
+    blk = torch.randint(0, 256, (nblocks, t.block_bytes), dtype=torch.uint8, generator=generator)
+    d = (torch.rand(nblocks, 1, generator=generator) * 0.5 + 0.5) / (_INT_RANGE[kind] * cols**0.5)
+    offset = {"Q4_1": 0, "Q5_0": 0, "Q8_0": 0, "Q4_K": 0, "Q6_K": 208}[kind]
+    blk[:, offset:offset + 2] = _f16_bytes(d)
+    if kind == "Q4_1":  # m: about -7.5 d
+        blk[:, 2:4] = _f16_bytes(-d * (torch.rand(nblocks, 1, generator=generator) * 3 + 6))
+    if kind == "Q4_K":  # dmin * min about d * scale * 7.5
+        blk[:, 2:4] = _f16_bytes(d * (torch.rand(nblocks, 1, generator=generator) * 3 + 6))
+    return QuantTensor(kind, rows, cols, blk.reshape(rows, -1))

@@ -14,6 +14,8 @@ fp32 on the same stored inputs:
     room for fp32 sums in another order). fp16 output: rtol 2^-9, atol 2^-10. fp32: rtol 1e-4, atol 1e-5.
   - linear layers (fp32 few-row matmul): rtol 1e-4, atol 1e-5, against F.linear in float64 on inputs scaled so
     outputs are O(1).
+  - quantized linear layers (GGML block types): the same, the reference the weights dequantized exactly
+    (ggml_quant.dequantize) and multiplied in float64; bf16 activations: bf16's tolerance (one output rounding).
   - layer ops: within one rounding step of the output dtype (they repeat the reference's rounding points, so
     they are usually bitwise equal).
 A wrong kernel is off by far more: a score moved by 1 shifts a short context's output by ~0.1-0.5.
@@ -185,6 +187,37 @@ def _linear_cases(linear: Any, config: ModelConfig, dtype: torch.dtype, device: 
             want = torch.nn.functional.linear(x.double(), weight.double())
             got = linear(x.to(device), weight.to(device).contiguous())
             yield f"{name} [{n}, {k}] with {rows} rows", got.cpu(), want
+
+
+def checked_quant_linear(linear: Any, shapes: Iterable[tuple[str, int, int]], dtype: torch.dtype
+                         ) -> tuple[Any, tuple[KernelCheck, ...]]:
+    """``linear`` (models.quant_linear.QuantLinear) if its native kernel agrees with the torch reference (dequantize,
+    then matmul in float64) on every (ggml type, out features, in features) of ``shapes`` (the model's quantized
+    layers), else the reference alone. Weights are random blocks of each type (ggml_quant.random_quant: outputs of
+    unit-normal x are O(1)), at most 1031 rows of each; x is rounded to ``dtype``; tolerances as the fp32 few-row
+    matmul's (the kernel's weights are the reference's exactly, its sums fp32 in another order), or bf16's, or the
+    kernel's own (int8 activations: QuantLinear.check_tolerance)."""
+    from tokenfleet.models.quant_linear import QuantLinear
+
+    if not (isinstance(linear, QuantLinear) and linear.native is not None):
+        return linear, ()
+    return _first_passing("quant_linear", [linear], QuantLinear(), lambda kernel: tolerance(kernel, dtype),
+                          lambda kernel: _quant_linear_cases(kernel, sorted(set(shapes)), dtype))
+
+
+def _quant_linear_cases(linear: Any, shapes: list[tuple[str, int, int]], dtype: torch.dtype):
+    from tokenfleet.models.ggml_quant import dequantize, random_quant
+
+    g = torch.Generator().manual_seed(11)
+    rows_cases = sorted({r for r in LINEAR_ROWS if r <= linear.few_rows} | {linear.few_rows})
+    for kind, n, k in shapes:
+        weight = random_quant(kind, min(n, 1031), k, g)
+        values = dequantize(weight, torch.float64)
+        prepared = linear.prepare(weight)
+        for rows in rows_cases:
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            want = torch.nn.functional.linear(x.double(), values)
+            yield f"{kind} [{weight.rows}, {k}] with {rows} rows", linear(x, prepared), want
 
 
 def checked_layer_ops(ops: Any, reference: Any, config: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -1,0 +1,150 @@
+"""Linear layers whose weights stay in GGML's block-quantized formats (models.ggml_quant.QuantTensor), as a GGUF
+file ships them: Q4_1 and Q8_0 (the default model), Q5_0, Q4_K and Q6_K (Gemma 3 270M).
+
+``QuantLinear`` is a ``LinearKernel`` (models.linear) over ``QuantTensor`` weights. Steps of up to ``few_rows`` rows
+of x (decode: one row per request) go through csrc/quant_linear.c, which reads each quantized weight once per call,
+dequantizes it in the cache and multiplies it in fp32: a decode step reads the quantized bytes alone (Q4_1: 5 bits
+per weight against bf16's 16). Longer steps (prefill) dequantize the weight, a few MiB at a time, and multiply with
+torch (MKL or oneDNN), which is faster there. Without the native kernel every step takes that path, the torch
+reference ("dequantize, then F.linear").
+
+Numerics: the native kernel's weights are bitwise the reference's dequantized values (ggml_quant.dequantize) and its
+sums are fp32 in another order (~1e-6 relative); it is checked against the reference on the machine it runs on
+(models.kernel_check.checked_quant_linear). Activations of any float dtype: the kernel computes in fp32 (bf16 x is
+exact in fp32) and rounds the output to x's dtype once. The prefill path multiplies in x's dtype (weights rounded
+to bf16 for a bf16 model, as a bf16 checkpoint converted from the GGUF would hold them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from tokenfleet import envs
+from tokenfleet.models import native
+from tokenfleet.models.ggml_quant import QuantTensor, dequantize
+
+INT8_KINDS = ("Q4_1", "Q8_0")  # the types csrc/quant_linear.c multiplies with int8 activations
+INT8_TOLERANCE = (2**-6, 2**-5)  # (rtol, atol) of the int8 path's check, outputs O(1): see QuantLinear
+FEW_ROWS = 32  # rows the native kernel takes; more: dequantize, then torch's matmul (benchmarks/quant_linear.py)
+CHUNK_VALUES = 1 << 22  # weight values dequantized at a time on the prefill path (16 MiB in fp32)
+
+
+class NativeQuantMatmul:
+    """csrc/quant_linear.c: y = x W^T for fp32 x and a ``QuantTensor`` W, and W's fp32 values."""
+
+    BUILDS = ("portable C", "AVX2+FMA", "AVX-512")  # tf_quant_linear_build()
+
+    def __init__(self, lib: ctypes.CDLL):
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self._matmul = lib.tf_quant_linear
+        self._matmul.argtypes = [c_int, ptr, ptr, ptr, i64, i64, i64, c_int]
+        self._matmul.restype = c_int
+        self._matmul_int8 = lib.tf_quant_linear_q8
+        self._matmul_int8.argtypes = [c_int, ptr, ptr, ptr, i64, i64, i64, c_int]
+        self._matmul_int8.restype = c_int
+        self._dequantize = lib.tf_quant_dequantize
+        self._dequantize.argtypes = [c_int, ptr, ptr, i64, i64, c_int]
+        self._dequantize.restype = c_int
+        lib.tf_quant_linear_build.restype = c_int
+        self.build = self.BUILDS[lib.tf_quant_linear_build()]
+
+    @property
+    def name(self) -> str:
+        return f"native quantized matmul ({self.build})"
+
+    def __call__(self, x: torch.Tensor, weight: QuantTensor, int8: bool = False) -> torch.Tensor:
+        """x: [m, k] contiguous fp32 CPU -> [m, n] fp32. ``int8``: x quantized per 32 values (``INT8_KINDS`` only)."""
+        out = x.new_empty(x.shape[0], weight.rows)
+        fn = self._matmul_int8 if int8 else self._matmul
+        rc = fn(weight.type.type_id, x.data_ptr(), weight.data.data_ptr(), out.data_ptr(), x.shape[0], weight.cols,
+                weight.rows, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"quantized matmul: {weight.kind} {tuple(weight.shape)} times {tuple(x.shape)} failed ({rc})")
+        return out
+
+    def dequantize(self, weight: QuantTensor) -> torch.Tensor:
+        """[rows, cols] fp32, bitwise ggml_quant.dequantize(weight)."""
+        out = torch.empty(weight.rows, weight.cols)
+        if self._dequantize(weight.type.type_id, weight.data.data_ptr(), out.data_ptr(), weight.rows, weight.cols,
+                            torch.get_num_threads()) != 0:
+            raise ValueError(f"dequantize: {weight.kind} {tuple(weight.shape)} not supported")
+        return out
+
+
+def native_quant_matmul(defines: tuple[str, ...] = ()) -> NativeQuantMatmul | None:
+    """The native kernel, unless TOKENFLEET_KERNELS=torch or it cannot be built here. ``defines``: a build variant
+    (tests: ``TF_PORTABLE_ONLY``, ``TF_NO_AVX512``)."""
+    if envs.kernels() == "torch":
+        return None
+    lib = native.load("quant_linear", defines)
+    return NativeQuantMatmul(lib) if lib is not None else None
+
+
+class QuantLinear:
+    """``LinearKernel`` for ``QuantTensor`` weights: ``native`` for steps of up to ``few_rows`` rows of x, else (and
+    without ``native``) dequantize, then ``F.linear``.
+
+    ``int8_activations``: Q4_1 and Q8_0 weights multiply x quantized to int8 per 32 values (llama.cpp's numerics:
+    integer dot products, ~2x faster at one row). x moves by up to half a step, max |x| / 254 in each block of 32, so
+    an output moves by up to sum_i |w_i| max|x_block(i)| / 254: for unit-normal x, ~0.5% of the output's scale,
+    ~0.002 on the load check's O(1) outputs at a standard deviation, which allows (``check_tolerance``) 2^-5 plus
+    2^-6 relative (a wrong kernel is off by O(1)); the tests hold each output to the bound itself."""
+
+    def __init__(self, native: NativeQuantMatmul | None = None, few_rows: int = FEW_ROWS,
+                 int8_activations: bool = False):
+        self.native = native
+        self.few_rows = few_rows if native is not None else 0
+        self.int8_activations = int8_activations and native is not None
+
+    @property
+    def name(self) -> str:
+        if self.native is None:
+            return "dequantize + F.linear"
+        return self.native.name + (", int8 activations for Q4_1/Q8_0" if self.int8_activations else "")
+
+    def check_tolerance(self, dtype: torch.dtype, kv_cache_dtype: str = "") -> tuple[float, float] | None:
+        """The load check's (rtol, atol): the int8 path's own (see the class), else None (the dtype's)."""
+        return INT8_TOLERANCE if self.int8_activations else None
+
+    def prepare(self, weight: QuantTensor) -> QuantTensor:
+        if not isinstance(weight, QuantTensor):
+            raise TypeError(f"QuantLinear takes QuantTensor weights, got {type(weight).__name__}")
+        return weight if weight.data.is_contiguous() else QuantTensor(weight.kind, weight.rows, weight.cols,
+                                                                      weight.data.contiguous())
+
+    def __call__(self, x: torch.Tensor, weight: QuantTensor) -> torch.Tensor:
+        """x: [..., cols] of any float dtype -> [..., rows] in x's dtype."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])  # [tokens, cols]
+        if self.native is not None and 0 < x2.shape[0] <= self.few_rows and x2.device.type == "cpu":
+            int8 = self.int8_activations and weight.kind in INT8_KINDS
+            out = self.native(x2.float().contiguous(), weight, int8).to(x.dtype)
+        else:
+            out = self._dequantized_matmul(x2, weight)
+        return out.reshape(*lead, weight.rows)
+
+    def _dequantized_matmul(self, x: torch.Tensor, weight: QuantTensor) -> torch.Tensor:
+        """x [tokens, cols] times the weight dequantized ``CHUNK_VALUES`` at a time, in x's dtype."""
+        step = max(1, CHUNK_VALUES // weight.cols)
+        if weight.rows <= step:
+            return F.linear(x, self._values(weight, x.dtype).to(x.device))
+        out = x.new_empty(x.shape[0], weight.rows)
+        for r0 in range(0, weight.rows, step):
+            r1 = min(r0 + step, weight.rows)
+            part = QuantTensor(weight.kind, r1 - r0, weight.cols, weight.data[r0:r1])  # a view: whole rows
+            out[:, r0:r0 + part.rows] = F.linear(x, self._values(part, x.dtype).to(x.device))
+        return out
+
+    def _values(self, weight: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.native is not None and weight.data.device.type == "cpu":
+            return self.native.dequantize(weight).to(dtype)
+        return dequantize(weight, dtype)
+
+
+def select_quant_linear() -> QuantLinear:
+    """The native kernel where it builds (and TOKENFLEET_KERNELS is not ``torch``), else the torch reference.
+    A loader checks it with models.kernel_check.checked_quant_linear before serving with it."""
+    return QuantLinear(native_quant_matmul())
