@@ -144,12 +144,14 @@ def register_model(registry: str, name: str, model_dir: str, plane: Plane, dtype
                    version: str = "v1", speculative_config: str = "", kv_cache_dtype: str = "") -> None:
     """Register ``name@version`` (a no-op when the identical record exists), as an operator."""
     from tokenfleet.cluster.registry import ModelRecord
+    from tokenfleet.models.gguf_import import folder_quantization
     from tokenfleet.services.registry.client import register_model as register
 
-    # tool_format: the default model's ChatML template prints any role
+    # tool_format: the default model's ChatML template prints any role; a folder imported with --keep-quantized is
+    # served quantized (its record says gguf)
     register(registry, ModelRecord(name=name, version=version, path=str(Path(model_dir).resolve()), dtype=dtype,
                                    tool_format="hermes", speculative_config=speculative_config,
-                                   kv_cache_dtype=kv_cache_dtype), plane)
+                                   kv_cache_dtype=kv_cache_dtype, quantization=folder_quantization(model_dir)), plane)
 
 
 def audit_file() -> Path:
@@ -158,13 +160,14 @@ def audit_file() -> Path:
 
 def resolve_model(spec: str) -> tuple[str, str]:
     """(served name, HF folder) of an `up --model` value: NAME=DIR, the name of a model tokenfleet imports
-    (``gguf_import.SOURCES``: imported on first use), or a folder (named after it)."""
-    from tokenfleet.models.gguf_import import SOURCES, ensure_model
+    (``gguf_import.importable``: imported on first use; NAME-gguf keeps the GGUF quantized), or a folder (named after
+    it)."""
+    from tokenfleet.models.gguf_import import ensure_model, importable
 
     name, sep, folder = spec.partition("=")
     if sep:
         return name, folder
-    if spec in SOURCES:
+    if importable(spec):
         return spec, str(ensure_model(spec))
     return Path(spec).resolve().name, spec
 

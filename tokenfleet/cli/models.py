@@ -17,6 +17,10 @@ def add_commands(sub: Any) -> None:
     imp.add_argument("name", nargs="?", default="smollm2-135m-instruct",
                      help="smollm2-135m-instruct (the default) or gemma3-270m")
     imp.add_argument("--force", action="store_true", help="re-import even if the folder exists")
+    imp.add_argument("--keep-quantized", action="store_true",
+                     help="keep the GGUF's quantized weights: writes NAME-gguf/ with the config, tokenizer and chat "
+                     "template and the GGUF file itself as model.gguf (no dequantized model.safetensors); served with "
+                     "the registry record's quantization gguf")
     imp.set_defaults(func=_cmd_import)
     rnd = models.add_parser("random", help="a model folder with random weights in another model's shape, with its "
                             "tokenizer and chat template (speed runs where the real weights cannot go)")
@@ -35,9 +39,10 @@ def add_commands(sub: Any) -> None:
     reg.add_argument("--backend", default="torch", choices=["torch", "trtllm"])
     reg.add_argument("--base", default="", help="register a LoRA adapter of this model (NAME or NAME@VERSION): --path "
                      "is its PEFT folder; the base's workers load it on first use")
-    reg.add_argument("--quantization", default="", choices=["", "fp8"],
+    reg.add_argument("--quantization", default=None, choices=["", "fp8", "gguf"],
                      help="fp8: FP8 (e4m3) weights with per-channel scales (torch engine: torch._scaled_mm; trtllm: the "
-                     "engine's own)")
+                     "engine's own); gguf: the GGUF's own quantized tensors (a folder imported with --keep-quantized; "
+                     "the default for such a folder)")
     reg.add_argument("--kv-cache-dtype", default="", choices=["", "fp8"],
                      help="fp8: an FP8 (e4m3) KV cache with a scale per token and KV head: 1.6-1.8x the tokens in "
                      "the same memory (default: the weights' dtype)")
@@ -84,10 +89,12 @@ def _cmd_import(args: argparse.Namespace) -> int:
     from tokenfleet.models.gguf_import import import_gguf, model_dir
     from tokenfleet.models.gguf_import import source as gguf_source
 
-    source = gguf_source(args.name)
+    source = gguf_source(args.name, keep_quantized=args.keep_quantized)
     start = time.monotonic()
     path = import_gguf(source, model_dir(source.name), overwrite=args.force)
     print(f"{source.name}: {path} ({time.monotonic() - start:.1f}s)")
+    for file in sorted(path.iterdir()):
+        print(f"  {file.name}\t{file.stat().st_size:,} bytes")
     return 0
 
 
@@ -108,7 +115,7 @@ def _cmd_register(args: argparse.Namespace) -> int:
 
     from tokenfleet.cluster.registry import ModelRecord
     from tokenfleet.models.config import ModelConfig
-    from tokenfleet.models.gguf_import import ensure_default_model
+    from tokenfleet.models.gguf_import import ensure_default_model, folder_quantization
     from tokenfleet.services.registry.client import register_model
 
     path = Path(args.path or ensure_default_model()).resolve()
@@ -120,7 +127,8 @@ def _cmd_register(args: argparse.Namespace) -> int:
     context = _context(args)
     dtype = args.dtype or _registered_dtype(args, context) or "auto"
     record = ModelRecord(name=args.name, version=args.version, path=str(path), dtype=dtype, backend=args.backend,
-                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, base=args.base,
+                         quantization=folder_quantization(path) if args.quantization is None else args.quantization,
+                         kv_cache_dtype=args.kv_cache_dtype, base=args.base,
                          tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
                          tokenizer=args.tokenizer, description=args.description,
                          tool_format=args.tool_format, speculative_config=args.speculative_config)

@@ -13,7 +13,8 @@ def add_commands(sub: Any) -> None:
     up_cmd.add_argument("--workers", type=int, default=1)
     up_cmd.add_argument("--model", action="append", default=[],
                         help="a model to serve: an HF folder, NAME=FOLDER, or smollm2-135m-instruct / gemma3-270m "
-                        "(imported on first use); repeat to serve several (the first gets --workers, each other one "
+                        "(imported on first use; add -gguf to a name to serve the GGUF's quantized weights); repeat to serve "
+                        "several (the first gets --workers, each other one "
                         "worker). Default: smollm2-135m-instruct")
     up_cmd.add_argument("--model-name", default=None, help="served name of the first model (default: its own)")
     up_cmd.add_argument("--role", default="both", choices=["both", "decode", "prefill"], help="workers' role")

@@ -54,6 +54,8 @@ def split_ref(ref: str) -> tuple[str, str]:
     return name, version
 
 
+QUANTIZATIONS = ("", "fp8", "gguf")  # a model record's weight formats
+
 @dataclass(frozen=True)
 class ModelRecord:
     """Everything a worker needs to load a model and a gateway needs to serve it."""
@@ -63,7 +65,9 @@ class ModelRecord:
     path: str  # artifact location: an HF-style folder (config.json, safetensors, tokenizer)
     architecture: str = "llama"
     dtype: str = "auto"  # auto: float32 on CPUs, bfloat16 on GPUs, resolved by the worker (models.loader.resolve_dtype)
-    quantization: str = ""  # "" (none) | "fp8": FP8 weights (torch engine: models.linear.Fp8Linear; trtllm: its engine)
+    # "" (none) | "fp8": FP8 weights (torch engine: models.linear.Fp8Linear; trtllm: its engine) | "gguf": the GGUF
+    # file's own quantized tensors (torch engine; ``path`` a folder imported with --keep-quantized)
+    quantization: str = ""
     backend: str = "torch"  # torch | trtllm
     tensor_parallel_size: int = 1
     tokenizer: str = ""  # folder with the tokenizer and chat template; "" = path
@@ -90,9 +94,11 @@ class ModelRecord:
             raise ValueError("a model record needs a path")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.quantization not in ("", "fp8"):
-            raise ValueError(f"quantization {self.quantization!r} is not one of '', fp8")
-        if self.quantization and self.dtype == "float32":
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r} is not one of '', {', '.join(QUANTIZATIONS[1:])}")
+        if self.quantization == "gguf" and self.backend != "torch":
+            raise ValueError("gguf weights are served by the torch engine")
+        if self.quantization == "fp8" and self.dtype == "float32":
             raise ValueError("fp8 weights run with bfloat16 or float16 activations, not float32")
         if self.kv_cache_dtype not in ("", "fp8"):
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of '', fp8")

@@ -12,6 +12,7 @@ tables keep only the blocks the window reaches, and the attention masks the rest
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +21,10 @@ from tokenfleet.engine.runner import KernelCheck
 from tokenfleet.models import kv_fp8
 from tokenfleet.models.attention import ForwardBatch, PagedAttention, paged_attention
 from tokenfleet.models.config import ModelConfig
+from tokenfleet.models.ggml_quant import QuantTensor
 from tokenfleet.models.layer_ops import apply_rope
 from tokenfleet.models.linear import LinearKernel
-from tokenfleet.models.llama import KVCache, refine_exact_logits
+from tokenfleet.models.llama import KVCache, embed_rows, refine_exact_logits
 
 
 @dataclass
@@ -42,10 +44,10 @@ class Gemma3LayerWeights:
 
 @dataclass
 class Gemma3Weights:
-    embed: torch.Tensor  # [vocab, hidden]
+    embed: torch.Tensor | QuantTensor  # [vocab, hidden] (a GGUF's: quantized)
     layers: list[Gemma3LayerWeights]
     norm: torch.Tensor  # (1 + weight), fp32
-    lm_head: torch.Tensor  # prepared for the linear kernel (tied: the embedding)
+    lm_head: Any  # prepared for the linear kernel (tied: the embedding)
     lm_head_rows: torch.Tensor | None = None  # lm_head as plain rows: refine_top_logits
 
 
@@ -94,7 +96,7 @@ class Gemma3Model:
     def forward(self, token_ids: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """As LlamaModel.forward: the flattened batch in, float32 logits of ``batch.logits_indices`` out."""
         w, linear, eps = self.weights, self.linear, self.config.rms_norm_eps
-        h = F.embedding(token_ids, w.embed) * self.embed_scale
+        h = embed_rows(token_ids, w.embed, self.dtype) * self.embed_scale
         for i, layer in enumerate(w.layers):
             group, slot = kv.layer_slots[i]
             attn = self._attention(gemma_rms_norm(h, layer.input_norm, eps), layer, batch.group(group), kv.k[slot],

@@ -22,6 +22,7 @@ Block layouts (little-endian; ``d``/``m``/``dmin`` are fp16):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +147,45 @@ def _dequant_q6_k(blk: torch.Tensor) -> torch.Tensor:
 
 _DEQUANT = {"Q4_1": _dequant_q4_1, "Q5_0": _dequant_q5_0, "Q8_0": _dequant_q8_0, "Q4_K": _dequant_q4_k,
             "Q6_K": _dequant_q6_k}
+
+
+@dataclass(frozen=True)
+class QuantRows:
+    """One matrix whose row ranges are of different types (a fused QKV whose V is Q8_0 and Q, K Q5_0, as in Gemma 3's
+    GGUF): its parts in row order; a linear kernel multiplies each and joins the outputs."""
+
+    parts: tuple[QuantTensor, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def cols(self) -> int:
+        return self.parts[0].cols
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.rows, self.cols))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def cat_rows(parts: Sequence[torch.Tensor | QuantTensor]) -> torch.Tensor | QuantTensor | QuantRows:
+    """Matrices stacked by rows (a fused QKV, gate_up): ``torch.cat`` of tensors; one QuantTensor when every part is of
+    one type (the blocks joined); else QuantRows."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(list(parts))  # type: ignore[arg-type]
+    if not all(isinstance(p, QuantTensor) for p in parts):
+        raise ValueError("cannot stack quantized and plain matrices into one layer")
+    quant = [p for p in parts if isinstance(p, QuantTensor)]
+    if len({p.cols for p in quant}) != 1:
+        raise ValueError(f"matrices of {sorted({p.cols for p in quant})} columns cannot be stacked by rows")
+    if len({p.kind for p in quant}) == 1:
+        return QuantTensor(quant[0].kind, sum(p.rows for p in quant), quant[0].cols, torch.cat([p.data for p in quant]))
+    return QuantRows(tuple(quant))
 
 
 def dequantize(q: QuantTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -13,6 +13,12 @@ transformers and other engines all read the same way. transformers also rebuilds
 tokenizer from a GGUF with its byte-level pre-tokenizer alone; a GGUF whose pre-tokenizer type
 splits every digit first (``DIGIT_SPLIT_PRE``, SmolLM2's ``smollm`` among them) gets that split back,
 so that "\n\n1" is the one "\n\n" token then "1", as the model's own tokenizer and llama.cpp make it.
+
+Kept quantized (``tokenfleet models import NAME --keep-quantized``, or the name ``NAME-gguf``): the folder
+``NAME-gguf`` holds the same config, tokenizer and chat template, and the GGUF file itself as ``model.gguf`` in
+place of ``model.safetensors``; its marker says ``"quantization": "gguf"``, which `tokenfleet up --model` and
+`tokenfleet models register` carry into the registry record, and workers then serve the file's own quantized
+tensors (models.gguf_weights, models.ggml_quant).
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ GEMMA3_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
 )
 GEMMA3_END_OF_TURN = "<end_of_turn>"
+QUANTIZED_SUFFIX = "-gguf"  # NAME-gguf: the import of NAME that keeps the GGUF's quantized tensors
+GGUF_FILE = "model.gguf"
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,7 @@ class GGUFSource:
 
     name: str
     path: Path
+    keep_quantized: bool = False  # the folder keeps the GGUF file (model.gguf) instead of dequantized safetensors
 
 
 def default_source() -> GGUFSource:
@@ -95,26 +104,48 @@ def gemma3_source() -> GGUFSource:
 SOURCES = {DEFAULT_MODEL_NAME: default_source, GEMMA3_MODEL_NAME: gemma3_source}
 
 
-def source(name: str) -> GGUFSource:
-    """The GGUF source of a model tokenfleet can import (``SOURCES``); LookupError otherwise."""
-    if name not in SOURCES:
-        raise LookupError(f"no importable model {name!r}; known: {', '.join(SOURCES)}")
-    return SOURCES[name]()
+def importable(name: str) -> bool:
+    """A name ``source`` knows: a model of ``SOURCES``, or one with QUANTIZED_SUFFIX (kept quantized)."""
+    return name in SOURCES or name.removesuffix(QUANTIZED_SUFFIX) in SOURCES
+
+
+def source(name: str, keep_quantized: bool = False) -> GGUFSource:
+    """The GGUF source of a model tokenfleet can import (``SOURCES``, or such a name with QUANTIZED_SUFFIX: kept
+    quantized, as ``keep_quantized`` asks too; the source is then named with the suffix); LookupError otherwise."""
+    base = name.removesuffix(QUANTIZED_SUFFIX)
+    if base not in SOURCES:
+        raise LookupError(f"no importable model {name!r}; known: {', '.join(SOURCES)} (each also as "
+                          f"NAME{QUANTIZED_SUFFIX}, kept quantized)")
+    found = SOURCES[base]()
+    if keep_quantized or name != base:
+        return GGUFSource(base + QUANTIZED_SUFFIX, found.path, keep_quantized=True)
+    return found
 
 
 def model_dir(name: str) -> Path:
     return envs.cache_dir() / "models" / name
 
 
-def is_imported(folder: Path) -> bool:
-    """A complete folder written by this version of the import (an older one is imported again)."""
-    if not all((folder / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json")):
-        return False
+def _marker(folder: Path) -> dict:
     try:
         marker = json.loads((folder / "tokenfleet_source.json").read_text())
     except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
+
+
+def is_imported(folder: Path) -> bool:
+    """A complete folder written by this version of the import (an older one is imported again)."""
+    marker = _marker(folder)
+    weights = GGUF_FILE if marker.get("quantization") == "gguf" else "model.safetensors"
+    if not all((folder / f).exists() for f in ("config.json", weights, "tokenizer.json")):
         return False
     return marker.get("import_version") == IMPORT_VERSION
+
+
+def folder_quantization(folder: str | Path) -> str:
+    """"gguf" for a folder imported with the GGUF kept quantized (its weights are ``model.gguf``), else ""."""
+    return "gguf" if _marker(Path(folder)).get("quantization") == "gguf" and (Path(folder) / GGUF_FILE).exists() else ""
 
 
 def ensure_default_model() -> Path:
@@ -123,7 +154,7 @@ def ensure_default_model() -> Path:
 
 
 def ensure_model(name: str) -> Path:
-    """Path of the imported model ``name`` (``SOURCES``), importing it on first use."""
+    """Path of the imported model ``name`` (``importable``), importing it on first use."""
     folder = model_dir(name)
     if not is_imported(folder):
         import_gguf(source(name), folder)
@@ -138,6 +169,9 @@ def import_gguf(source: GGUFSource, dest: Path, overwrite: bool = False) -> Path
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}-") as tmp:
         work = Path(tmp)
         _convert(source, work)
+        if source.keep_quantized:  # the same folder, with the GGUF itself for weights
+            (work / "model.safetensors").unlink()
+            shutil.copyfile(source.path, work / GGUF_FILE)
         if dest.exists():
             shutil.rmtree(dest)
         work.rename(dest)
@@ -176,8 +210,15 @@ def _convert(source: GGUFSource, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(_clean_config(config), indent=2))
     generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": eos}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    (out / "tokenfleet_source.json").write_text(json.dumps({"gguf": str(source.path),
-                                                             "import_version": IMPORT_VERSION}, indent=2))
+    _write_marker(source, out)
+
+
+def _write_marker(source: GGUFSource, out: Path) -> None:
+    """tokenfleet_source.json: the GGUF the folder came from, the import's version, and whether it kept it quantized."""
+    marker: dict[str, object] = {"gguf": str(source.path), "import_version": IMPORT_VERSION}
+    if source.keep_quantized:
+        marker["quantization"] = "gguf"
+    (out / "tokenfleet_source.json").write_text(json.dumps(marker, indent=2))
 
 
 def gguf_pre_tokenizer(path: Path) -> str | None:

@@ -35,8 +35,9 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 class LinearKernel(Protocol):
-    def prepare(self, weight: torch.Tensor) -> Any:
-        """Turn a [out, in] weight into whatever ``__call__`` takes."""
+    def prepare(self, weight: Any) -> Any:
+        """Turn a [out, in] weight (a tensor; a GGUF's models.ggml_quant.QuantTensor or QuantRows for
+        models.quant_linear.QuantLinear) into whatever ``__call__`` takes."""
 
     def __call__(self, x: torch.Tensor, weight: Any) -> torch.Tensor:
         """x: [tokens, in] -> [tokens, out]."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from tokenfleet.kvcache.layout import layer_slots
 from tokenfleet.models import triton_logits
 from tokenfleet.models.attention import ForwardBatch, PagedAttention, paged_attention
 from tokenfleet.models.config import ModelConfig, RopeScaling
+from tokenfleet.models.ggml_quant import QuantTensor, embedding
 from tokenfleet.models.kv_fp8 import check_kv_cache_dtype, row_width
 from tokenfleet.models.layer_ops import LayerOps
 from tokenfleet.models.linear import LinearKernel
@@ -34,14 +36,22 @@ class LayerWeights:
 
 @dataclass
 class LlamaWeights:
-    embed: torch.Tensor  # [vocab, hidden]
+    embed: torch.Tensor | QuantTensor  # [vocab, hidden] (a GGUF's: quantized)
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied (may be packed for the CPU GEMM)
+    lm_head: Any  # [vocab, hidden] as the linear kernel takes it; the embedding itself when tied (may be packed)
     lm_head_rows: torch.Tensor | None = None  # lm_head as plain rows (the embedding when tied): refine_top_logits
 
 
 REFINED_LOGITS = 8
+
+
+def embed_rows(token_ids: torch.Tensor, table: torch.Tensor | QuantTensor, dtype: torch.dtype) -> torch.Tensor:
+    """The embedding rows of ``token_ids``: of a tensor, or of a GGUF's quantized table (only those rows
+    dequantized, in ``dtype``)."""
+    if isinstance(table, QuantTensor):
+        return embedding(table, token_ids.cpu(), dtype).to(token_ids.device)
+    return F.embedding(token_ids, table)
 
 
 def refine_exact_logits(logits: torch.Tensor, last: torch.Tensor, batch: ForwardBatch,
@@ -161,7 +171,7 @@ class LlamaModel:
         token_ids: [num_tokens]. Returns float32 logits [num_logits, vocab].
         """
         cfg, w, linear, ops = self.config, self.weights, self.linear, self.ops
-        residual = F.embedding(token_ids, w.embed)  # [num_tokens, hidden]
+        residual = embed_rows(token_ids, w.embed, self.dtype)  # [num_tokens, hidden]
         delta: torch.Tensor | None = None  # what the previous sublayer adds to the residual stream
         lora = batch.lora
         for i, layer in enumerate(w.layers):

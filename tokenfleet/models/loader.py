@@ -1,10 +1,15 @@
 """Load an HF folder (config.json + *.safetensors): the Llama family into ``LlamaWeights``, Gemma 3
-into ``Gemma3Weights``; the architecture comes from config.json."""
+into ``Gemma3Weights``; the architecture comes from config.json.
+
+``quantization="gguf"``: the folder was imported with the GGUF kept (models.gguf_import: ``model.gguf``); its
+block-quantized tensors stay quantized (models.ggml_quant.QuantTensor) and the linear layers, the embedding and the
+LM head read them as they are (models.quant_linear); norms are the file's fp32 values."""
 
 from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -20,7 +25,8 @@ from tokenfleet.models.attention import (
 )
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.gemma3 import Gemma3LayerWeights, Gemma3Model, Gemma3Weights
-from tokenfleet.models.kernel_check import checked_attention, checked_layer_ops, checked_linear
+from tokenfleet.models.ggml_quant import QuantTensor, cat_rows
+from tokenfleet.models.kernel_check import checked_attention, checked_layer_ops, checked_linear, checked_quant_linear
 from tokenfleet.models.kv_fp8 import check_device, check_kv_cache_dtype
 from tokenfleet.models.layer_ops import LayerOps, TorchLayerOps, select_layer_ops
 from tokenfleet.models.linear import Fp8Linear, LinearKernel, select_linear
@@ -84,8 +90,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     config = ModelConfig.from_dir(model_dir)
     check_kv_cache_dtype(kv_cache_dtype)
     check_device(kv_cache_dtype, device)
-    tensors = read_safetensors(Path(model_dir))
-    linear, linear_checks = checked_linear(select_linear(dtype, device, quantization), config, dtype, device)
+    linear: LinearKernel
+    tensors: dict[str, torch.Tensor | QuantTensor]
+    if quantization == "gguf":
+        tensors, linear, linear_checks = _gguf(Path(model_dir), dtype, device)
+    else:
+        tensors = dict(read_safetensors(Path(model_dir)))
+        linear, linear_checks = checked_linear(select_linear(dtype, device, quantization), config, dtype, device)
     attention, ops, checks = checked_kernels(config, dtype, device, kv_cache_dtype, block_size)
     checks = (*linear_checks, *checks)
     model: LlamaModel | Gemma3Model
@@ -115,6 +126,24 @@ def checked_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.devic
     return attention, ops, (*attention_checks, *ops_checks)
 
 
+def _gguf(model_dir: Path, dtype: torch.dtype, device: torch.device
+          ) -> tuple[dict[str, torch.Tensor | QuantTensor], LinearKernel, tuple[KernelCheck, ...]]:
+    """The GGUF's tensors (quantized ones kept), and the quantized linear kernel checked on their shapes here."""
+    from tokenfleet.models.gguf_import import GGUF_FILE
+    from tokenfleet.models.gguf_weights import read_gguf_weights
+    from tokenfleet.models.quant_linear import select_quant_linear
+
+    if device.type != "cpu":
+        raise ValueError("gguf weights are served on CPUs (no GPU kernel for GGML's block types yet)")
+    path = model_dir / GGUF_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{model_dir} has no {GGUF_FILE}: import the model with --keep-quantized")
+    tensors = read_gguf_weights(path)
+    shapes = {(t.kind, t.rows, t.cols) for t in tensors.values() if isinstance(t, QuantTensor)}
+    linear, checks = checked_quant_linear(select_quant_linear(), shapes, dtype)
+    return tensors, linear, checks
+
+
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -127,18 +156,34 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _head(linear: LinearKernel, lm_head: torch.Tensor) -> torch.Tensor:
-    """The LM head as ``linear`` takes it; quantized models keep it in the model's dtype (its logits pick tokens)."""
+def _head(linear: LinearKernel, lm_head: torch.Tensor | QuantTensor) -> torch.Tensor | QuantTensor:
+    """The LM head as ``linear`` takes it; FP8 models keep it in the model's dtype (its logits pick tokens); a GGUF's
+    stays as the file holds it (the default model's: Q8_0)."""
     return lm_head if isinstance(linear, Fp8Linear) else linear.prepare(lm_head)
 
 
-def _build_weights(
-    config: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, linear: LinearKernel
-) -> LlamaWeights:
-    def take(name: str) -> torch.Tensor:
+def _rows(lm_head: torch.Tensor | QuantTensor) -> torch.Tensor | None:
+    """The LM head's plain rows for refine_top_logits (bf16 logits refined in fp32); a quantized head has none: its
+    logits are computed in fp32 from the quantized values already."""
+    return None if isinstance(lm_head, QuantTensor) else lm_head
+
+
+def _taker(t: dict[str, torch.Tensor | QuantTensor], dtype: torch.dtype, device: torch.device) -> Any:
+    def take(name: str) -> Any:
+        """A tensor in the model's dtype on ``device``; a quantized one as it is (QuantTensor)."""
         if name not in t:
             raise ValueError(f"checkpoint lacks tensor {name!r}")
-        return t[name].to(device=device, dtype=dtype).contiguous()
+        value = t[name]
+        return value if isinstance(value, QuantTensor) else value.to(device=device, dtype=dtype).contiguous()
+
+    return take
+
+
+def _build_weights(
+    config: ModelConfig, t: dict[str, torch.Tensor | QuantTensor], dtype: torch.dtype, device: torch.device,
+    linear: LinearKernel
+) -> LlamaWeights:
+    take = _taker(t, dtype, device)
 
     layers = []
     for i in range(config.num_layers):
@@ -146,10 +191,10 @@ def _build_weights(
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=linear.prepare(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])),
+                qkv=linear.prepare(cat_rows([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])),
                 o_proj=linear.prepare(take(p + "self_attn.o_proj.weight")),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=linear.prepare(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                gate_up=linear.prepare(cat_rows([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
                 down=linear.prepare(take(p + "mlp.down_proj.weight")),
             )
         )
@@ -161,41 +206,39 @@ def _build_weights(
     else:
         lm_head = take("lm_head.weight")
     return LlamaWeights(embed=embed, layers=layers, norm=take("norm.weight"), lm_head=_head(linear, lm_head),
-                        lm_head_rows=lm_head)
+                        lm_head_rows=_rows(lm_head))
 
 
-def _gemma3_weights(config: ModelConfig, t: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                    linear: LinearKernel) -> Gemma3Weights:
-    def take(name: str) -> torch.Tensor:
-        if name not in t:
-            raise ValueError(f"checkpoint lacks tensor {name!r}")
-        return t[name].to(device=device, dtype=dtype).contiguous()
+def _gemma3_weights(config: ModelConfig, t: dict[str, torch.Tensor | QuantTensor], dtype: torch.dtype,
+                    device: torch.device, linear: LinearKernel) -> Gemma3Weights:
+    take = _taker(t, dtype, device)
 
     def scale(name: str) -> torch.Tensor:  # Gemma's RMSNorm multiplies by (1 + weight), in fp32
-        if name not in t:
+        value = t.get(name)
+        if not isinstance(value, torch.Tensor):
             raise ValueError(f"checkpoint lacks tensor {name!r}")
-        return (1.0 + t[name].float()).to(device)
+        return (1.0 + value.float()).to(device)
 
     layers = []
     for i in range(config.num_layers):
         p = f"layers.{i}."
         layers.append(Gemma3LayerWeights(
             input_norm=scale(p + "input_layernorm.weight"),
-            qkv=linear.prepare(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])),
+            qkv=linear.prepare(cat_rows([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])),
             q_norm=scale(p + "self_attn.q_norm.weight"),
             k_norm=scale(p + "self_attn.k_norm.weight"),
             o_proj=linear.prepare(take(p + "self_attn.o_proj.weight")),
             post_attention_norm=scale(p + "post_attention_layernorm.weight"),
             pre_feedforward_norm=scale(p + "pre_feedforward_layernorm.weight"),
             post_feedforward_norm=scale(p + "post_feedforward_layernorm.weight"),
-            gate_up=linear.prepare(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+            gate_up=linear.prepare(cat_rows([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
             down=linear.prepare(take(p + "mlp.down_proj.weight")),
             sliding=config.layer_types[i] == "sliding_attention",
         ))
     embed = take("embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings or "lm_head.weight" not in t else take("lm_head.weight")
     return Gemma3Weights(embed=embed, layers=layers, norm=scale("norm.weight"), lm_head=_head(linear, lm_head),
-                         lm_head_rows=lm_head)
+                         lm_head_rows=_rows(lm_head))
 
 
 def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, quantization: str = "",

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from tokenfleet import envs
 from tokenfleet.models import native
-from tokenfleet.models.ggml_quant import QuantTensor, dequantize
+from tokenfleet.models.ggml_quant import QuantRows, QuantTensor, dequantize
 
 INT8_KINDS = ("Q4_1", "Q8_0")  # the types csrc/quant_linear.c multiplies with int8 activations
 INT8_TOLERANCE = (2**-6, 2**-5)  # (rtol, atol) of the int8 path's check, outputs O(1): see QuantLinear
@@ -109,14 +109,18 @@ class QuantLinear:
         """The load check's (rtol, atol): the int8 path's own (see the class), else None (the dtype's)."""
         return INT8_TOLERANCE if self.int8_activations else None
 
-    def prepare(self, weight: QuantTensor) -> QuantTensor:
+    def prepare(self, weight: QuantTensor | QuantRows) -> QuantTensor | QuantRows:
+        if isinstance(weight, QuantRows):
+            return QuantRows(tuple(self.prepare(p) for p in weight.parts))  # type: ignore[misc]
         if not isinstance(weight, QuantTensor):
             raise TypeError(f"QuantLinear takes QuantTensor weights, got {type(weight).__name__}")
         return weight if weight.data.is_contiguous() else QuantTensor(weight.kind, weight.rows, weight.cols,
                                                                       weight.data.contiguous())
 
-    def __call__(self, x: torch.Tensor, weight: QuantTensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: QuantTensor | QuantRows) -> torch.Tensor:
         """x: [..., cols] of any float dtype -> [..., rows] in x's dtype."""
+        if isinstance(weight, QuantRows):  # row ranges of different types: each multiplied, the outputs joined
+            return torch.cat([self(x, part) for part in weight.parts], dim=-1)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # [tokens, cols]
         if self.native is not None and 0 < x2.shape[0] <= self.few_rows and x2.device.type == "cpu":

@@ -65,11 +65,16 @@ def test_partial_reset_keeps_the_other_prefix():
     assert view.resolve("m") and "a" not in view.aliases
 
 
+def test_a_gguf_record_runs_with_float32_activations():
+    assert ModelRecord(name="m", version="v1", path="/x", quantization="gguf", dtype="float32").quantization == "gguf"
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     ({"name": "a/b"}, "model name"), ({"name": "a@b"}, "model name"), ({"version": "v 1"}, "version"),
     ({"dtype": "int3"}, "dtype"), ({"status": "gone"}, "status"), ({"path": ""}, "path"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size"), ({"quantization": "int4"}, "quantization"),
     ({"quantization": "fp8", "dtype": "float32"}, "float32"), ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
+    ({"quantization": "gguf", "backend": "trtllm"}, "torch engine"),
 ])
 def test_invalid_records_are_rejected(kwargs, needle):
     fields = {"name": "m", "version": "v1", "path": "/x", **kwargs}

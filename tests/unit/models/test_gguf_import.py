@@ -217,3 +217,34 @@ def test_a_folder_an_older_import_wrote_is_imported_again(tmp_path, broken_sourc
     with pytest.raises(Exception):  # noqa: B017 - it reads the (broken) source: a new import was attempted
         import_gguf(broken_source, dest)
     assert (dest / "config.json").read_text() == '{"old": true}'  # and a failed one keeps what was there
+
+
+# ---- kept quantized (models import --keep-quantized, or the name NAME-gguf) -------------------------
+
+
+def test_a_kept_quantized_import_holds_the_gguf_instead_of_safetensors(monkeypatch, tmp_path):
+    from tokenfleet.models import gguf_import
+
+    gguf = tmp_path / "small.gguf"
+    gguf.write_bytes(b"GGUF quantized blocks")
+
+    def fake_convert(source: GGUFSource, out: Path) -> None:  # what _convert writes, without transformers
+        for name in ("config.json", "tokenizer.json", "model.safetensors"):
+            (out / name).write_text("{}")
+        gguf_import._write_marker(source, out)
+
+    monkeypatch.setattr(gguf_import, "_convert", fake_convert)
+    monkeypatch.setitem(gguf_import.SOURCES, "tiny", lambda: GGUFSource("tiny", gguf))
+    source = gguf_import.source("tiny-gguf")
+    assert source.name == "tiny-gguf" and source.keep_quantized and gguf_import.source("tiny", True) == source
+    folder = import_gguf(source, tmp_path / "models" / source.name)
+    assert sorted(f.name for f in folder.iterdir()) == ["config.json", "model.gguf", "tokenfleet_source.json",
+                                                        "tokenizer.json"]
+    assert (folder / "model.gguf").read_bytes() == gguf.read_bytes()
+    assert is_imported(folder) and gguf_import.folder_quantization(folder) == "gguf"
+    plain = import_gguf(gguf_import.source("tiny"), tmp_path / "models" / "tiny")
+    assert is_imported(plain) and gguf_import.folder_quantization(plain) == ""
+    (folder / "model.gguf").unlink()
+    assert not is_imported(folder)  # the weights are gone: imported again on next use
+    with pytest.raises(LookupError):
+        gguf_import.source("nothing-gguf")

@@ -1,0 +1,63 @@
+"""The GGUF served as it ships (registry ``quantization: gguf``): the default model's Q4_1 layers and Q8_0 embedding and
+LM head kept quantized, against the same weights dequantized by the import (the fp32 safetensors folder). The values
+are equal, so the two differ only in the order their sums are taken: the logits agree to fp32 rounding and greedy
+answers are the same. Gemma 3's mix of Q8_0, Q5_0, Q4_K and Q6_K (its Q, K and V of one layer in different types)
+is served the same way."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.model.helpers import greedy, make_core, run_to_completion
+from tokenfleet.models.ggml_quant import QuantTensor
+from tokenfleet.models.gguf_import import GGUF_FILE, IMPORT_VERSION, folder_quantization, is_imported
+from tokenfleet.models.loader import load_model
+from tokenfleet.models.tokenizer import Tokenizer
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
+
+
+def kept_quantized(imported: Path, out: Path) -> Path:
+    """What `models import --keep-quantized` writes, from an imported folder: its config and tokenizer, and its GGUF
+    as model.gguf (a link: the test does not copy the file)."""
+    out.mkdir()
+    for f in imported.iterdir():
+        if f.name not in ("model.safetensors", "tokenfleet_source.json"):
+            shutil.copyfile(f, out / f.name)
+    source = json.loads((imported / "tokenfleet_source.json").read_text())["gguf"]
+    os.symlink(source, out / GGUF_FILE)
+    (out / "tokenfleet_source.json").write_text(json.dumps({"gguf": source, "import_version": IMPORT_VERSION,
+                                                            "quantization": "gguf"}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(default_model_dir, tmp_path_factory) -> Path:
+    return kept_quantized(default_model_dir, tmp_path_factory.mktemp("gguf") / "smollm2-135m-instruct-gguf")
+
+
+def test_the_folder_is_a_kept_quantized_import(gguf_dir):
+    assert is_imported(gguf_dir) and folder_quantization(gguf_dir) == "gguf"
+
+
+def test_the_weights_stay_quantized_and_the_logits_match_the_dequantized_model(default_model_dir, gguf_dir):
+    cpu = torch.device("cpu")
+    quant = load_model(gguf_dir, torch.float32, cpu, quantization="gguf")
+    assert all(check.passed for check in quant.kernel_checks)
+    w = quant.weights
+    assert isinstance(w.embed, QuantTensor) and w.embed.kind == "Q8_0" and w.lm_head is w.embed  # tied, quantized
+    assert {layer.qkv.kind for layer in w.layers} == {"Q4_1"}
+    held = sum(t.nbytes for t in (w.embed, *(m for layer in w.layers for m in (layer.qkv, layer.o_proj, layer.gate_up,
+                                                                               layer.down))))
+    assert held <= 1.2 * (gguf_dir / GGUF_FILE).stat().st_size  # the file's bytes, not ~3x them
+    core_q = make_core(gguf_dir, quantization="gguf")
+    core_f = make_core(default_model_dir)
+    tokenizer = Tokenizer(default_model_dir)
+    arrivals = {0: [(f"p{i}", tokenizer.encode(p), greedy(12)) for i, p in enumerate(PROMPTS)]}
+    assert run_to_completion(core_q, arrivals) == run_to_completion(core_f, arrivals)
