@@ -61,3 +61,18 @@ def test_the_weights_stay_quantized_and_the_logits_match_the_dequantized_model(d
     tokenizer = Tokenizer(default_model_dir)
     arrivals = {0: [(f"p{i}", tokenizer.encode(p), greedy(12)) for i, p in enumerate(PROMPTS)]}
     assert run_to_completion(core_q, arrivals) == run_to_completion(core_f, arrivals)
+
+
+def test_gemma3_mixed_types_are_served_quantized_with_the_dequantized_models_answers(tmp_path):
+    from tokenfleet.models.ggml_quant import QuantRows
+    from tokenfleet.models.gguf_import import GEMMA3_MODEL_NAME, ensure_model
+
+    imported = ensure_model(GEMMA3_MODEL_NAME)
+    folder = kept_quantized(imported, tmp_path / "gemma3-270m-gguf")
+    core_q = make_core(folder, quantization="gguf")
+    layers = core_q.runner.model.weights.layers
+    assert any(isinstance(layer.qkv, QuantRows) for layer in layers)  # V in Q8_0 beside Q, K in Q5_0
+    assert {getattr(layer.down, "kind", None) for layer in layers} >= {"Q4_K", "Q6_K"}
+    tokenizer = Tokenizer(imported)
+    arrivals = {0: [(f"p{i}", tokenizer.encode(p), greedy(8)) for i, p in enumerate(PROMPTS[:2])]}
+    assert run_to_completion(core_q, arrivals) == run_to_completion(make_core(imported), arrivals)

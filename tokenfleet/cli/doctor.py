@@ -107,12 +107,23 @@ def kernel_sections(model: str | None, dtypes: list[str] | None) -> Iterator[tup
         if device.type == "cpu":
             from tokenfleet.backends.torch.sampler_check import checked_native_sampler
 
-            checks = (*checks, *checked_native_sampler()[1])
+            checks = (*checks, *checked_native_sampler()[1], *_quant_linear_checks(config, parse_dtype(name)))
         lines = [f"{c.kernel}: {c.implementation}: {'passed' if c.passed else 'FAILED: ' + c.detail}, max |error| "
                  f"{c.max_error:.3g}, {c.seconds * 1000:.0f} ms; serving: {c.serving}" for c in checks]
         lines.append(f"checks took {sum(c.seconds for c in checks):.2f} s (tolerance: {checks[0].tolerance})")
         yield f"kernels ({name}, {folder.name}: {config.num_heads} heads, {config.num_kv_heads} KV heads, head_dim "\
               f"{config.head_dim})", lines, sum(not c.passed for c in checks)
+
+
+def _quant_linear_checks(config, dtype):  # type: ignore[no-untyped-def]
+    """The GGUF kernel (models.quant_linear) on each GGML type, in the model's width rounded to whole 256-value
+    blocks (as a GGUF record's layers would be checked at load)."""
+    from tokenfleet.models.ggml_quant import TYPES
+    from tokenfleet.models.kernel_check import checked_quant_linear
+    from tokenfleet.models.quant_linear import select_quant_linear
+
+    cols = max(256, config.hidden_size // 256 * 256)
+    return checked_quant_linear(select_quant_linear(), {(kind, cols, cols) for kind in TYPES}, dtype)[1]
 
 
 def models(checksums: bool) -> list[str]:
