@@ -39,10 +39,10 @@ def add_commands(sub: Any) -> None:
     reg.add_argument("--backend", default="torch", choices=["torch", "trtllm"])
     reg.add_argument("--base", default="", help="register a LoRA adapter of this model (NAME or NAME@VERSION): --path "
                      "is its PEFT folder; the base's workers load it on first use")
-    reg.add_argument("--quantization", default=None, choices=["", "fp8", "gguf"],
+    reg.add_argument("--quantization", default=None, choices=["", "fp8", "gguf", "int8"],
                      help="fp8: FP8 (e4m3) weights with per-channel scales (torch engine: torch._scaled_mm; trtllm: the "
                      "engine's own); gguf: the GGUF's own quantized tensors (a folder imported with --keep-quantized; "
-                     "the default for such a folder)")
+                     "the default for such a folder); int8: int8 weights and activations (CPU, VNNI where present)")
     reg.add_argument("--kv-cache-dtype", default="", choices=["", "fp8"],
                      help="fp8: an FP8 (e4m3) KV cache with a scale per token and KV head: 1.6-1.8x the tokens in "
                      "the same memory (default: the weights' dtype)")

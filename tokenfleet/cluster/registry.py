@@ -54,7 +54,7 @@ def split_ref(ref: str) -> tuple[str, str]:
     return name, version
 
 
-QUANTIZATIONS = ("", "fp8", "gguf")  # a model record's weight formats
+QUANTIZATIONS = ("", "fp8", "gguf", "int8")  # a model record's weight formats
 
 @dataclass(frozen=True)
 class ModelRecord:
@@ -66,7 +66,8 @@ class ModelRecord:
     architecture: str = "llama"
     dtype: str = "auto"  # auto: float32 on CPUs, bfloat16 on GPUs, resolved by the worker (models.loader.resolve_dtype)
     # "" (none) | "fp8": FP8 weights (torch engine: models.linear.Fp8Linear; trtllm: its engine) | "gguf": the GGUF
-    # file's own quantized tensors (torch engine; ``path`` a folder imported with --keep-quantized)
+    # file's own quantized tensors (torch engine; ``path`` a folder imported with --keep-quantized) | "int8": int8
+    # weights and activations (torch engine, CPU)
     quantization: str = ""
     backend: str = "torch"  # torch | trtllm
     tensor_parallel_size: int = 1
@@ -96,8 +97,8 @@ class ModelRecord:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization {self.quantization!r} is not one of '', {', '.join(QUANTIZATIONS[1:])}")
-        if self.quantization == "gguf" and self.backend != "torch":
-            raise ValueError("gguf weights are served by the torch engine")
+        if self.quantization in ("gguf", "int8") and self.backend != "torch":
+            raise ValueError(f"{self.quantization} weights are served by the torch engine")
         if self.quantization == "fp8" and self.dtype == "float32":
             raise ValueError("fp8 weights run with bfloat16 or float16 activations, not float32")
         if self.kv_cache_dtype not in ("", "fp8"):

@@ -46,7 +46,8 @@ class EngineConfig:
     speculative_config: str = ""
     lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) loaded at start
     # the registry record's: "" (the checkpoint's weights), "fp8" (FP8 weights, per-channel scales: models.linear) or
-    # "gguf" (the GGUF file's own block-quantized tensors: models.gguf_weights)
+    # "gguf" (the GGUF file's own block-quantized tensors: models.gguf_weights) or "int8" (int8 weights and
+    # activations: models.loader)
     quantization: str = ""
     # the registry record's: "" (the model's dtype) or "fp8" (e4m3 with per-token, per-head scales: models.kv_fp8)
     kv_cache_dtype: str = ""
@@ -74,8 +75,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if self.quantization not in ("", "fp8", "gguf"):
-            raise ValueError(f"quantization must be '', 'fp8' or 'gguf', got {self.quantization!r}")
+        if self.quantization not in ("", "fp8", "gguf", "int8"):
+            raise ValueError(f"quantization must be '', 'fp8', 'gguf' or 'int8', got {self.quantization!r}")
         if self.kv_cache_dtype not in ("", "fp8"):
             raise ValueError(f"kv_cache_dtype must be '' (the model's dtype) or 'fp8', got {self.kv_cache_dtype!r}")
         if self.cuda_graph_max_batch < 0:

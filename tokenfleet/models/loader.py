@@ -3,7 +3,12 @@ into ``Gemma3Weights``; the architecture comes from config.json.
 
 ``quantization="gguf"``: the folder was imported with the GGUF kept (models.gguf_import: ``model.gguf``); its
 block-quantized tensors stay quantized (models.ggml_quant.QuantTensor) and the linear layers, the embedding and the
-LM head read them as they are (models.quant_linear); norms are the file's fp32 values."""
+LM head read them as they are (models.quant_linear); norms are the file's fp32 values.
+
+``quantization="int8"``: the checkpoint's matrices (the linear layers, the embedding and so the tied LM head) are
+quantized at load to int8 with an fp16 scale per 32 values (GGML's Q8_0 layout, so the same kernels serve them), and
+decode steps multiply them with the activations quantized to int8 per 32 values (integer dot products: VNNI where the
+CPU has it); longer steps dequantize the weights and multiply in the activations' dtype."""
 
 from __future__ import annotations
 
@@ -94,6 +99,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     tensors: dict[str, torch.Tensor | QuantTensor]
     if quantization == "gguf":
         tensors, linear, linear_checks = _gguf(Path(model_dir), dtype, device)
+    elif quantization == "int8":
+        tensors, linear, linear_checks = _int8(read_safetensors(Path(model_dir)), dtype, device)
     else:
         tensors = dict(read_safetensors(Path(model_dir)))
         linear, linear_checks = checked_linear(select_linear(dtype, device, quantization), config, dtype, device)
@@ -142,6 +149,22 @@ def _gguf(model_dir: Path, dtype: torch.dtype, device: torch.device
     shapes = {(t.kind, t.rows, t.cols) for t in tensors.values() if isinstance(t, QuantTensor)}
     linear, checks = checked_quant_linear(select_quant_linear(), shapes, dtype)
     return tensors, linear, checks
+
+
+def _int8(tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+          ) -> tuple[dict[str, torch.Tensor | QuantTensor], LinearKernel, tuple[KernelCheck, ...]]:
+    """The checkpoint with its matrices quantized to int8 blocks (Q8_0), and the int8-activation kernel checked on
+    their shapes here."""
+    from tokenfleet.models.ggml_quant import quantize_q8_0
+    from tokenfleet.models.quant_linear import QuantLinear, native_quant_matmul
+
+    if device.type != "cpu":
+        raise ValueError("int8 weights are served on CPUs (no GPU kernel for them yet)")
+    out: dict[str, torch.Tensor | QuantTensor] = {
+        name: quantize_q8_0(t) if t.dim() == 2 and t.shape[1] % 32 == 0 else t for name, t in tensors.items()}
+    shapes = {(t.kind, t.rows, t.cols) for t in out.values() if isinstance(t, QuantTensor)}
+    linear, checks = checked_quant_linear(QuantLinear(native_quant_matmul(), int8_activations=True), shapes, dtype)
+    return out, linear, checks
 
 
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

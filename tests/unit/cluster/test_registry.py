@@ -75,6 +75,7 @@ def test_a_gguf_record_runs_with_float32_activations():
     ({"tensor_parallel_size": 0}, "tensor_parallel_size"), ({"quantization": "int4"}, "quantization"),
     ({"quantization": "fp8", "dtype": "float32"}, "float32"), ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
     ({"quantization": "gguf", "backend": "trtllm"}, "torch engine"),
+    ({"quantization": "int8", "backend": "trtllm"}, "torch engine"),
 ])
 def test_invalid_records_are_rejected(kwargs, needle):
     fields = {"name": "m", "version": "v1", "path": "/x", **kwargs}
