@@ -141,8 +141,10 @@ def wait_listening(name: str, proc: subprocess.Popen, before: list[str] | None =
 
 
 def register_model(registry: str, name: str, model_dir: str, plane: Plane, dtype: str = "auto",
-                   version: str = "v1", speculative_config: str = "", kv_cache_dtype: str = "") -> None:
-    """Register ``name@version`` (a no-op when the identical record exists), as an operator."""
+                   version: str = "v1", speculative_config: str = "", kv_cache_dtype: str = "",
+                   quantization: str | None = None) -> None:
+    """Register ``name@version`` (a no-op when the identical record exists), as an operator. ``quantization``:
+    the record's (None: the folder's own, models.gguf_import.folder_quantization)."""
     from tokenfleet.cluster.registry import ModelRecord
     from tokenfleet.models.gguf_import import folder_quantization
     from tokenfleet.services.registry.client import register_model as register
@@ -151,7 +153,9 @@ def register_model(registry: str, name: str, model_dir: str, plane: Plane, dtype
     # served quantized (its record says gguf)
     register(registry, ModelRecord(name=name, version=version, path=str(Path(model_dir).resolve()), dtype=dtype,
                                    tool_format="hermes", speculative_config=speculative_config,
-                                   kv_cache_dtype=kv_cache_dtype, quantization=folder_quantization(model_dir)), plane)
+                                   kv_cache_dtype=kv_cache_dtype,
+                                   quantization=folder_quantization(model_dir) if quantization is None else quantization),
+             plane)
 
 
 def audit_file() -> Path:
@@ -210,7 +214,7 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
        no_auth: bool = False, more_models: Sequence[tuple[str, str]] = (), kv_tier: str = "",
        kv_tier_bytes: int = 0, speculative_config: str = "", lora: Sequence[str] = (), batch_slots: int = 8,
        batch_concurrency: int = 8, kv_cache_dtype: str = "", async_scheduling: bool = False,
-       gateways: int = 1, kv_pool_bytes: int = 0) -> Cluster:
+       gateways: int = 1, kv_pool_bytes: int = 0, quantization: str | None = None) -> Cluster:
     """``prefill_workers`` > 0 disaggregates: that many prefill workers, and the ``num_workers``
     others decode only (unless ``role`` says otherwise); the router sends long prompts' prefill there.
     ``record``: write the state file `tokenfleet down` reads (off for private clusters, e.g. calibration).
@@ -223,7 +227,8 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
     pool in bytes (0: the worker's default). ``speculative_config``: the first
     model's record's (JSON, engine.spec_decode.SpecConfig.parse): its workers speculate. ``lora``: NAME=PATH PEFT
     adapters every worker of the first model loads (clients ask for MODEL:NAME). ``kv_cache_dtype``: the first
-    model's record's ("fp8": models.kv_fp8). ``async_scheduling``: every worker overlaps scheduling with its device
+    model's record's ("fp8": models.kv_fp8). ``quantization``: the first model's record's ("int8", "gguf"; None: the
+    folder's own). ``async_scheduling``: every worker overlaps scheduling with its device
     (CoreParts.overlap). ``batch_slots``: the router gives a
     worker batch lines only while it runs fewer requests (and none waits); ``batch_concurrency``: batch lines the
     gateway runs at once. ``gateways``: that many gateways (the first on ``gateway_port``, the others on free ports),
@@ -245,7 +250,7 @@ def up(num_workers: int, model_dir: str, model_name: str, threads: int, gateway_
         etcd = cluster.etcd.endpoint
         registry = cluster.spawn("registry", "tokenfleet.services.registry", "--etcd", etcd, *audit, *METRICS)
         register_model(registry, model_name, model_dir, plane, dtype, speculative_config=speculative_config,
-                       kv_cache_dtype=kv_cache_dtype)
+                       kv_cache_dtype=kv_cache_dtype, quantization=quantization)
         decode_role = "decode" if prefill_workers and role == "both" else role
         roles = [(f"worker-{i}", decode_role) for i in range(num_workers)]
         roles += [(f"prefill-{i}", "prefill") for i in range(prefill_workers)]

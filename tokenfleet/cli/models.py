@@ -157,12 +157,12 @@ def _cmd_list(args: argparse.Namespace) -> int:
     from tokenfleet.v1 import registry_pb2
 
     snapshot = registry_call(lambda: registry_stub(_context(args)).ListModels(registry_pb2.ListModelsRequest(), timeout=30))
-    rows = [("MODEL", "DTYPE", "BACKEND", "STATUS", "PATH")]
+    rows = [("MODEL", "DTYPE", "WEIGHTS", "BACKEND", "STATUS", "PATH")]
     for m in snapshot.models:
         status = registry_pb2.ModelStatus.Name(m.status).removeprefix("MODEL_STATUS_").lower()
-        rows.append((f"{m.name}@{m.version}", m.dtype, m.backend, status, m.path))
+        rows.append((f"{m.name}@{m.version}", m.dtype, m.quantization or "-", m.backend, status, m.path))
     rows += [(f"{a.alias} -> {a.target}" + (f" ({a.canary} {a.canary_weight:.0%})" if a.canary else "")
-              + (f" (routed: {_route_summary(a.route)})" if a.route else ""), "", "", "alias", "") for a in snapshot.aliases]
+              + (f" (routed: {_route_summary(a.route)})" if a.route else ""), "", "", "", "alias", "") for a in snapshot.aliases]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())

@@ -34,6 +34,9 @@ def add_commands(sub: Any) -> None:
     up_cmd.add_argument("--kv-cache-dtype", default="", choices=["", "fp8"],
                         help="the first model's record's KV cache dtype: fp8 keeps K/V as e4m3 with a scale per token "
                         "and KV head, 1.6-1.8x the tokens per byte (default: the weights' dtype)")
+    up_cmd.add_argument("--quantization", default=None, choices=["", "int8", "gguf"],
+                        help="the first model's record's weight format: int8 (int8 weights and activations, CPU) or "
+                        "gguf (the GGUF's own quantized tensors; the default for a NAME-gguf folder); '' none")
     up_cmd.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                         help="a PEFT LoRA adapter the first model's workers load (repeat); ask for it as MODEL:NAME")
     up_cmd.add_argument("--speculative-config", default="", help="speculative decoding for the first model (its "
@@ -106,6 +109,7 @@ def detached_up_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--kv-pool-bytes", str(args.kv_pool_bytes)] if args.kv_pool_bytes else []
     argv += ["--speculative-config", args.speculative_config] if args.speculative_config else []
     argv += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
+    argv += ["--quantization", args.quantization] if args.quantization is not None else []
     argv += ["--async-scheduling"] if args.async_scheduling else []
     argv += [w for spec in args.lora for w in ("--lora", spec)]
     argv += ["--tracing", "--trace-sample", str(args.trace_sample)] if args.tracing else []
@@ -206,6 +210,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
                           kv_tier=args.kv_tier, kv_tier_bytes=args.kv_tier_bytes, kv_pool_bytes=args.kv_pool_bytes,
                           speculative_config=args.speculative_config, lora=args.lora,
                           kv_cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling,
+                          quantization=args.quantization,
                           batch_slots=args.batch_slots,
                           batch_concurrency=args.batch_concurrency, gateways=args.gateways)
     try:
