@@ -8,9 +8,13 @@ each chunk scored (the log-probability of token i+1 given tokens 0..i, for i fro
 served engine (`tokenfleet.llm.LLM`, the paged KV, chunked prefill and kernels a worker runs) in --dtype, the
 logprobs of the prompt tokens (`prompt_logprobs`). Whether our tokenizer gives the same ids is reported too.
 
-llama.cpp computes with its quantized weights (Q4_K / Q4_1 blocks against Q8 activations) and an f16 KV cache,
-we with the weights dequantized to fp32: perplexities close to, not equal to, each other are the expected
-result; --tolerance (2 %) is the pass line.
+llama.cpp computes with its quantized weights (Q4_K / Q4_1 blocks against Q8 activations) and an f16 KV cache.
+Each of our --configs QUANTIZATION:DTYPE scores the text too: ``none`` the weights dequantized by our import,
+``gguf`` the GGUF's tensors kept quantized (a NAME-gguf folder), ``int8`` int8 weights and activations. Quantized
+configs prefill --quantized-chunk tokens a step (32: every position goes through the decode-sized kernels, the
+native quantized matmul, and int8's integer dots, rather than prefill's dequantized weights). Perplexities close
+to, not equal to, llama.cpp's are the expected result; --tolerance (2 %) is the pass line; int8 is also compared
+with the same model's bf16.
 
     benchmarks/peers/build_llama_cpp.sh          # prints LLAMA_BIN
     .venv/bin/python benchmarks/gguf_perplexity.py --llama-bin LLAMA_BIN [--models gemma3-270m smollm2-135m-instruct]
@@ -99,16 +103,24 @@ def markdown(result: dict) -> str:
     lines = [f"# Perplexity: tokenfleet vs llama.cpp on the original GGUF ({result['started']})", "",
              f"Text: `{a['text']}` ({result['text_chars']} characters). Both sides score llama.cpp's tokenization of "
              "it with llama-perplexity's protocol (chunks of `ctx` tokens, first token replaced by BOS, second half "
-             f"of each chunk scored). tokenfleet: the engine in {a['dtype']}, weights dequantized from the GGUF by our "
-             "import; llama.cpp: `llama-perplexity -c ctx -b ctx` on the GGUF itself (its quantized kernels, f16 KV "
-             f"cache), {a['threads']} threads. Machine: {result['machine']}. git {result['git']}.", "",
-             "| model | GGUF | tokens | same ids from our tokenizer | ctx | chunks | llama.cpp PPL | tokenfleet PPL | "
-             "ratio | pass (within {:.0%}) |".format(a["tolerance"]),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "of each chunk scored). tokenfleet: the engine in each config (weights: `none` dequantized from the GGUF "
+             "by our import, `gguf` the GGUF's tensors kept quantized, `int8` int8 weights and activations; quantized "
+             f"configs prefill {a['quantized_chunk']} tokens a step, through the decode-sized kernels); llama.cpp: "
+             "`llama-perplexity -c ctx -b ctx` on the GGUF itself (its quantized kernels, f16 KV cache), "
+             f"{a['threads']} threads. Machine: {result['machine']}. git {result['git']}.", "",
+             "| model | GGUF | tokens | same ids from our tokenizer | ctx | chunks | llama.cpp PPL | weights | dtype | "
+             "tokenfleet PPL | ratio | pass (within {:.0%}) |".format(a["tolerance"]),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['model']} | `{Path(r['gguf']).name}` | {r['tokens']} | {r['same_ids']} | {r['ctx']} | "
                      f"{r['llama']['chunks']} | {r['llama']['ppl']:.4f} ± {r['llama']['ppl_error']:.4f} | "
+                     f"{r.get('quantization') or 'none'} | {r.get('dtype', a.get('dtype'))} | "
                      f"{r['ours']['ppl']:.4f} | {r['ratio']:.4f} | {'yes' if r['pass'] else 'NO'} |")
+    pairs = result.get("int8_vs_bf16") or []
+    if pairs:
+        lines += ["", "int8 against the same model's bf16 (same text, same protocol; bar: within 2 %):", ""]
+        lines += [f"- {p['model']} ctx {p['ctx']}: int8 {p['int8']:.4f}, bf16 {p['bf16']:.4f}, ratio "
+                  f"{p['ratio']:.4f} ({'pass' if abs(p['ratio'] - 1) <= 0.02 else 'MISS'})" for p in pairs]
     return "\n".join(lines) + "\n"
 
 
@@ -117,7 +129,10 @@ def main() -> None:
     parser.add_argument("--llama-bin", required=True, help="folder of llama-perplexity and llama-tokenize")
     parser.add_argument("--models", nargs="+", default=["gemma3-270m", "smollm2-135m-instruct"])
     parser.add_argument("--ctx", type=int, nargs="+", default=[512, 1024])
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--configs", nargs="+", default=["none:float32", "gguf:float32", "int8:float32", "none:bfloat16"],
+                        help="QUANTIZATION:DTYPE of our engine to score (QUANTIZATION none, gguf or int8)")
+    parser.add_argument("--quantized-chunk", type=int, default=32,
+                        help="prefill tokens a step for quantized configs (0: the engine's default)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tolerance", type=float, default=0.02)
     parser.add_argument("--text", default=str(TEXT))
@@ -127,7 +142,7 @@ def main() -> None:
     os.environ.setdefault("TOKENFLEET_THREADS", str(args.threads))
 
     from tokenfleet.llm import LLM
-    from tokenfleet.models.gguf_import import ensure_model, source
+    from tokenfleet.models.gguf_import import QUANTIZED_SUFFIX, ensure_model, source
 
     bin_dir = Path(args.llama_bin)
     # llama-perplexity's -f drops one trailing newline and llama-tokenize's does not: give both a text without one
@@ -136,26 +151,34 @@ def main() -> None:
     text.write_text(content)
     result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "git": git_head(),
                     "machine": machine_line(), "text_chars": len(content), "rows": []}
+    configs = [tuple(c.split(":", 1)) for c in args.configs]
     for name in args.models:
         gguf = source(name).path
         tokens = llama_tokens(bin_dir, gguf, text)
-        llm = LLM(model=str(ensure_model(name)), dtype=args.dtype, max_model_len=max(args.ctx) + 1)
-        ours_ids = llm.tokenizer.encode_prompt(content)
         bos = tokens[0] if len(tokens) == len(llama_tokens(bin_dir, gguf, text, bos=False)) + 1 else None
-        same = same_ids(llm.tokenizer, ours_ids, tokens)
-        for ctx in args.ctx:
-            if len(tokens) < 2 * ctx:
-                print(f"{name}: {len(tokens)} tokens, fewer than 2 x ctx {ctx}: skipped")
-                continue
-            theirs = llama_perplexity(bin_dir, gguf, text, ctx, args.threads)
-            ours = our_perplexity(llm, tokens, ctx, bos)
-            ratio = ours["ppl"] / theirs["ppl"]
-            row = {"model": name, "gguf": str(gguf), "tokens": len(tokens), "same_ids": same, "ctx": ctx,
-                   "llama": theirs, "ours": ours, "ratio": ratio, "pass": abs(ratio - 1) <= args.tolerance}
-            result["rows"].append(row)
-            print(f"{name} ctx {ctx}: llama.cpp {theirs['ppl']:.4f}, tokenfleet {ours['ppl']:.4f} ({ratio:.4f})",
-                  flush=True)
-        del llm
+        ctxs = [c for c in args.ctx if len(tokens) >= 2 * c]
+        theirs = {ctx: llama_perplexity(bin_dir, gguf, text, ctx, args.threads) for ctx in ctxs}
+        for quantization, dtype in configs:
+            quantized = quantization != "none"
+            folder = ensure_model(name + QUANTIZED_SUFFIX if quantization == "gguf" else name)
+            options = {"max_prefill_chunk": args.quantized_chunk} if quantized and args.quantized_chunk else {}
+            llm = LLM(model=str(folder), dtype=dtype, max_model_len=max(args.ctx) + 1,
+                      quantization="" if not quantized else quantization, **options)
+            same = same_ids(llm.tokenizer, llm.tokenizer.encode_prompt(content), tokens)
+            for ctx in ctxs:
+                ours = our_perplexity(llm, tokens, ctx, bos)
+                ratio = ours["ppl"] / theirs[ctx]["ppl"]
+                row = {"model": name, "gguf": str(gguf), "tokens": len(tokens), "same_ids": same, "ctx": ctx,
+                       "quantization": "" if not quantized else quantization, "dtype": dtype,
+                       "llama": theirs[ctx], "ours": ours, "ratio": ratio, "pass": abs(ratio - 1) <= args.tolerance}
+                result["rows"].append(row)
+                print(f"{name} ctx {ctx} {quantization}:{dtype}: llama.cpp {theirs[ctx]['ppl']:.4f}, tokenfleet "
+                      f"{ours['ppl']:.4f} ({ratio:.4f})", flush=True)
+            del llm
+    by = {(r["model"], r["ctx"], r["quantization"], r["dtype"]): r["ours"]["ppl"] for r in result["rows"]}
+    result["int8_vs_bf16"] = [
+        {"model": m, "ctx": c, "int8": ppl, "bf16": by[(m, c, "", "bfloat16")], "ratio": ppl / by[(m, c, "", "bfloat16")]}
+        for (m, c, q, _), ppl in by.items() if q == "int8" and (m, c, "", "bfloat16") in by]
     write_report(args.out, result, markdown(result))
 
 
