@@ -76,3 +76,25 @@ def test_gemma3_mixed_types_are_served_quantized_with_the_dequantized_models_ans
     tokenizer = Tokenizer(imported)
     arrivals = {0: [(f"p{i}", tokenizer.encode(p), greedy(8)) for i, p in enumerate(PROMPTS[:2])]}
     assert run_to_completion(core_q, arrivals) == run_to_completion(make_core(imported), arrivals)
+
+
+def test_quantized_weights_keep_the_answers_with_prefix_hits_chunked_prefill_and_speculation(default_model_dir, gguf_dir):
+    """The engine's features over quantized weights: a second run of the same prompts (prefix-cache hits), prompts
+    prefilled 4 tokens a step, and draft-model speculation (the model's first 10 layers, still quantized, verified by
+    the whole model) all answer as the plain dequantized model does."""
+    import json
+
+    tokenizer = Tokenizer(default_model_dir)
+    long = [" ".join([p] * 6) for p in PROMPTS]  # several 16-token blocks: a second run hits the prefix cache
+    arrivals = {0: [(f"p{i}", tokenizer.encode(p), greedy(10)) for i, p in enumerate(long)]}
+    want = run_to_completion(make_core(default_model_dir), arrivals)
+    cached = make_core(gguf_dir, quantization="gguf", max_prefill_chunk=4)
+    assert run_to_completion(cached, arrivals) == want
+    again = {0: [(f"again-{rid}", prompt, params) for rid, prompt, params in arrivals[0]]}
+    assert run_to_completion(cached, again) == {f"again-{k}": v for k, v in want.items()}
+    assert cached.snapshot().num_prefix_hit_tokens > 0
+    draft = json.dumps({"decoding_type": "DraftTarget", "max_draft_len": 4, "speculative_model": "self",
+                        "adaptive": False, "draft_layers": 10})
+    speculating = make_core(gguf_dir, quantization="gguf", speculative_config=draft)
+    assert run_to_completion(speculating, arrivals) == want
+    assert speculating.snapshot().num_spec_proposed_tokens > 0
