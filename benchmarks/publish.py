@@ -208,14 +208,22 @@ def spaces_counted(text: str) -> str:
 
 def perplexity_section(path: Path) -> list[str]:
     d = json.loads(path.read_text())
-    lines = ["## The model import, checked by llama.cpp", "",
+    lines = ["## The model import and quantized weights, checked by llama.cpp", "",
              f"`{rel(path)}` ({d['started']}, git {d['git']}). Command: `benchmarks/gguf_perplexity.py`. Perplexity "
              "of the committed text, both sides scoring llama.cpp's tokenization with `llama-perplexity`'s protocol: "
-             f"the served engine in {d['args']['dtype']} on the imported weights against llama.cpp on the GGUF.", "",
-             "| model | ctx | llama.cpp | tokenfleet | ratio | our tokenizer gives the same ids |", "|---|---|---|---|---|---|"]
+             "the served engine against llama.cpp on the GGUF. Weights: `none` dequantized by the import, `gguf` the "
+             "GGUF's tensors kept quantized, `int8` int8 weights and activations (quantized ones scored 32 tokens a "
+             "step, through the decode-sized kernels).", "",
+             "| model | ctx | weights | dtype | llama.cpp | tokenfleet | ratio | our tokenizer gives the same ids |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
-        lines.append(f"| {r['model']} | {r['ctx']} | {r['llama']['ppl']:.3f} | {r['ours']['ppl']:.3f} | "
+        lines.append(f"| {r['model']} | {r['ctx']} | {r.get('quantization') or 'none'} | "
+                     f"{r.get('dtype') or d['args'].get('dtype')} | {r['llama']['ppl']:.3f} | {r['ours']['ppl']:.3f} | "
                      f"{r['ratio']:.4f} | {spaces_counted(r['same_ids'])} |")
+    pairs = d.get("int8_vs_bf16") or []
+    if pairs:
+        lines += ["", "int8 / bf16 perplexity (same model, text and protocol): " + ", ".join(
+            f"{p['model']} ctx {p['ctx']} {p['ratio']:.4f}" for p in pairs) + "."]
     return [*lines, ""]
 
 
