@@ -63,6 +63,7 @@ def test_the_weights_stay_quantized_and_the_logits_match_the_dequantized_model(d
     assert run_to_completion(core_q, arrivals) == run_to_completion(core_f, arrivals)
 
 
+@pytest.mark.nightly  # ~25 s: Gemma's GGUF parsed and its kernels checked twice; its tensors are read in the suite
 def test_gemma3_mixed_types_are_served_quantized_with_the_dequantized_models_answers(tmp_path):
     from tokenfleet.models.ggml_quant import QuantRows
     from tokenfleet.models.gguf_import import GEMMA3_MODEL_NAME, ensure_model
@@ -78,6 +79,7 @@ def test_gemma3_mixed_types_are_served_quantized_with_the_dequantized_models_ans
     assert run_to_completion(core_q, arrivals) == run_to_completion(make_core(imported), arrivals)
 
 
+@pytest.mark.nightly  # three engines and a draft model; the suite keeps the plain quantized engine's answers
 def test_quantized_weights_keep_the_answers_with_prefix_hits_chunked_prefill_and_speculation(default_model_dir, gguf_dir):
     """The engine's features over quantized weights: a second run of the same prompts (prefix-cache hits), prompts
     prefilled 4 tokens a step, and draft-model speculation (the model's first 10 layers, still quantized, verified by
