@@ -536,9 +536,82 @@ static inline __attribute__((always_inline)) void q8_tile(int type, const uint8_
         for (int j = 0; j < MR; j++) y[j * n + r] = hsum8q(acc[r][j]) + msum[r][j];
 }
 
+/* One row of x (a decode step), eight blocks at a time: the eight blocks' integer dot products are summed across
+ * their lanes together (a vphaddd tree: one vector of eight block sums), so the scales, converted eight at a time
+ * (vcvtph2ps of eight fp16), multiply them in one instruction: fewer instructions per block than q8_tile (Q4_1
+ * 15-20% faster in cache; Q8_0 measured slower, so only Q4_1 takes it). */
+static inline __attribute__((always_inline)) __m256i block_sums8(const __m256i *s) {
+    const __m256i h01 = _mm256_hadd_epi32(s[0], s[1]), h23 = _mm256_hadd_epi32(s[2], s[3]);
+    const __m256i h45 = _mm256_hadd_epi32(s[4], s[5]), h67 = _mm256_hadd_epi32(s[6], s[7]);
+    const __m256i q0 = _mm256_hadd_epi32(h01, h23), q1 = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+}
+
+/* eight fp16 at p, p + stride, ... as floats */
+static inline __attribute__((always_inline)) __m256 f16x8(const uint8_t *p, int64_t stride) {
+    __m128i h = _mm_setzero_si128();
+    uint16_t v;
+#define TF_LANE(t) memcpy(&v, p + (t) * stride, 2), h = _mm_insert_epi16(h, v, t)
+    TF_LANE(0); TF_LANE(1); TF_LANE(2); TF_LANE(3); TF_LANE(4); TF_LANE(5); TF_LANE(6); TF_LANE(7);
+#undef TF_LANE
+    return _mm256_cvtph_ps(h);
+}
+
+static inline __attribute__((always_inline)) void q8_one_row(const int type, const uint8_t *const *wr,
+                                                             const int8_t *qx, const float *dx, const float *sx,
+                                                             float *y, int64_t nb, int rows) {
+    const int64_t bb = type == Q8_0 ? 34 : 20;
+    for (int r = 0; r < NR; r++) {
+        if (r >= rows) break;
+        __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 8 <= nb; b += 8) {
+            const uint8_t *blk = wr[r] + b * bb;
+            __m256i s[8];
+            for (int t = 0; t < 8; t++) {
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(qx + (b + t) * 32));
+                if (type == Q8_0) {
+                    const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk + t * bb + 2));
+                    s[t] = dot_u8s8(_mm256_abs_epi8(wq), _mm256_sign_epi8(xq, wq));
+                } else {
+                    const __m128i v = _mm_loadu_si128((const __m128i *)(blk + t * bb + 4));
+                    const __m256i wq = _mm256_and_si256(
+                        _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
+                        _mm256_set1_epi8(15));
+                    s[t] = dot_u8s8(wq, xq);
+                }
+            }
+            const __m256 scale = _mm256_mul_ps(f16x8(blk, bb), _mm256_loadu_ps(dx + b));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums8(s)), scale, acc);
+            if (type == Q4_1) macc = _mm256_fmadd_ps(f16x8(blk + 2, bb), _mm256_loadu_ps(sx + b), macc);
+        }
+        float tail = 0.0f;
+        for (; b < nb; b++) {  /* the last nb % 8 blocks, one at a time */
+            const uint8_t *blk = wr[r] + b * bb;
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(qx + b * 32));
+            __m256i sum;
+            if (type == Q8_0) {
+                const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                sum = dot_u8s8(_mm256_abs_epi8(wq), _mm256_sign_epi8(xq, wq));
+            } else {
+                const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 4));
+                sum = dot_u8s8(_mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
+                                                _mm256_set1_epi8(15)), xq);
+                tail += f16(blk + 2) * sx[b];
+            }
+            tail += hsum8q(_mm256_cvtepi32_ps(sum)) * (f16(blk) * dx[b]);
+        }
+        y[r] = hsum8q(acc) + hsum8q(macc) + tail;
+    }
+}
+
 static void q8_rows(int type, const uint8_t *const *wr, const int8_t *qx, const float *dx, const float *sx, float *y,
                     int64_t m, int64_t nb, int64_t n, int rows) {
     for (int64_t j = 0; j < m; j += QMR) {
+        if (m == 1 && type == Q4_1) {  /* a decode step (Q8_0's measured slower this way: q8_tile serves it) */
+            q8_one_row(Q4_1, wr, qx, dx, sx, y, nb, rows);
+            return;
+        }
         const int8_t *q = qx + j * nb * 32;
         const float *d = dx + j * nb, *s = sx + j * nb;
         float *yj = y + j * n;
