@@ -1,12 +1,12 @@
 """Linear layers whose weights stay in GGML's block-quantized formats (models.ggml_quant.QuantTensor), as a GGUF
 file ships them: Q4_1 and Q8_0 (the default model), Q5_0, Q4_K and Q6_K (Gemma 3 270M).
 
-``QuantLinear`` is a ``LinearKernel`` (models.linear) over ``QuantTensor`` weights. Steps of up to ``few_rows`` rows
-of x (decode: one row per request) go through csrc/quant_linear.c, which reads each quantized weight once per call,
-dequantizes it in the cache and multiplies it in fp32: a decode step reads the quantized bytes alone (Q4_1: 5 bits
-per weight against bf16's 16). Longer steps (prefill) dequantize the weight, a few MiB at a time, and multiply with
-torch (MKL or oneDNN), which is faster there. Without the native kernel every step takes that path, the torch
-reference ("dequantize, then F.linear").
+``QuantLinear`` is a ``LinearKernel`` (models.linear) over ``QuantTensor`` weights. Steps of a few rows of x (decode:
+one row per request; up to 32 rows of fp32 x, 8 of bf16) go through csrc/quant_linear.c, which reads each quantized
+weight once per call, dequantizes it in the cache and multiplies it in fp32: a decode step reads the quantized bytes
+alone (Q4_1: 5 bits per weight against bf16's 16). Longer steps (prefill) dequantize the weight, a few MiB at a
+time, and multiply with torch (MKL or oneDNN), which is faster there. Without the native kernel every step takes
+that path, the torch reference ("dequantize, then F.linear").
 
 Numerics: the native kernel's weights are bitwise the reference's dequantized values (ggml_quant.dequantize) and its
 sums are fp32 in another order (~1e-6 relative); it is checked against the reference on the machine it runs on
@@ -28,7 +28,10 @@ from tokenfleet.models.ggml_quant import QuantTensor, dequantize
 
 INT8_KINDS = ("Q4_1", "Q8_0")  # the types csrc/quant_linear.c multiplies with int8 activations
 INT8_TOLERANCE = (2**-6, 2**-5)  # (rtol, atol) of the int8 path's check, outputs O(1): see QuantLinear
-FEW_ROWS = 32  # rows the native kernel takes; more: dequantize, then torch's matmul (benchmarks/quant_linear.py)
+# Rows of x the native kernel takes; more: dequantize, then torch's matmul. Measured (benchmarks/quant_linear.py):
+# with fp32 x the kernel is as fast as MKL at 32 rows; with bf16 x, dequantizing to bf16 for oneDNN wins from ~16.
+FEW_ROWS = {torch.float32: 32}
+FEW_ROWS_LOW_PRECISION = 8  # bf16 / fp16 x
 CHUNK_VALUES = 1 << 22  # weight values dequantized at a time on the prefill path (16 MiB in fp32)
 
 
@@ -84,8 +87,8 @@ def native_quant_matmul(defines: tuple[str, ...] = ()) -> NativeQuantMatmul | No
 
 
 class QuantLinear:
-    """``LinearKernel`` for ``QuantTensor`` weights: ``native`` for steps of up to ``few_rows`` rows of x, else (and
-    without ``native``) dequantize, then ``F.linear``.
+    """``LinearKernel`` for ``QuantTensor`` weights: ``native`` for steps of up to ``rows_native(x.dtype)`` rows of x
+    (``few_rows`` when given, else FEW_ROWS), else (and without ``native``) dequantize, then ``F.linear``.
 
     ``int8_activations``: Q4_1 and Q8_0 weights multiply x quantized to int8 per 32 values (llama.cpp's numerics:
     integer dot products, ~2x faster at one row). x moves by up to half a step, max |x| / 254 in each block of 32, so
@@ -93,11 +96,17 @@ class QuantLinear:
     ~0.002 on the load check's O(1) outputs at a standard deviation, which allows (``check_tolerance``) 2^-5 plus
     2^-6 relative (a wrong kernel is off by O(1)); the tests hold each output to the bound itself."""
 
-    def __init__(self, native: NativeQuantMatmul | None = None, few_rows: int = FEW_ROWS,
+    def __init__(self, native: NativeQuantMatmul | None = None, few_rows: int | None = None,
                  int8_activations: bool = False):
         self.native = native
-        self.few_rows = few_rows if native is not None else 0
+        self.few_rows = few_rows
         self.int8_activations = int8_activations and native is not None
+
+    def rows_native(self, dtype: torch.dtype) -> int:
+        """The most rows of x of ``dtype`` the native kernel takes (0: none)."""
+        if self.native is None:
+            return 0
+        return self.few_rows if self.few_rows is not None else FEW_ROWS.get(dtype, FEW_ROWS_LOW_PRECISION)
 
     @property
     def name(self) -> str:
@@ -119,7 +128,7 @@ class QuantLinear:
         """x: [..., cols] of any float dtype -> [..., rows] in x's dtype."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # [tokens, cols]
-        if self.native is not None and 0 < x2.shape[0] <= self.few_rows and x2.device.type == "cpu":
+        if self.native is not None and 0 < x2.shape[0] <= self.rows_native(x.dtype) and x2.device.type == "cpu":
             int8 = self.int8_activations and weight.kind in INT8_KINDS
             out = self.native(x2.float().contiguous(), weight, int8).to(x.dtype)
         else:
