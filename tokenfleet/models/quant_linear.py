@@ -11,8 +11,9 @@ that path, the torch reference ("dequantize, then F.linear").
 Numerics: the native kernel's weights are bitwise the reference's dequantized values (ggml_quant.dequantize) and its
 sums are fp32 in another order (~1e-6 relative); it is checked against the reference on the machine it runs on
 (models.kernel_check.checked_quant_linear). Activations of any float dtype: the kernel computes in fp32 (bf16 x is
-exact in fp32) and rounds the output to x's dtype once. The prefill path multiplies in x's dtype (weights rounded
-to bf16 for a bf16 model, as a bf16 checkpoint converted from the GGUF would hold them).
+exact in fp32) and rounds the output to x's dtype once. Steps of several bf16 rows on AVX-512 BF16 CPUs, and the
+prefill path, multiply in x's dtype: weights rounded to bf16 for a bf16 model (as a bf16 checkpoint converted from
+the GGUF would hold them; 2^-9 relative per weight, well inside bf16's check tolerance).
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from tokenfleet.models.ggml_quant import QuantTensor, dequantize
 INT8_KINDS = ("Q4_1", "Q8_0")  # the types csrc/quant_linear.c multiplies with int8 activations
 INT8_TOLERANCE = (2**-6, 2**-5)  # (rtol, atol) of the int8 path's check, outputs O(1): see QuantLinear
 # Rows of x the native kernel takes; more: dequantize, then torch's matmul. Measured (benchmarks/quant_linear.py):
-# with fp32 x the kernel is as fast as MKL at 32 rows; with bf16 x, dequantizing to bf16 for oneDNN wins from ~16.
+# with fp32 x the kernel is as fast as MKL at 32 rows; with bf16 x, the fp32 kernel only up to ~8 rows (then
+# dequantizing to bf16 for oneDNN wins), the bf16 kernel (AVX-512 BF16) up to BF16_ROWS.
 FEW_ROWS = {torch.float32: 32}
-FEW_ROWS_LOW_PRECISION = 8  # bf16 / fp16 x
+FEW_ROWS_LOW_PRECISION = 8  # bf16 / fp16 x through the fp32 kernel
+BF16_ROWS = 32
 CHUNK_VALUES = 1 << 22  # weight values dequantized at a time on the prefill path (16 MiB in fp32)
 
 
@@ -48,6 +51,11 @@ class NativeQuantMatmul:
         self._matmul_int8 = lib.tf_quant_linear_q8
         self._matmul_int8.argtypes = [c_int, ptr, ptr, ptr, i64, i64, i64, c_int]
         self._matmul_int8.restype = c_int
+        self._matmul_bf16 = lib.tf_quant_linear_bf16
+        self._matmul_bf16.argtypes = [c_int, ptr, ptr, ptr, i64, i64, i64, c_int]
+        self._matmul_bf16.restype = c_int
+        lib.tf_quant_linear_has_bf16.restype = c_int
+        self.has_bf16 = bool(lib.tf_quant_linear_has_bf16())  # the AVX-512 BF16 path for bf16 x (matmul_bf16)
         self._dequantize = lib.tf_quant_dequantize
         self._dequantize.argtypes = [c_int, ptr, ptr, i64, i64, c_int]
         self._dequantize.restype = c_int
@@ -66,6 +74,16 @@ class NativeQuantMatmul:
                 weight.rows, torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"quantized matmul: {weight.kind} {tuple(weight.shape)} times {tuple(x.shape)} failed ({rc})")
+        return out
+
+    def matmul_bf16(self, x: torch.Tensor, weight: QuantTensor) -> torch.Tensor:
+        """x: [m, k] contiguous bf16 CPU -> [m, n] fp32, the weight rounded to bf16 (``has_bf16`` builds only)."""
+        out = torch.empty(x.shape[0], weight.rows)
+        rc = self._matmul_bf16(weight.type.type_id, x.data_ptr(), weight.data.data_ptr(), out.data_ptr(), x.shape[0],
+                               weight.cols, weight.rows, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"bf16 quantized matmul: {weight.kind} {tuple(weight.shape)} times {tuple(x.shape)} failed "
+                             f"({rc})")
         return out
 
     def dequantize(self, weight: QuantTensor) -> torch.Tensor:
@@ -106,7 +124,11 @@ class QuantLinear:
         """The most rows of x of ``dtype`` the native kernel takes (0: none)."""
         if self.native is None:
             return 0
-        return self.few_rows if self.few_rows is not None else FEW_ROWS.get(dtype, FEW_ROWS_LOW_PRECISION)
+        if self.few_rows is not None:
+            return self.few_rows
+        if dtype == torch.bfloat16 and self.native.has_bf16:
+            return BF16_ROWS
+        return FEW_ROWS.get(dtype, FEW_ROWS_LOW_PRECISION)
 
     @property
     def name(self) -> str:
@@ -130,7 +152,10 @@ class QuantLinear:
         x2 = x.reshape(-1, x.shape[-1])  # [tokens, cols]
         if self.native is not None and 0 < x2.shape[0] <= self.rows_native(x.dtype) and x2.device.type == "cpu":
             int8 = self.int8_activations and weight.kind in INT8_KINDS
-            out = self.native(x2.float().contiguous(), weight, int8).to(x.dtype)
+            if x.dtype == torch.bfloat16 and x2.shape[0] > 1 and self.native.has_bf16 and not int8:
+                out = self.native.matmul_bf16(x2.contiguous(), weight).to(x.dtype)
+            else:
+                out = self.native(x2.float().contiguous(), weight, int8).to(x.dtype)
         else:
             out = self._dequantized_matmul(x2, weight)
         return out.reshape(*lead, weight.rows)

@@ -121,6 +121,24 @@ def test_native_dequantize_is_the_reference_bitwise(name: str) -> None:
         torch.testing.assert_close(kernel.dequantize(w), dequantize(w), rtol=0, atol=0, equal_nan=True, msg=kind)
 
 
+@pytest.mark.parametrize("kind", sorted(TYPES))
+def test_native_bf16_path_matches_the_bf16_weights_reference(kind: str) -> None:
+    """The AVX-512 BF16 path: x bf16 times the weight rounded to bf16 (dequantize(w, bf16)), within the fp32 bound."""
+    kernel = build("native")
+    if not kernel.has_bf16:
+        pytest.skip("this build has no AVX-512 BF16 path (the fp32 kernel serves bf16 x)")
+    block = TYPES[kind].block_elems
+    g = torch.Generator().manual_seed(zlib.crc32(f"bf16 {kind}".encode()))
+    for rows in ROWS:
+        k = block * int(torch.randint(1, 2304 // block + 1, (), generator=g))
+        n = int(torch.randint(1, 300, (), generator=g))
+        w = random_quant(kind, n, k, g)
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        got = kernel.matmul_bf16(x, w)
+        ok, ratio = within_bound(got, x, dequantize(w, torch.bfloat16))
+        assert ok, f"{kind}: x [{rows}, {k}], w [{n}, {k}]: {ratio:.3g}x the bound"
+
+
 def test_native_rejects_what_it_cannot_compute() -> None:
     kernel = build("native")
     w = random_quant("Q8_0", 4, 64)
