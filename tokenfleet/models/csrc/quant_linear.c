@@ -224,9 +224,19 @@ static inline __attribute__((always_inline)) void dec_q8_0(const uint8_t *w, int
     *v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))), d);
 }
 
+/* the two fp16 at p (Q4_1's d and m), converted together, each broadcast */
+static inline __attribute__((always_inline)) void f16_pair(const uint8_t *p, __m512 *a, __m512 *b) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)v));
+    *a = _mm512_broadcastss_ps(f);
+    *b = _mm512_broadcastss_ps(_mm_movehdup_ps(f));
+}
+
 static inline __attribute__((always_inline)) void dec_q4_1(const uint8_t *w, int64_t c, __m512 *v0, __m512 *v1) {
     const uint8_t *b = w + c * 20;
-    const __m512 d = _mm512_set1_ps(f16(b)), m = _mm512_set1_ps(f16(b + 2));
+    __m512 d, m;
+    f16_pair(b, &d, &m);
     const __m512i q = u8x16(b + 4), low = _mm512_set1_epi32(15);
     *v0 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, low))), m);
     *v1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4))), m);
