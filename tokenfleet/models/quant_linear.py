@@ -29,6 +29,7 @@ from tokenfleet.models.ggml_quant import QuantTensor, dequantize
 
 INT8_KINDS = ("Q4_1", "Q8_0")  # the types csrc/quant_linear.c multiplies with int8 activations
 INT8_TOLERANCE = (2**-6, 2**-5)  # (rtol, atol) of the int8 path's check, outputs O(1): see QuantLinear
+INT8_ROWS = 4  # the int8 path's rows: it halves a one-row step's time, but from ~4 rows the fp32 / bf16 paths match it
 # Rows of x the native kernel takes; more: dequantize, then torch's matmul. Measured (benchmarks/quant_linear.py):
 # with fp32 x the kernel is as fast as MKL at 32 rows; with bf16 x, the fp32 kernel only up to ~8 rows (then
 # dequantizing to bf16 for oneDNN wins), the bf16 kernel (AVX-512 BF16) up to BF16_ROWS.
@@ -108,11 +109,12 @@ class QuantLinear:
     """``LinearKernel`` for ``QuantTensor`` weights: ``native`` for steps of up to ``rows_native(x.dtype)`` rows of x
     (``few_rows`` when given, else FEW_ROWS), else (and without ``native``) dequantize, then ``F.linear``.
 
-    ``int8_activations``: Q4_1 and Q8_0 weights multiply x quantized to int8 per 32 values (llama.cpp's numerics:
-    integer dot products, ~2x faster at one row). x moves by up to half a step, max |x| / 254 in each block of 32, so
-    an output moves by up to sum_i |w_i| max|x_block(i)| / 254: for unit-normal x, ~0.5% of the output's scale,
-    ~0.002 on the load check's O(1) outputs at a standard deviation, which allows (``check_tolerance``) 2^-5 plus
-    2^-6 relative (a wrong kernel is off by O(1)); the tests hold each output to the bound itself."""
+    ``int8_activations``: Q4_1 and Q8_0 weights multiply steps of up to INT8_ROWS rows of x quantized to int8 per 32
+    values (llama.cpp's numerics: integer dot products, ~2x faster at one row). x moves by up to half a step,
+    max |x| / 254 in each block of 32, so an output moves by up to sum_i |w_i| max|x_block(i)| / 254: for
+    unit-normal x, ~0.5% of the output's scale, ~0.002 on the load check's O(1) outputs at a standard deviation,
+    which allows (``check_tolerance``) 2^-5 plus 2^-6 relative (a wrong kernel is off by O(1)); the tests hold each
+    output to the bound itself."""
 
     def __init__(self, native: NativeQuantMatmul | None = None, few_rows: int | None = None,
                  int8_activations: bool = False):
@@ -151,7 +153,7 @@ class QuantLinear:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # [tokens, cols]
         if self.native is not None and 0 < x2.shape[0] <= self.rows_native(x.dtype) and x2.device.type == "cpu":
-            int8 = self.int8_activations and weight.kind in INT8_KINDS
+            int8 = self.int8_activations and weight.kind in INT8_KINDS and x2.shape[0] <= INT8_ROWS
             if x.dtype == torch.bfloat16 and x2.shape[0] > 1 and self.native.has_bf16 and not int8:
                 out = self.native.matmul_bf16(x2.contiguous(), weight).to(x.dtype)
             else:

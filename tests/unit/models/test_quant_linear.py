@@ -108,6 +108,10 @@ def test_int8_path_serves_only_its_types() -> None:
     w = random_quant("Q6_K", 8, 256)
     x = torch.randn(3, 256)
     assert torch.equal(linear(x, w), kernel(x, w))  # Q6_K: the fp32 path
+    w1 = random_quant("Q4_1", 8, 256)
+    assert torch.equal(linear(x[:1], w1), kernel(x[:1], w1, int8=True))
+    x5 = torch.randn(quant_linear.INT8_ROWS + 1, 256)
+    assert torch.equal(linear(x5, w1), kernel(x5, w1))  # more rows: the fp32 path
     assert "int8" in linear.name and linear.check_tolerance(torch.float32) == quant_linear.INT8_TOLERANCE
 
 
