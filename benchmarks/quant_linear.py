@@ -1,8 +1,9 @@
 """Quantized linear layers (models.quant_linear, csrc/quant_linear.c) against the dense CPU matmuls, matmul by matmul.
 
 SmolLM2-135M's layer shapes in the default GGUF's types: qkv, o_proj, gate_up and down in Q4_1, the (tied) LM head
-in Q8_0, each layer shape as 30 distinct weights (the model's layers: each pass reads them from memory, as a decode
-step does), the LM head once. Implementations, each on its own copy of the same weights:
+in Q8_0 (or ``--model gemma3-270m``: Q5_0, Q4_K, Q6_K, Q8_0), each layer shape as one distinct weight per layer of
+the model (each pass reads them from memory, as a decode step does), the LM head once. Implementations, each on
+its own copy of the same weights:
 
 - ``quant``: QuantLinear with the native kernel (x fp32; steps of up to 32 rows), the quantized bytes in memory;
 - ``quant bf16 x``: the same with bf16 x (one row: the fp32 kernel; more: the AVX-512 BF16 kernel, weights rounded
@@ -42,9 +43,13 @@ from tokenfleet.models.ggml_quant import QuantTensor, dequantize, random_quant
 from tokenfleet.models.linear import DenseLinear, PackedOneDNNLinear, native_few_rows
 from tokenfleet.models.quant_linear import QuantLinear, native_quant_matmul
 
-SHAPES = (("qkv", "Q4_1", 960, 576), ("o_proj", "Q4_1", 576, 576), ("gate_up", "Q4_1", 3072, 576),
-          ("down", "Q4_1", 576, 1536), ("lm_head", "Q8_0", 49152, 576))
-LAYERS = 30
+MODELS = {  # (layers, [(layer, ggml type, out, in)])
+    "smollm2-135m": (30, (("qkv", "Q4_1", 960, 576), ("o_proj", "Q4_1", 576, 576), ("gate_up", "Q4_1", 3072, 576),
+                          ("down", "Q4_1", 576, 1536), ("lm_head", "Q8_0", 49152, 576))),
+    # Gemma 3 270M in a K-quant mix: rows of 640 are not whole 256-blocks, so those layers fall back to Q5_0 / Q8_0
+    "gemma3-270m": (18, (("qkv", "Q5_0", 1536, 640), ("o_proj", "Q4_K", 640, 1024), ("gate_up", "Q5_0", 4096, 640),
+                         ("down", "Q6_K", 640, 2048), ("lm_head", "Q8_0", 262144, 640))),
+}
 BASELINES = ("bf16 oneDNN", "fp32 F.linear")
 
 
@@ -80,7 +85,7 @@ def check(name: str, got: torch.Tensor, x: torch.Tensor, values: torch.Tensor) -
 def bench_shape(label: str, kind: str, n: int, k: int, rows: int, args: argparse.Namespace,
                 impls: dict[str, tuple[Callable, Callable, torch.dtype]]) -> dict:
     g = torch.Generator().manual_seed(n * 7 + k)
-    copies = 1 if label == "lm_head" else LAYERS
+    copies = 1 if label == "lm_head" else MODELS[args.model][0]
     quantized: list[QuantTensor] = [random_quant(kind, n, k, g) for _ in range(copies)]
     x32 = torch.randn(rows, k, generator=g)
     weights: dict[str, list] = {}
@@ -118,7 +123,8 @@ def bench_shape(label: str, kind: str, n: int, k: int, rows: int, args: argparse
 def markdown(res: dict) -> str:
     names = list(res["results"][0]["median_ms"])
     lines = [f"# Quantized linear layers: native kernel vs dense CPU matmuls ({res['date']})", "",
-             f"Machine: {res['machine']}. Threads: {res['threads']}. Kernel: {res['kernel']}. Commit {res['commit']}.",
+             f"Shapes: {res['model']}. Machine: {res['machine']}. Threads: {res['threads']}. Kernel: {res['kernel']}. "
+             f"Commit {res['commit']}.",
              f"Rounds: {res['rounds']} (alternating order), {res['passes']} passes each (a round: the median pass); "
              "per-call ms, median over rounds; "
              "speedup = median over rounds of (baseline ms / quant ms).", ""]
@@ -134,7 +140,8 @@ def markdown(res: dict) -> str:
                          + f" | {r['quant_gb_s']:.1f} | {r['int8_gb_s']:.1f} | {s['bf16 oneDNN']:.2f} / {i['bf16 oneDNN']:.2f}"
                          f" | {s['fp32 F.linear']:.2f} / {i['fp32 F.linear']:.2f} |")
         step = {n: sum(r["median_ms"][n] * r["copies"] for r in res["results"] if r["rows"] == rows) for n in names}
-        lines += ["", "Whole model (30 layers + LM head), ms: " + ", ".join(f"{n} {v:.2f}" for n, v in step.items()), ""]
+        total = ", ".join(f"{n} {v:.2f}" for n, v in step.items())
+        lines += ["", f"Whole model ({res['layers']} layers + LM head), ms: {total}", ""]
     errors = ("; ".join(f"{r['shape']} x{r['rows']}: " + ", ".join(f"{n} {e:.3g}" for n, e in r["error_over_fp32_bound"].items())
                         for r in res["results"]))
     lines += ["Largest |error| / max |reference| (float64, dequantized weights): " + errors, ""]
@@ -147,7 +154,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m", help="whose layer shapes and types")
+    ap.add_argument("--shapes", default="qkv,o_proj,gate_up,down,lm_head")
     ap.add_argument("--out", default=f"benchmarks/reports/{time.strftime('%Y-%m-%d')}-quant-linear.json")
     args = ap.parse_args()
     if args.threads:
@@ -159,9 +167,10 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     wanted = args.shapes.split(",")
     results = [bench_shape(label, kind, n, k, rows, args, impls)
-               for rows in rows_list for label, kind, n, k in SHAPES if label in wanted]
+               for rows in rows_list for label, kind, n, k in MODELS[args.model][1] if label in wanted]
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_line(), "threads": torch.get_num_threads(),
-           "kernel": native.name, "commit": git_head(), "rounds": args.rounds, "passes": args.passes,
+           "kernel": native.name, "commit": git_head(), "model": args.model,
+           "layers": MODELS[args.model][0], "rounds": args.rounds, "passes": args.passes,
            "rows": rows_list, "results": results}
     write_report(Path(args.out), res, markdown(res))
 
