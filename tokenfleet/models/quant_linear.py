@@ -150,17 +150,17 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, weight: QuantTensor) -> torch.Tensor:
         """x: [..., cols] of any float dtype -> [..., rows] in x's dtype."""
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])  # [tokens, cols]
-        if self.native is not None and 0 < x2.shape[0] <= self.rows_native(x.dtype) and x2.device.type == "cpu":
-            int8 = self.int8_activations and weight.kind in INT8_KINDS and x2.shape[0] <= INT8_ROWS
-            if x.dtype == torch.bfloat16 and x2.shape[0] > 1 and self.native.has_bf16 and not int8:
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [tokens, cols]
+        rows = x2.shape[0]
+        if self.native is not None and 0 < rows <= self.rows_native(x.dtype) and x2.device.type == "cpu":
+            int8 = self.int8_activations and rows <= INT8_ROWS and weight.kind in INT8_KINDS
+            if x.dtype == torch.bfloat16 and rows > 1 and self.native.has_bf16 and not int8:
                 out = self.native.matmul_bf16(x2.contiguous(), weight).to(x.dtype)
             else:
                 out = self.native(x2.float().contiguous(), weight, int8).to(x.dtype)
         else:
             out = self._dequantized_matmul(x2, weight)
-        return out.reshape(*lead, weight.rows)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.rows)
 
     def _dequantized_matmul(self, x: torch.Tensor, weight: QuantTensor) -> torch.Tensor:
         """x [tokens, cols] times the weight dequantized ``CHUNK_VALUES`` at a time, in x's dtype."""
