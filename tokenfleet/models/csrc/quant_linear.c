@@ -12,6 +12,14 @@
  * Each output is one dot product over k summed in vector lanes, then across them: results differ from the torch
  * reference (dequantize, then F.linear) only by the order of the fp32 sums (~1e-6 relative).
  *
+ * Two more entry points change the numerics on purpose (models/quant_linear.py chooses; tests bound each):
+ *   - tf_quant_linear_q8 (Q4_1, Q8_0): x quantized to int8 per 32 values, integer dot products (llama.cpp's way);
+ *   - tf_quant_linear_bf16 (AVX-512 BF16 builds): bf16 x times the weight rounded to bf16, with vdpbf16ps.
+ * tf_quant_dequantize writes the fp32 values (the prefill path hands them to torch's matmul).
+ *
+ * Builds: AVX-512 (-march=native on CPUs with avx512f), AVX2 + FMA (-DTF_NO_AVX512, or CPUs without AVX-512),
+ * portable C (-DTF_PORTABLE_ONLY); tf_quant_linear_build() says which.
+ *
  * Layouts (row-major, contiguous): x [m, k], w [n, k / block_elems * block_bytes] bytes, y [m, n]. Rows of the
  * weight are shared out over the caller's OpenMP threads (torch's).
  */
