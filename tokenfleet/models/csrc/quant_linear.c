@@ -28,10 +28,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && !defined(TF_PORTABLE_ONLY) && !defined(TF_NO_AVX512)
+#if defined(__AVX512F__) && defined(__F16C__) && !defined(TF_PORTABLE_ONLY) && !defined(TF_NO_AVX512)
 #define TF_QUANT_AVX512 1
 #include <immintrin.h>
-#elif defined(__AVX2__) && defined(__FMA__) && !defined(TF_PORTABLE_ONLY)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(TF_PORTABLE_ONLY)
 #define TF_QUANT_AVX2 1
 #include <immintrin.h>
 #endif
