@@ -28,7 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__F16C__) && !defined(TF_PORTABLE_ONLY) && !defined(TF_NO_AVX512)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__) && \
+    !defined(TF_PORTABLE_ONLY) && !defined(TF_NO_AVX512)
 #define TF_QUANT_AVX512 1
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(TF_PORTABLE_ONLY)
@@ -250,18 +251,28 @@ static inline __attribute__((always_inline)) void dec_q4_1(const uint8_t *w, int
     *v1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4))), m);
 }
 
+/* 32 bytes as 32 floats (unsigned, or signed: `sgn`), two vectors of 16 */
+static inline __attribute__((always_inline)) void bytes_f32(__m256i q, const int sgn, __m512 *v0, __m512 *v1) {
+    const __m128i a = _mm256_castsi256_si128(q), b = _mm256_extracti128_si256(q, 1);
+    *v0 = _mm512_cvtepi32_ps(sgn ? _mm512_cvtepi8_epi32(a) : _mm512_cvtepu8_epi32(a));
+    *v1 = _mm512_cvtepi32_ps(sgn ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+}
+
+/* The K-quants and Q5_0 build a chunk's 32 integers as bytes (one 256-bit op per step for 32 values) before widening
+ * them: half the 512-bit operations of widening first. The shifts are 16-bit ones; the masks keep each byte's own
+ * bits. */
 static inline __attribute__((always_inline)) void dec_q5_0(const uint8_t *w, int64_t c, __m512 *v0, __m512 *v1) {
     const uint8_t *b = w + c * 22;
     const __m512 d = _mm512_set1_ps(f16(b));
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
-    const __m512i q = u8x16(b + 6), sixteen = _mm512_set1_epi32(16);
-    const __m512i lo = _mm512_mask_or_epi32(_mm512_and_si512(q, _mm512_set1_epi32(15)), (__mmask16)qh,
-                                            _mm512_and_si512(q, _mm512_set1_epi32(15)), sixteen);
-    const __m512i hi = _mm512_mask_or_epi32(_mm512_srli_epi32(q, 4), (__mmask16)(qh >> 16), _mm512_srli_epi32(q, 4),
-                                            sixteen);
-    *v0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, sixteen)));
-    *v1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, sixteen)));
+    const __m128i v = _mm_loadu_si128((const __m128i *)(b + 6));
+    const __m256i nib = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
+                                         _mm256_set1_epi8(15));
+    const __m256i q = _mm256_or_si256(nib, _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(16)));
+    bytes_f32(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), 1, v0, v1);
+    *v0 = _mm512_mul_ps(d, *v0);
+    *v1 = _mm512_mul_ps(d, *v1);
 }
 
 static inline __attribute__((always_inline)) void dec_q4_k(const uint8_t *w, int64_t c, __m512 *v0, __m512 *v1) {
@@ -270,20 +281,11 @@ static inline __attribute__((always_inline)) void dec_q4_k(const uint8_t *w, int
     int sc, mn;
     k_scale_min(b + 4, j, &sc, &mn);
     const __m512 ds = _mm512_set1_ps(f16(b) * (float)sc), dm = _mm512_set1_ps(f16(b + 2) * (float)mn);
-    const uint8_t *q = b + 16 + (j / 2) * 32;
-    const int shift = (j & 1) * 4;
-    const __m512i low = _mm512_set1_epi32(15);
-    *v0 = _mm512_sub_ps(_mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(u8x16(q), shift), low))),
-                        dm);
-    *v1 = _mm512_sub_ps(
-        _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(u8x16(q + 16), shift), low))), dm);
-}
-
-static inline __attribute__((always_inline)) __m512i q6_16(const uint8_t *lo, const uint8_t *hi, int lshift,
-                                                          int hshift) {
-    const __m512i l = _mm512_and_si512(_mm512_srli_epi32(u8x16(lo), lshift), _mm512_set1_epi32(15));
-    const __m512i h = _mm512_and_si512(_mm512_srli_epi32(u8x16(hi), hshift), _mm512_set1_epi32(3));
-    return _mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32(h, 4)), _mm512_set1_epi32(32));
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + (j / 2) * 32));
+    const __m256i q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(15));
+    bytes_f32(q, 0, v0, v1);
+    *v0 = _mm512_sub_ps(_mm512_mul_ps(ds, *v0), dm);
+    *v1 = _mm512_sub_ps(_mm512_mul_ps(ds, *v1), dm);
 }
 
 static inline __attribute__((always_inline)) void dec_q6_k(const uint8_t *w, int64_t c, __m512 *v0, __m512 *v1) {
@@ -291,11 +293,14 @@ static inline __attribute__((always_inline)) void dec_q6_k(const uint8_t *w, int
     const int cc = (int)(c % 8);
     const float d = f16(b + 208);
     const int8_t *sc = (const int8_t *)(b + 192);
-    const uint8_t *lo = b + (cc / 4) * 64 + (cc % 2) * 32, *hi = b + 128 + (cc / 4) * 32;
-    const int lshift = 4 * ((cc / 2) % 2), hshift = 2 * (cc % 4);
-    *v0 = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * cc]), _mm512_cvtepi32_ps(q6_16(lo, hi, lshift, hshift)));
-    *v1 = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * cc + 1]),
-                        _mm512_cvtepi32_ps(q6_16(lo + 16, hi + 16, lshift, hshift)));
+    const __m256i lo = _mm256_loadu_si256((const __m256i *)(b + (cc / 4) * 64 + (cc % 2) * 32));
+    const __m256i hi = _mm256_loadu_si256((const __m256i *)(b + 128 + (cc / 4) * 32));
+    const __m256i l = _mm256_and_si256((cc / 2) % 2 ? _mm256_srli_epi16(lo, 4) : lo, _mm256_set1_epi8(15));
+    const __m256i h = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * (cc % 4))), _mm256_set1_epi8(3));
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(l, _mm256_slli_epi16(h, 4)), _mm256_set1_epi8(32));
+    bytes_f32(q, 1, v0, v1);
+    *v0 = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * cc]), *v0);
+    *v1 = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * cc + 1]), *v1);
 }
 
 /* NR weight rows wr[] (the first `rows` real, the others repeat the last real one) against MR rows of x. */
