@@ -275,9 +275,8 @@ static inline __attribute__((always_inline)) void dec_q5_0(const uint8_t *w, int
     *v1 = _mm512_mul_ps(d, *v1);
 }
 
-static inline __attribute__((always_inline)) void dec_q4_k(const uint8_t *w, int64_t c, __m512 *v0, __m512 *v1) {
-    const uint8_t *b = w + (c / 8) * 144;
-    const int j = (int)(c % 8);
+/* Sub-block j (0..7) of the K-quant super-block at b (the K-quant tiles below call these with j a constant). */
+static inline __attribute__((always_inline)) void dec_q4_k_j(const uint8_t *b, const int j, __m512 *v0, __m512 *v1) {
     int sc, mn;
     k_scale_min(b + 4, j, &sc, &mn);
     const __m512 ds = _mm512_set1_ps(f16(b) * (float)sc), dm = _mm512_set1_ps(f16(b + 2) * (float)mn);
@@ -288,9 +287,11 @@ static inline __attribute__((always_inline)) void dec_q4_k(const uint8_t *w, int
     *v1 = _mm512_sub_ps(_mm512_mul_ps(ds, *v1), dm);
 }
 
-static inline __attribute__((always_inline)) void dec_q6_k(const uint8_t *w, int64_t c, __m512 *v0, __m512 *v1) {
-    const uint8_t *b = w + (c / 8) * 210;
-    const int cc = (int)(c % 8);
+static inline __attribute__((always_inline)) void dec_q4_k(const uint8_t *w, int64_t c, __m512 *v0, __m512 *v1) {
+    dec_q4_k_j(w + (c / 8) * 144, (int)(c % 8), v0, v1);
+}
+
+static inline __attribute__((always_inline)) void dec_q6_k_j(const uint8_t *b, const int cc, __m512 *v0, __m512 *v1) {
     const float d = f16(b + 208);
     const int8_t *sc = (const int8_t *)(b + 192);
     const __m256i lo = _mm256_loadu_si256((const __m256i *)(b + (cc / 4) * 64 + (cc % 2) * 32));
@@ -301,6 +302,10 @@ static inline __attribute__((always_inline)) void dec_q6_k(const uint8_t *w, int
     bytes_f32(q, 1, v0, v1);
     *v0 = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * cc]), *v0);
     *v1 = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * cc + 1]), *v1);
+}
+
+static inline __attribute__((always_inline)) void dec_q6_k(const uint8_t *w, int64_t c, __m512 *v0, __m512 *v1) {
+    dec_q6_k_j(w + (c / 8) * 210, (int)(c % 8), v0, v1);
 }
 
 /* NR weight rows wr[] (the first `rows` real, the others repeat the last real one) against MR rows of x. */
@@ -339,8 +344,46 @@ static inline __attribute__((always_inline)) void dec_q6_k(const uint8_t *w, int
 DEFINE_FUSED(q8_0)
 DEFINE_FUSED(q4_1)
 DEFINE_FUSED(q5_0)
-DEFINE_FUSED(q4_k)
-DEFINE_FUSED(q6_k)
+
+/* The same for the K-quants, a super-block (eight chunks) at a time, unrolled: each chunk's shifts and scale
+ * unpacking are constants, and the super-block's fp16 scales are loaded once (one-row Q4_K ~1.5x). */
+#define DEFINE_FUSED_K(T, BB)                                                                                         \
+    static inline __attribute__((always_inline)) void fused_tile_##T(const uint8_t *const *wr, const float *x,       \
+                                                                     float *y, const int MR, int64_t k, int64_t n,  \
+                                                                     int rows) {                                     \
+        __m512 acc[NR][MR_MAX];                                                                                       \
+        for (int r = 0; r < NR; r++)                                                                                  \
+            for (int j = 0; j < MR; j++) acc[r][j] = _mm512_setzero_ps();                                             \
+        for (int64_t s = 0; s < k / 256; s++) {                                                                       \
+            _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) {                                                     \
+                const int64_t c = s * 8 + u;                                                                          \
+                __m512 x0[MR_MAX], x1[MR_MAX];                                                                        \
+                for (int j = 0; j < MR; j++) {                                                                        \
+                    x0[j] = _mm512_loadu_ps(x + j * k + 32 * c);                                                      \
+                    x1[j] = _mm512_loadu_ps(x + j * k + 32 * c + 16);                                                 \
+                }                                                                                                     \
+                for (int r = 0; r < NR; r++) {                                                                        \
+                    __m512 v0, v1;                                                                                    \
+                    dec_##T##_j(wr[r] + s * (BB), u, &v0, &v1);                                                       \
+                    for (int j = 0; j < MR; j++)                                                                      \
+                        acc[r][j] = _mm512_fmadd_ps(v1, x1[j], _mm512_fmadd_ps(v0, x0[j], acc[r][j]));                \
+                }                                                                                                     \
+            }                                                                                                         \
+        }                                                                                                             \
+        for (int r = 0; r < rows; r++)                                                                                \
+            for (int j = 0; j < MR; j++) y[j * n + r] = _mm512_reduce_add_ps(acc[r][j]);                             \
+    }                                                                                                                 \
+    static void fused_##T(const uint8_t *const *wr, const float *x, float *y, int64_t m, int64_t k, int64_t n,       \
+                          int rows) {                                                                                 \
+        switch (m) {                                                                                                  \
+        case 1: fused_tile_##T(wr, x, y, 1, k, n, rows); break;                                                       \
+        case 2: fused_tile_##T(wr, x, y, 2, k, n, rows); break;                                                       \
+        case 3: fused_tile_##T(wr, x, y, 3, k, n, rows); break;                                                       \
+        default: fused_tile_##T(wr, x, y, 4, k, n, rows); break;                                                      \
+        }                                                                                                             \
+    }
+DEFINE_FUSED_K(q4_k, 144)
+DEFINE_FUSED_K(q6_k, 210)
 
 /* Row decoders for the buffer path: the same values, 32 at a time. */
 #define DEFINE_ROW512(T)                                                                                              \
