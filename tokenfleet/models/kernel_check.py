@@ -210,7 +210,8 @@ def _quant_linear_cases(linear: Any, shapes: list[tuple[str, int, int]], dtype: 
 
     g = torch.Generator().manual_seed(11)
     most = linear.rows_native(dtype)
-    rows_cases = sorted({r for r in LINEAR_ROWS if r <= most} | {most})  # the native kernel's rows only
+    # the native kernel's rows, and one more: the prefill path, which dequantizes with the native code
+    rows_cases = sorted({r for r in LINEAR_ROWS if 0 < r <= most} | {most, most + 1} - {0})
     for kind, n, k in shapes:
         weight = random_quant(kind, min(n, 1031), k, g)
         values = dequantize(weight, torch.float64)

@@ -32,7 +32,8 @@ INT8_TOLERANCE = (2**-6, 2**-5)  # (rtol, atol) of the int8 path's check, output
 INT8_ROWS = 4  # the int8 path's rows: it halves a one-row step's time, but from ~4 rows the fp32 / bf16 paths match it
 # Rows of x the native kernel takes; more: dequantize, then torch's matmul. Measured (benchmarks/quant_linear.py):
 # with fp32 x the kernel is as fast as MKL at 32 rows; with bf16 x, the fp32 kernel only up to ~8 rows (then
-# dequantizing to bf16 for oneDNN wins), the bf16 kernel (AVX-512 BF16) up to BF16_ROWS.
+# dequantizing to bf16 for oneDNN wins), the bf16 kernel (AVX-512 BF16) up to BF16_ROWS. The portable C build takes
+# none: slower than dequantizing (its dequantization still serves) and torch's matmul even at one row.
 FEW_ROWS = {torch.float32: 32}
 FEW_ROWS_LOW_PRECISION = 8  # bf16 / fp16 x through the fp32 kernel
 BF16_ROWS = 32
@@ -128,6 +129,8 @@ class QuantLinear:
             return 0
         if self.few_rows is not None:
             return self.few_rows
+        if self.native.build == "portable C":  # measured slower than dequantize + torch even at one row
+            return 0
         if dtype == torch.bfloat16 and self.native.has_bf16:
             return BF16_ROWS
         return FEW_ROWS.get(dtype, FEW_ROWS_LOW_PRECISION)

@@ -169,6 +169,15 @@ def test_quant_linear_keeps_x_dtype_and_shape_on_both_paths(monkeypatch) -> None
                                   rtol=2**-7, atol=2**-6), (linear.name, rows)
 
 
+def test_portable_build_leaves_every_step_to_dequantize_and_torch() -> None:
+    kernel = build("portable")
+    linear = QuantLinear(kernel)
+    assert linear.rows_native(torch.float32) == 0 == linear.rows_native(torch.bfloat16)
+    w = random_quant("Q4_K", 12, 512)
+    x = torch.randn(1, 512)
+    assert torch.equal(linear(x, w), F.linear(x, dequantize(w)))  # its dequantize is the reference's, bitwise
+
+
 def test_torch_kernels_setting_selects_the_reference(monkeypatch) -> None:
     monkeypatch.setenv("TOKENFLEET_KERNELS", "torch")
     assert quant_linear.select_quant_linear().native is None
