@@ -209,7 +209,9 @@ def _quant_linear_cases(linear: Any, shapes: list[tuple[str, int, int]], dtype: 
     from tokenfleet.models.ggml_quant import dequantize, random_quant
 
     g = torch.Generator().manual_seed(11)
-    rows_cases = sorted({r for r in LINEAR_ROWS if r <= linear.few_rows} | {linear.few_rows})
+    most = linear.rows_native(dtype)
+    # the native kernel's rows, and one more: the prefill path, which dequantizes with the native code
+    rows_cases = sorted({r for r in LINEAR_ROWS if 0 < r <= most} | {most, most + 1} - {0})
     for kind, n, k in shapes:
         weight = random_quant(kind, min(n, 1031), k, g)
         values = dequantize(weight, torch.float64)

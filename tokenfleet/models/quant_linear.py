@@ -1,18 +1,19 @@
 """Linear layers whose weights stay in GGML's block-quantized formats (models.ggml_quant.QuantTensor), as a GGUF
 file ships them: Q4_1 and Q8_0 (the default model), Q5_0, Q4_K and Q6_K (Gemma 3 270M).
 
-``QuantLinear`` is a ``LinearKernel`` (models.linear) over ``QuantTensor`` weights. Steps of up to ``few_rows`` rows
-of x (decode: one row per request) go through csrc/quant_linear.c, which reads each quantized weight once per call,
-dequantizes it in the cache and multiplies it in fp32: a decode step reads the quantized bytes alone (Q4_1: 5 bits
-per weight against bf16's 16). Longer steps (prefill) dequantize the weight, a few MiB at a time, and multiply with
-torch (MKL or oneDNN), which is faster there. Without the native kernel every step takes that path, the torch
-reference ("dequantize, then F.linear").
+``QuantLinear`` is a ``LinearKernel`` (models.linear) over ``QuantTensor`` weights. Steps of a few rows of x (decode:
+one row per request; up to 32 rows of fp32 x, 64 of bf16) go through csrc/quant_linear.c, which reads each quantized
+weight once per call, dequantizes it in the cache and multiplies it in fp32: a decode step reads the quantized bytes
+alone (Q4_1: 5 bits per weight against bf16's 16). Longer steps (prefill) dequantize the weight, a few MiB at a
+time, and multiply with torch (MKL or oneDNN), which is faster there. Without the native kernel every step takes
+that path, the torch reference ("dequantize, then F.linear").
 
 Numerics: the native kernel's weights are bitwise the reference's dequantized values (ggml_quant.dequantize) and its
 sums are fp32 in another order (~1e-6 relative); it is checked against the reference on the machine it runs on
 (models.kernel_check.checked_quant_linear). Activations of any float dtype: the kernel computes in fp32 (bf16 x is
-exact in fp32) and rounds the output to x's dtype once. The prefill path multiplies in x's dtype (weights rounded
-to bf16 for a bf16 model, as a bf16 checkpoint converted from the GGUF would hold them).
+exact in fp32) and rounds the output to x's dtype once. Steps of several bf16 rows on AVX-512 BF16 CPUs, and the
+prefill path, multiply in x's dtype: weights rounded to bf16 for a bf16 model (as a bf16 checkpoint converted from
+the GGUF would hold them; 2^-9 relative per weight, well inside bf16's check tolerance).
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ from tokenfleet.models.ggml_quant import QuantRows, QuantTensor, dequantize
 
 INT8_KINDS = ("Q4_1", "Q8_0")  # the types csrc/quant_linear.c multiplies with int8 activations
 INT8_TOLERANCE = (2**-6, 2**-5)  # (rtol, atol) of the int8 path's check, outputs O(1): see QuantLinear
-FEW_ROWS = 32  # rows the native kernel takes; more: dequantize, then torch's matmul (benchmarks/quant_linear.py)
+INT8_ROWS = 4  # the int8 path's rows: it halves a one-row step's time, but from ~4 rows the fp32 / bf16 paths match it
+# Rows of x the native kernel takes; more: dequantize, then torch's matmul. Measured (benchmarks/quant_linear.py):
+# with fp32 x the kernel is as fast as MKL at 32 rows; with bf16 x, the fp32 kernel only up to ~8 rows (then
+# dequantizing to bf16 for oneDNN wins), the bf16 kernel (AVX-512 BF16) up to BF16_ROWS. The portable C build takes
+# none: slower than dequantizing (its dequantization still serves) and torch's matmul even at one row.
+FEW_ROWS = {torch.float32: 32}
+FEW_ROWS_LOW_PRECISION = 8  # bf16 / fp16 x through the fp32 kernel
+BF16_ROWS = 64  # one core, gate_up: 1.56 ms against 2.25 for dequantize + oneDNN at 64 rows, equal from 128
 CHUNK_VALUES = 1 << 22  # weight values dequantized at a time on the prefill path (16 MiB in fp32)
 
 
@@ -45,6 +53,11 @@ class NativeQuantMatmul:
         self._matmul_int8 = lib.tf_quant_linear_q8
         self._matmul_int8.argtypes = [c_int, ptr, ptr, ptr, i64, i64, i64, c_int]
         self._matmul_int8.restype = c_int
+        self._matmul_bf16 = lib.tf_quant_linear_bf16
+        self._matmul_bf16.argtypes = [c_int, ptr, ptr, ptr, i64, i64, i64, c_int]
+        self._matmul_bf16.restype = c_int
+        lib.tf_quant_linear_has_bf16.restype = c_int
+        self.has_bf16 = bool(lib.tf_quant_linear_has_bf16())  # the AVX-512 BF16 path for bf16 x (matmul_bf16)
         self._dequantize = lib.tf_quant_dequantize
         self._dequantize.argtypes = [c_int, ptr, ptr, i64, i64, c_int]
         self._dequantize.restype = c_int
@@ -63,6 +76,16 @@ class NativeQuantMatmul:
                 weight.rows, torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"quantized matmul: {weight.kind} {tuple(weight.shape)} times {tuple(x.shape)} failed ({rc})")
+        return out
+
+    def matmul_bf16(self, x: torch.Tensor, weight: QuantTensor) -> torch.Tensor:
+        """x: [m, k] contiguous bf16 CPU -> [m, n] fp32, the weight rounded to bf16 (``has_bf16`` builds only)."""
+        out = torch.empty(x.shape[0], weight.rows)
+        rc = self._matmul_bf16(weight.type.type_id, x.data_ptr(), weight.data.data_ptr(), out.data_ptr(), x.shape[0],
+                               weight.cols, weight.rows, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"bf16 quantized matmul: {weight.kind} {tuple(weight.shape)} times {tuple(x.shape)} failed "
+                             f"({rc})")
         return out
 
     def dequantize(self, weight: QuantTensor) -> torch.Tensor:
@@ -84,20 +107,33 @@ def native_quant_matmul(defines: tuple[str, ...] = ()) -> NativeQuantMatmul | No
 
 
 class QuantLinear:
-    """``LinearKernel`` for ``QuantTensor`` weights: ``native`` for steps of up to ``few_rows`` rows of x, else (and
-    without ``native``) dequantize, then ``F.linear``.
+    """``LinearKernel`` for ``QuantTensor`` weights: ``native`` for steps of up to ``rows_native(x.dtype)`` rows of x
+    (``few_rows`` when given, else FEW_ROWS), else (and without ``native``) dequantize, then ``F.linear``.
 
-    ``int8_activations``: Q4_1 and Q8_0 weights multiply x quantized to int8 per 32 values (llama.cpp's numerics:
-    integer dot products, ~2x faster at one row). x moves by up to half a step, max |x| / 254 in each block of 32, so
-    an output moves by up to sum_i |w_i| max|x_block(i)| / 254: for unit-normal x, ~0.5% of the output's scale,
-    ~0.002 on the load check's O(1) outputs at a standard deviation, which allows (``check_tolerance``) 2^-5 plus
-    2^-6 relative (a wrong kernel is off by O(1)); the tests hold each output to the bound itself."""
+    ``int8_activations``: Q4_1 and Q8_0 weights multiply steps of up to INT8_ROWS rows of x quantized to int8 per 32
+    values (llama.cpp's numerics: integer dot products, ~2x faster at one row). x moves by up to half a step,
+    max |x| / 254 in each block of 32, so an output moves by up to sum_i |w_i| max|x_block(i)| / 254: for
+    unit-normal x, ~0.5% of the output's scale, ~0.002 on the load check's O(1) outputs at a standard deviation,
+    which allows (``check_tolerance``) 2^-5 plus 2^-6 relative (a wrong kernel is off by O(1)); the tests hold each
+    output to the bound itself."""
 
-    def __init__(self, native: NativeQuantMatmul | None = None, few_rows: int = FEW_ROWS,
+    def __init__(self, native: NativeQuantMatmul | None = None, few_rows: int | None = None,
                  int8_activations: bool = False):
         self.native = native
-        self.few_rows = few_rows if native is not None else 0
+        self.few_rows = few_rows
         self.int8_activations = int8_activations and native is not None
+
+    def rows_native(self, dtype: torch.dtype) -> int:
+        """The most rows of x of ``dtype`` the native kernel takes (0: none)."""
+        if self.native is None:
+            return 0
+        if self.few_rows is not None:
+            return self.few_rows
+        if self.native.build == "portable C":  # measured slower than dequantize + torch even at one row
+            return 0
+        if dtype == torch.bfloat16 and self.native.has_bf16:
+            return BF16_ROWS
+        return FEW_ROWS.get(dtype, FEW_ROWS_LOW_PRECISION)
 
     @property
     def name(self) -> str:
@@ -121,14 +157,17 @@ class QuantLinear:
         """x: [..., cols] of any float dtype -> [..., rows] in x's dtype."""
         if isinstance(weight, QuantRows):  # row ranges of different types: each multiplied, the outputs joined
             return torch.cat([self(x, part) for part in weight.parts], dim=-1)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])  # [tokens, cols]
-        if self.native is not None and 0 < x2.shape[0] <= self.few_rows and x2.device.type == "cpu":
-            int8 = self.int8_activations and weight.kind in INT8_KINDS
-            out = self.native(x2.float().contiguous(), weight, int8).to(x.dtype)
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [tokens, cols]
+        rows = x2.shape[0]
+        if self.native is not None and 0 < rows <= self.rows_native(x.dtype) and x2.device.type == "cpu":
+            int8 = self.int8_activations and rows <= INT8_ROWS and weight.kind in INT8_KINDS
+            if x.dtype == torch.bfloat16 and rows > 1 and self.native.has_bf16 and not int8:
+                out = self.native.matmul_bf16(x2.contiguous(), weight).to(x.dtype)
+            else:
+                out = self.native(x2.float().contiguous(), weight, int8).to(x.dtype)
         else:
             out = self._dequantized_matmul(x2, weight)
-        return out.reshape(*lead, weight.rows)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.rows)
 
     def _dequantized_matmul(self, x: torch.Tensor, weight: QuantTensor) -> torch.Tensor:
         """x [tokens, cols] times the weight dequantized ``CHUNK_VALUES`` at a time, in x's dtype."""

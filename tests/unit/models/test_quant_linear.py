@@ -108,6 +108,10 @@ def test_int8_path_serves_only_its_types() -> None:
     w = random_quant("Q6_K", 8, 256)
     x = torch.randn(3, 256)
     assert torch.equal(linear(x, w), kernel(x, w))  # Q6_K: the fp32 path
+    w1 = random_quant("Q4_1", 8, 256)
+    assert torch.equal(linear(x[:1], w1), kernel(x[:1], w1, int8=True))
+    x5 = torch.randn(quant_linear.INT8_ROWS + 1, 256)
+    assert torch.equal(linear(x5, w1), kernel(x5, w1))  # more rows: the fp32 path
     assert "int8" in linear.name and linear.check_tolerance(torch.float32) == quant_linear.INT8_TOLERANCE
 
 
@@ -119,6 +123,24 @@ def test_native_dequantize_is_the_reference_bitwise(name: str) -> None:
         w = random_quant(kind, 37, t.block_elems * 3, g)
         w.data[:, :] = torch.randint(0, 256, w.data.shape, dtype=torch.uint8, generator=g)  # any fp16: inf, nan, subnormal
         torch.testing.assert_close(kernel.dequantize(w), dequantize(w), rtol=0, atol=0, equal_nan=True, msg=kind)
+
+
+@pytest.mark.parametrize("kind", sorted(TYPES))
+def test_native_bf16_path_matches_the_bf16_weights_reference(kind: str) -> None:
+    """The AVX-512 BF16 path: x bf16 times the weight rounded to bf16 (dequantize(w, bf16)), within the fp32 bound."""
+    kernel = build("native")
+    if not kernel.has_bf16:
+        pytest.skip("this build has no AVX-512 BF16 path (the fp32 kernel serves bf16 x)")
+    block = TYPES[kind].block_elems
+    g = torch.Generator().manual_seed(zlib.crc32(f"bf16 {kind}".encode()))
+    for rows in ROWS:
+        k = block * int(torch.randint(1, 2304 // block + 1, (), generator=g))
+        n = int(torch.randint(1, 300, (), generator=g))
+        w = random_quant(kind, n, k, g)
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        got = kernel.matmul_bf16(x, w)
+        ok, ratio = within_bound(got, x, dequantize(w, torch.bfloat16))
+        assert ok, f"{kind}: x [{rows}, {k}], w [{n}, {k}]: {ratio:.3g}x the bound"
 
 
 def test_native_rejects_what_it_cannot_compute() -> None:
@@ -145,6 +167,15 @@ def test_quant_linear_keeps_x_dtype_and_shape_on_both_paths(monkeypatch) -> None
             assert got16.dtype == torch.bfloat16
             assert torch.allclose(got16.double(), F.linear(x.bfloat16().double(), dequantize(w, torch.float64)),
                                   rtol=2**-7, atol=2**-6), (linear.name, rows)
+
+
+def test_portable_build_leaves_every_step_to_dequantize_and_torch() -> None:
+    kernel = build("portable")
+    linear = QuantLinear(kernel)
+    assert linear.rows_native(torch.float32) == 0 == linear.rows_native(torch.bfloat16)
+    w = random_quant("Q4_K", 12, 512)
+    x = torch.randn(1, 512)
+    assert torch.equal(linear(x, w), F.linear(x, dequantize(w)))  # its dequantize is the reference's, bitwise
 
 
 def test_torch_kernels_setting_selects_the_reference(monkeypatch) -> None:

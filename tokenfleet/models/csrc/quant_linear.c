@@ -12,6 +12,14 @@
  * Each output is one dot product over k summed in vector lanes, then across them: results differ from the torch
  * reference (dequantize, then F.linear) only by the order of the fp32 sums (~1e-6 relative).
  *
+ * Two more entry points change the numerics on purpose (models/quant_linear.py chooses; tests bound each):
+ *   - tf_quant_linear_q8 (Q4_1, Q8_0): x quantized to int8 per 32 values, integer dot products (llama.cpp's way);
+ *   - tf_quant_linear_bf16 (AVX-512 BF16 builds): bf16 x times the weight rounded to bf16, with vdpbf16ps.
+ * tf_quant_dequantize writes the fp32 values (the prefill path hands them to torch's matmul).
+ *
+ * Builds: AVX-512 (-march=native on CPUs with avx512f), AVX2 + FMA (-DTF_NO_AVX512, or CPUs without AVX-512),
+ * portable C (-DTF_PORTABLE_ONLY); tf_quant_linear_build() says which.
+ *
  * Layouts (row-major, contiguous): x [m, k], w [n, k / block_elems * block_bytes] bytes, y [m, n]. Rows of the
  * weight are shared out over the caller's OpenMP threads (torch's).
  */
@@ -20,10 +28,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && !defined(TF_PORTABLE_ONLY) && !defined(TF_NO_AVX512)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__) && \
+    !defined(TF_PORTABLE_ONLY) && !defined(TF_NO_AVX512)
 #define TF_QUANT_AVX512 1
 #include <immintrin.h>
-#elif defined(__AVX2__) && defined(__FMA__) && !defined(TF_PORTABLE_ONLY)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(TF_PORTABLE_ONLY)
 #define TF_QUANT_AVX2 1
 #include <immintrin.h>
 #endif
@@ -224,60 +233,79 @@ static inline __attribute__((always_inline)) void dec_q8_0(const uint8_t *w, int
     *v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))), d);
 }
 
+/* the two fp16 at p (Q4_1's d and m), converted together, each broadcast */
+static inline __attribute__((always_inline)) void f16_pair(const uint8_t *p, __m512 *a, __m512 *b) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)v));
+    *a = _mm512_broadcastss_ps(f);
+    *b = _mm512_broadcastss_ps(_mm_movehdup_ps(f));
+}
+
 static inline __attribute__((always_inline)) void dec_q4_1(const uint8_t *w, int64_t c, __m512 *v0, __m512 *v1) {
     const uint8_t *b = w + c * 20;
-    const __m512 d = _mm512_set1_ps(f16(b)), m = _mm512_set1_ps(f16(b + 2));
+    __m512 d, m;
+    f16_pair(b, &d, &m);
     const __m512i q = u8x16(b + 4), low = _mm512_set1_epi32(15);
     *v0 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, low))), m);
     *v1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4))), m);
 }
 
+/* 32 bytes as 32 floats (unsigned, or signed: `sgn`), two vectors of 16 */
+static inline __attribute__((always_inline)) void bytes_f32(__m256i q, const int sgn, __m512 *v0, __m512 *v1) {
+    const __m128i a = _mm256_castsi256_si128(q), b = _mm256_extracti128_si256(q, 1);
+    *v0 = _mm512_cvtepi32_ps(sgn ? _mm512_cvtepi8_epi32(a) : _mm512_cvtepu8_epi32(a));
+    *v1 = _mm512_cvtepi32_ps(sgn ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+}
+
+/* The K-quants and Q5_0 build a chunk's 32 integers as bytes (one 256-bit op per step for 32 values) before widening
+ * them: half the 512-bit operations of widening first. The shifts are 16-bit ones; the masks keep each byte's own
+ * bits. */
 static inline __attribute__((always_inline)) void dec_q5_0(const uint8_t *w, int64_t c, __m512 *v0, __m512 *v1) {
     const uint8_t *b = w + c * 22;
     const __m512 d = _mm512_set1_ps(f16(b));
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
-    const __m512i q = u8x16(b + 6), sixteen = _mm512_set1_epi32(16);
-    const __m512i lo = _mm512_mask_or_epi32(_mm512_and_si512(q, _mm512_set1_epi32(15)), (__mmask16)qh,
-                                            _mm512_and_si512(q, _mm512_set1_epi32(15)), sixteen);
-    const __m512i hi = _mm512_mask_or_epi32(_mm512_srli_epi32(q, 4), (__mmask16)(qh >> 16), _mm512_srli_epi32(q, 4),
-                                            sixteen);
-    *v0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, sixteen)));
-    *v1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, sixteen)));
+    const __m128i v = _mm_loadu_si128((const __m128i *)(b + 6));
+    const __m256i nib = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
+                                         _mm256_set1_epi8(15));
+    const __m256i q = _mm256_or_si256(nib, _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(16)));
+    bytes_f32(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), 1, v0, v1);
+    *v0 = _mm512_mul_ps(d, *v0);
+    *v1 = _mm512_mul_ps(d, *v1);
 }
 
-static inline __attribute__((always_inline)) void dec_q4_k(const uint8_t *w, int64_t c, __m512 *v0, __m512 *v1) {
-    const uint8_t *b = w + (c / 8) * 144;
-    const int j = (int)(c % 8);
+/* Sub-block j (0..7) of the K-quant super-block at b (the K-quant tiles below call these with j a constant). */
+static inline __attribute__((always_inline)) void dec_q4_k_j(const uint8_t *b, const int j, __m512 *v0, __m512 *v1) {
     int sc, mn;
     k_scale_min(b + 4, j, &sc, &mn);
     const __m512 ds = _mm512_set1_ps(f16(b) * (float)sc), dm = _mm512_set1_ps(f16(b + 2) * (float)mn);
-    const uint8_t *q = b + 16 + (j / 2) * 32;
-    const int shift = (j & 1) * 4;
-    const __m512i low = _mm512_set1_epi32(15);
-    *v0 = _mm512_sub_ps(_mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(u8x16(q), shift), low))),
-                        dm);
-    *v1 = _mm512_sub_ps(
-        _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(u8x16(q + 16), shift), low))), dm);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + (j / 2) * 32));
+    const __m256i q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(15));
+    bytes_f32(q, 0, v0, v1);
+    *v0 = _mm512_sub_ps(_mm512_mul_ps(ds, *v0), dm);
+    *v1 = _mm512_sub_ps(_mm512_mul_ps(ds, *v1), dm);
 }
 
-static inline __attribute__((always_inline)) __m512i q6_16(const uint8_t *lo, const uint8_t *hi, int lshift,
-                                                          int hshift) {
-    const __m512i l = _mm512_and_si512(_mm512_srli_epi32(u8x16(lo), lshift), _mm512_set1_epi32(15));
-    const __m512i h = _mm512_and_si512(_mm512_srli_epi32(u8x16(hi), hshift), _mm512_set1_epi32(3));
-    return _mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32(h, 4)), _mm512_set1_epi32(32));
+static inline __attribute__((always_inline)) void dec_q4_k(const uint8_t *w, int64_t c, __m512 *v0, __m512 *v1) {
+    dec_q4_k_j(w + (c / 8) * 144, (int)(c % 8), v0, v1);
+}
+
+static inline __attribute__((always_inline)) void dec_q6_k_j(const uint8_t *b, const int cc, __m512 *v0, __m512 *v1) {
+    const float d = f16(b + 208);
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const __m256i lo = _mm256_loadu_si256((const __m256i *)(b + (cc / 4) * 64 + (cc % 2) * 32));
+    const __m256i hi = _mm256_loadu_si256((const __m256i *)(b + 128 + (cc / 4) * 32));
+    const __m256i l = _mm256_and_si256((cc / 2) % 2 ? _mm256_srli_epi16(lo, 4) : lo, _mm256_set1_epi8(15));
+    const __m256i h = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * (cc % 4))), _mm256_set1_epi8(3));
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(l, _mm256_slli_epi16(h, 4)), _mm256_set1_epi8(32));
+    bytes_f32(q, 1, v0, v1);
+    *v0 = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * cc]), *v0);
+    *v1 = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * cc + 1]), *v1);
 }
 
 static inline __attribute__((always_inline)) void dec_q6_k(const uint8_t *w, int64_t c, __m512 *v0, __m512 *v1) {
-    const uint8_t *b = w + (c / 8) * 210;
-    const int cc = (int)(c % 8);
-    const float d = f16(b + 208);
-    const int8_t *sc = (const int8_t *)(b + 192);
-    const uint8_t *lo = b + (cc / 4) * 64 + (cc % 2) * 32, *hi = b + 128 + (cc / 4) * 32;
-    const int lshift = 4 * ((cc / 2) % 2), hshift = 2 * (cc % 4);
-    *v0 = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * cc]), _mm512_cvtepi32_ps(q6_16(lo, hi, lshift, hshift)));
-    *v1 = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * cc + 1]),
-                        _mm512_cvtepi32_ps(q6_16(lo + 16, hi + 16, lshift, hshift)));
+    dec_q6_k_j(w + (c / 8) * 210, (int)(c % 8), v0, v1);
 }
 
 /* NR weight rows wr[] (the first `rows` real, the others repeat the last real one) against MR rows of x. */
@@ -316,8 +344,46 @@ static inline __attribute__((always_inline)) void dec_q6_k(const uint8_t *w, int
 DEFINE_FUSED(q8_0)
 DEFINE_FUSED(q4_1)
 DEFINE_FUSED(q5_0)
-DEFINE_FUSED(q4_k)
-DEFINE_FUSED(q6_k)
+
+/* The same for the K-quants, a super-block (eight chunks) at a time, unrolled: each chunk's shifts and scale
+ * unpacking are constants, and the super-block's fp16 scales are loaded once (one-row Q4_K ~1.5x). */
+#define DEFINE_FUSED_K(T, BB)                                                                                         \
+    static inline __attribute__((always_inline)) void fused_tile_##T(const uint8_t *const *wr, const float *x,       \
+                                                                     float *y, const int MR, int64_t k, int64_t n,  \
+                                                                     int rows) {                                     \
+        __m512 acc[NR][MR_MAX];                                                                                       \
+        for (int r = 0; r < NR; r++)                                                                                  \
+            for (int j = 0; j < MR; j++) acc[r][j] = _mm512_setzero_ps();                                             \
+        for (int64_t s = 0; s < k / 256; s++) {                                                                       \
+            _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) {                                                     \
+                const int64_t c = s * 8 + u;                                                                          \
+                __m512 x0[MR_MAX], x1[MR_MAX];                                                                        \
+                for (int j = 0; j < MR; j++) {                                                                        \
+                    x0[j] = _mm512_loadu_ps(x + j * k + 32 * c);                                                      \
+                    x1[j] = _mm512_loadu_ps(x + j * k + 32 * c + 16);                                                 \
+                }                                                                                                     \
+                for (int r = 0; r < NR; r++) {                                                                        \
+                    __m512 v0, v1;                                                                                    \
+                    dec_##T##_j(wr[r] + s * (BB), u, &v0, &v1);                                                       \
+                    for (int j = 0; j < MR; j++)                                                                      \
+                        acc[r][j] = _mm512_fmadd_ps(v1, x1[j], _mm512_fmadd_ps(v0, x0[j], acc[r][j]));                \
+                }                                                                                                     \
+            }                                                                                                         \
+        }                                                                                                             \
+        for (int r = 0; r < rows; r++)                                                                                \
+            for (int j = 0; j < MR; j++) y[j * n + r] = _mm512_reduce_add_ps(acc[r][j]);                             \
+    }                                                                                                                 \
+    static void fused_##T(const uint8_t *const *wr, const float *x, float *y, int64_t m, int64_t k, int64_t n,       \
+                          int rows) {                                                                                 \
+        switch (m) {                                                                                                  \
+        case 1: fused_tile_##T(wr, x, y, 1, k, n, rows); break;                                                       \
+        case 2: fused_tile_##T(wr, x, y, 2, k, n, rows); break;                                                       \
+        case 3: fused_tile_##T(wr, x, y, 3, k, n, rows); break;                                                       \
+        default: fused_tile_##T(wr, x, y, 4, k, n, rows); break;                                                      \
+        }                                                                                                             \
+    }
+DEFINE_FUSED_K(q4_k, 144)
+DEFINE_FUSED_K(q6_k, 210)
 
 /* Row decoders for the buffer path: the same values, 32 at a time. */
 #define DEFINE_ROW512(T)                                                                                              \
@@ -397,6 +463,14 @@ static int64_t chunk_rows(int64_t n, int threads) {
     return chunk < 16 ? 16 : (chunk + 15) / 16 * 16;
 }
 
+/* The next group of weight rows, asked for while this one is computed: a group is NR short rows read side by side
+ * (Q8_0 at k = 576: four streams of 612 bytes), too short for the hardware prefetcher to follow, so without this a
+ * one-row step read its weights from memory at under half the rate it multiplies them from cache. Prefetching past
+ * the weight's end is harmless (prefetches never fault). */
+static inline void prefetch_group(const uint8_t *p, int64_t nbytes) {
+    for (int64_t i = 0; i < nbytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
 /* y [m, n] = x [m, k] W^T for W of ggml type `type`. Returns 0; -1 when the shapes or the type are not supported
  * (k not whole blocks), -2 when a thread's buffer could not be allocated. */
 int tf_quant_linear(int type, const float *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n,
@@ -421,6 +495,7 @@ int tf_quant_linear(int type, const float *x, const uint8_t *w, float *y, int64_
             const int64_t r1 = (c + 1) * chunk < n ? (c + 1) * chunk : n;
             for (int64_t r = c * chunk; r < r1; r += NR) {
                 const int rows = r1 - r < NR ? (int)(r1 - r) : NR;
+                prefetch_group(w + (r + NR) * row_bytes, NR * row_bytes);
                 if (fused) {
                     const uint8_t *wr[NR];
                     for (int i = 0; i < NR; i++) wr[i] = w + (r + (i < rows ? i : rows - 1)) * row_bytes;
@@ -447,6 +522,111 @@ int tf_quant_dequantize(int type, const uint8_t *w, float *out, int64_t n, int64
     for (int64_t r = 0; r < n; r++) decode(w + r * row_bytes, k, out + r * k);
     return 0;
 }
+
+/* ---- bf16 activations (AVX-512 BF16 builds): y = x W^T with x bf16 and W rounded to bf16 ----
+ *
+ * For a bf16 model's steps of several rows: the weight rows are dequantized as above, rounded to bf16 (to nearest
+ * even: the values ggml_quant.dequantize(w, torch.bfloat16) holds) into a buffer, and multiplied with vdpbf16ps,
+ * 32 products per instruction summed in fp32 (twice the fp32 FMA's): the numerics of dequantizing the weight to
+ * bf16 and multiplying with oneDNN, the path this replaces for up to a few dozen rows. */
+#if defined(TF_QUANT_AVX512) && defined(__AVX512BF16__)
+#define DEFINE_ROW_BF16(T)                                                                                            \
+    static void row_bf16_##T(const uint8_t *w, int64_t k, uint16_t *out) {                                            \
+        for (int64_t c = 0; c < k / 32; c++) {                                                                        \
+            __m512 v0, v1;                                                                                            \
+            dec_##T(w, c, &v0, &v1);                                                                                  \
+            _mm512_storeu_si512((void *)(out + 32 * c), (__m512i)_mm512_cvtne2ps_pbh(v1, v0));                        \
+        }                                                                                                             \
+    }
+DEFINE_ROW_BF16(q8_0)
+DEFINE_ROW_BF16(q4_1)
+DEFINE_ROW_BF16(q5_0)
+DEFINE_ROW_BF16(q4_k)
+DEFINE_ROW_BF16(q6_k)
+
+typedef void (*row_bf16_fn)(const uint8_t *, int64_t, uint16_t *);
+
+static row_bf16_fn bf16_decoder(int type) {
+    switch (type) {
+    case Q4_1: return row_bf16_q4_1;
+    case Q5_0: return row_bf16_q5_0;
+    case Q8_0: return row_bf16_q8_0;
+    case Q4_K: return row_bf16_q4_k;
+    case Q6_K: return row_bf16_q6_k;
+    default: return 0;
+    }
+}
+
+/* NR bf16 weight rows wb (NR x k) against MR rows of bf16 x; k a multiple of 32. */
+static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *wb, const uint16_t *x, float *y,
+                                                            const int MR, int64_t k, int64_t n, int rows) {
+    __m512 acc[NR][4];
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < MR; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 32) {
+        __m512bh xv[4];
+        for (int j = 0; j < MR; j++) xv[j] = (__m512bh)_mm512_loadu_si512((const void *)(x + j * k + i));
+        for (int r = 0; r < NR; r++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(wb + r * k + i));
+            for (int j = 0; j < MR; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, xv[j]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < MR; j++) y[j * n + r] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+int tf_quant_linear_has_bf16(void) { return 1; }
+
+/* y [m, n] fp32 = x [m, k] bf16 times W^T rounded to bf16. Returns 0; -1 for shapes or types out of range (or a
+ * build without AVX-512 BF16), -2 when a thread's buffer could not be allocated. */
+int tf_quant_linear_bf16(int type, const uint16_t *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n,
+                         int num_threads) {
+    int64_t row_bytes = 0;
+    const row_bf16_fn decode = bf16_decoder(type);
+    if (!decode || !decoder(type, k, &row_bytes) || m < 1 || k < 1 || n < 1) return -1;
+    const int threads = n * k < (1 << 16) || num_threads < 1 ? 1 : num_threads;
+    const int64_t chunk = chunk_rows(n, threads), chunks = (n + chunk - 1) / chunk;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        uint16_t *wb = calloc((size_t)(NR * k), sizeof(uint16_t));
+        if (!wb) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < chunks; c++) {
+            if (!wb) continue;
+            const int64_t r1 = (c + 1) * chunk < n ? (c + 1) * chunk : n;
+            for (int64_t r = c * chunk; r < r1; r += NR) {
+                const int rows = r1 - r < NR ? (int)(r1 - r) : NR;
+                prefetch_group(w + (r + NR) * row_bytes, NR * row_bytes);
+                for (int i = 0; i < rows; i++) decode(w + (r + i) * row_bytes, k, wb + i * k);
+                for (int64_t j = 0; j < m; j += 4) {
+                    const uint16_t *xj = x + j * k;
+                    float *yj = y + j * n + r;
+                    switch (m - j < 4 ? m - j : 4) {
+                    case 1: bf16_tile(wb, xj, yj, 1, k, n, rows); break;
+                    case 2: bf16_tile(wb, xj, yj, 2, k, n, rows); break;
+                    case 3: bf16_tile(wb, xj, yj, 3, k, n, rows); break;
+                    default: bf16_tile(wb, xj, yj, 4, k, n, rows); break;
+                    }
+                }
+            }
+        }
+        free(wb);
+    }
+    return failed ? -2 : 0;
+}
+#else
+int tf_quant_linear_has_bf16(void) { return 0; }
+
+int tf_quant_linear_bf16(int type, const uint16_t *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n,
+                         int num_threads) {
+    (void)type, (void)x, (void)w, (void)y, (void)m, (void)k, (void)n, (void)num_threads;
+    return -1;
+}
+#endif
 
 /* ---- int8 activations (Q4_1 and Q8_0): y = x W^T with x quantized per 32 values, as llama.cpp computes it ----
  *
@@ -536,9 +716,82 @@ static inline __attribute__((always_inline)) void q8_tile(int type, const uint8_
         for (int j = 0; j < MR; j++) y[j * n + r] = hsum8q(acc[r][j]) + msum[r][j];
 }
 
+/* One row of x (a decode step), eight blocks at a time: the eight blocks' integer dot products are summed across
+ * their lanes together (a vphaddd tree: one vector of eight block sums), so the scales, converted eight at a time
+ * (vcvtph2ps of eight fp16), multiply them in one instruction: fewer instructions per block than q8_tile (Q4_1
+ * 15-20% faster in cache; Q8_0 measured slower, so only Q4_1 takes it). */
+static inline __attribute__((always_inline)) __m256i block_sums8(const __m256i *s) {
+    const __m256i h01 = _mm256_hadd_epi32(s[0], s[1]), h23 = _mm256_hadd_epi32(s[2], s[3]);
+    const __m256i h45 = _mm256_hadd_epi32(s[4], s[5]), h67 = _mm256_hadd_epi32(s[6], s[7]);
+    const __m256i q0 = _mm256_hadd_epi32(h01, h23), q1 = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+}
+
+/* eight fp16 at p, p + stride, ... as floats */
+static inline __attribute__((always_inline)) __m256 f16x8(const uint8_t *p, int64_t stride) {
+    __m128i h = _mm_setzero_si128();
+    uint16_t v;
+#define TF_LANE(t) memcpy(&v, p + (t) * stride, 2), h = _mm_insert_epi16(h, v, t)
+    TF_LANE(0); TF_LANE(1); TF_LANE(2); TF_LANE(3); TF_LANE(4); TF_LANE(5); TF_LANE(6); TF_LANE(7);
+#undef TF_LANE
+    return _mm256_cvtph_ps(h);
+}
+
+static inline __attribute__((always_inline)) void q8_one_row(const int type, const uint8_t *const *wr,
+                                                             const int8_t *qx, const float *dx, const float *sx,
+                                                             float *y, int64_t nb, int rows) {
+    const int64_t bb = type == Q8_0 ? 34 : 20;
+    for (int r = 0; r < NR; r++) {
+        if (r >= rows) break;
+        __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 8 <= nb; b += 8) {
+            const uint8_t *blk = wr[r] + b * bb;
+            __m256i s[8];
+            for (int t = 0; t < 8; t++) {
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(qx + (b + t) * 32));
+                if (type == Q8_0) {
+                    const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk + t * bb + 2));
+                    s[t] = dot_u8s8(_mm256_abs_epi8(wq), _mm256_sign_epi8(xq, wq));
+                } else {
+                    const __m128i v = _mm_loadu_si128((const __m128i *)(blk + t * bb + 4));
+                    const __m256i wq = _mm256_and_si256(
+                        _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
+                        _mm256_set1_epi8(15));
+                    s[t] = dot_u8s8(wq, xq);
+                }
+            }
+            const __m256 scale = _mm256_mul_ps(f16x8(blk, bb), _mm256_loadu_ps(dx + b));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums8(s)), scale, acc);
+            if (type == Q4_1) macc = _mm256_fmadd_ps(f16x8(blk + 2, bb), _mm256_loadu_ps(sx + b), macc);
+        }
+        float tail = 0.0f;
+        for (; b < nb; b++) {  /* the last nb % 8 blocks, one at a time */
+            const uint8_t *blk = wr[r] + b * bb;
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(qx + b * 32));
+            __m256i sum;
+            if (type == Q8_0) {
+                const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                sum = dot_u8s8(_mm256_abs_epi8(wq), _mm256_sign_epi8(xq, wq));
+            } else {
+                const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 4));
+                sum = dot_u8s8(_mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
+                                                _mm256_set1_epi8(15)), xq);
+                tail += f16(blk + 2) * sx[b];
+            }
+            tail += hsum8q(_mm256_cvtepi32_ps(sum)) * (f16(blk) * dx[b]);
+        }
+        y[r] = hsum8q(acc) + hsum8q(macc) + tail;
+    }
+}
+
 static void q8_rows(int type, const uint8_t *const *wr, const int8_t *qx, const float *dx, const float *sx, float *y,
                     int64_t m, int64_t nb, int64_t n, int rows) {
     for (int64_t j = 0; j < m; j += QMR) {
+        if (m == 1 && type == Q4_1) {  /* a decode step (Q8_0's measured slower this way: q8_tile serves it) */
+            q8_one_row(Q4_1, wr, qx, dx, sx, y, nb, rows);
+            return;
+        }
         const int8_t *q = qx + j * nb * 32;
         const float *d = dx + j * nb, *s = sx + j * nb;
         float *yj = y + j * n;
@@ -613,6 +866,8 @@ int tf_quant_linear_q8(int type, const float *x, const uint8_t *w, float *y, int
             const int rows = r1 - r < NR ? (int)(r1 - r) : NR;
             const uint8_t *wr[NR];
             for (int i = 0; i < NR; i++) wr[i] = w + (r + (i < rows ? i : rows - 1)) * row_bytes;
+            if (m > 1 || type != Q4_1) /* q8_one_row streams Q4_1 at full speed without it (measured slower with) */
+                prefetch_group(w + (r + NR) * row_bytes, NR * row_bytes);
             q8_rows(type, wr, qx, dx, sx, y + r, m, nb, n, rows);
         }
     }
