@@ -11,8 +11,9 @@ logprobs of the prompt tokens (`prompt_logprobs`). Whether our tokenizer gives t
 llama.cpp computes with its quantized weights (Q4_K / Q4_1 blocks against Q8 activations) and an f16 KV cache.
 Each of our --configs QUANTIZATION:DTYPE scores the text too: ``none`` the weights dequantized by our import,
 ``gguf`` the GGUF's tensors kept quantized (a NAME-gguf folder), ``int8`` int8 weights and activations. Quantized
-configs prefill --quantized-chunk tokens a step (32: every position goes through the decode-sized kernels, the
-native quantized matmul, and int8's integer dots, rather than prefill's dequantized weights). Perplexities close
+configs prefill a decode-sized step at a time (gguf: --quantized-chunk tokens, 32; int8: the int8 path's rows,
+models.quant_linear.INT8_ROWS), so every position goes through the serving kernels (the native quantized matmul,
+int8's integer dots) rather than prefill's dequantized weights. Perplexities close
 to, not equal to, llama.cpp's are the expected result; --tolerance (2 %) is the pass line; int8 is also compared
 with the same model's bf16.
 
@@ -143,6 +144,7 @@ def main() -> None:
 
     from tokenfleet.llm import LLM
     from tokenfleet.models.gguf_import import QUANTIZED_SUFFIX, ensure_model, source
+    from tokenfleet.models.quant_linear import INT8_ROWS
 
     bin_dir = Path(args.llama_bin)
     # llama-perplexity's -f drops one trailing newline and llama-tokenize's does not: give both a text without one
@@ -161,7 +163,8 @@ def main() -> None:
         for quantization, dtype in configs:
             quantized = quantization != "none"
             folder = ensure_model(name + QUANTIZED_SUFFIX if quantization == "gguf" else name)
-            options = {"max_prefill_chunk": args.quantized_chunk} if quantized and args.quantized_chunk else {}
+            options = {"max_prefill_chunk": INT8_ROWS if quantization == "int8" else args.quantized_chunk} \
+                if quantized and args.quantized_chunk else {}
             llm = LLM(model=str(folder), dtype=dtype, max_model_len=max(args.ctx) + 1,
                       quantization="" if not quantized else quantization, **options)
             same = same_ids(llm.tokenizer, llm.tokenizer.encode_prompt(content), tokens)
