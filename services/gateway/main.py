@@ -166,6 +166,8 @@ async def serve(args: argparse.Namespace) -> None:
     etcd = EtcdClient(args.etcd, args.etcd_root, identity=plane.identity) if args.etcd else None
     directory, background = await tenant_directory(args, etcd)
     peers = None
+    if args.response_lease_seconds <= 0:
+        raise SystemExit("--response-lease-seconds must be positive")
     gateway_id = args.gateway_id or f"{socket.gethostname()}-{port}"
     if etcd is not None:
         peers = GatewayPeers(etcd, GatewayRecord(gateway_id, f"{host}:{port}"))

@@ -68,9 +68,11 @@ RETENTION_HEADER = "x-tokenfleet-retention"
 class RetentionLedger(Protocol):
     """Where the tenants' retained transcripts are counted (tokenfleet.responses.store.ResponseStore)."""
 
-    def reserve_retention(self, tenant: str, key: str, tokens: int, seconds: float, quota_tokens: int = 0
-                          ) -> bool: ...
-    def settle_retention(self, tenant: str, key: str, tokens: int, kv_bytes: int) -> None: ...
+    def reserve_retention(self, tenant: str, key: str, tokens: int, seconds: float, quota_tokens: int = 0,
+                          request: str = "") -> bool: ...
+    def settle_retention(self, tenant: str, key: str, tokens: int, kv_bytes: int, seconds: float = 0.0,
+                         request: str = "") -> None: ...
+    def abandon_retention(self, tenant: str, key: str, request: str = "") -> None: ...
 
 
 @dataclass
@@ -245,7 +247,12 @@ class Gateway:
         if prepared.requested_model:
             ticket.model, ticket.requested_model = model.name, prepared.requested_model
         call.trace.event("admitted")
-        key = await self._reserve_retention(call, prepared, len(prompt) + params.n * limit)
+        try:
+            key = await self._reserve_retention(call, prepared, len(prompt) + params.n * limit)
+        except BaseException as e:  # cancelled while the database counted it: the ticket is settled, never leaked
+            call.trace.end(e)
+            await settle(ticket, "cancelled", detail=str(e))
+            raise
         request = prepared.request if prepared.request.limit == limit else dataclasses.replace(prepared.request, limit=limit)
         job = Job(model.ref, request, call.caller.tenant, call.placement, trace=call.trace,
                   spare_only=call.batch_line, deadline=call.deadline)
@@ -254,6 +261,8 @@ class Gateway:
             first = await _first(stream)
         except BaseException as e:
             call.trace.end(e)
+            if key:  # it will not run here: its reservation goes (a previous turn's figure comes back)
+                await _abandon_retention(self.retention, call.caller.tenant.name, key, prepared.request_id)
             if isinstance(e, APIError) and e.code == NO_SPARE_CAPACITY:  # a batch line that waits: it never ran
                 ticket.release()
                 raise
@@ -278,7 +287,7 @@ class Gateway:
         key = spec.conversation or prepared.request_id
         try:
             if await asyncio.to_thread(self.retention.reserve_retention, tenant.name, key, tokens, spec.retention_s,
-                                       tenant.retention_tokens):
+                                       tenant.retention_tokens, prepared.request_id):
                 return key
             call.headers[RETENTION_HEADER] = "quota-exceeded"
         except Exception as e:  # the database cannot count it (busy, full): served, not retained uncounted
@@ -434,8 +443,12 @@ async def responses_of(run: Run, timer: RequestTimer, metrics: GatewayMetrics | 
                                usage.prompt_tokens or run.ticket.prompt_tokens, usage.cached_prompt_tokens,
                                usage.completion_tokens if ok else produced)
         await settle(run.ticket, status, completion=produced, ttft_ms=ttft_ms(), detail=detail)  # cut: what was produced
-        if run.retention is not None and finals == run.n:  # cut short: the reservation stands until its window ends
-            await _settle_retention(run)
+        if run.retention is not None and run.ticket is not None:
+            if finals == run.n:
+                await _settle_retention(run)
+            else:  # cut short: the engine retained nothing for it
+                await _abandon_retention(run.retention, run.ticket.caller.tenant.name, run.retention_key,
+                                         run.request_id)
 
 
 async def _settle_retention(run: Run) -> None:
@@ -444,9 +457,19 @@ async def _settle_retention(run: Run) -> None:
     u = run.usage
     try:
         await asyncio.to_thread(run.retention.settle_retention, run.ticket.caller.tenant.name, run.retention_key,
-                                u.prompt_tokens + u.completion_tokens, u.retained_bytes)
+                                u.prompt_tokens + u.completion_tokens, u.retained_bytes,
+                                run.prepared.request.retention_s, run.request_id)
     except Exception as e:  # a busy database: the reservation stands until its window ends
         log.warning("retention not settled", error=str(e))
+
+
+async def _abandon_retention(ledger: RetentionLedger | None, tenant: str, key: str, request_id: str) -> None:
+    if ledger is None:
+        return
+    try:
+        await asyncio.to_thread(ledger.abandon_retention, tenant, key, request_id)
+    except Exception as e:  # a busy database: the reservation stands until its window ends
+        log.warning("retention reservation not returned", error=str(e))
 
 
 async def settle(ticket: Ticket | None, status: str, prompt: int | None = None, cached: int = 0, completion: int = 0,

@@ -179,8 +179,8 @@ class Responses:
             try:
                 await self.watch()
                 if now - last_renew >= lease_s / 3:
-                    last_renew = now
                     await self.db(self.store.renew, self.owner, list(self.live), lease_s)
+                    last_renew = now  # only once renewed: a failure is retried at the next watch
                     failed = await self.db(self.store.fail_orphans)
                     if failed:
                         log.warning("background responses of a gateway that stopped are failed", count=failed)
@@ -276,7 +276,7 @@ def add_response_routes(app: FastAPI, responses: Responses,
                 if body.stream:
                     return StreamingResponse(_stream(responses, turn, run, call, timer),
                                              media_type="text/event-stream", headers=headers(call, None),
-                                             background=BackgroundTask(run.abandon))
+                                             background=BackgroundTask(_after_stream, responses, turn, run))
                 async for event in gateway.events(run, timer):
                     builder.feed(event)
             except BaseException as e:  # the stored row says how it ended, never in_progress for good
@@ -462,6 +462,14 @@ async def _stream(responses: Responses, turn: _Turn, run: Run, call: Call, timer
     obj = turn.obj(builder.status, builder, model=model)
     await _finish(responses, turn, call, builder, obj)
     yield sse({"type": f"response.{builder.status}", "response": obj})
+
+
+async def _after_stream(responses: Responses, turn: _Turn, run: Run) -> None:
+    """After a streamed response was sent, or could not be (its stream never started): the worker's request is
+    cancelled if still running, and this gateway stops renewing the stored response's lease (a response whose stream
+    never started is then failed when the lease lapses, not left in progress)."""
+    responses.live.discard(turn.response_id)
+    await run.abandon()
 
 
 async def _background(responses: Responses, call: Call, turn: _Turn, prepared: Any) -> None:

@@ -179,7 +179,8 @@ def cat_rows(parts: Sequence[torch.Tensor | QuantTensor]) -> torch.Tensor | Quan
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(list(parts))  # type: ignore[arg-type]
     if not all(isinstance(p, QuantTensor) for p in parts):
-        raise ValueError("cannot stack quantized and plain matrices into one layer")
+        raise ValueError("cannot stack quantized and float matrices into one layer (the GGUF mixes them in one "
+                         "fused projection)")
     quant = [p for p in parts if isinstance(p, QuantTensor)]
     if len({p.cols for p in quant}) != 1:
         raise ValueError(f"matrices of {sorted({p.cols for p in quant})} columns cannot be stacked by rows")

@@ -145,9 +145,11 @@ class QuantLinear:
         """The load check's (rtol, atol): the int8 path's own (see the class), else None (the dtype's)."""
         return INT8_TOLERANCE if self.int8_activations else None
 
-    def prepare(self, weight: QuantTensor | QuantRows) -> QuantTensor | QuantRows:
+    def prepare(self, weight: QuantTensor | QuantRows | torch.Tensor) -> QuantTensor | QuantRows | torch.Tensor:
         if isinstance(weight, QuantRows):
             return QuantRows(tuple(self.prepare(p) for p in weight.parts))  # type: ignore[misc]
+        if isinstance(weight, torch.Tensor):  # a matrix the file keeps in a float type (or int8 could not block)
+            return weight.contiguous()
         if not isinstance(weight, QuantTensor):
             raise TypeError(f"QuantLinear takes QuantTensor weights, got {type(weight).__name__}")
         return weight if weight.data.is_contiguous() else QuantTensor(weight.kind, weight.rows, weight.cols,
@@ -157,6 +159,8 @@ class QuantLinear:
         """x: [..., cols] of any float dtype -> [..., rows] in x's dtype."""
         if isinstance(weight, QuantRows):  # row ranges of different types: each multiplied, the outputs joined
             return torch.cat([self(x, part) for part in weight.parts], dim=-1)
+        if isinstance(weight, torch.Tensor):
+            return F.linear(x, weight.to(x.dtype))
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [tokens, cols]
         rows = x2.shape[0]
         if self.native is not None and 0 < rows <= self.rows_native(x.dtype) and x2.device.type == "cpu":

@@ -34,7 +34,7 @@ WEIGHT_DTYPES = (*DTYPE_BYTES, "gguf")
 # model. A real file can differ much: the shipped small models keep an 8-bit embedding that is a third (SmolLM2 135M:
 # 5.7 bits a weight in all) or two thirds (Gemma 3 270M: 7.4) of their weights.
 GGUF_DEFAULT_BITS = 4.85
-INT8_SCALE_BYTES = 4.0  # "int8" weights: one fp32 scale per output channel (row) of every matrix
+INT8_SCALE_BYTES = 2.0 / 32  # "int8" weights (the torch engine's): an fp16 scale per 32 values (GGML's Q8_0 blocks)
 
 
 @dataclass(frozen=True)
@@ -245,14 +245,14 @@ class Plan:
 
 
 def bytes_per_param(model: Model, dtype: str) -> float:
-    """Weight bytes per parameter in ``dtype`` (``WEIGHT_DTYPES``): its size; "int8" adds its per-channel scales
-    (``INT8_SCALE_BYTES`` per row of every matrix); "gguf" without a file is ``GGUF_DEFAULT_BITS``."""
+    """Weight bytes per parameter in ``dtype`` (``WEIGHT_DTYPES``): its size; "int8" adds its block scales
+    (``INT8_SCALE_BYTES`` a parameter: 34 bytes per 32 values); "gguf" without a file is ``GGUF_DEFAULT_BITS``."""
     if dtype == "gguf":
         return GGUF_DEFAULT_BITS / 8
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"weight dtype {dtype!r}: one of {', '.join(WEIGHT_DTYPES)}")
     if dtype == "int8":
-        return DTYPE_BYTES[dtype] + INT8_SCALE_BYTES * model.num_output_channels / model.num_params
+        return DTYPE_BYTES[dtype] + INT8_SCALE_BYTES
     return DTYPE_BYTES[dtype]
 
 

@@ -49,7 +49,9 @@ CREATE INDEX IF NOT EXISTS responses_expiry ON responses (expires_at);
 CREATE INDEX IF NOT EXISTS responses_root ON responses (tenant, root_id);
 CREATE TABLE IF NOT EXISTS retention (
     tenant TEXT NOT NULL, key TEXT NOT NULL, tokens INTEGER NOT NULL, bytes INTEGER NOT NULL DEFAULT 0,
-    until REAL NOT NULL, PRIMARY KEY (tenant, key)
+    until REAL NOT NULL, request TEXT NOT NULL DEFAULT '',
+    prev_tokens INTEGER NOT NULL DEFAULT 0, prev_until REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (tenant, key)
 );
 CREATE INDEX IF NOT EXISTS retention_until ON retention (until);
 """
@@ -123,7 +125,11 @@ class ResponseStore:
         columns = {row[1] for row in self._conn.execute("PRAGMA table_info(responses)")}
         for name, declaration in _ADDED_COLUMNS:
             if name not in columns:
-                self._conn.execute(f"ALTER TABLE responses ADD COLUMN {name} {declaration}")
+                try:
+                    self._conn.execute(f"ALTER TABLE responses ADD COLUMN {name} {declaration}")
+                except sqlite3.OperationalError as e:  # another gateway opening the database added it first
+                    if "duplicate column" not in str(e):
+                        raise
         self._conn.execute("CREATE INDEX IF NOT EXISTS responses_running ON responses (status, lease_until)")
         self._lock = threading.RLock()
 
@@ -233,8 +239,8 @@ class ResponseStore:
 
     def _fail_running(self, where: str, args: tuple) -> int:
         with self._tx() as conn:
-            rows = conn.execute(f"SELECT id, object FROM responses WHERE status IN {RUNNING} AND {where}",
-                                args).fetchall()
+            rows = conn.execute(f"SELECT id, object FROM responses WHERE status IN ({', '.join('?' * len(RUNNING))}) "
+                                f"AND {where}", (*RUNNING, *args)).fetchall()
             for rid, obj in rows:
                 body = json.loads(obj)
                 body["status"] = "failed"
@@ -263,11 +269,13 @@ class ResponseStore:
         return dict(rows)
 
     # ---- the retention quota --------------------------------------------------------------------------
-    def reserve_retention(self, tenant: str, key: str, tokens: int, seconds: float, quota_tokens: int = 0) -> bool:
+    def reserve_retention(self, tenant: str, key: str, tokens: int, seconds: float, quota_tokens: int = 0,
+                          request: str = "") -> bool:
         """Before a request that asks the engine to retain its transcript is sent: count its ``tokens`` (prompt and
         the most it may generate) against the tenant's ``quota_tokens`` (0: none) for ``seconds``, under ``key``
-        (its conversation, or the request), replacing that key's earlier figure. False, and nothing counted, when
-        the tenant's other retained transcripts leave no room."""
+        (its conversation, or the request), replacing that key's earlier figure (kept aside: ``abandon_retention``
+        puts it back) and marked as ``request``'s. False, and nothing counted, when the tenant's other retained
+        transcripts leave no room."""
         now = self.clock()
         with self._tx() as conn:
             if quota_tokens:
@@ -275,20 +283,36 @@ class ResponseStore:
                                     "AND until > ?", (tenant, key, now)).fetchone()[0]
                 if used + tokens > quota_tokens:
                     return False
-            conn.execute("INSERT INTO retention (tenant, key, tokens, bytes, until) VALUES (?, ?, ?, 0, ?) "
-                         "ON CONFLICT (tenant, key) DO UPDATE SET tokens = excluded.tokens, until = excluded.until",
-                         (tenant, key, tokens, now + seconds))
+            conn.execute("INSERT INTO retention (tenant, key, tokens, bytes, until, request) VALUES (?, ?, ?, 0, ?, ?) "
+                         "ON CONFLICT (tenant, key) DO UPDATE SET prev_tokens = CASE WHEN until > ? THEN tokens ELSE 0 "
+                         "END, prev_until = CASE WHEN until > ? THEN until ELSE 0 END, tokens = excluded.tokens, "
+                         "until = excluded.until, request = excluded.request",
+                         (tenant, key, tokens, now + seconds, request, now, now))
         return True
 
-    def settle_retention(self, tenant: str, key: str, tokens: int, kv_bytes: int) -> None:
-        """The request ended: the engine retains ``tokens`` (prompt and output) in ``kv_bytes`` of KV under ``key``
-        (0 bytes: it retained nothing, e.g. the request failed, and the key's figure goes)."""
+    def settle_retention(self, tenant: str, key: str, tokens: int, kv_bytes: int, seconds: float = 0.0,
+                         request: str = "") -> None:
+        """``request`` completed: the engine retains ``tokens`` (prompt and output) in ``kv_bytes`` of KV under
+        ``key`` for ``seconds`` from now (0 bytes: it retained nothing, and the key's figure goes). A no-op when a
+        later request of the key reserved it since (its figure stands)."""
         with self._tx() as conn:
             if kv_bytes:
-                conn.execute("UPDATE retention SET tokens = ?, bytes = ? WHERE tenant = ? AND key = ?",
-                             (tokens, kv_bytes, tenant, key))
+                conn.execute("INSERT INTO retention (tenant, key, tokens, bytes, until, request) VALUES (?, ?, ?, ?, ?, ?) "
+                             "ON CONFLICT (tenant, key) DO UPDATE SET tokens = excluded.tokens, bytes = excluded.bytes, "
+                             "until = MAX(until, excluded.until) WHERE request = excluded.request",
+                             (tenant, key, tokens, kv_bytes, self.clock() + seconds, request))
             else:
-                conn.execute("DELETE FROM retention WHERE tenant = ? AND key = ?", (tenant, key))
+                conn.execute("DELETE FROM retention WHERE tenant = ? AND key = ? AND request = ?", (tenant, key, request))
+
+    def abandon_retention(self, tenant: str, key: str, request: str = "") -> None:
+        """``request`` did not complete (refused, failed, cut): its reservation goes, and the key's earlier figure
+        (a previous turn the engine still retains) comes back while its window lasts. A no-op when a later request
+        of the key reserved it since."""
+        with self._tx() as conn:
+            conn.execute("UPDATE retention SET tokens = prev_tokens, until = prev_until, prev_tokens = 0, "
+                         "prev_until = 0, request = '' WHERE tenant = ? AND key = ? AND request = ? AND prev_until > ?",
+                         (tenant, key, request, self.clock()))
+            conn.execute("DELETE FROM retention WHERE tenant = ? AND key = ? AND request = ?", (tenant, key, request))
 
     def end_retention(self, tenant: str, key: str) -> None:
         """The retention under ``key`` was released (its response deleted)."""
@@ -354,15 +378,16 @@ class ResponseStore:
             return _usage(self._conn, self.clock())
 
 
-def _usage(conn: sqlite3.Connection, now: float) -> dict[str, dict[str, int]]:
+def _usage(conn: sqlite3.Connection, now: float, retention: bool = True) -> dict[str, dict[str, int]]:
     """Per tenant: stored responses and their bytes; transcript tokens retained in the engines' KV now, and the KV
     bytes the engines reported retaining for them."""
     out: dict[str, dict[str, int]] = {}
     for tenant, n, b in conn.execute("SELECT tenant, COUNT(*), SUM(bytes) FROM responses WHERE expires_at > ? "
                                      "GROUP BY tenant", (now,)):
         out[tenant] = {"responses": n, "bytes": b or 0, "retained_tokens": 0, "retained_bytes": 0}
-    for tenant, tokens, kv in conn.execute("SELECT tenant, SUM(tokens), SUM(bytes) FROM retention WHERE until > ? "
-                                           "GROUP BY tenant", (now,)):
+    rows = conn.execute("SELECT tenant, SUM(tokens), SUM(bytes) FROM retention WHERE until > ? GROUP BY tenant",
+                        (now,)) if retention else ()  # a database from before retention was counted: none
+    for tenant, tokens, kv in rows:
         row = out.setdefault(tenant, {"responses": 0, "bytes": 0, "retained_tokens": 0, "retained_bytes": 0})
         row.update(retained_tokens=tokens or 0, retained_bytes=kv or 0)
     return out
@@ -376,8 +401,8 @@ def usage(path: str | Path, clock: Any = time.time) -> dict[str, dict[str, int]]
     conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=30)
     try:
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        if not {"responses", "retention"} <= tables:
+        if "responses" not in tables:
             return {}
-        return _usage(conn, clock())
+        return _usage(conn, clock(), retention="retention" in tables)
     finally:
         conn.close()

@@ -29,11 +29,11 @@ L8 = MODELS["llama3-8b"]
 H100 = GPUS["h100"]
 
 
-def test_int8_weights_cost_a_byte_and_an_fp32_scale_per_output_channel():
+def test_int8_weights_cost_a_byte_and_an_fp16_scale_per_32_values():
     per_layer = 32 * 128 + 2 * 8 * 128 + 4096 + 2 * 14336 + 4096  # q, k, v, o, gate, up, down rows
     assert L8.num_output_channels == 32 * per_layer + 2 * 128256  # untied: embedding and LM head rows
-    assert bytes_per_param(L8, "int8") == 1 + INT8_SCALE_BYTES * L8.num_output_channels / L8.num_params
-    assert weight_bytes(L8, "int8") - weight_bytes(L8, "fp8") == pytest.approx(4 * L8.num_output_channels)
+    assert bytes_per_param(L8, "int8") == 1 + INT8_SCALE_BYTES == 34 / 32  # the engine's Q8_0 blocks
+    assert weight_bytes(L8, "int8") - weight_bytes(L8, "fp8") == pytest.approx(L8.num_params / 16)
     assert MODELS["gemma3-270m"].num_output_channels == 18 * (256 * 6 + 640 + 2 * 2048 + 640) + 262144  # tied
     assert bytes_per_param(L8, "bf16") == 2.0
 

@@ -190,3 +190,24 @@ def test_an_older_database_gains_the_lease_column(tmp_path):
         assert store.get("a", "r").status == "in_progress"
     finally:
         store.close()
+
+
+def test_reservations_are_returned_and_settled_by_their_own_request(store):
+    assert store.reserve_retention("a", "c", 100, 300, request="turn1")
+    store.settle_retention("a", "c", 120, 4096, 300, request="turn1")
+    store.clock.now += 100
+    assert store.reserve_retention("a", "c", 500, 300, quota_tokens=1000, request="turn2")
+    assert store.retained_tokens("a") == 500
+    store.abandon_retention("a", "c", request="turn2")  # turn 2 failed: turn 1's retention is counted again
+    assert store.usage()["a"] == {"responses": 0, "bytes": 0, "retained_tokens": 120, "retained_bytes": 4096}
+    assert store.reserve_retention("a", "c", 500, 300, request="turn3")
+    assert store.reserve_retention("a", "c", 600, 300, request="turn4")  # a concurrent turn of the conversation
+    store.settle_retention("a", "c", 650, 8192, 300, request="turn3")  # turn 3 ends late: turn 4's figure stands
+    store.abandon_retention("a", "c", request="turn3")
+    assert store.retained_tokens("a") == 600
+    store.settle_retention("a", "c", 640, 8192, 600, request="turn4")  # settled for its window from its end
+    store.clock.now += 599
+    assert store.retained_tokens("a") == 640
+    assert store.reserve_retention("a", "d", 50, 300, request="other")
+    store.abandon_retention("a", "d", request="other")  # nothing before it: gone
+    assert "d" not in {k for k, in store._conn.execute("SELECT key FROM retention")}
