@@ -298,6 +298,8 @@ def test_gateways_sharing_the_database_cancel_and_recover_each_others_responses(
         aborted = load_report(worker.address).num_aborted
         running = a.responses.create(model=MODEL, input="Count to one thousand.", max_output_tokens=2000,
                                      background=True)
+        # generating on the worker (cancelled earlier, it would stop before reaching it: nothing to abort there)
+        wait_for(lambda: load_report(worker.address).num_running > 0, "the background response runs on the worker")
         assert b.responses.cancel(running.id).status == "cancelled"
         wait_for(lambda: load_report(worker.address).num_aborted > aborted, "gateway A stopped the generation")
         assert a.responses.retrieve(running.id).status == "cancelled"
