@@ -255,6 +255,42 @@ def test_unauthenticated_callers_get_401_not_404(stack):
     assert answer.status_code == 401 and answer.json()["error"]["type"]
 
 
+def test_gateways_sharing_the_database_cancel_and_recover_each_others_responses(stack, tmp_path, default_model_dir):
+    """A cancel made on another gateway stops the generation where it runs; a gateway killed while generating has
+    its background response failed by the other once its lease lapses (different --gateway-id: no restart needed)."""
+    _, _, _, etcd, router, worker = stack
+    key = add_tenant(etcd.endpoint, "frank")
+    ledger = tmp_path / "ledger.sqlite3"
+    base = ("tokenfleet.services.gateway", "--router", router.address, "--model", f"{MODEL}={default_model_dir}",
+            "--auth", "on", "--etcd", etcd.endpoint, "--ledger", str(ledger), "--response-lease-seconds", "2")
+    first = start_service(*base, "--gateway-id", "gw-a")
+    second = start_service(*base, "--gateway-id", "gw-b")
+    try:
+        a, b = (openai.OpenAI(base_url=f"http://{g.address}/v1", api_key=key, max_retries=0, timeout=120)
+                for g in (first, second))
+        wait_for(lambda: _ready(a) and _ready(b), "both gateways serve frank")
+        # an idle worker: what runs on it next is this test's response (no earlier test's request still generating)
+        wait_for(lambda: load_report(worker.address).num_running == 0, "the worker is idle")
+        aborted = load_report(worker.address).num_aborted
+        running = a.responses.create(model=MODEL, input="Count to one thousand.", max_output_tokens=2000,
+                                     background=True)
+        # generating on the worker (cancelled earlier, it would stop before reaching it: nothing to abort there)
+        wait_for(lambda: load_report(worker.address).num_running > 0, "the background response runs on the worker")
+        assert b.responses.cancel(running.id).status == "cancelled"
+        wait_for(lambda: load_report(worker.address).num_aborted > aborted, "gateway A stopped the generation")
+        assert a.responses.retrieve(running.id).status == "cancelled"
+
+        orphan = a.responses.create(model=MODEL, input="Count to one thousand.", max_output_tokens=2000,
+                                    background=True)
+        first.proc.kill()
+        first.proc.wait(timeout=30)
+        wait_for(lambda: b.responses.retrieve(orphan.id).status == "failed", "gateway B failed the orphan")
+        assert "stopped" in b.responses.retrieve(orphan.id).error.message
+    finally:
+        first.stop()
+        second.stop()
+
+
 def test_a_killed_gateway_loses_no_acknowledged_response(stack, tmp_path, default_model_dir):
     """kill -9 while a background response runs: the responses whose end reached the client are still there after a
     restart, and the background response (acknowledged with its id) is failed with the reason, not lost."""
@@ -279,40 +315,6 @@ def test_a_killed_gateway_loses_no_acknowledged_response(stack, tmp_path, defaul
         assert failed.status == "failed" and "stopped" in failed.error.message
     finally:
         gateway.stop()
-
-
-def test_gateways_sharing_the_database_cancel_and_recover_each_others_responses(stack, tmp_path, default_model_dir):
-    """A cancel made on another gateway stops the generation where it runs; a gateway killed while generating has
-    its background response failed by the other once its lease lapses (different --gateway-id: no restart needed)."""
-    _, _, _, etcd, router, worker = stack
-    key = add_tenant(etcd.endpoint, "frank")
-    ledger = tmp_path / "ledger.sqlite3"
-    base = ("tokenfleet.services.gateway", "--router", router.address, "--model", f"{MODEL}={default_model_dir}",
-            "--auth", "on", "--etcd", etcd.endpoint, "--ledger", str(ledger), "--response-lease-seconds", "2")
-    first = start_service(*base, "--gateway-id", "gw-a")
-    second = start_service(*base, "--gateway-id", "gw-b")
-    try:
-        a, b = (openai.OpenAI(base_url=f"http://{g.address}/v1", api_key=key, max_retries=0, timeout=120)
-                for g in (first, second))
-        wait_for(lambda: _ready(a) and _ready(b), "both gateways serve frank")
-        aborted = load_report(worker.address).num_aborted
-        running = a.responses.create(model=MODEL, input="Count to one thousand.", max_output_tokens=2000,
-                                     background=True)
-        # generating on the worker (cancelled earlier, it would stop before reaching it: nothing to abort there)
-        wait_for(lambda: load_report(worker.address).num_running > 0, "the background response runs on the worker")
-        assert b.responses.cancel(running.id).status == "cancelled"
-        wait_for(lambda: load_report(worker.address).num_aborted > aborted, "gateway A stopped the generation")
-        assert a.responses.retrieve(running.id).status == "cancelled"
-
-        orphan = a.responses.create(model=MODEL, input="Count to one thousand.", max_output_tokens=2000,
-                                    background=True)
-        first.proc.kill()
-        first.proc.wait(timeout=30)
-        wait_for(lambda: b.responses.retrieve(orphan.id).status == "failed", "gateway B failed the orphan")
-        assert "stopped" in b.responses.retrieve(orphan.id).error.message
-    finally:
-        first.stop()
-        second.stop()
 
 
 def test_the_retention_quota_applies_to_chat_and_usage_reports_retained_bytes(stack):
