@@ -114,6 +114,17 @@ def bf16_matmul() -> str:
     return os.environ.get("TOKENFLEET_BF16_MATMUL", "0,32,256,4,4")
 
 
+def quant_activations() -> str:
+    """``TOKENFLEET_QUANT_ACTIVATIONS``: how gguf and int8 records multiply decode steps (up to
+    quant_linear.INT8_ROWS rows) by their Q4_1 / Q8_0 weights: "int8" (the default: activations quantized per 32
+    values, integer dot products, as llama.cpp multiplies them; ~1.5x faster a step) or "float" (the model's dtype:
+    a gguf record then answers exactly as the same weights dequantized)."""
+    value = os.environ.get("TOKENFLEET_QUANT_ACTIVATIONS", "int8")
+    if value not in ("int8", "float"):
+        raise ValueError(f"TOKENFLEET_QUANT_ACTIVATIONS={value!r}: want int8 or float")
+    return value
+
+
 def kernels() -> str:
     """Which kernels the torch engine runs for attention, the layers' element-wise steps and (fp32 on CPU) few-row
     matmuls: "auto" (the native C kernels on CPU, Triton on CUDA, else torch), "torch" (the torch reference

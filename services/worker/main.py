@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import gc
 import signal
 import socket
 import time
@@ -232,6 +233,8 @@ async def serve(args: argparse.Namespace) -> None:
     log_kernel_checks(engine.kernel_checks())
     if isinstance(engine, AsyncEngine):
         await warm_up(engine)  # ready (health, etcd) only once a real generation has run
+    gc.collect()
+    gc.freeze()  # the loaded model and runtime leave the cyclic collector's scans (~4 % of a one-stream CPU step)
     server = GrpcServer([engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name], args.host, args.port,
                         plane=plane, audit=AuditLog(args.audit_log, f"worker-{args.role}"),
                         max_message_bytes=MAX_MESSAGE_BYTES)

@@ -142,12 +142,13 @@ def _gguf(model_dir: Path, dtype: torch.dtype, device: torch.device
 
     if device.type != "cpu":
         raise ValueError("gguf weights are served on CPUs (no GPU kernel for GGML's block types yet)")
+    envs.quant_activations()  # a bad setting fails before the file is read
     path = model_dir / GGUF_FILE
     if not path.exists():
         raise FileNotFoundError(f"{model_dir} has no {GGUF_FILE}: import the model with --keep-quantized")
     tensors = read_gguf_weights(path)
     shapes = {(t.kind, t.rows, t.cols) for t in tensors.values() if isinstance(t, QuantTensor)}
-    linear, checks = checked_quant_linear(select_quant_linear(), shapes, dtype)
+    linear, checks = checked_quant_linear(select_quant_linear(envs.quant_activations() == "int8"), shapes, dtype)
     return tensors, linear, checks
 
 
@@ -163,7 +164,8 @@ def _int8(tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.de
     out: dict[str, torch.Tensor | QuantTensor] = {
         name: quantize_q8_0(t) if t.dim() == 2 and t.shape[1] % 32 == 0 else t for name, t in tensors.items()}
     shapes = {(t.kind, t.rows, t.cols) for t in out.values() if isinstance(t, QuantTensor)}
-    linear, checks = checked_quant_linear(QuantLinear(native_quant_matmul(), int8_activations=True), shapes, dtype)
+    linear, checks = checked_quant_linear(
+        QuantLinear(native_quant_matmul(), int8_activations=envs.quant_activations() == "int8"), shapes, dtype)
     return out, linear, checks
 
 

@@ -61,6 +61,9 @@ class NativeQuantMatmul:
         self._dequantize = lib.tf_quant_dequantize
         self._dequantize.argtypes = [c_int, ptr, ptr, i64, i64, c_int]
         self._dequantize.restype = c_int
+        self._dequantize_bf16 = lib.tf_quant_dequantize_bf16
+        self._dequantize_bf16.argtypes = [c_int, ptr, ptr, i64, i64, c_int]
+        self._dequantize_bf16.restype = c_int
         lib.tf_quant_linear_build.restype = c_int
         self.build = self.BUILDS[lib.tf_quant_linear_build()]
 
@@ -88,11 +91,20 @@ class NativeQuantMatmul:
                              f"({rc})")
         return out
 
-    def dequantize(self, weight: QuantTensor) -> torch.Tensor:
-        """[rows, cols] fp32, bitwise ggml_quant.dequantize(weight)."""
-        out = torch.empty(weight.rows, weight.cols)
-        if self._dequantize(weight.type.type_id, weight.data.data_ptr(), out.data_ptr(), weight.rows, weight.cols,
-                            torch.get_num_threads()) != 0:
+    def dequantize(self, weight: QuantTensor, dtype: torch.dtype = torch.float32,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, cols] in ``dtype``: fp32 bitwise ggml_quant.dequantize(weight); bf16 (``has_bf16`` builds) its
+        values rounded to nearest even, as ``.to(torch.bfloat16)`` rounds them. ``out``: a contiguous tensor of that
+        shape and dtype to write into (the prefill path reuses one: a fresh one of several MiB is page faults)."""
+        fn = self._dequantize_bf16 if dtype == torch.bfloat16 else self._dequantize
+        if dtype not in (torch.float32, torch.bfloat16) or (dtype == torch.bfloat16 and not self.has_bf16):
+            raise ValueError(f"dequantize: no native path to {dtype}")
+        if out is None:
+            out = torch.empty(weight.rows, weight.cols, dtype=dtype)
+        if out.shape != (weight.rows, weight.cols) or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"dequantize: out {tuple(out.shape)} {out.dtype} for {tuple(weight.shape)} {dtype}")
+        if fn(weight.type.type_id, weight.data.data_ptr(), out.data_ptr(), weight.rows, weight.cols,
+              torch.get_num_threads()) != 0:
             raise ValueError(f"dequantize: {weight.kind} {tuple(weight.shape)} not supported")
         return out
 
@@ -122,6 +134,7 @@ class QuantLinear:
         self.native = native
         self.few_rows = few_rows
         self.int8_activations = int8_activations and native is not None
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}  # _values' reused dequantization buffers
 
     def rows_native(self, dtype: torch.dtype) -> int:
         """The most rows of x of ``dtype`` the native kernel takes (0: none)."""
@@ -186,12 +199,24 @@ class QuantLinear:
         return out
 
     def _values(self, weight: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.native is not None and weight.data.device.type == "cpu":
-            return self.native.dequantize(weight).to(dtype)
-        return dequantize(weight, dtype)
+        """W's values in ``dtype``; on the native path in a buffer this layer reuses for every weight (valid until
+        the next call: F.linear reads it at once)."""
+        if self.native is None or weight.data.device.type != "cpu":
+            return dequantize(weight, dtype)
+        direct = dtype == torch.float32 or (dtype == torch.bfloat16 and self.native.has_bf16)
+        values = self._buffer(weight.rows * weight.cols, dtype if direct else torch.float32)
+        out = self.native.dequantize(weight, values.dtype, values.view(weight.rows, weight.cols))
+        return out if direct else out.to(dtype)
+
+    def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._buffers.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[dtype] = torch.empty(max(numel, CHUNK_VALUES), dtype=dtype)
+        return buf[:numel]
 
 
-def select_quant_linear() -> QuantLinear:
-    """The native kernel where it builds (and TOKENFLEET_KERNELS is not ``torch``), else the torch reference.
-    A loader checks it with models.kernel_check.checked_quant_linear before serving with it."""
-    return QuantLinear(native_quant_matmul())
+def select_quant_linear(int8_activations: bool = False) -> QuantLinear:
+    """The native kernel where it builds (and TOKENFLEET_KERNELS is not ``torch``), else the torch reference;
+    ``int8_activations`` for its decode steps over Q4_1 / Q8_0 weights (see QuantLinear). A loader checks it with
+    models.kernel_check.checked_quant_linear before serving with it."""
+    return QuantLinear(native_quant_matmul(), int8_activations=int8_activations)

@@ -154,6 +154,34 @@ static row_decoder decoder(int type, int64_t k, int64_t *row_bytes) {
  * accumulators live in registers. k is a multiple of 32. */
 #if defined(TF_QUANT_AVX512)
 #define MR_MAX 4
+/* y[j * n + r] = the sum of acc[r][j]'s lanes, r < rows, j < MR. From two rows of x, the sixteen vectors are
+ * reduced together (pairwise adds of unpacked and shuffled halves, ~45 instructions for sixteen sums instead of
+ * ~160 for sixteen separate reductions: at k = 576 those were a third of a tile's work). The sums' order differs
+ * from _mm512_reduce_add_ps's; one row of x keeps that (the fp32 path's decode-step numerics). */
+static inline __attribute__((always_inline)) void store_sums(__m512 acc[NR][MR_MAX], const int MR, float *y,
+                                                             int64_t n, int rows) {
+    if (MR == 1) {
+        for (int r = 0; r < rows; r++) y[r] = _mm512_reduce_add_ps(acc[r][0]);
+        return;
+    }
+    __m512 v[16], h[8], q[4], w[2];
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < 4; j++) v[r * 4 + j] = j < MR ? acc[r][j] : _mm512_setzero_ps();
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3) */
+        h[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: partial sums of v[4i .. 4i+3], in that order */
+        const __m512d a = _mm512_castps_pd(h[2 * i]), b = _mm512_castps_pd(h[2 * i + 1]);
+        q[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++) /* lanes: q[2i] (0+1), q[2i] (2+3), q[2i+1] (0+1), q[2i+1] (2+3) */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], 0xDD));
+    float sums[16]; /* sums[4r + j]: lane 4 * (r) + j holds v[4r + j]'s total */
+    _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD)));
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < MR; j++) y[j * n + r] = sums[r * 4 + j];
+}
+
 static inline __attribute__((always_inline)) void tile(const float *wb, const float *x, float *y, const int MR,
                                                        int64_t k, int64_t n, int rows) {
     __m512 acc[NR][MR_MAX];
@@ -167,8 +195,7 @@ static inline __attribute__((always_inline)) void tile(const float *wb, const fl
             for (int j = 0; j < MR; j++) acc[r][j] = _mm512_fmadd_ps(wv, xv[j], acc[r][j]);
         }
     }
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < MR; j++) y[j * n + r] = _mm512_reduce_add_ps(acc[r][j]);
+    store_sums(acc, MR, y, n, rows);
 }
 #define TF_QUANT_BUILD 2
 #elif defined(TF_QUANT_AVX2)
@@ -329,8 +356,7 @@ static inline __attribute__((always_inline)) void dec_q6_k(const uint8_t *w, int
                     acc[r][j] = _mm512_fmadd_ps(v1, x1[j], _mm512_fmadd_ps(v0, x0[j], acc[r][j]));                    \
             }                                                                                                         \
         }                                                                                                             \
-        for (int r = 0; r < rows; r++)                                                                                \
-            for (int j = 0; j < MR; j++) y[j * n + r] = _mm512_reduce_add_ps(acc[r][j]);                             \
+        store_sums(acc, MR, y, n, rows);                                                                              \
     }                                                                                                                 \
     static void fused_##T(const uint8_t *const *wr, const float *x, float *y, int64_t m, int64_t k, int64_t n,       \
                           int rows) {                                                                                 \
@@ -370,8 +396,7 @@ DEFINE_FUSED(q5_0)
                 }                                                                                                     \
             }                                                                                                         \
         }                                                                                                             \
-        for (int r = 0; r < rows; r++)                                                                                \
-            for (int j = 0; j < MR; j++) y[j * n + r] = _mm512_reduce_add_ps(acc[r][j]);                             \
+        store_sums(acc, MR, y, n, rows);                                                                              \
     }                                                                                                                 \
     static void fused_##T(const uint8_t *const *wr, const float *x, float *y, int64_t m, int64_t k, int64_t n,       \
                           int rows) {                                                                                 \
@@ -560,7 +585,7 @@ static row_bf16_fn bf16_decoder(int type) {
 /* NR bf16 weight rows wb (NR x k) against MR rows of bf16 x; k a multiple of 32. */
 static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *wb, const uint16_t *x, float *y,
                                                             const int MR, int64_t k, int64_t n, int rows) {
-    __m512 acc[NR][4];
+    __m512 acc[NR][MR_MAX];
     for (int r = 0; r < NR; r++)
         for (int j = 0; j < MR; j++) acc[r][j] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i += 32) {
@@ -571,11 +596,22 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *wb, 
             for (int j = 0; j < MR; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, xv[j]);
         }
     }
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < MR; j++) y[j * n + r] = _mm512_reduce_add_ps(acc[r][j]);
+    store_sums(acc, MR, y, n, rows);
 }
 
 int tf_quant_linear_has_bf16(void) { return 1; }
+
+/* out [n, k] bf16 = W's values rounded to bf16 (to nearest even), for the prefill path of a bf16 model: half the
+ * bytes written of dequantizing to fp32 and converting. Returns 0; -1 for types or shapes out of range. */
+int tf_quant_dequantize_bf16(int type, const uint8_t *w, uint16_t *out, int64_t n, int64_t k, int num_threads) {
+    int64_t row_bytes = 0;
+    const row_bf16_fn decode = bf16_decoder(type);
+    if (!decode || !decoder(type, k, &row_bytes) || k < 1 || n < 0) return -1;
+    const int threads = n * k < (1 << 16) || num_threads < 1 ? 1 : num_threads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++) decode(w + r * row_bytes, k, out + r * k);
+    return 0;
+}
 
 /* y [m, n] fp32 = x [m, k] bf16 times W^T rounded to bf16. Returns 0; -1 for shapes or types out of range (or a
  * build without AVX-512 BF16), -2 when a thread's buffer could not be allocated. */
@@ -620,6 +656,11 @@ int tf_quant_linear_bf16(int type, const uint16_t *x, const uint8_t *w, float *y
 }
 #else
 int tf_quant_linear_has_bf16(void) { return 0; }
+
+int tf_quant_dequantize_bf16(int type, const uint8_t *w, uint16_t *out, int64_t n, int64_t k, int num_threads) {
+    (void)type, (void)w, (void)out, (void)n, (void)k, (void)num_threads;
+    return -1;
+}
 
 int tf_quant_linear_bf16(int type, const uint16_t *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n,
                          int num_threads) {
