@@ -50,8 +50,9 @@ def build(config: str, threads: int):  # type: ignore[no-untyped-def]
                                           quantization="" if quantization == "none" else quantization))
 
 
-def run(core, prompts: list[list[int]], output_len: int) -> tuple[dict[str, list[int]], list[float], float]:  # type: ignore[no-untyped-def]
-    """Every prompt to ``output_len`` tokens; (outputs, each step's seconds, wall seconds)."""
+def run(core, prompts: list[list[int]], output_len: int, on_step=None) -> tuple[dict[str, list[int]], list[float], float]:  # type: ignore[no-untyped-def]
+    """Every prompt to ``output_len`` tokens; (outputs, each step's seconds, wall seconds). ``on_step(i)``: called
+    after step i."""
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     out: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts):
@@ -65,6 +66,8 @@ def run(core, prompts: list[list[int]], output_len: int) -> tuple[dict[str, list
         for o in core.step():
             out[o.request_id] += o.new_token_ids
         steps.append(time.perf_counter() - t)
+        if on_step is not None:
+            on_step(len(steps) - 1)
     return out, steps, time.perf_counter() - start
 
 
@@ -74,37 +77,37 @@ def fresh(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def breakdown(core, prompt: list[int], output_len: int) -> dict:  # type: ignore[no-untyped-def]
-    """A c=1 decode step split into the linear layers' time and the rest (one untimed-round run)."""
+    """A c=1 decode step split into the linear layers' time (the weights read), attention's and the rest (one
+    untimed-round run; the model's linear kernel and the attention function wrapped with timers)."""
+    import tokenfleet.models.llama as llama
+
     model = core.runner.model
-    linear = model.linear
-    spent = [0.0]
+    linear, attention = model.linear, llama.paged_attention
+    spent = {"linear": 0.0, "attention": 0.0}
 
-    def timed(x, weight):  # type: ignore[no-untyped-def]
-        t = time.perf_counter()
-        y = linear(x, weight)
-        spent[0] += time.perf_counter() - t
-        return y
-
-    model.linear = timed
-    try:
-        core.add_request(RequestSpec(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                                     request_id="warm"))
-        while core.has_unfinished():
-            core.step()
-        core.add_request(RequestSpec(prompt, SamplingParams(max_tokens=output_len, temperature=0.0,
-                                                            ignore_eos=True), request_id="split"))
-        core.step()  # the prefill, not counted
-        steps: list[float] = []
-        spent[0] = 0.0
-        while core.has_unfinished():
+    def timer(part, fn):  # type: ignore[no-untyped-def]
+        def timed(*args):  # type: ignore[no-untyped-def]
             t = time.perf_counter()
-            core.step()
-            steps.append(time.perf_counter() - t)
+            y = fn(*args)
+            spent[part] += time.perf_counter() - t
+            return y
+        return timed
+
+    model.linear, llama.paged_attention = timer("linear", linear), timer("attention", attention)
+    try:
+        run(core, [prompt], 4)  # warm-up
+
+        def after(i: int) -> None:
+            if i == 0:  # the prefill: not counted
+                spent.update(linear=0.0, attention=0.0)
+
+        steps = run(core, [prompt], output_len, on_step=after)[1][1:]
     finally:
-        model.linear = linear
-    linear_ms = 1000 * spent[0] / len(steps)
+        model.linear, llama.paged_attention = linear, attention
     step_ms = 1000 * statistics.mean(steps)
-    return {"step_ms": step_ms, "linear_ms": linear_ms, "other_ms": step_ms - linear_ms,
+    return {"step_ms": step_ms, "linear_ms": 1000 * spent["linear"] / len(steps),
+            "attention_ms": 1000 * spent["attention"] / len(steps),
+            "other_ms": step_ms - 1000 * (spent["linear"] + spent["attention"]) / len(steps),
             "linear_impl": getattr(linear, "name", type(linear).__name__)}
 
 
@@ -173,10 +176,12 @@ def markdown(result: dict) -> str:
                      f"{r['tok_s_vs_base']:.2f}x |")
     lines += ["", "Every run:", "", "| round | config | c=1 TPOT ms | tok/s |", "|---|---|---|---|"]
     lines += [f"| {r['round']} | `{r['config']}` | {r['tpot_ms']:.2f} | {r['tok_s']:.1f} |" for r in result["runs"]]
-    lines += ["", "c=1 decode step, split once outside the timed rounds (the linear layers timed in place):", "",
-              "| config | step ms | linear layers ms | the rest ms | linear kernel |", "|---|---|---|---|---|"]
-    lines += [f"| `{c}` | {b['step_ms']:.2f} | {b['linear_ms']:.2f} | {b['other_ms']:.2f} | {b['linear_impl']} |"
-              for c, b in result["breakdown"].items()]
+    lines += ["", "c=1 decode step, split once outside the timed rounds (the linear layers and attention timed in "
+              "place):", "",
+              "| config | step ms | linear layers ms | attention ms | the rest ms | linear kernel |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| `{c}` | {b['step_ms']:.2f} | {b['linear_ms']:.2f} | {b.get('attention_ms', 0):.2f} | "
+              f"{b['other_ms']:.2f} | {b['linear_impl']} |" for c, b in result["breakdown"].items()]
     return "\n".join(lines) + "\n"
 
 

@@ -58,6 +58,9 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
                    "tokens (GPU; off by default)")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, help="torch CPU threads (leave cores for other processes)")
+    p.add_argument("--small-step-threads", type=int,
+                   help="torch CPU threads of steps of up to 4 tokens (one stream's decode); default: one fewer than "
+                   "--threads when those are every core, so the service path's per-token work does not stall them")
     p.add_argument("--num-blocks", type=int, help="KV pool size in blocks (wins over --kv-pool-bytes)")
     p.add_argument("--kv-pool-bytes", type=int, help="KV pool size in bytes: as many blocks as it holds at the "
                    "model's KV bytes per block (default 1 GiB)")
@@ -139,6 +142,7 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
         max_model_len=args.max_model_len or (record.max_model_len or None if record is not None else None),
         device=args.device,
         num_threads=args.threads,
+        small_step_threads=args.small_step_threads,
         num_blocks=args.num_blocks,
         **({"kv_cache_bytes": args.kv_pool_bytes} if args.kv_pool_bytes else {}),  # type: ignore[arg-type]
         kv_retention_max_s=args.kv_retention_max_s,

@@ -27,7 +27,8 @@ def add_commands(sub: Any) -> None:
                         "this over the model's KV bytes per block; default 1 GiB)")
     up_cmd.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                         help="dtype in the model's registry record; auto: float32 on CPUs (answers that do not depend "
-                        "on the CPU's rounding), bfloat16 on GPUs; bfloat16 on a CPU with AVX512-BF16 or AMX is faster")
+                        "on the CPU's rounding), bfloat16 on GPUs; bfloat16 on a CPU with AVX512-BF16 or AMX is faster (gguf and "
+                        "int8 records take it there)")
     up_cmd.add_argument("--async-scheduling", action="store_true",
                         help="workers overlap scheduling with the device: the next decode step is queued before this "
                         "one's tokens are read (GPU; off by default)")

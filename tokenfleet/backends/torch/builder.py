@@ -6,7 +6,7 @@ import dataclasses
 
 import structlog
 
-from tokenfleet.backends.torch.device import configure_threads, resolve_device
+from tokenfleet.backends.torch.device import configure_threads, resolve_device, small_step_threads
 from tokenfleet.backends.torch.runner import TorchModelRunner
 from tokenfleet.engine import kv_store, kv_tier
 from tokenfleet.engine.block_manager import BlockManager
@@ -24,7 +24,7 @@ log = structlog.get_logger()
 
 
 def build_engine_core(config: EngineConfig) -> EngineCore:
-    configure_threads(config.num_threads)
+    threads = configure_threads(config.num_threads)
     device = resolve_device(config.device)
     config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, device, config.quantization))
     dtype = parse_dtype(config.dtype)
@@ -52,6 +52,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     graph_batch = config.cuda_graph_max_batch or min(config.max_num_running, 256)
     runner = TorchModelRunner(model, num_blocks, config.block_size, cuda_graph_batch=graph_batch,
                               max_model_len=max_model_len, mixed_graph_tokens=config.max_num_batched_tokens)
+    if device.type == "cpu":
+        runner.step_threads = (small_step_threads(threads, config.small_step_threads), threads)
     if draft is not None:
         from tokenfleet.backends.torch.draft import DraftModel
 

@@ -13,7 +13,7 @@ import structlog
 import torch
 
 from tokenfleet.backends.torch.cuda_graphs import DecodeGraphs, graphs_supported
-from tokenfleet.backends.torch.device import to_device
+from tokenfleet.backends.torch.device import SMALL_STEP_TOKENS, to_device
 from tokenfleet.backends.torch.draft import DraftModel
 from tokenfleet.backends.torch.kv_io import KVBlockIO
 from tokenfleet.backends.torch.mixed_graphs import MixedGraphs
@@ -63,6 +63,8 @@ class TorchModelRunner:
         _, kv_heads, _, _, width = self.kv.k.shape  # width: head_dim, or an FP8 row's bytes
         kv_per_token = 2 * len(self.kv.layer_slots) * kv_heads * width * self.kv.k.element_size()
         self.cost = StepCost.of_model(model, kv_per_token)  # MFU/MBU accounting (telemetry.utilization)
+        # CPU: (threads of a step of at most SMALL_STEP_TOKENS tokens, of the others); None: leave torch's as set
+        self.step_threads: tuple[int, int] | None = None
 
     def step_cost(self, output: SchedulerOutput) -> tuple[float, float]:
         """The step's model FLOPs and bytes read (weights + KV), estimated from its shape."""
@@ -74,6 +76,11 @@ class TorchModelRunner:
         return peaks(self.device, self.model.dtype)
 
     def execute(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> ExecuteResult:
+        if self.step_threads is not None:
+            small, full = self.step_threads
+            want = small if output.num_scheduled_tokens <= SMALL_STEP_TOKENS else full
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)
         if self.drafter is not None and any(s.draft for s in output.scheduled):
             output = self._draft(output, requests)
         logits = self.compute_logits(output, requests)
