@@ -98,6 +98,26 @@ def open_gguf(path: str | os.PathLike[str]):  # type: ignore[no-untyped-def]
     return gguf.GGUFReader(os.fspath(path), mode="c")
 
 
+def drop_resident_pages(reader) -> None:  # type: ignore[no-untyped-def]
+    """Let the file's mapped pages leave this process's resident set (madvise MADV_DONTNEED), once the model's
+    weights are built: building them read every tensor (the fused Q/K/V and gate/up rows are copies), which left
+    the whole file resident beside those copies. The tensors the model still views (the rest) fault back in from
+    the page cache on first use. The mapping is copy-on-write and never written, so its pages are the file's and
+    nothing is lost. Linux only; elsewhere nothing happens."""
+    import ctypes
+    import mmap
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    address, size = reader.data.ctypes.data, reader.data.nbytes
+    start = address // mmap.PAGESIZE * mmap.PAGESIZE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(start, size + address - start, mmap.MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of the GGUF mapping failed")
+
+
 def _rotary_rows(rows: int, heads: int) -> torch.Tensor:
     """For each HF row of a Q or K projection with ``heads`` heads, the GGUF row that holds it: HF's row
     ``j * half + i`` of a head (``j`` in 0, 1; ``i`` < half) is the converter's row ``2i + j`` of that head."""

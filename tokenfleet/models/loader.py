@@ -12,7 +12,9 @@ CPU has it); longer steps dequantize the weights and multiply in the activations
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,8 +114,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     check_device(kv_cache_dtype, device)
     linear: LinearKernel
     tensors: dict[str, torch.Tensor | QuantTensor]
+    built: Callable[[], None] = lambda: None  # noqa: E731 - what to do once the weights are built
     if quantization == "gguf":
-        tensors, linear, linear_checks = _gguf(Path(model_dir), dtype, device)
+        tensors, linear, linear_checks, built = _gguf(Path(model_dir), dtype, device)
     elif quantization == "int8":
         tensors, linear, linear_checks = _int8(read_safetensors(Path(model_dir)), dtype, device)
     else:
@@ -129,6 +132,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         weights = _build_weights(config, tensors, dtype, device, linear)
         model = LlamaModel(config, weights, dtype, device, linear, attention, ops)
         model.source_dir = str(model_dir)
+    del tensors  # what the model did not keep (a GGUF's unfused Q, K, V, gate and up views)
+    built()
     model.kv_cache_dtype = kv_cache_dtype
     model.kernel_checks = checks
     return model
@@ -149,10 +154,12 @@ def checked_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.devic
 
 
 def _gguf(model_dir: Path, dtype: torch.dtype, device: torch.device
-          ) -> tuple[dict[str, torch.Tensor | QuantTensor], LinearKernel, tuple[KernelCheck, ...]]:
-    """The GGUF's tensors (quantized ones kept), and the quantized linear kernel checked on their shapes here."""
+          ) -> tuple[dict[str, torch.Tensor | QuantTensor], LinearKernel, tuple[KernelCheck, ...], Callable[[], None]]:
+    """The GGUF's tensors (quantized ones kept), the quantized linear kernel checked on their shapes here, and what
+    to call once the model's weights are built (the file's pages dropped from the resident set:
+    gguf_weights.drop_resident_pages)."""
     from tokenfleet.models.gguf_import import GGUF_FILE
-    from tokenfleet.models.gguf_weights import read_gguf_weights
+    from tokenfleet.models.gguf_weights import drop_resident_pages, open_gguf, weights_from_reader
     from tokenfleet.models.quant_linear import select_quant_linear
 
     if device.type != "cpu":
@@ -161,10 +168,11 @@ def _gguf(model_dir: Path, dtype: torch.dtype, device: torch.device
     path = model_dir / GGUF_FILE
     if not path.exists():
         raise FileNotFoundError(f"{model_dir} has no {GGUF_FILE}: import the model with --keep-quantized")
-    tensors = read_gguf_weights(path)
+    reader = open_gguf(path)
+    tensors = weights_from_reader(reader)
     shapes = {(t.kind, t.rows, t.cols) for t in tensors.values() if isinstance(t, QuantTensor)}
     linear, checks = checked_quant_linear(select_quant_linear(envs.quant_activations() == "int8"), shapes, dtype)
-    return tensors, linear, checks
+    return tensors, linear, checks, functools.partial(drop_resident_pages, reader)
 
 
 def _int8(tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device

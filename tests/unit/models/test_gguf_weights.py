@@ -199,3 +199,19 @@ def test_unknown_tensors_and_architectures_are_refused(tmp_path):
         read_gguf_weights(write_gguf(tmp_path / "b.gguf", "qwen2", {"blk.0.attn_q.weight": (values, F32)}))
     skipped = write_gguf(tmp_path / "c.gguf", "llama", {"rope_freqs.weight": (values[0], F32), "output.weight": (values, F32)})
     assert set(read_gguf_weights(skipped)) == {"lm_head.weight"}
+
+
+def test_dropping_the_mappings_resident_pages_keeps_every_value(tmp_path):
+    """gguf_weights.drop_resident_pages after the weights are built: the views fault back in with the file's bytes."""
+    from tokenfleet.models.gguf_weights import drop_resident_pages
+
+    rng = np.random.default_rng(3)
+    path = write_gguf(tmp_path / "m.gguf", "llama", {
+        "blk.0.ffn_down.weight": (rng.standard_normal((64, 1024)), gguf.GGMLQuantizationType.Q8_0),  # several pages
+        "output_norm.weight": (rng.standard_normal((1, 64)), gguf.GGMLQuantizationType.F32)})
+    reader = open_gguf(path)
+    weights = weights_from_reader(reader)
+    before = {name: dequantized(w).clone() for name, w in weights.items()}
+    drop_resident_pages(reader)
+    for name, w in weights.items():
+        assert torch.equal(dequantized(w), before[name]), name
