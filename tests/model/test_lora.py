@@ -146,3 +146,34 @@ def test_an_adapter_matches_peft_generating_with_it_unmerged(default_model_dir, 
                                      pad_token_id=base.generation_config.eos_token_id)
         theirs = out[0, len(prompt):].tolist()
         assert ours and ours == theirs[:len(ours)] and len(theirs) - len(ours) <= 1, (text, ours, theirs)  # (+ EOS)
+
+
+def test_an_adapter_over_gguf_weights_kept_quantized_matches_its_merged_model(default_model_dir, adapters, tmp_path,
+                                                                            monkeypatch):
+    """LoRA over a quantized base (registry ``quantization: gguf``): the base's Q4_1 blocks multiplied as the model
+    holds them, the adapter's A and B in fp32 beside them. With float activations the base's values are the
+    dequantized model's, so each request answers as PEFT's merged model (and the base as the plain model)."""
+    from tests.model.test_gguf_served import kept_quantized
+    from tokenfleet.models.ggml_quant import QuantTensor
+
+    monkeypatch.setenv("TOKENFLEET_QUANT_ACTIVATIONS", "float")
+    core = make_core(kept_quantized(default_model_dir, tmp_path / "gguf"), quantization="gguf")
+    folder, merged = adapters["a0"]
+    core.runner.load_adapter("a0", str(folder))
+    assert isinstance(core.runner.model.weights.layers[0].qkv, QuantTensor)  # no dense copy of the base made
+    prompts = [prompt_of(core, t) for t in PROMPTS[:2]]
+    arrivals = {0: [(f"a0-{i}", p, greedy(12)) for i, p in enumerate(prompts)]}
+    ref = make_core(merged)
+    want = {rid: run_to_completion(ref, {0: [(rid, p, params)]})[rid] for rid, p, params in arrivals[0]}
+    got: dict[str, list[int]] = {}
+    for rid, p, params in arrivals[0]:
+        core.add_request(RequestSpec(p, params, request_id=rid, adapter="a0"))
+        core.add_request(RequestSpec(p, params, request_id=f"base-{rid}"))
+        got[rid], got[f"base-{rid}"] = [], []
+    while core.has_unfinished():
+        for o in core.step():
+            got[o.request_id] += o.new_token_ids
+    assert {k: v for k, v in got.items() if not k.startswith("base")} == want
+    plain = make_core(default_model_dir)
+    assert {k: v for k, v in got.items() if k.startswith("base")} == {
+        f"base-{rid}": run_to_completion(plain, {0: [(rid, p, params)]})[rid] for rid, p, params in arrivals[0]}

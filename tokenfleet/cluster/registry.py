@@ -126,7 +126,8 @@ class ModelRecord:
             if base_version:
                 check_name("base version", base_version)
             if self.backend != "torch" or self.quantization:
-                raise ValueError("LoRA adapters are served by the torch engine on unquantized base weights")
+                raise ValueError("a LoRA adapter record has no backend or quantization of its own: its matrices "
+                                 "are served by the torch engine in the base's dtype (over a gguf or int8 base too)")
 
     @property
     def ref(self) -> str:

@@ -53,17 +53,20 @@ class LoraSet:
     the loaded adapters' ranks on that layer)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, linear: LinearKernel,
-                 base_weights: Callable[[], list[dict[str, torch.Tensor]]]):
+                 base_weights: Callable[[], list[dict[str, torch.Tensor]]] | None):
         """``base_weights``: the model's fused layer weights, unprepared ([out, in] per fused layer per layer):
         each A_all is stacked under its base weight so one GEMM yields the layer's output and x A_all^T (at a
-        decode step's few rows a GEMM costs mostly its call: this saves one per adapted layer)."""
+        decode step's few rows a GEMM costs mostly its call: this saves one per adapted layer). None for a base
+        whose weights stay quantized (gguf, int8): the base is multiplied as the model holds it, and x A_all^T
+        by a GEMM of its own (the adapters' matrices in the model's dtype), no dense copy of the base made."""
         self.config, self.dtype, self.device, self.linear = config, dtype, device, linear
         self.base_weights = base_weights
         self.adapters: dict[str, LoraAdapter] = {}
         self.columns: dict[str, dict[str, tuple[int, int]]] = {}  # fused layer -> adapter -> its columns
         self.width: dict[str, int] = {}  # fused layer -> C
         self.column_index: dict[str, torch.Tensor] = {}  # fused layer -> arange(C) on the device
-        self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]] = []  # (prepared [W; A_all], B_all, out)
+        # (prepared [W; A_all], B_all, out); a quantized base: (prepared A_all, B_all, 0)
+        self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]] = []
         self.version = 0  # bumped whenever the stacked matrices are rebuilt (CUDA graphs captured over them go stale)
 
     def __contains__(self, name: str) -> bool:
@@ -88,7 +91,7 @@ class LoraSet:
         self.column_index = {f: torch.arange(width, dtype=torch.long, device=self.device)
                              for f, width in self.width.items() if width}
         self.layers = []
-        base = self.base_weights() if self.adapters else []
+        base = self.base_weights() if self.adapters and self.base_weights is not None else []
         for i in range(self.config.num_layers if self.adapters else 0):
             layer: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
             for f, subs in FUSED.items():
@@ -102,6 +105,9 @@ class LoraSet:
                         a_all[c0: c0 + fl.a.shape[0]] = fl.a
                         for col, row, b in fl.parts:
                             b_all[col: col + b.shape[0], c0 + row: c0 + row + b.shape[1]] = b
+                if not base:
+                    layer[f] = (self.linear.prepare(a_all), self.linear.prepare(b_all), 0)
+                    continue
                 w = base[i][f].to(device=self.device, dtype=self.dtype)
                 layer[f] = (self.linear.prepare(torch.cat([w, a_all]).contiguous()), self.linear.prepare(b_all),
                             w.shape[0])
@@ -143,9 +149,12 @@ class LoraBatch:
         if weights is None:
             return linear(x, base)
         stacked, b_all, out = weights
-        both = linear(x, stacked)  # [rows, out + C]: the base output, then x A_all^T
-        result = both[:, :out].contiguous()
-        result += linear(both[:, out:].mul_(self.masks[name]), b_all)
+        if out == 0:  # a quantized base: its own matmul, then x A_all^T
+            result, low = linear(x, base), linear(x, stacked)
+        else:
+            both = linear(x, stacked)  # [rows, out + C]: the base output, then x A_all^T
+            result, low = both[:, :out].contiguous(), both[:, out:]
+        result += linear(low.mul_(self.masks[name]), b_all)
         return result
 
 

@@ -363,8 +363,9 @@ class TorchModelRunner:
             model = self.model
             if not model.source_dir:
                 raise ValueError("LoRA needs the model's checkpoint folder (its weights are stacked with the adapters')")
+            quantized = not isinstance(model.weights.layers[0].qkv, torch.Tensor)  # gguf / int8 blocks
             self.adapters = LoraSet(model.config, model.dtype, self.device, model.linear,
-                                    lambda: fused_base_weights(model.source_dir, model.config))
+                                    None if quantized else lambda: fused_base_weights(model.source_dir, model.config))
         self.adapters.add(adapter)
         self._capture_lora_graphs()
 
