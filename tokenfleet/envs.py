@@ -125,6 +125,12 @@ def quant_activations() -> str:
     return value
 
 
+def quant_matmul() -> str:
+    """``TOKENFLEET_QUANT_MATMUL``: the CUDA matmul of gguf / int8 records' Q8_0 and Q4_1 weights at few rows
+    (models.triton_quant.QuantWeightMatmul), as ``fp8_matmul``'s setting; rows 0: dequantize for cuBLAS always."""
+    return os.environ.get("TOKENFLEET_QUANT_MATMUL", "32,32,128,4,3")
+
+
 def kernels() -> str:
     """Which kernels the torch engine runs for attention, the layers' element-wise steps and (fp32 on CPU) few-row
     matmuls: "auto" (the native C kernels on CPU, Triton on CUDA, else torch), "torch" (the torch reference

@@ -106,6 +106,28 @@ def test_gemma3_mixed_types_are_served_quantized_with_the_dequantized_models_ans
     assert run_to_completion(core_q, arrivals) == run_to_completion(make_core(imported), arrivals)
 
 
+@pytest.mark.nightly  # Gemma's GGUF, a prompt past its 512-token window: ~40 s
+def test_gemma3_windows_over_quantized_weights_answer_as_the_dequantized_model(tmp_path, monkeypatch):
+    """Gemma 3's sliding-window layers over its GGUF kept quantized: a chat past the window, prefilled whole and in
+    128-token chunks, answers as the dequantized model does (float activations: the same weight values)."""
+    from tests.model.test_gemma3_parity import CHATS
+    from tokenfleet.api.chat_template import render_chat
+    from tokenfleet.models.gguf_import import GEMMA3_MODEL_NAME, ensure_model
+
+    monkeypatch.setenv("TOKENFLEET_QUANT_ACTIVATIONS", "float")
+    imported = ensure_model(GEMMA3_MODEL_NAME)
+    folder = kept_quantized(imported, tmp_path / "gemma3-270m-gguf")
+    tokenizer = Tokenizer(imported)
+    prompt = tokenizer.encode(render_chat(tokenizer, CHATS[-1]))
+    dense = make_core(imported, num_blocks=256)
+    assert len(prompt) > max(dense.runner.model.config.layer_windows)
+    arrivals = {0: [("long", prompt, greedy(8))]}
+    want = run_to_completion(dense, arrivals)
+    assert run_to_completion(make_core(folder, quantization="gguf", num_blocks=256), arrivals) == want
+    chunked = make_core(folder, quantization="gguf", num_blocks=256, max_prefill_chunk=128)
+    assert run_to_completion(chunked, arrivals) == want
+
+
 @pytest.mark.nightly  # three engines and a draft model; the suite keeps the plain quantized engine's answers
 def test_quantized_weights_keep_the_answers_with_prefix_hits_chunked_prefill_and_speculation(default_model_dir, gguf_dir,
                                                                                           monkeypatch):

@@ -67,7 +67,7 @@ class ModelRecord:
     dtype: str = "auto"  # auto: float32 on CPUs, bfloat16 on GPUs, resolved by the worker (models.loader.resolve_dtype)
     # "" (none) | "fp8": FP8 weights (torch engine: models.linear.Fp8Linear; trtllm: its engine) | "gguf": the GGUF
     # file's own quantized tensors (torch engine; ``path`` a folder imported with --keep-quantized) | "int8": int8
-    # weights and activations (torch engine, CPU)
+    # weights (torch engine; on CPUs int8 activations on decode steps too)
     quantization: str = ""
     backend: str = "torch"  # torch | trtllm
     tensor_parallel_size: int = 1

@@ -2,8 +2,8 @@
 float ones come back as torch tensors, all under the names ``loader.read_safetensors`` gives the imported folder
 (``layers.0.self_attn.q_proj.weight``, ``embed_tokens.weight``, ``norm.weight``, ...).
 
-The file is memory-mapped (``gguf.GGUFReader`` in copy-on-write mode: a tensor written to changes private pages, never
-the file) and every tensor is a ``torch.from_numpy`` view of the mapping, except where the converter's changes are
+The file is memory-mapped (``MappedGGUF``, copy-on-write: a tensor written to changes private pages, never the
+file) and every tensor is a ``torch.from_numpy`` view of the mapping, except where the converter's changes are
 undone, which copies:
 
 - Llama (``general.architecture`` "llama"): llama.cpp's converter reorders the rows of each head of the Q and K
@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from tokenfleet.models.ggml_quant import BY_ID, QuantTensor
 
@@ -78,8 +80,7 @@ def hf_name(architecture: str, gguf_name: str) -> str | None:
 
 
 def _field(reader, key: str):  # type: ignore[no-untyped-def]
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
+    return reader.fields.get(key)
 
 
 def architecture(reader) -> str:  # type: ignore[no-untyped-def]
@@ -89,13 +90,49 @@ def architecture(reader) -> str:  # type: ignore[no-untyped-def]
     return str(arch)
 
 
-def open_gguf(path: str | os.PathLike[str]):  # type: ignore[no-untyped-def]
-    """A ``gguf.GGUFReader`` over ``path``, memory-mapped copy-on-write (writable views, the file never written).
-    Parsing the header reads every metadata field, the tokenizer's vocabulary included: most of the time of a read
-    (about 12 s for Gemma 3's 262k tokens; the tensors themselves are only mapped)."""
-    import gguf
+@dataclass(frozen=True)
+class MappedTensor:
+    """One tensor of a ``MappedGGUF``: ``shape`` as GGUF lists it (the row length first), ``data`` its bytes in the
+    mapping (F32 and F16: typed numpy views; other types: uint8)."""
 
-    return gguf.GGUFReader(os.fspath(path), mode="c")
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: np.ndarray
+    data: np.ndarray
+
+
+class MappedGGUF:
+    """A GGUF file memory-mapped copy-on-write (writable views, the file never written), its header read by
+    planning.gguf_size.read_header: scalar and string metadata (``fields``), and each tensor a view of the mapping
+    (``tensors``). gguf.GGUFReader builds an array for every metadata item, the vocabulary's included: about 12 s for
+    Gemma 3's 262k tokens at every load; this reads the same header in a fraction of a second."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        from tokenfleet.planning.gguf_size import read_header
+
+        header = read_header(path)
+        self.fields = header.fields
+        self.data = np.memmap(os.fspath(path), dtype=np.uint8, mode="c")
+        self.tensors: list[MappedTensor] = []
+        for t in header.tensors:
+            try:
+                kind = GGMLQuantizationType(t.type_id)
+            except ValueError:
+                raise ValueError(f"GGUF tensor {t.name!r} has unknown GGML type {t.type_id}") from None
+            elements = int(np.prod(t.dims)) if t.dims else 1
+            block_elems, block_bytes = GGML_QUANT_SIZES[kind]
+            if elements % block_elems:
+                raise ValueError(f"GGUF tensor {t.name!r}: {elements} values do not fill {kind.name} blocks")
+            raw = self.data[t.offset:t.offset + elements // block_elems * block_bytes]
+            if raw.size != elements // block_elems * block_bytes:
+                raise ValueError(f"GGUF tensor {t.name!r} runs past the file's end")
+            data = raw.view(np.float32) if kind.name == "F32" else raw.view(np.float16) if kind.name == "F16" else raw
+            self.tensors.append(MappedTensor(t.name, kind, np.array(t.dims, dtype=np.int64), data))
+
+
+def open_gguf(path: str | os.PathLike[str]) -> MappedGGUF:
+    """The GGUF at ``path``, mapped (``MappedGGUF``)."""
+    return MappedGGUF(path)
 
 
 def drop_resident_pages(reader) -> None:  # type: ignore[no-untyped-def]

@@ -205,6 +205,36 @@ def checked_quant_linear(linear: Any, shapes: Iterable[tuple[str, int, int]], dt
                           lambda kernel: _quant_linear_cases(kernel, sorted(set(shapes)), dtype))
 
 
+def checked_gpu_quant_linear(linear: Any, shapes: Iterable[tuple[str, int, int]], dtype: torch.dtype,
+                             device: torch.device) -> tuple[Any, tuple[KernelCheck, ...]]:
+    """``linear`` (models.triton_quant.GpuQuantLinear) if its Triton matmul agrees with dequantize-then-matmul in
+    float64 on the model's Q8_0 / Q4_1 shapes (random blocks, at most 1031 rows each; rows of x: 1, the kernel's
+    most, and one more, which dequantizes for cuBLAS), within ``dtype``'s tolerance (its weights are rounded to x's
+    dtype, as a dequantized checkpoint's would be); else the same layer without it."""
+    from tokenfleet.models.triton_quant import KINDS, GpuQuantLinear
+
+    if linear.matmul is None:
+        return linear, ()
+    kept = sorted({s for s in shapes if s[0] in KINDS})
+
+    def cases(kernel: Any):  # type: ignore[no-untyped-def]
+        from tokenfleet.models.ggml_quant import dequantize, random_quant
+
+        g = torch.Generator().manual_seed(13)
+        for kind, n, k in kept:
+            weight = random_quant(kind, min(n, 1031), k, g)
+            values = dequantize(weight, torch.float64)
+            prepared = kernel.prepare(weight)
+            for rows in sorted({1, kernel.matmul.rows, kernel.matmul.rows + 1}):
+                x = torch.randn(rows, k, generator=g).to(dtype)
+                got = kernel(x.to(device), prepared).cpu()
+                want = torch.nn.functional.linear(x.double(), values)
+                yield f"{kind} [{weight.rows}, {k}] with {rows} rows", got, want
+
+    return _first_passing("quant_linear", [linear], GpuQuantLinear(device, dtype), lambda kernel: TOLERANCES[dtype],
+                          cases)
+
+
 def _quant_linear_cases(linear: Any, shapes: list[tuple[str, int, int]], dtype: torch.dtype):
     from tokenfleet.models.ggml_quant import dequantize, random_quant
 

@@ -49,8 +49,9 @@ REFINED_LOGITS = 8
 def embed_rows(token_ids: torch.Tensor, table: torch.Tensor | QuantTensor, dtype: torch.dtype) -> torch.Tensor:
     """The embedding rows of ``token_ids``: of a tensor, or of a GGUF's quantized table (only those rows
     dequantized, in ``dtype``)."""
-    if isinstance(table, QuantTensor):
-        return embedding(table, token_ids.cpu(), dtype).to(token_ids.device)
+    if isinstance(table, QuantTensor):  # its blocks on the step's device (a GPU's), or on the CPU
+        ids = token_ids if table.data.device == token_ids.device else token_ids.cpu()
+        return embedding(table, ids, dtype).to(token_ids.device)
     return F.embedding(token_ids, table)
 
 

@@ -33,7 +33,13 @@ from tokenfleet.models.attention import (
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.gemma3 import Gemma3LayerWeights, Gemma3Model, Gemma3Weights
 from tokenfleet.models.ggml_quant import QuantTensor, cat_rows
-from tokenfleet.models.kernel_check import checked_attention, checked_layer_ops, checked_linear, checked_quant_linear
+from tokenfleet.models.kernel_check import (
+    checked_attention,
+    checked_gpu_quant_linear,
+    checked_layer_ops,
+    checked_linear,
+    checked_quant_linear,
+)
 from tokenfleet.models.kv_fp8 import check_device, check_kv_cache_dtype
 from tokenfleet.models.layer_ops import LayerOps, TorchLayerOps, select_layer_ops
 from tokenfleet.models.linear import Fp8Linear, LinearKernel, select_linear
@@ -162,8 +168,6 @@ def _gguf(model_dir: Path, dtype: torch.dtype, device: torch.device
     from tokenfleet.models.gguf_weights import drop_resident_pages, open_gguf, weights_from_reader
     from tokenfleet.models.quant_linear import select_quant_linear
 
-    if device.type != "cpu":
-        raise ValueError("gguf weights are served on CPUs (no GPU kernel for GGML's block types yet)")
     envs.quant_activations()  # a bad setting fails before the file is read
     path = model_dir / GGUF_FILE
     if not path.exists():
@@ -171,8 +175,23 @@ def _gguf(model_dir: Path, dtype: torch.dtype, device: torch.device
     reader = open_gguf(path)
     tensors = weights_from_reader(reader)
     shapes = {(t.kind, t.rows, t.cols) for t in tensors.values() if isinstance(t, QuantTensor)}
-    linear, checks = checked_quant_linear(select_quant_linear(envs.quant_activations() == "int8"), shapes, dtype)
+    if _gpu_quant(device):
+        linear, checks = _checked_gpu_quant_linear(shapes, dtype, device)
+    else:
+        linear, checks = checked_quant_linear(select_quant_linear(envs.quant_activations() == "int8"), shapes, dtype)
     return tensors, linear, checks, functools.partial(drop_resident_pages, reader)
+
+
+def _gpu_quant(device: torch.device) -> bool:
+    """Quantized records on a GPU (or, for tests, on a CPU under TOKENFLEET_KERNELS=triton): models.triton_quant."""
+    return device.type != "cpu" or envs.kernels() == "triton"
+
+
+def _checked_gpu_quant_linear(shapes: set[tuple[str, int, int]], dtype: torch.dtype, device: torch.device
+                              ) -> tuple[LinearKernel, tuple[KernelCheck, ...]]:
+    from tokenfleet.models.triton_quant import GpuQuantLinear, select_matmul
+
+    return checked_gpu_quant_linear(GpuQuantLinear(device, dtype, select_matmul(device)), shapes, dtype, device)
 
 
 def _int8(tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
@@ -182,11 +201,11 @@ def _int8(tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.de
     from tokenfleet.models.ggml_quant import quantize_q8_0
     from tokenfleet.models.quant_linear import QuantLinear, native_quant_matmul
 
-    if device.type != "cpu":
-        raise ValueError("int8 weights are served on CPUs (no GPU kernel for them yet)")
     out: dict[str, torch.Tensor | QuantTensor] = {
         name: quantize_q8_0(t) if t.dim() == 2 and t.shape[1] % 32 == 0 else t for name, t in tensors.items()}
     shapes = {(t.kind, t.rows, t.cols) for t in out.values() if isinstance(t, QuantTensor)}
+    if _gpu_quant(device):
+        return out, *_checked_gpu_quant_linear(shapes, dtype, device)
     linear, checks = checked_quant_linear(
         QuantLinear(native_quant_matmul(), int8_activations=envs.quant_activations() == "int8"), shapes, dtype)
     return out, linear, checks
@@ -222,7 +241,10 @@ def _taker(t: dict[str, torch.Tensor | QuantTensor], dtype: torch.dtype, device:
         if name not in t:
             raise ValueError(f"checkpoint lacks tensor {name!r}")
         value = t[name]
-        return value if isinstance(value, QuantTensor) else value.to(device=device, dtype=dtype).contiguous()
+        if isinstance(value, QuantTensor):  # on a GPU, the embedding table's blocks move there
+            return value if value.data.device == device else QuantTensor(value.kind, value.rows, value.cols,
+                                                                          value.data.to(device))
+        return value.to(device=device, dtype=dtype).contiguous()
 
     return take
 

@@ -7,6 +7,8 @@ v3, little-endian): magic ``GGUF``, u32 version, u64 tensor count, u64 metadata 
 key, a u32 value type and the value (strings: u64 length and bytes; arrays: u32 item type, u64 count, the items);
 then per tensor a string name, u32 dimension count, u64 dimensions (the row length first), u32 GGML type and u64
 offset. Bytes of a tensor: its elements over the type's block size times the block's bytes (``gguf``'s table).
+``read_header`` returns the header itself (scalar and string metadata, the tensors' entries and offsets): the
+loader's mapped reader (models.gguf_weights.MappedGGUF) is built on it.
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ class _Header:
         self.buf, self.pos = buf, 0
 
     def unpack(self, fmt: str) -> int:
+        return int(self.scalar(fmt))
+
+    def scalar(self, fmt: str) -> int | float | bool:
         (value,) = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += struct.calcsize(fmt)
-        return int(value)
+        return value  # type: ignore[no-any-return]
 
     def string(self) -> bytes:
         n = self.unpack("<Q")
@@ -60,19 +65,79 @@ class _Header:
             raise ValueError(f"GGUF metadata value type {value_type} is unknown")
 
 
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+                   12: "<d"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry in a GGUF header: ``dims`` as GGUF lists them (the row length first), its GGML type id,
+    and ``offset``, its bytes' start in the file."""
+
+    name: str
+    dims: tuple[int, ...]
+    type_id: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """A GGUF file's metadata, scalars and strings only (an array's items are skipped: a vocabulary is most of a
+    header), and its tensors' entries."""
+
+    fields: dict[str, object]
+    tensors: tuple[TensorInfo, ...]
+
+
+def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
+    """The header of the GGUF at ``path`` (module docstring's layout), its tensors' offsets resolved: the data start
+    after the tensor entries, aligned to ``general.alignment`` (32 when absent)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        h = _Header(buf)
+        num_tensors, num_fields = _begin(h, path)
+        fields: dict[str, object] = {}
+        for _ in range(num_fields):
+            key = h.string().decode()
+            value_type = h.unpack("<I")
+            if value_type in _SCALAR_FORMATS:
+                fields[key] = h.scalar(_SCALAR_FORMATS[value_type])
+            elif value_type == _STRING:
+                fields[key] = h.string().decode(errors="replace")
+            else:
+                h.skip(value_type)
+        entries = []
+        for _ in range(num_tensors):
+            name = h.string().decode()
+            dims = tuple(h.unpack("<Q") for _ in range(h.unpack("<I")))
+            entries.append((name, dims, h.unpack("<I"), h.unpack("<Q")))
+        alignment = int(fields.get("general.alignment", 32))  # type: ignore[call-overload]
+        start = -(-h.pos // alignment) * alignment
+        size = len(buf)
+    tensors = tuple(TensorInfo(name, dims, type_id, start + offset) for name, dims, type_id, offset in entries)
+    for t in tensors:
+        if t.offset > size:
+            raise ValueError(f"{os.fspath(path)}: tensor {t.name!r} starts past the file's end")
+    return GGUFHeader(fields, tensors)
+
+
+def _begin(h: _Header, path: str | os.PathLike[str]) -> tuple[int, int]:
+    """Checks the magic and version; (tensor count, metadata count)."""
+    if h.buf[:4] != b"GGUF":
+        raise ValueError(f"{os.fspath(path)}: not a GGUF file")
+    h.pos = 4
+    version = h.unpack("<I")
+    if version not in (2, 3):
+        raise ValueError(f"{os.fspath(path)}: GGUF version {version} (little-endian 2 or 3 are read)")
+    return h.unpack("<Q"), h.unpack("<Q")
+
+
 def gguf_tensor_types(path: str | os.PathLike[str]) -> dict[str, TypeTotal]:
     """Every tensor of the GGUF at ``path`` by GGML type name (F32, Q4_K, ...): count, elements, bytes."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         h = _Header(buf)
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{os.fspath(path)}: not a GGUF file")
-        h.pos = 4
-        version = h.unpack("<I")
-        if version not in (2, 3):
-            raise ValueError(f"{os.fspath(path)}: GGUF version {version} (little-endian 2 or 3 are read)")
-        num_tensors, num_fields = h.unpack("<Q"), h.unpack("<Q")
+        num_tensors, num_fields = _begin(h, path)
         for _ in range(num_fields):
             h.string()
             h.skip(h.unpack("<I"))

@@ -74,12 +74,22 @@ def dequantized(w: QuantTensor | torch.Tensor) -> torch.Tensor:
 def check_model(gguf_path: Path, folder: Path, types: dict[str, TypeTotal], file_bytes: int) -> None:
     from safetensors import safe_open
 
-    reader = open_gguf(gguf_path)
+    reference = gguf.GGUFReader(str(gguf_path))
+    reader = open_gguf(gguf_path)  # our header walk and mapping: the same tensors, bytes and scalar fields
+    assert [(t.name, t.tensor_type, t.shape.tolist()) for t in reader.tensors] == [
+        (t.name, t.tensor_type, t.shape.tolist()) for t in reference.tensors]
+    for ours, theirs in zip(reader.tensors, reference.tensors, strict=True):
+        assert ours.data.dtype == theirs.data.dtype or ours.tensor_type.name not in ("F32", "F16"), ours.name
+        assert np.array_equal(ours.data.view(np.uint8).reshape(-1), theirs.data.view(np.uint8).reshape(-1)), ours.name
+    for key in ("general.architecture", "general.alignment", f"{reader.fields['general.architecture']}.block_count",
+                f"{reader.fields['general.architecture']}.attention.head_count"):
+        if key in reference.fields:
+            assert reader.fields[key] == reference.fields[key].contents(), key
     assert gguf_tensor_types(gguf_path) == types  # the planner's header walk
     assert {k: (v.count, v.elements, v.nbytes) for k, v in types.items()} == {  # the gguf package's reader
-        k: (sum(1 for t in reader.tensors if t.tensor_type.name == k),
-            sum(int(t.n_elements) for t in reader.tensors if t.tensor_type.name == k),
-            sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type.name == k)) for k in types}
+        k: (sum(1 for t in reference.tensors if t.tensor_type.name == k),
+            sum(int(t.n_elements) for t in reference.tensors if t.tensor_type.name == k),
+            sum(int(t.n_bytes) for t in reference.tensors if t.tensor_type.name == k)) for k in types}
     assert len(reader.tensors) == sum(v.count for v in types.values())
     assert gguf_path.stat().st_size == file_bytes
     weights = weights_from_reader(reader)
@@ -92,7 +102,7 @@ def check_model(gguf_path: Path, folder: Path, types: dict[str, TypeTotal], file
             assert torch.equal(ours, theirs), name
     quantized = {t.name: t for t in reader.tensors if t.tensor_type.name != "F32"}
     assert sum(w.nbytes for w in weights.values() if isinstance(w, QuantTensor)) == sum(
-        int(t.n_bytes) for t in quantized.values())
+        int(t.data.nbytes) for t in quantized.values())
     # the embedding and V (not permuted) are views of the mapped file, not copies
     views = {"token_embd.weight": "embed_tokens.weight", "blk.0.attn_v.weight": "layers.0.self_attn.v_proj.weight"}
     for gguf_name, name in views.items():
