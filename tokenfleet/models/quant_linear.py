@@ -5,8 +5,8 @@ file ships them: Q4_1 and Q8_0 (the default model), Q5_0, Q4_K and Q6_K (Gemma 3
 one row per request; up to 32 rows of fp32 x, 512 of bf16 on an AVX-512 BF16 CPU) go through csrc/quant_linear.c,
 which reads each quantized weight once per call, dequantizes it in the cache and multiplies it in fp32: a decode
 step reads the quantized bytes alone (Q4_1: 5 bits per weight against bf16's 16). Longer steps (prefill) dequantize
-the weight, a few MiB at a time, and multiply with torch (MKL or oneDNN), which is faster there. Without the native kernel every step takes
-that path, the torch reference ("dequantize, then F.linear").
+the weight, a few MiB at a time, and multiply with torch (MKL or oneDNN), which is faster there. Without the native
+kernel every step takes that path, the torch reference ("dequantize, then F.linear").
 
 Numerics: the native kernel's weights are bitwise the reference's dequantized values (ggml_quant.dequantize) and its
 sums are fp32 in another order (~1e-6 relative); it is checked against the reference on the machine it runs on
