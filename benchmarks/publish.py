@@ -185,16 +185,21 @@ def spec_section(path: Path) -> list[str]:
 def llama_server_section(path: Path) -> list[str]:
     d = json.loads(path.read_text())
     a = d["args"]
+    quantized = "ratios_bf16" in d  # the GGUF record served kept quantized, our bf16 path beside it
+    ours = ("`tokenfleet up --model smollm2-135m-instruct-gguf` serves the same file kept quantized (its defaults "
+            "otherwise)" if quantized else "`tokenfleet up` serves the same weights dequantized, on its defaults")
     lines = ["## llama.cpp's llama-server (the CPU anchor)", "",
              f"`{rel(path)}` ({d['started']}, git {d['git']}; machine: {d['machine']}). Command: "
              f"`benchmarks/llama_server_peer.py --rounds {a['rounds']} --concurrency "
              f"{' '.join(map(str, a['concurrency']))}`.", "",
              f"llama-server serves `{Path(d['gguf']).name}` (the GGUF the default model ships as) with its own "
-             "quantized kernels; `tokenfleet up` serves the same weights dequantized, on its defaults. Its best "
-             "configuration per concurrency, from its sweep (threads, slots, batch): "
-             + ", ".join(f"c={c}: `{spec}`" for c, spec in d["best"].items())
+             f"quantized kernels; {ours}. Its best configuration per concurrency, from its sweep (threads, slots, "
+             "batch): " + ", ".join(f"c={c}: `{spec}`" for c, spec in d["best"].items())
              + ". The table gives tokenfleet / llama-server per round, then the median.", "",
              *ratio_table(d["ratios"])]
+    if quantized and d["ratios_bf16"]:
+        lines += ["", "tokenfleet on the GGUF / `tokenfleet up --dtype bfloat16` (the same weights dequantized, bf16):",
+                  "", *ratio_table(d["ratios_bf16"])]
     return [*lines, ""]
 
 
@@ -251,7 +256,7 @@ def render() -> tuple[str, str | None]:
         lines += sweep_section(p)
     if (p := latest("*spec-decode*", bar_spec_report)) is not None:
         lines += spec_section(p)
-    if (p := latest("cpu-llama-server-peer")) is not None:
+    if (p := latest("cpu-llama-server-gguf") or latest("cpu-llama-server-peer")) is not None:
         lines += llama_server_section(p)
     if (p := latest("cpu-gguf-perplexity")) is not None:
         lines += perplexity_section(p)
