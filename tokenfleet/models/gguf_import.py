@@ -223,10 +223,10 @@ def _write_marker(source: GGUFSource, out: Path) -> None:
 
 def gguf_pre_tokenizer(path: Path) -> str | None:
     """The GGUF's ``tokenizer.ggml.pre`` (the pre-tokenizer type llama.cpp applies), or None."""
-    import gguf
+    from tokenfleet.planning.gguf_size import read_header
 
-    field = gguf.GGUFReader(str(path)).fields.get("tokenizer.ggml.pre")
-    return bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    value = read_header(path).fields.get("tokenizer.ggml.pre")
+    return value if isinstance(value, str) else None
 
 
 def restore_digit_split(gguf_path: Path, tokenizer_json: Path) -> None:

@@ -80,7 +80,17 @@ def hf_name(architecture: str, gguf_name: str) -> str | None:
 
 
 def _field(reader, key: str):  # type: ignore[no-untyped-def]
+    """A metadata value (None when absent); a key whose array the header reader skipped is an error, not absent."""
+    if key in reader.skipped:
+        raise ValueError(f"GGUF field {key!r} is an array we do not read")
     return reader.fields.get(key)
+
+
+def _count(reader, key: str) -> int | None:  # type: ignore[no-untyped-def]
+    value = _field(reader, key)
+    if isinstance(value, list):  # per-layer values
+        raise ValueError(f"GGUF field {key!r} varies by layer ({value[:4]}...): not a model our loader serves")
+    return None if value is None else int(value)  # type: ignore[call-overload]
 
 
 def architecture(reader) -> str:  # type: ignore[no-untyped-def]
@@ -111,7 +121,7 @@ class MappedGGUF:
         from tokenfleet.planning.gguf_size import read_header
 
         header = read_header(path)
-        self.fields = header.fields
+        self.fields, self.skipped = header.fields, header.skipped
         self.data = np.memmap(os.fspath(path), dtype=np.uint8, mode="c")
         self.tensors: list[MappedTensor] = []
         for t in header.tensors:
@@ -139,8 +149,9 @@ def drop_resident_pages(reader) -> None:  # type: ignore[no-untyped-def]
     """Let the file's mapped pages leave this process's resident set (madvise MADV_DONTNEED), once the model's
     weights are built: building them read every tensor (the fused Q/K/V and gate/up rows are copies), which left
     the whole file resident beside those copies. The tensors the model still views (the rest) fault back in from
-    the page cache on first use. The mapping is copy-on-write and never written, so its pages are the file's and
-    nothing is lost. Linux only; elsewhere nothing happens."""
+    the page cache on first use. The mapping is copy-on-write, and only the quantized blocks, which nothing writes,
+    stay views of it (``_tensor`` copies float tensors), so its pages are the file's and nothing is lost. Linux only;
+    elsewhere nothing happens."""
     import ctypes
     import mmap
     import sys
@@ -168,10 +179,12 @@ def _tensor(t) -> QuantTensor | torch.Tensor:  # type: ignore[no-untyped-def]
     """One ``ReaderTensor`` as a view of the mapping: [rows, cols] with cols GGUF's ne[0] (the row length)."""
     kind = t.tensor_type.name
     dims = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists ne[0] (the row length) first
+    # float tensors are copied out of the mapping (norms: a few KB): only quantized blocks, which nothing writes,
+    # stay views of it, so drop_resident_pages can never revert a written page
     if kind in ("F32", "F16"):
-        return torch.from_numpy(t.data).reshape(dims)
+        return torch.from_numpy(t.data).reshape(dims).clone()
     if kind == "BF16":  # numpy has no bfloat16: the reader hands the bytes
-        return torch.from_numpy(t.data).view(torch.bfloat16).reshape(dims)
+        return torch.from_numpy(t.data).view(torch.bfloat16).reshape(dims).clone()
     _check_type(t)
     cols = dims[-1]
     rows = int(np.prod(dims[:-1])) if len(dims) > 1 else 1
@@ -193,10 +206,11 @@ def weights_from_reader(reader) -> dict[str, QuantTensor | torch.Tensor]:  # typ
             _check_type(t)
     heads = kv_heads = 0
     if arch == "llama":
-        if _field(reader, "llama.attention.head_count") is None:
+        count = _count(reader, "llama.attention.head_count")
+        if count is None:
             raise ValueError("a llama GGUF without llama.attention.head_count: its Q and K rows cannot be put back")
-        heads = int(_field(reader, "llama.attention.head_count"))
-        kv_heads = int(_field(reader, "llama.attention.head_count_kv") or heads)
+        heads = count
+        kv_heads = _count(reader, "llama.attention.head_count_kv") or heads
     out: dict[str, QuantTensor | torch.Tensor] = {}
     for name, t in named:
         if name is None:

@@ -209,8 +209,8 @@ def checked_gpu_quant_linear(linear: Any, shapes: Iterable[tuple[str, int, int]]
                              device: torch.device) -> tuple[Any, tuple[KernelCheck, ...]]:
     """``linear`` (models.triton_quant.GpuQuantLinear) if its Triton matmul agrees with dequantize-then-matmul in
     float64 on the model's Q8_0 / Q4_1 shapes (random blocks, at most 1031 rows each; rows of x: 1, the kernel's
-    most, and one more, which dequantizes for cuBLAS), within ``dtype``'s tolerance (its weights are rounded to x's
-    dtype, as a dequantized checkpoint's would be); else the same layer without it."""
+    most, and one more, which dequantizes for cuBLAS), within the layer's tolerance (its weights are rounded to x's
+    dtype, as a dequantized checkpoint's would be: GpuQuantLinear.check_tolerance); else the same layer without it."""
     from tokenfleet.models.triton_quant import KINDS, GpuQuantLinear
 
     if linear.matmul is None:
@@ -231,8 +231,8 @@ def checked_gpu_quant_linear(linear: Any, shapes: Iterable[tuple[str, int, int]]
                 want = torch.nn.functional.linear(x.double(), values)
                 yield f"{kind} [{weight.rows}, {k}] with {rows} rows", got, want
 
-    return _first_passing("quant_linear", [linear], GpuQuantLinear(device, dtype), lambda kernel: TOLERANCES[dtype],
-                          cases)
+    return _first_passing("quant_linear", [linear], GpuQuantLinear(device, dtype),
+                          lambda kernel: tolerance(kernel, dtype), cases)
 
 
 def _quant_linear_cases(linear: Any, shapes: list[tuple[str, int, int]], dtype: torch.dtype):

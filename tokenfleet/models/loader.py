@@ -94,13 +94,12 @@ def resolve_dtype(name: str, device: torch.device, quantization: str = "") -> st
 
 
 def cpu_has_bf16() -> bool:
-    """Whether this CPU has AVX512-BF16 (Linux: /proc/cpuinfo's flags), the bf16 dot products the native kernels
-    are built with where present."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
-    except OSError:
-        return False
+    """Whether the native quantized matmul here has its bf16 path (built where the CPU has AVX512-BF16; none under
+    TOKENFLEET_KERNELS=torch or without a compiler)."""
+    from tokenfleet.models.quant_linear import native_quant_matmul
+
+    kernel = native_quant_matmul()
+    return kernel is not None and kernel.has_bf16
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -132,6 +132,8 @@ class QuantLinear:
     which allows (``check_tolerance``) 2^-5 plus 2^-6 relative (a wrong kernel is off by O(1)); the tests hold each
     output to the bound itself."""
 
+    quantized_weights = True  # the model's matrices are not plain tensors (LoRA stacks no base weights on them)
+
     def __init__(self, native: NativeQuantMatmul | None = None, few_rows: int | None = None,
                  int8_activations: bool = False):
         self.native = native

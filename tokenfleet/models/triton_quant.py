@@ -8,7 +8,8 @@ values, value 2j in the low nibble), the fp16 block scales (and Q4_1's block min
 cols / 32]: the same values, in a layout a program reads with wide loads. A program owns ``block_n`` output channels
 for every row of x, streams their quants ``block_k`` columns at a time, dequantizes the tile in registers (q * d
 (+ m) in fp32, as ggml_quant.dequantize computes it), rounds it to x's dtype and multiplies on tensor cores into fp32
-sums: the numerics of dequantizing the weight to x's dtype and multiplying, without the dequantized weight in memory.
+sums: the numerics of dequantizing the weight to x's dtype and multiplying, without the dequantized weight in memory
+(a GPU may fuse Q4_1's multiply and add: a value can then differ from the reference's in its last bit).
 Steps of more rows than the kernel takes (prefill) dequantize the weight (torch ops on the GPU, a weight at a time)
 and use cuBLAS. Activations stay in the model's dtype (weight-only: no int8 activations on the GPU).
 
@@ -194,9 +195,16 @@ class GpuQuantLinear:
     def __init__(self, device: torch.device, dtype: torch.dtype, matmul: QuantWeightMatmul | None = None):
         self.device, self.dtype, self.matmul = device, dtype, matmul
 
+    quantized_weights = True  # the model's matrices are not plain tensors (LoRA stacks no base weights on them)
+
     @property
     def name(self) -> str:
         return self.matmul.name if self.matmul is not None else "dequantize + F.linear (GPU)"
+
+    def check_tolerance(self, dtype: torch.dtype, kv_cache_dtype: str = "") -> tuple[float, float] | None:
+        """The load check's (rtol, atol): with 16-bit x, 2^-7 both, as quant_linear.QuantLinear's bf16 path (the
+        weights are rounded to x's dtype, against the reference's exact values); else None (the dtype's)."""
+        return (2**-7, 2**-7) if dtype in (torch.bfloat16, torch.float16) else None
 
     def prepare(self, weight: QuantTensor | QuantRows | torch.Tensor) -> Any:
         if isinstance(weight, QuantRows):  # row ranges of different types

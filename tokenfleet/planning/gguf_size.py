@@ -80,12 +80,16 @@ class TensorInfo:
     offset: int
 
 
+ARRAY_ITEMS = 1024  # arrays of scalars up to this long are read (per-layer values); longer ones (a vocabulary) skipped
+
+
 @dataclass(frozen=True)
 class GGUFHeader:
-    """A GGUF file's metadata, scalars and strings only (an array's items are skipped: a vocabulary is most of a
-    header), and its tensors' entries."""
+    """A GGUF file's metadata: scalars, strings and short arrays of scalars (lists); the keys of the arrays skipped
+    (strings, or longer than ARRAY_ITEMS: a vocabulary is most of a header); and its tensors' entries."""
 
     fields: dict[str, object]
+    skipped: frozenset[str]
     tensors: tuple[TensorInfo, ...]
 
 
@@ -96,6 +100,7 @@ def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
         h = _Header(buf)
         num_tensors, num_fields = _begin(h, path)
         fields: dict[str, object] = {}
+        skipped: set[str] = set()
         for _ in range(num_fields):
             key = h.string().decode()
             value_type = h.unpack("<I")
@@ -103,7 +108,11 @@ def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
                 fields[key] = h.scalar(_SCALAR_FORMATS[value_type])
             elif value_type == _STRING:
                 fields[key] = h.string().decode(errors="replace")
+            elif value_type == _ARRAY and _short_scalar_array(h):
+                item, count = h.unpack("<I"), h.unpack("<Q")
+                fields[key] = [h.scalar(_SCALAR_FORMATS[item]) for _ in range(count)]
             else:
+                skipped.add(key)
                 h.skip(value_type)
         entries = []
         for _ in range(num_tensors):
@@ -117,7 +126,13 @@ def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
     for t in tensors:
         if t.offset > size:
             raise ValueError(f"{os.fspath(path)}: tensor {t.name!r} starts past the file's end")
-    return GGUFHeader(fields, tensors)
+    return GGUFHeader(fields, frozenset(skipped), tensors)
+
+
+def _short_scalar_array(h: _Header) -> bool:
+    """Whether the array at the cursor (its item type and count not yet read) holds at most ARRAY_ITEMS scalars."""
+    item, count = struct.unpack_from("<IQ", h.buf, h.pos)
+    return item in _SCALAR_FORMATS and count <= ARRAY_ITEMS
 
 
 def _begin(h: _Header, path: str | os.PathLike[str]) -> tuple[int, int]:

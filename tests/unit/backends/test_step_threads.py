@@ -17,6 +17,7 @@ def test_small_steps_leave_a_core_only_when_the_worker_takes_every_core(monkeypa
 
 def test_an_asked_count_is_kept_and_checked():
     assert device.small_step_threads(2, 2) == 2
+    assert device.small_step_threads(2, 8) == 2  # never more than the worker's threads
     with pytest.raises(ValueError, match="small_step_threads"):
         device.small_step_threads(2, 0)
 

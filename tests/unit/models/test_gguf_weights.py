@@ -85,6 +85,11 @@ def check_model(gguf_path: Path, folder: Path, types: dict[str, TypeTotal], file
                 f"{reader.fields['general.architecture']}.attention.head_count"):
         if key in reference.fields:
             assert reader.fields[key] == reference.fields[key].contents(), key
+    from tokenfleet.models.gguf_import import gguf_pre_tokenizer
+
+    pre = reference.fields.get("tokenizer.ggml.pre")
+    assert gguf_pre_tokenizer(gguf_path) == (pre.contents() if pre is not None else None)
+    assert "tokenizer.ggml.tokens" in reader.skipped  # the vocabulary: skipped, and asking for it is an error
     assert gguf_tensor_types(gguf_path) == types  # the planner's header walk
     assert {k: (v.count, v.elements, v.nbytes) for k, v in types.items()} == {  # the gguf package's reader
         k: (sum(1 for t in reference.tensors if t.tensor_type.name == k),
@@ -102,7 +107,7 @@ def check_model(gguf_path: Path, folder: Path, types: dict[str, TypeTotal], file
             assert torch.equal(ours, theirs), name
     quantized = {t.name: t for t in reader.tensors if t.tensor_type.name != "F32"}
     assert sum(w.nbytes for w in weights.values() if isinstance(w, QuantTensor)) == sum(
-        int(t.data.nbytes) for t in quantized.values())
+        int(t.n_bytes) for t in reference.tensors if t.tensor_type.name != "F32")
     # the embedding and V (not permuted) are views of the mapped file, not copies
     views = {"token_embd.weight": "embed_tokens.weight", "blk.0.attn_v.weight": "layers.0.self_attn.v_proj.weight"}
     for gguf_name, name in views.items():
@@ -131,7 +136,8 @@ def converter_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, object]], heads: int = 2, kv_heads: int = 1) -> Path:
+def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, object]], heads: int = 2,
+               kv_heads: int | list[int] = 1) -> Path:
     """``tensors``: GGUF name -> (float32 values [rows, cols], GGMLQuantizationType to store them as)."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_head_count(heads)
@@ -211,8 +217,23 @@ def test_unknown_tensors_and_architectures_are_refused(tmp_path):
     assert set(read_gguf_weights(skipped)) == {"lm_head.weight"}
 
 
+def mapping_rss_kb(address: int) -> int:
+    """This process's resident kB of the mapping holding ``address`` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            start, end = (int(v, 16) for v in head.split("-"))
+            if start <= address < end:
+                rss = next(entry for entry in lines[i + 1:] if entry.startswith("Rss:"))
+                return int(rss.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux: /proc/self/smaps")
 def test_dropping_the_mappings_resident_pages_keeps_every_value(tmp_path):
-    """gguf_weights.drop_resident_pages after the weights are built: the views fault back in with the file's bytes."""
+    """gguf_weights.drop_resident_pages after the weights are built: the mapping leaves the resident set, and the
+    views fault back in with the file's bytes."""
     from tokenfleet.models.gguf_weights import drop_resident_pages
 
     rng = np.random.default_rng(3)
@@ -221,7 +242,21 @@ def test_dropping_the_mappings_resident_pages_keeps_every_value(tmp_path):
         "output_norm.weight": (rng.standard_normal((1, 64)), gguf.GGMLQuantizationType.F32)})
     reader = open_gguf(path)
     weights = weights_from_reader(reader)
-    before = {name: dequantized(w).clone() for name, w in weights.items()}
+    before = {name: dequantized(w).clone() for name, w in weights.items()}  # every page read
+    assert mapping_rss_kb(reader.data.ctypes.data) >= 64
     drop_resident_pages(reader)
+    assert mapping_rss_kb(reader.data.ctypes.data) == 0
     for name, w in weights.items():
         assert torch.equal(dequantized(w), before[name]), name
+
+
+def test_per_layer_head_counts_are_refused_by_name(tmp_path):
+    """The header reader keeps short arrays (per-layer values): a model whose KV heads vary by layer is refused
+    with the field named, not read as one count."""
+    rng = np.random.default_rng(4)
+    path = write_gguf(tmp_path / "m.gguf", "llama", {
+        "blk.0.attn_k.weight": (rng.standard_normal((64, 64)), gguf.GGMLQuantizationType.Q8_0)}, kv_heads=[1, 2])
+    reader = open_gguf(path)
+    assert reader.fields["llama.attention.head_count_kv"] == [1, 2]
+    with pytest.raises(ValueError, match="head_count_kv.*varies by layer"):
+        weights_from_reader(reader)

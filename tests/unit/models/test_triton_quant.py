@@ -62,9 +62,10 @@ def test_the_layer_keeps_q8_0_and_q4_1_and_densifies_the_other_types():
 
 def test_a_gguf_record_loads_for_the_gpu_path_and_answers_as_the_dequantized_model(default_model_dir, tmp_path,
                                                                                   monkeypatch):
-    """TOKENFLEET_KERNELS=triton takes the GPU path on a CPU (the interpreter): the layers repacked, the embedding's
-    blocks kept, the load check run; rows 0 sends every step through the dequantized weights, so the test is
-    quick (the kernel itself: above) and its greedy answers equal the fp32 model's."""
+    """TOKENFLEET_KERNELS=triton takes the GPU path on a CPU: the layers repacked, the embedding's blocks kept.
+    Rows 0 turns the kernel off (its load check with it), so every step multiplies the repacked weights
+    dequantized and the test stays quick; the kernel itself and its load check are tested above and below. Greedy
+    answers equal the fp32 model's."""
     from tests.model.helpers import greedy, make_core, run_to_completion
     from tests.model.test_gguf_served import PROMPTS, kept_quantized
     from tokenfleet.models.tokenizer import Tokenizer

@@ -41,7 +41,8 @@ SMALL_STEP_TOKENS = 4  # steps of at most this many tokens take small_step_threa
 
 
 def small_step_threads(threads: int, requested: int | None = None) -> int:
-    """Threads for a step of a few tokens (one stream's decode, a few ms on a CPU): ``requested``, else one fewer
+    """Threads for a step of a few tokens (one stream's decode, a few ms on a CPU): ``requested`` (at most
+    ``threads``), else one fewer
     than ``threads`` when those are every usable core. Such a step is paced by the service path too (the worker's
     gRPC stream, the gateway's SSE, the client), whose per-token work then preempts a thread mid-step and stalls
     the step's barriers: served on 2 cores, the default model's GGUF at one stream took 14.7-15.7 ms a token with
@@ -50,7 +51,7 @@ def small_step_threads(threads: int, requested: int | None = None) -> int:
     if requested is not None:
         if requested < 1:
             raise ValueError(f"small_step_threads must be >= 1, got {requested}")
-        return requested
+        return min(requested, threads)  # never more than the worker's threads
     return threads - 1 if threads > 1 and threads >= usable_cores() else threads
 
 

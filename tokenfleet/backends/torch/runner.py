@@ -363,7 +363,7 @@ class TorchModelRunner:
             model = self.model
             if not model.source_dir:
                 raise ValueError("LoRA needs the model's checkpoint folder (its weights are stacked with the adapters')")
-            quantized = not isinstance(model.weights.layers[0].qkv, torch.Tensor)  # gguf / int8 blocks
+            quantized = getattr(model.linear, "quantized_weights", False)  # gguf / int8: no dense base to stack
             self.adapters = LoraSet(model.config, model.dtype, self.device, model.linear,
                                     None if quantized else lambda: fused_base_weights(model.source_dir, model.config))
         self.adapters.add(adapter)

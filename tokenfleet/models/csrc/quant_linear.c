@@ -158,6 +158,7 @@ static row_decoder decoder(int type, int64_t k, int64_t *row_bytes) {
  * reduced together (pairwise adds of unpacked and shuffled halves, ~45 instructions for sixteen sums instead of
  * ~160 for sixteen separate reductions: at k = 576 those were a third of a tile's work). The sums' order differs
  * from _mm512_reduce_add_ps's; one row of x keeps that (the fp32 path's decode-step numerics). */
+_Static_assert(NR == 4 && MR_MAX == 4, "store_sums reduces sixteen accumulators: NR x MR_MAX must be 4 x 4");
 static inline __attribute__((always_inline)) void store_sums(__m512 acc[NR][MR_MAX], const int MR, float *y,
                                                              int64_t n, int rows) {
     if (MR == 1) {
