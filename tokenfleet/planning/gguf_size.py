@@ -150,31 +150,20 @@ def gguf_tensor_types(path: str | os.PathLike[str]) -> dict[str, TypeTotal]:
     """Every tensor of the GGUF at ``path`` by GGML type name (F32, Q4_K, ...): count, elements, bytes."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        h = _Header(buf)
-        num_tensors, num_fields = _begin(h, path)
-        for _ in range(num_fields):
-            h.string()
-            h.skip(h.unpack("<I"))
-        totals: dict[str, list[int]] = {}
-        for _ in range(num_tensors):
-            name = h.string()
-            dims = [h.unpack("<Q") for _ in range(h.unpack("<I"))]
-            type_id = h.unpack("<I")
-            h.unpack("<Q")  # the data's offset
-            try:
-                kind = GGMLQuantizationType(type_id)
-            except ValueError:
-                raise ValueError(f"{os.fspath(path)}: tensor {name.decode(errors='replace')!r} has unknown GGML type "
-                                 f"{type_id}") from None
-            elements = 1
-            for d in dims:
-                elements *= d
-            block_elems, block_bytes = GGML_QUANT_SIZES[kind]
-            total = totals.setdefault(kind.name, [0, 0, 0])
-            total[0] += 1
-            total[1] += elements
-            total[2] += elements // block_elems * block_bytes
+    totals: dict[str, list[int]] = {}
+    for t in read_header(path).tensors:  # the same walk the loader's reader makes
+        try:
+            kind = GGMLQuantizationType(t.type_id)
+        except ValueError:
+            raise ValueError(f"{os.fspath(path)}: tensor {t.name!r} has unknown GGML type {t.type_id}") from None
+        elements = 1
+        for d in t.dims:
+            elements *= d
+        block_elems, block_bytes = GGML_QUANT_SIZES[kind]
+        total = totals.setdefault(kind.name, [0, 0, 0])
+        total[0] += 1
+        total[1] += elements
+        total[2] += elements // block_elems * block_bytes
     return {k: TypeTotal(*v) for k, v in sorted(totals.items())}
 
 
