@@ -99,7 +99,8 @@ def create_app(gateway: Gateway, api_docs: bool = False, batches: BatchStore | N
     async def models(request: Request) -> dict[str, Any]:
         gateway.admission.authenticate(request.headers.get("authorization"), peer(request))
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "tokenfleet"}
+            {"id": name, "object": "model", "created": created, "owned_by": "tokenfleet",
+             **({"tokenfleet": served} if (served := gateway.models.numerics(name)) else {})}
             for name, created in gateway.models.names()]}
 
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))

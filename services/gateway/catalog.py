@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,22 @@ class ModelCatalog:
                 except UnknownModelError:
                     continue  # a name whose versions are all disabled
         return sorted(names.items())
+
+    def numerics(self, name: str) -> dict[str, object]:
+        """What ``name`` serves (for /v1/models): its record's ref, weight format and dtype, and for dtype "auto" the
+        choice the fleet's first worker pinned (dtype, reason, source, measured rates, machine); {} for a static or
+        unresolvable name."""
+        if self.view is None or name in self.static:
+            return {}
+        try:
+            record = self.view.resolve(name)
+        except UnknownModelError:
+            return {}
+        out: dict[str, object] = {"ref": record.ref, "quantization": record.quantization or "none",
+                                  "dtype": record.pinned_dtype or "auto (no worker has loaded it yet)"}
+        if record.numerics:
+            out["dtype_choice"] = json.loads(record.numerics)
+        return out
 
     def route_policy(self, name: str) -> RoutePolicy | None:
         """The routing policy when ``name`` is a routing alias (the model router), else None."""

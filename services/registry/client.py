@@ -57,3 +57,12 @@ def register_model(address: str, record: ModelRecord, plane: Plane, timeout: flo
         reply = registry_pb2_grpc.RegistryServiceStub(channel).RegisterModel(
             registry_pb2.RegisterModelRequest(record=record_to_proto(record)), timeout=timeout)
     return reply.created, record_from_proto(reply.record)
+
+
+async def pin_numerics(address: str, ref: str, numerics: str, plane: Plane, timeout: float = 30.0) -> ModelRecord:
+    """Pin ``numerics`` (a DtypeChoice's JSON) on ``ref``'s record unless another worker did first; returns the
+    record as stored, whose ``numerics`` is the pin that stands. Raises grpc.RpcError."""
+    async with plane.channel(address, "registry") as channel:
+        reply = await registry_pb2_grpc.RegistryServiceStub(channel).PinNumerics(
+            registry_pb2.PinNumericsRequest(ref=ref, numerics=numerics), timeout=timeout)
+    return record_from_proto(reply)

@@ -22,7 +22,7 @@ def record_to_proto(r: ModelRecord) -> registry_pb2.ModelRecord:
         tokenizer=r.tokenizer, max_model_len=r.max_model_len, default_sampling=r.default_sampling,
         status=_STATUS[r.status], created_at=r.created_at, description=r.description,
         tool_format=r.tool_format, speculative_config=r.speculative_config, base=r.base,
-        kv_cache_dtype=r.kv_cache_dtype,
+        kv_cache_dtype=r.kv_cache_dtype, numerics=r.numerics,
     )
 
 
@@ -35,7 +35,7 @@ def record_from_proto(m: registry_pb2.ModelRecord) -> ModelRecord:
         default_sampling=dict(m.default_sampling),
         status=status_name(m.status) if m.status else "ready", created_at=m.created_at, description=m.description,
         tool_format=m.tool_format, speculative_config=m.speculative_config, base=m.base,
-        kv_cache_dtype=m.kv_cache_dtype,
+        kv_cache_dtype=m.kv_cache_dtype, numerics=m.numerics,
     )
 
 

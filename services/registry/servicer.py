@@ -106,6 +106,12 @@ class Registry(registry_pb2_grpc.RegistryServiceServicer):
         return record_to_proto(record)
 
     @map_errors
+    async def PinNumerics(self, request, context) -> registry_pb2.ModelRecord:  # type: ignore[no-untyped-def]
+        record = await self.store.pin_numerics(request.ref, request.numerics)
+        await self._refresh(record.key)
+        return record_to_proto(record)
+
+    @map_errors
     async def Watch(self, request, context) -> AsyncIterator[registry_pb2.RegistrySnapshot]:  # type: ignore[no-untyped-def]
         while True:
             revision = self.view.revision

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from tokenfleet.services.common.server import GrpcServer, run_service, serve_metrics
 from tokenfleet.services.registry.client import fetch_record
 from tokenfleet.services.worker.identity import expand_kv_tier, worker_identity
+from tokenfleet.services.worker.numerics import settle_dtype
 from tokenfleet.services.worker.servicer import MAX_MESSAGE_BYTES, EngineWorker
 from tokenfleet.services.worker.sources import PrefillSources
 
@@ -49,7 +50,8 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"],
-                   help="default: the registry record's dtype, else auto (float32 on CPUs, bfloat16 on GPUs)")
+                   help="default: the registry record's dtype (auto: the record's pinned choice, else this machine's "
+                   "fastest, then pinned), else auto")
     p.add_argument("--kv-cache-dtype", choices=["", "fp8"],
                    help="fp8: an FP8 KV cache (e4m3, a scale per token and KV head); default: the registry record's, "
                    "else the weights' dtype")
@@ -218,6 +220,7 @@ async def serve(args: argparse.Namespace) -> None:
     metrics = CollectorRegistry()
     plane = Plane.from_args(args, "worker", metrics)
     record = None
+    numerics_note = ""  # set when this worker serves a record's pinned dtype that is not its own fastest
     if args.registry:
         if not args.model_name:
             raise SystemExit("--registry needs --model-name (the registered name, alias or name@version)")
@@ -232,6 +235,8 @@ async def serve(args: argparse.Namespace) -> None:
         config = EngineConfig(model=trtllm.spec.model, max_num_running=args.max_num_running)  # for registration
     else:
         config = engine_config(args, record)
+        if record is not None:
+            config, numerics_note = await settle_dtype(args.registry, record, config, plane)
         engine = AsyncEngine(lambda: build_engine_core(config), transfer_timeout=args.transfer_timeout)
     await engine.start()
     log_kernel_checks(engine.kernel_checks())
@@ -247,7 +252,7 @@ async def serve(args: argparse.Namespace) -> None:
     layout = engine.kv_layout()
     layout_key = layout.key() if layout is not None else ""
     model_name, model_version = _model_name(args, config, record)
-    registration = (await register(args, etcd, config, replica_id, address, record, layout_key)
+    registration = (await register(args, etcd, config, replica_id, address, record, layout_key, numerics_note)
                     if etcd is not None else None)
     sources = PrefillSources(etcd, model_name, model_version, layout_key)
     await sources.start()
@@ -327,7 +332,7 @@ def _model_name(args: argparse.Namespace, config: EngineConfig, model: ModelReco
 
 
 async def register(args: argparse.Namespace, etcd: EtcdClient, config: EngineConfig, replica_id: str, address: str,
-                   model: ModelRecord | None, layout_key: str) -> ReplicaRegistration:
+                   model: ModelRecord | None, layout_key: str, numerics_note: str = "") -> ReplicaRegistration:
     roles = ("decode", "prefill") if args.role == "both" else (args.role,)
     name, version = _model_name(args, config, model)
     record = ReplicaRecord(
@@ -339,6 +344,7 @@ async def register(args: argparse.Namespace, etcd: EtcdClient, config: EngineCon
         num_blocks=config.num_blocks or 0,
         max_running=config.max_num_running,
         kv_layout=layout_key,
+        numerics=numerics_note,
     )
     registration = ReplicaRegistration(etcd, record, ttl=args.lease_ttl)
     if args.standby:  # a warm-pool replica: loaded and warmed up, joins the fleet on SIGUSR1

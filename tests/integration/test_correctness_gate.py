@@ -1,18 +1,21 @@
 """What the serving path answers, checked against a reference engine run in the same test.
 
-The default path: `tokenfleet up` on its defaults (the default model; float32 on a CPU), the gateway and the official
-openai client, greedy, on twelve short factual and instruction prompts of 6 to 555 prompt tokens (chat and raw
-completions, tests/data/correctness_prompts.json). The reference: the same engine in this process on the torch
-reference kernels. The first 16 tokens must be identical on at least 11 of the 12, a divergence may only start
-where the reference's top-2 logits are within 0.05 of each other, and the France question must be answered with
-Paris.
+The default path: `tokenfleet up` on its defaults (the default model; the dtype `auto` picks on this machine, named
+in the worker's `dtype auto` log line: float32 on a CPU without AVX512-BF16 or AMX, bfloat16 where bf16 measured
+faster), the gateway and the official openai client, greedy, on thirteen short factual and instruction prompts of 6
+to 555 prompt tokens (chat and raw completions, tests/data/correctness_prompts.json). The reference: the same engine
+in this process in float32 on the torch reference kernels. In fp32 the first 16 tokens must be identical on all but
+one, and a divergence may only start where the reference's top-2 logits are within 0.05 of each other; in bf16 a
+divergence may only start at a near-tie of the reference (below), on at most three. The Japan question (the README's:
+its answer leads by >= 0.97 at every token in fp32, in bf16 with the native kernels and with the torch kernels) must
+be answered with Tokyo.
 
 The bf16 path with the native CPU kernels (`up --dtype bfloat16`): every kernel must have passed its check at load and
 the native attention must be what serves; against the fp32 reference engine, a divergence may only start at a
 near-tie. bf16 rounds every activation to 8 bits of mantissa, and implementations that round in another order move
 a near-tie's margin by up to ~0.2 (the France question's first token leads by 0.082 in fp32, by 0.086 with the
-native bf16 kernels here and by 0.25 with the torch reference kernels in bf16), so "near" is 0.3 here; a wrong
-kernel changes answers where the model is sure.
+native bf16 kernels on an AMD EPYC and by 0.25 with the torch reference kernels in bf16), so "near" is 0.3 here; a
+wrong kernel changes answers where the model is sure.
 
 Gemma 3 on raw completions (fp32): the prompt is tokenized as its tokenizer does by default (with ``<bos>``), and the
 greedy continuations equal transformers' on five prompts.
@@ -97,16 +100,20 @@ def test_up_on_its_defaults_answers_as_the_reference_engine(default_model_dir, t
         served = serve_all(up.announced["gateway:"], "smol")
     finally:
         up.stop()
-    dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # what "auto" picks here
+    chosen = [json.loads(line) for line in up.log.read_text().splitlines()
+              if line.startswith("{") and '"event": "dtype auto"' in line]
+    assert chosen and chosen[0]["source"] in ("flags", "measured", "cached", "device"), chosen
+    dtype = chosen[0]["dtype"]  # what "auto" picked on this machine, and why (the log line's reason)
     ref = reference(default_model_dir, "float32")
     lengths = sorted(r["prompt_tokens"] for r in ref.values())
     assert lengths[0] <= 8 and lengths[-1] >= 500, lengths
     found = divergences(served, ref, default_model_dir)
-    print(f"default path ({dtype}): {12 - len(found)}/12 identical; divergences (token, reference margin): {found}")
-    assert len(found) <= 1, found
-    # in bf16 (a GPU's default) near-ties move by up to ~0.2 with the rounding (the module docstring)
+    print(f"default path ({dtype}: {chosen[0]['reason']}): {len(PROMPTS) - len(found)}/{len(PROMPTS)} identical; "
+          f"divergences (token, reference margin): {found}")
+    assert len(found) <= (1 if dtype == "float32" else 3), found
+    # in bf16 near-ties move by up to ~0.2 with the rounding (the module docstring)
     assert all(margin < (0.05 if dtype == "float32" else 0.3) for _, margin in found.values()), found
-    assert "Paris" in served["france"], served["france"]
+    assert "Tokyo" in served["japan"], served["japan"]
 
 
 @pytest.mark.nightly  # not the CPU default: the kernels it serves are held by the property tests in the default suite
@@ -129,7 +136,7 @@ def test_bf16_native_kernels_answer_as_the_fp32_reference_but_at_near_ties(defau
     assert checks["paged_attention"]["serving"].startswith("native paged attention"), checks
     ref = reference(default_model_dir, "float32")
     found = divergences(served, ref, default_model_dir)
-    print(f"bf16 native: {12 - len(found)}/12 identical; divergences (token, reference margin): {found}")
+    print(f"bf16 native: {len(PROMPTS) - len(found)}/{len(PROMPTS)} identical; divergences (token, reference margin): {found}")
     assert all(margin < 0.3 for _, margin in found.values()), found
     assert len(found) <= 3, found
 

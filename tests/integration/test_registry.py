@@ -158,3 +158,45 @@ def _served(client, model: str) -> bool:
         return True
     except openai.APIError:
         return False
+
+
+def test_the_first_worker_pins_what_auto_serves_for_the_whole_fleet(registry, default_model_dir):
+    """A record with dtype "auto" is resolved once: the first pin stands (compare-and-set), re-registering keeps it,
+    and a worker whose own fastest dtype differs serves the pin and says so in its replica record."""
+    import torch
+
+    from tokenfleet.models.auto_dtype import DtypeChoice
+    from tokenfleet.models.loader import resolve_dtype
+
+    etcd, service, stub = registry
+    register(stub, "smol-auto", str(default_model_dir), dtype="auto")
+    register(stub, "smol-own", str(default_model_dir), dtype="float32")
+    for bad in ("not json", "{}", '{"dtype": "auto"}', ""):
+        assert code_of(lambda b=bad: stub.PinNumerics(registry_pb2.PinNumericsRequest(ref="smol-auto", numerics=b))) \
+            == grpc.StatusCode.INVALID_ARGUMENT, bad
+    here = resolve_dtype("auto", torch.device("cpu"), model_dir=default_model_dir)
+    other = "float32" if here == "bfloat16" else "bfloat16"
+    pin = DtypeChoice(other, "another machine's measurement", "measured", {"fp32@64": 1.0}, "machine B").to_json()
+    mine = DtypeChoice(here, "this machine's", "measured", {}, "machine A").to_json()
+    own = stub.PinNumerics(registry_pb2.PinNumericsRequest(ref="smol-own", numerics=pin))
+    assert (own.dtype, own.numerics) == ("float32", "")  # a record with a dtype of its own takes no pin
+    as_gateway = registry_pb2_grpc.RegistryServiceStub(grpc_channel(service.address, "registry", "gateway"))
+    assert code_of(lambda: as_gateway.PinNumerics(registry_pb2.PinNumericsRequest(ref="smol-auto", numerics=pin))) \
+        == grpc.StatusCode.PERMISSION_DENIED
+    as_worker = registry_pb2_grpc.RegistryServiceStub(grpc_channel(service.address, "registry", "worker"))
+    assert as_worker.PinNumerics(registry_pb2.PinNumericsRequest(ref="smol-auto", numerics=pin)).numerics == pin
+    assert stub.PinNumerics(registry_pb2.PinNumericsRequest(ref="smol-auto", numerics=mine)).numerics == pin
+    assert not register(stub, "smol-auto", str(default_model_dir), dtype="auto").created  # same settings: a no-op
+    assert stub.GetModel(registry_pb2.GetModelRequest(ref="smol-auto")).numerics == pin
+
+    worker = start_service("tokenfleet.services.decode", "--registry", service.address, "--etcd", etcd.endpoint,
+                           "--threads", "1", "--num-blocks", "64", "--model-name", "smol-auto",
+                           "--replica-id", "w-auto")
+    try:
+        record = wait_for(lambda: replicas(etcd.endpoint).get("replicas/smol-auto/w-auto"), "registration")
+        assert f"/{other}/" in record.kv_layout, record.kv_layout  # the pin's dtype serves
+        assert f"serves the record's {other}" in record.numerics and f"fastest is {here}" in record.numerics, \
+            record.numerics
+        assert any("serving the record's pin" in line for line in worker.stderr_lines + worker.stdout_lines)
+    finally:
+        worker.stop()

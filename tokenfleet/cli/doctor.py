@@ -94,14 +94,18 @@ def kernel_sections(model: str | None, dtypes: list[str] | None) -> Iterator[tup
     from tokenfleet.backends.torch.device import resolve_device
     from tokenfleet.models.config import ModelConfig
     from tokenfleet.models.gguf_import import ensure_default_model
-    from tokenfleet.models.loader import checked_kernels, parse_dtype, resolve_dtype
+    from tokenfleet.models.loader import checked_kernels, choose_dtype, parse_dtype
 
     folder = Path(model) if model else ensure_default_model()
     config = ModelConfig.from_dir(folder)
     device = resolve_device("auto")
-    auto = resolve_dtype("auto", device)
-    chosen = [resolve_dtype(d, device) for d in dtypes or ["auto", "bfloat16"]]
-    yield "dtype", [f"auto picks {auto} on this {device.type} (tokenfleet.models.loader.resolve_dtype says why)"], 0
+    auto = choose_dtype("auto", device, model_dir=folder)
+    chosen = [auto.dtype if d == "auto" else d for d in dtypes or ["auto", "bfloat16"]]
+    rates = ", ".join(f"{k} {v:g}" for k, v in auto.rates.items())
+    yield "dtype", [f"auto picks {auto.dtype} on this {device.type} ({auto.source}): {auto.reason}",
+                    *([f"measured GFLOP/s: {rates}"] if rates else []),
+                    "a model record pins the first worker's choice for the whole fleet (its `numerics`); "
+                    "--dtype overrides"], 0
     for name in dict.fromkeys(chosen):
         _, _, checks = checked_kernels(config, parse_dtype(name), device)
         if device.type == "cpu":

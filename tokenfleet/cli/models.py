@@ -34,7 +34,8 @@ def add_commands(sub: Any) -> None:
     reg.add_argument("--path", help="HF model folder (default: the imported default model)")
     reg.add_argument("--version", default="v1")
     reg.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"],
-                     help="auto (the default for a new record): each worker runs float32 on a CPU, bfloat16 on a GPU; "
+                     help="auto (the default for a new record): the first worker to load it picks its machine's "
+                     "fastest (bfloat16 on a GPU or where bf16 measured faster, else float32) and pins it for all; "
                      "re-registering a version without --dtype keeps the dtype it was registered with")
     reg.add_argument("--backend", default="torch", choices=["torch", "trtllm"])
     reg.add_argument("--base", default="", help="register a LoRA adapter of this model (NAME or NAME@VERSION): --path "

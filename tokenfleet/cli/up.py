@@ -26,9 +26,9 @@ def add_commands(sub: Any) -> None:
     up_cmd.add_argument("--kv-pool-bytes", type=int, default=0, help="each worker's KV pool in bytes (its blocks: "
                         "this over the model's KV bytes per block; default 1 GiB)")
     up_cmd.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                        help="dtype in the model's registry record; auto: float32 on CPUs (answers that do not depend "
-                        "on the CPU's rounding), bfloat16 on GPUs; bfloat16 on a CPU with AVX512-BF16 or AMX is faster (gguf and "
-                        "int8 records take it there)")
+                        help="dtype in the model's registry record; auto: the first worker's fastest (bfloat16 on GPUs "
+                        "and on CPUs where bf16 measured faster: AVX512-BF16 or AMX; float32 elsewhere), pinned on the "
+                        "record for every worker (`tokenfleet doctor` says which and why)")
     up_cmd.add_argument("--async-scheduling", action="store_true",
                         help="workers overlap scheduling with the device: the next decode step is queued before this "
                         "one's tokens are read (GPU; off by default)")

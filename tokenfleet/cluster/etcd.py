@@ -136,6 +136,15 @@ class EtcdClient:
             self._client.transaction(compare=[tx.version(k) == 0], success=[put], failure=[]), self.timeout)
         return bool(succeeded)
 
+    async def replace(self, key: str, old: bytes, new: bytes) -> bool:
+        """Set ``key`` to ``new`` only if it still holds ``old`` (one etcd transaction); False if it did not."""
+        k = self._key(key)
+        tx = self._client.transactions
+        succeeded, _ = await asyncio.wait_for(
+            self._client.transaction(compare=[tx.value(k) == old], success=[tx.put(k, new)], failure=[]),
+            self.timeout)
+        return bool(succeeded)
+
     async def get(self, key: str) -> bytes | None:
         result = await asyncio.wait_for(self._client.get(self._key(key)), self.timeout)
         return None if result is None else bytes(result.value)

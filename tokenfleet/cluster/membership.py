@@ -27,6 +27,8 @@ class ReplicaRecord:
     max_running: int = 0
     state: str = SERVING
     kv_layout: str = ""  # KVLayout.key(): decode workers accept KV only from prefill replicas with theirs
+    # "" or why this replica serves its record's pinned dtype although another is its machine's fastest
+    numerics: str = ""
 
     @property
     def key(self) -> str:

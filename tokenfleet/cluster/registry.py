@@ -29,7 +29,7 @@ from tokenfleet.cluster.etcd import EtcdClient, KeyEvent, mirror_prefix
 
 MODELS, ALIASES = "models/", "aliases/"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: float32 on CPUs, bfloat16 on GPUs (models.loader)
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: resolved by the first worker (models.auto_dtype)
 STATUSES = ("ready", "disabled")
 TOOL_FORMATS = ("hermes", "generic")  # tokenfleet.api.tools.FORMATS
 
@@ -64,7 +64,7 @@ class ModelRecord:
     version: str
     path: str  # artifact location: an HF-style folder (config.json, safetensors, tokenizer)
     architecture: str = "llama"
-    dtype: str = "auto"  # auto: float32 on CPUs, bfloat16 on GPUs, resolved by the worker (models.loader.resolve_dtype)
+    dtype: str = "auto"  # auto: the first worker's fastest here (models.auto_dtype), pinned in ``numerics``
     # "" (none) | "fp8": FP8 weights (torch engine: models.linear.Fp8Linear; trtllm: its engine) | "gguf": the GGUF
     # file's own quantized tensors (torch engine; ``path`` a folder imported with --keep-quantized) | "int8": int8
     # weights (torch engine; on CPUs int8 activations on decode steps too)
@@ -87,6 +87,11 @@ class ModelRecord:
     # "" (the weights' dtype) | "fp8": an FP8 e4m3 KV cache with per-token, per-head scales (torch engine:
     # models.kv_fp8; trtllm: its FP8 KV cache, which quantization "fp8" also turns on)
     kv_cache_dtype: str = ""
+    # dtype "auto" resolved once for the whole fleet: the JSON of models.auto_dtype.DtypeChoice (dtype, reason,
+    # measured rates, machine) that the first worker to load this version pinned (ModelRegistry.pin_numerics); every
+    # other worker serves that dtype, so replicas agree on answers and KV layout. "" until then; not part of the
+    # record's content (registering the same settings again is a no-op)
+    numerics: str = ""
 
     def __post_init__(self) -> None:
         check_name("model name", self.name)
@@ -95,6 +100,13 @@ class ModelRecord:
             raise ValueError("a model record needs a path")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.numerics:
+            try:
+                pinned = json.loads(self.numerics)
+            except ValueError as e:
+                raise ValueError(f"numerics is not JSON: {e}") from e
+            if not isinstance(pinned, dict) or pinned.get("dtype") not in DTYPES[1:]:
+                raise ValueError(f"numerics must pin one of {', '.join(DTYPES[1:])}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization {self.quantization!r} is not one of '', {', '.join(QUANTIZATIONS[1:])}")
         if self.quantization in ("gguf", "int8") and self.backend != "torch":
@@ -151,7 +163,15 @@ class ModelRecord:
         return cls(**{k: v for k, v in data.items() if k in known})  # newer writers may add fields
 
     def same_content(self, other: ModelRecord) -> bool:
-        return dataclasses.replace(self, created_at=0.0) == dataclasses.replace(other, created_at=0.0)
+        return dataclasses.replace(self, created_at=0.0, numerics="") == \
+            dataclasses.replace(other, created_at=0.0, numerics="")
+
+    @property
+    def pinned_dtype(self) -> str:
+        """The dtype the fleet serves: the record's own, else the pin's ("" while "auto" is not pinned yet)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return str(json.loads(self.numerics)["dtype"]) if self.numerics else ""
 
 
 @dataclass
@@ -276,6 +296,22 @@ class ModelRegistry:
             return existing, False
         raise RegistryConflictError(f"{record.ref} is already registered with different settings; "
                                     "versions are immutable: register a new version")
+
+    async def pin_numerics(self, ref: str, numerics: str) -> ModelRecord:
+        """Pin ``numerics`` (a DtypeChoice's JSON) on the record ``ref`` resolves to, unless one is pinned already:
+        the first worker's choice stands (compare-and-set on the record's key). Returns the record as stored. A
+        record whose dtype is not "auto" keeps its own dtype and gets no pin."""
+        if not numerics:
+            raise ValueError("numerics: a dtype choice's JSON is required")
+        for _ in range(8):  # another writer (a status change) between the read and the write: read again
+            record = (await self.load()).resolve(ref)
+            if record.dtype != "auto" or record.numerics:
+                return record
+            pinned = dataclasses.replace(record, numerics=numerics)
+            raw = await self.etcd.get(record.key)
+            if raw is not None and await self.etcd.replace(record.key, raw, pinned.to_json()):
+                return pinned
+        raise RegistryConflictError(f"{ref}: the record kept changing while its numerics were pinned")
 
     async def set_status(self, ref: str, status: str) -> ModelRecord:
         view = await self.load()

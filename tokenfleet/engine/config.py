@@ -12,8 +12,8 @@ from tokenfleet.engine.spec_decode import SpecConfig
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # path of an HF folder (config.json, *.safetensors, tokenizer.json)
-    # "auto": float32 on CPUs (bf16 greedy answers at near-ties depend on the CPU's rounding; fp32 ones do not, and
-    # fp32 is faster where the CPU lacks bf16 dot products), bfloat16 on GPUs and with FP8 weights
+    # "auto": the fastest dtype here (models.auto_dtype): bfloat16 on GPUs, with FP8 weights and on CPUs where bf16
+    # measured faster (AVX512-BF16, AMX), float32 on CPUs without bf16 dot products
     dtype: str = "auto"
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     block_size: int = 16

@@ -23,13 +23,14 @@ from safetensors import safe_open
 
 from tokenfleet import envs
 from tokenfleet.engine.runner import KernelCheck
-from tokenfleet.models import native
+from tokenfleet.models import auto_dtype, native
 from tokenfleet.models.attention import (
     NativePagedAttention,
     PagedAttention,
     TorchPagedAttention,
     fallbacks,
 )
+from tokenfleet.models.auto_dtype import DtypeChoice
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.gemma3 import Gemma3LayerWeights, Gemma3Model, Gemma3Weights
 from tokenfleet.models.ggml_quant import QuantTensor, cat_rows
@@ -74,32 +75,20 @@ def select_attention(dtype: torch.dtype, device: torch.device, kv_cache_dtype: s
     return TorchPagedAttention()
 
 
-def resolve_dtype(name: str, device: torch.device, quantization: str = "") -> str:
-    """``name``, or for "auto" the serving default of ``device``: float32 on CPUs, bfloat16 on GPUs (and with FP8
-    weights, which need 16-bit activations). gguf and int8 weights on a CPU with AVX512-BF16: bfloat16, whose
-    quantized matmul (csrc/quant_linear.c's bf16 path) serves 32 streams ~2x faster than fp32's; their decode
-    steps already take int8 activations (TOKENFLEET_QUANT_ACTIVATIONS), so exact fp32 answers are not theirs to
-    keep. Why float32 on CPUs otherwise: a bf16 forward rounds every activation to 8 bits
-    of mantissa, so where a greedy choice is a near-tie (the default model's first token for "What is the capital of
-    France?" leads by 0.08 in fp32) the winner depends on the CPU's rounding order (its bf16 dot-product
-    instructions, the kernels' vector width): the same prompt answered "The capital of France is Paris." on one
-    machine and "L'Étoile, la Marseillaise, ..." on another. fp32 answers equal HF's fp32 on every machine, and on
-    CPUs without AVX512-BF16 or AMX they are also the faster ones. ``--dtype bfloat16`` keeps the bf16 speed where
-    the CPU has those instructions."""
-    if name != "auto":
-        return name
-    if device.type == "cpu" and quantization in ("gguf", "int8") and cpu_has_bf16():
-        return "bfloat16"
-    return "bfloat16" if device.type == "cuda" or quantization == "fp8" else "float32"
+def resolve_dtype(name: str, device: torch.device, quantization: str = "", model_dir: str | Path | None = None) -> str:
+    """``name``, or for "auto" the fastest dtype on ``device`` for the model at ``model_dir`` (models.auto_dtype
+    says the rule and ``choose_dtype`` why)."""
+    return choose_dtype(name, device, quantization, model_dir).dtype
 
 
-def cpu_has_bf16() -> bool:
-    """Whether the native quantized matmul here has its bf16 path (built where the CPU has AVX512-BF16; none under
-    TOKENFLEET_KERNELS=torch or without a compiler)."""
-    from tokenfleet.models.quant_linear import native_quant_matmul
-
-    kernel = native_quant_matmul()
-    return kernel is not None and kernel.has_bf16
+def choose_dtype(name: str, device: torch.device, quantization: str = "",
+                 model_dir: str | Path | None = None) -> DtypeChoice:
+    """The DtypeChoice for ``name`` on ``device``: measured (once per machine, then cached) in the geometry of the
+    model at ``model_dir`` where the CPU's flags do not settle it; the default model's without one."""
+    if model_dir is None:
+        return auto_dtype.choose_dtype(name, device, quantization)
+    config = ModelConfig.from_dir(model_dir)
+    return auto_dtype.choose_dtype(name, device, quantization, config.hidden_size, config.intermediate_size)
 
 
 def parse_dtype(name: str) -> torch.dtype:

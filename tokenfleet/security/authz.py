@@ -49,6 +49,8 @@ POLICY: Mapping[str, frozenset[str]] = {
     "/tokenfleet.v1.RegistryService/SetAlias": frozenset({"operator"}),
     "/tokenfleet.v1.RegistryService/DeleteAlias": frozenset({"operator"}),
     "/tokenfleet.v1.RegistryService/SetModelStatus": frozenset({"operator"}),
+    # the first worker of a version pins what its dtype "auto" resolves to, for the whole fleet
+    "/tokenfleet.v1.RegistryService/PinNumerics": frozenset({"worker", "operator"}),
     "/grpc.health.v1.Health/Check": EVERYONE,
     "/grpc.health.v1.Health/Watch": EVERYONE,
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": frozenset({"operator"}),
@@ -58,6 +60,7 @@ ADMIN = frozenset({
     "/tokenfleet.v1.EngineService/LoadAdapter",  # loads a filesystem path into a worker
     "/tokenfleet.v1.RegistryService/RegisterModel", "/tokenfleet.v1.RegistryService/SetAlias",
     "/tokenfleet.v1.RegistryService/DeleteAlias", "/tokenfleet.v1.RegistryService/SetModelStatus",
+    "/tokenfleet.v1.RegistryService/PinNumerics",
 })
 
 

@@ -17,7 +17,7 @@ MODEL_STATUS_READY: ModelStatus
 MODEL_STATUS_DISABLED: ModelStatus
 
 class ModelRecord(_message.Message):
-    __slots__ = ("name", "version", "path", "architecture", "dtype", "quantization", "backend", "tensor_parallel_size", "tokenizer", "max_model_len", "default_sampling", "status", "created_at", "description", "tool_format", "speculative_config", "base", "kv_cache_dtype")
+    __slots__ = ("name", "version", "path", "architecture", "dtype", "quantization", "backend", "tensor_parallel_size", "tokenizer", "max_model_len", "default_sampling", "status", "created_at", "description", "tool_format", "speculative_config", "base", "kv_cache_dtype", "numerics")
     class DefaultSamplingEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class ModelRecord(_message.Message):
     SPECULATIVE_CONFIG_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     path: str
@@ -61,7 +62,8 @@ class ModelRecord(_message.Message):
     speculative_config: str
     base: str
     kv_cache_dtype: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., backend: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., max_model_len: _Optional[int] = ..., default_sampling: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[ModelStatus, str]] = ..., created_at: _Optional[float] = ..., description: _Optional[str] = ..., tool_format: _Optional[str] = ..., speculative_config: _Optional[str] = ..., base: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    numerics: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., backend: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., max_model_len: _Optional[int] = ..., default_sampling: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[ModelStatus, str]] = ..., created_at: _Optional[float] = ..., description: _Optional[str] = ..., tool_format: _Optional[str] = ..., speculative_config: _Optional[str] = ..., base: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., numerics: _Optional[str] = ...) -> None: ...
 
 class Alias(_message.Message):
     __slots__ = ("alias", "target", "canary", "canary_weight", "route")
@@ -148,3 +150,11 @@ class SetModelStatusRequest(_message.Message):
 class WatchRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PinNumericsRequest(_message.Message):
+    __slots__ = ("ref", "numerics")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    ref: str
+    numerics: str
+    def __init__(self, ref: _Optional[str] = ..., numerics: _Optional[str] = ...) -> None: ...

@@ -71,6 +71,11 @@ class RegistryServiceStub:
                 request_serializer=tokenfleet_dot_v1_dot_registry__pb2.WatchRequest.SerializeToString,
                 response_deserializer=tokenfleet_dot_v1_dot_registry__pb2.RegistrySnapshot.FromString,
                 _registered_method=True)
+        self.PinNumerics = channel.unary_unary(
+                '/tokenfleet.v1.RegistryService/PinNumerics',
+                request_serializer=tokenfleet_dot_v1_dot_registry__pb2.PinNumericsRequest.SerializeToString,
+                response_deserializer=tokenfleet_dot_v1_dot_registry__pb2.ModelRecord.FromString,
+                _registered_method=True)
 
 
 class RegistryServiceServicer:
@@ -128,6 +133,13 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinNumerics(self, request, context):
+        """Pin what "auto" resolves to for a record (the first caller wins; later calls return the stored pin).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +177,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=tokenfleet_dot_v1_dot_registry__pb2.WatchRequest.FromString,
                     response_serializer=tokenfleet_dot_v1_dot_registry__pb2.RegistrySnapshot.SerializeToString,
+            ),
+            'PinNumerics': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinNumerics,
+                    request_deserializer=tokenfleet_dot_v1_dot_registry__pb2.PinNumericsRequest.FromString,
+                    response_serializer=tokenfleet_dot_v1_dot_registry__pb2.ModelRecord.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,6 +375,33 @@ class RegistryService:
             '/tokenfleet.v1.RegistryService/Watch',
             tokenfleet_dot_v1_dot_registry__pb2.WatchRequest.SerializeToString,
             tokenfleet_dot_v1_dot_registry__pb2.RegistrySnapshot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinNumerics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenfleet.v1.RegistryService/PinNumerics',
+            tokenfleet_dot_v1_dot_registry__pb2.PinNumericsRequest.SerializeToString,
+            tokenfleet_dot_v1_dot_registry__pb2.ModelRecord.FromString,
             options,
             channel_credentials,
             insecure,

@@ -193,3 +193,15 @@ def test_routing_aliases_survive_the_view_and_snapshots():
     assert again.routes == view.routes and again.aliases == view.aliases
     view.reset({"aliases/auto": json.dumps({"target": "b"}).encode()}, ("aliases/",))
     assert view.routes == {}  # the route went with the alias's new value
+
+
+def test_a_pinned_dtype_is_not_part_of_a_records_content():
+    pin = json.dumps({"dtype": "bfloat16", "reason": "measured"})
+    pinned = rec(numerics=pin)
+    assert pinned.pinned_dtype == "bfloat16" and rec().pinned_dtype == "" and rec(dtype="float32").pinned_dtype == \
+        "float32"
+    assert pinned.same_content(rec())  # registering the same settings again keeps the pin
+    assert record_from_proto(record_to_proto(pinned)).numerics == pin
+    for bad in ("not json", "{}", json.dumps({"dtype": "auto"}), "[]"):
+        with pytest.raises(ValueError, match="numerics"):
+            rec(numerics=bad)

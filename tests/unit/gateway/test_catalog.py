@@ -53,3 +53,21 @@ def test_a_tenants_pin_picks_the_version_before_anything_else(default_model_dir)
     assert asyncio.run(gateway.prepare_chat(body, Tenant("t"))).model.ref == "m@v2"
     pinned = asyncio.run(gateway.prepare_chat(body, Tenant("t", pins={"m": "m@v1"})))
     assert pinned.model.ref == "m@v1" and pinned.requested_model == "m"  # the ledger names both
+
+
+def test_models_say_what_dtype_serves_them_and_why(default_model_dir):
+    from tokenfleet.models.auto_dtype import DtypeChoice
+
+    pin = DtypeChoice("bfloat16", "AVX512-BF16: bf16 matmul 3.7x", "measured", {"bf16@64": 700.0}, "Xeon").to_json()
+    records = [ModelRecord(name="auto", version="v1", path=str(default_model_dir), numerics=pin),
+               ModelRecord(name="fresh", version="v1", path=str(default_model_dir)),
+               ModelRecord(name="own", version="v1", path=str(default_model_dir), dtype="float32", quantization="int8")]
+    view = RegistryView()
+    view.reset({**{r.key: r.to_json() for r in records}, "aliases/prod": json.dumps({"target": "auto"}).encode()})
+    catalog = ModelCatalog(view=view, synced=True)
+    served = catalog.numerics("prod")
+    assert (served["ref"], served["dtype"], served["quantization"]) == ("auto@v1", "bfloat16", "none")
+    assert served["dtype_choice"]["rates"] == {"bf16@64": 700.0} and served["dtype_choice"]["machine"] == "Xeon"
+    assert catalog.numerics("fresh")["dtype"].startswith("auto (no worker")
+    assert catalog.numerics("own") == {"ref": "own@v1", "quantization": "int8", "dtype": "float32"}
+    assert catalog.numerics("nope") == {}

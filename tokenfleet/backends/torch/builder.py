@@ -17,7 +17,7 @@ from tokenfleet.engine.retention import Retention
 from tokenfleet.engine.runner import ModelInfo
 from tokenfleet.engine.scheduler import Scheduler
 from tokenfleet.models.kv_fp8 import row_bytes
-from tokenfleet.models.loader import load_model, parse_dtype, resolve_dtype
+from tokenfleet.models.loader import choose_dtype, load_model, parse_dtype
 from tokenfleet.models.tokenizer import Tokenizer
 
 log = structlog.get_logger()
@@ -26,7 +26,10 @@ log = structlog.get_logger()
 def build_engine_core(config: EngineConfig) -> EngineCore:
     threads = configure_threads(config.num_threads)
     device = resolve_device(config.device)
-    config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, device, config.quantization))
+    choice = choose_dtype(config.dtype, device, config.quantization, config.model)
+    if choice.source != "asked":
+        log.info("dtype auto", **choice.log_fields())
+    config = dataclasses.replace(config, dtype=choice.dtype)
     dtype = parse_dtype(config.dtype)
     model = load_model(config.model, dtype, device, config.quantization, config.kv_cache_dtype, config.block_size)
     max_model_len = config.max_model_len or model.config.max_position_embeddings
