@@ -7,8 +7,8 @@ plus 64-256 new tokens, 10 % prompts of 2,000-3,000 tokens; 32-256 output tokens
 + 1 ms per prompt token, TPOT <= 100 ms; a request that errors or never gets a token misses. The
 definitions (``Objectives.met``, ``goodput_rate``) are tokenfleet/planning/metrics.py's, the simulator's.
 
-Per system and round: the server is started fresh; its answers are checked first (greedy, the France
-question must say Paris; three more prompts from tests/data/correctness_prompts.json, whose first 16
+Per system and round: the server is started fresh; its answers are checked first (greedy, the Japan
+question must say Tokyo; four more prompts from tests/data/correctness_prompts.json, whose first 16
 tokens are compared across systems and reported as a match rate); 4 untimed warm-up requests; then the
 rates of the ladder (--start-rate x --factor^i) are offered one after another, --requests each, each run
 drained before the next, until one's attainment falls below 90 %. A run stops early once misses make 90 %
@@ -16,7 +16,7 @@ impossible (its attainment is then an upper bound, marked). Goodput = the highes
 miss. Systems alternate in order each round; the bar is the median over rounds of tokenfleet's goodput /
 the peer's, and the attainment-vs-rate curve of every run is drawn to a PNG beside the report.
 
-Systems: ``tokenfleet`` = `tokenfleet up` on its defaults (dtype auto: fp32 on a CPU, bf16 on a GPU),
+Systems: ``tokenfleet`` = `tokenfleet up` on its defaults (dtype auto: the machine's fastest, models.auto_dtype),
 ``tokenfleet:bf16`` = `tokenfleet up --dtype bfloat16`, ``vllm:SPEC`` = vLLM-CPU in the configuration SPEC
 (benchmarks/serving/vllm_configs.py, dtype included; the best ones benchmarks/peer_sweep.py found).
 
@@ -223,9 +223,9 @@ def run_system(args: argparse.Namespace, children: Children, system: str, round_
     entry["startup_s"] = time.monotonic() - started
     try:
         entry["answers"] = check_answers(child.address, model_name)
-        entry["paris"] = "Paris" in entry["answers"]["france"]
-        if not entry["paris"]:
-            print(f"{system}: the France answer lacks Paris: {entry['answers']['france']!r}", flush=True)
+        entry["tokyo"] = "Tokyo" in entry["answers"]["japan"]
+        if not entry["tokyo"]:
+            print(f"{system}: the Japan answer lacks Tokyo: {entry['answers']['japan']!r}", flush=True)
         warm, _ = asyncio.run(open_loop(child.address, model_name, workload.warmup(vocab), drain_s=600,
                                         early_abort=False))
         entry["warmup_errors"] = [f.error for f in warm if f.error]

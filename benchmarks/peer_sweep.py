@@ -7,7 +7,8 @@ keeping the best so far by output tok/s:
 
 0. the dtype (--dtypes: bf16, fp32) with both cores bound: on a CPU without AVX-512 BF16 bf16 GEMMs are
    far slower than fp32, so the dtype is a knob there (a machine with it can pass --dtypes bfloat16);
-1. the best dtype's binding (`bind=default` / `bind=0-1` / `bind=reserved0`) x TCMalloc off / on;
+1. the best dtype's binding (`bind=default` / `bind=0-1` / `bind=reserved0`) x TCMalloc off / on; on a CPU with
+   AMX, the best of those with VLLM_CPU_SGL_KERNEL=1 too (`sgl`);
 2. the best of 1 with --max-num-batched-tokens at each of --mnbt (3 values);
 3. the best of 2 with --max-num-seqs at each of --seqs (3 values); a value at or above the concurrency
    cannot change a closed loop of that many requests, and is reported as not run.
@@ -103,6 +104,13 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _has_amx() -> bool:
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="python of a vLLM-CPU virtualenv")
@@ -146,6 +154,8 @@ def main() -> None:
         for binding in args.bindings:
             for tcmalloc in ("", ",tcmalloc"):
                 run(1, f"bind={binding}{tcmalloc},dtype={top_dtype}")
+        if (top := best(result["runs"])) is not None and _has_amx():
+            run(1, f"{top},sgl")  # the AMX small-batch kernels (vLLM's CPU guide: AMX machines only)
         if (top := best(result["runs"])) is not None:
             for value in args.mnbt:
                 run(2, with_setting(top, "mnbt", value))

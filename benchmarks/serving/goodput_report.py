@@ -159,9 +159,9 @@ def markdown(result: dict) -> str:
                          f"{r['ttft_p50_s'] or 0:.2f}/{r['ttft_p90_s'] or 0:.2f} | "
                          f"{1000 * (r['tpot_p50_s'] or 0):.0f}/{1000 * (r['tpot_p90_s'] or 0):.0f} | "
                          f"{r['num_errors']} | {cpu} |")
-    wrong = [f"{e['system']} round {e['round']}" for e in result["entries"] if not e.get("paris", True)]
+    wrong = [f"{e['system']} round {e['round']}" for e in result["entries"] if not e.get("tokyo", e.get("paris", True))]
     lines += ["", "## Answers (greedy, first 16 tokens, checked before timing)", "",
-              "France answers without Paris: " + (", ".join(wrong) if wrong else "none") + ".", ""]
+              "Japan answers without Tokyo: " + (", ".join(wrong) if wrong else "none") + ".", ""]
     texts: dict[str, dict[str, str]] = {}
     for e in result["entries"]:
         texts.setdefault(e["system"], e.get("answers", {}))

@@ -44,8 +44,27 @@ def machine_line() -> str:
 
     name, flags = cpu_info()
     bf16 = all(f in flags for f in ("avx512f", "avx512bw", "avx512_bf16"))
-    return (f"{name}, {len(os.sched_getaffinity(0))} cores, AVX-512 BF16 {'yes' if bf16 else 'no'} (native attention: "
-            f"{'AVX-512 BF16' if bf16 else 'portable C'} build), torch {torch.__version__}")
+    amx = "amx_bf16" in flags
+    return (f"{name}, {len(os.sched_getaffinity(0))} cores, AVX-512 BF16 {'yes' if bf16 else 'no'}, AMX "
+            f"{'yes' if amx else 'no'} (native attention: {'AVX-512 BF16' if bf16 else 'portable C'} build), torch "
+            f"{torch.__version__}")
+
+
+def machine_kind(line: str) -> str:
+    """The kind of machine a report's ``machine_line`` names, for keeping figures of different kinds apart: a CPU
+    without AVX-512 BF16 (bf16 emulated: fp32 is the fast dtype), one with it, one with AMX too, or a GPU. Reports
+    from before the AMX field count as without AMX; "" where the line does not say (older reports)."""
+    cpu = line.split(",")[0].strip()
+    if not cpu or cpu[0].isdigit() or "AVX-512 BF16" not in line:
+        return ""  # an older report's line ("2 cpus, load ..."): the kind was not recorded
+    vendor = "Intel Xeon" if "Xeon" in cpu else "AMD EPYC" if "EPYC" in cpu else cpu
+    if "GPU" in line or "NVIDIA" in line:
+        return f"GPU ({cpu})"
+    if "AMX yes" in line:
+        return f"{vendor} with AVX-512 BF16 and AMX"
+    if "AVX-512 BF16 yes" in line:
+        return f"{vendor} with AVX-512 BF16"
+    return f"{vendor} without AVX-512 BF16"
 
 
 def git_head() -> str:

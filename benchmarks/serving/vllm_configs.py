@@ -6,6 +6,8 @@ A spec is comma-separated settings (any order, any subset):
   API server); ``bind=0-1``: both cores compute (VLLM_CPU_OMP_THREADS_BIND=0-1);
   ``bind=reserved0``: automatic binding with no core reserved (VLLM_CPU_NUM_OF_RESERVED_CPU=0);
 - ``tcmalloc``: TCMalloc preloaded (vLLM's CPU guide recommends it; Debian's libtcmalloc-minimal4);
+- ``sgl``: VLLM_CPU_SGL_KERNEL=1, the SGLang-derived AMX kernels for small batches (vLLM's CPU guide: AMX machines
+  only);
 - ``mnbt=N``: --max-num-batched-tokens N; ``seqs=N``: --max-num-seqs N;
 - ``dtype=float32``: fp32 weights and compute (default bfloat16: on a CPU without AVX-512 BF16, bf16 GEMMs
   run far slower than fp32, so there the dtype is a knob of the sweep too).
@@ -59,8 +61,10 @@ def parse(spec: str) -> VllmConfig:
             dtype = value
         elif key == "tcmalloc" and not value:
             env["LD_PRELOAD"] = tcmalloc_path()
+        elif key == "sgl" and not value:
+            env["VLLM_CPU_SGL_KERNEL"] = "1"
         elif key in ("mnbt", "seqs") and value.isdigit() and int(value) > 0:
             args += ["--max-num-batched-tokens" if key == "mnbt" else "--max-num-seqs", value]
         else:
-            raise ValueError(f"{spec!r}: unknown setting {item!r} (bind=…, tcmalloc, mnbt=N, seqs=N, dtype=…)")
+            raise ValueError(f"{spec!r}: unknown setting {item!r} (bind=…, tcmalloc, sgl, mnbt=N, seqs=N, dtype=…)")
     return VllmConfig(spec, env, ("--dtype", dtype, *args))

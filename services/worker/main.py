@@ -86,6 +86,13 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
     p.add_argument("--max-prefill-chunk", type=int, default=0, help="cap each request's prefill chunk (0 = budget)")
     p.add_argument("--itl-guard", type=float, default=1.5, help="a step beside decoding streams takes at most this "
                    "times a decode-only step (a long prompt's chunks get the rest, at least a token a step); 0 = off")
+    p.add_argument("--ttft-slo-ms", type=float, default=500.0, help="the TTFT objective's base: a prompt is "
+                   "promised its first token within this plus --ttft-slo-per-token-ms per prompt token")
+    p.add_argument("--ttft-slo-per-token-ms", type=float, default=1.0, help="the TTFT objective's share per prompt "
+                   "token")
+    p.add_argument("--tpot-slo-ms", type=float, default=100.0, help="the TPOT objective of this replica's streams: "
+                   "a long prompt whose TTFT objective is at risk at --itl-guard's pace may take steps of up to 0.8 "
+                   "of it beside them (their slack); 0 = --itl-guard alone")
     p.add_argument("--grace-seconds", type=float, default=30.0, help="drain deadline on SIGTERM")
     p.add_argument("--handoff-idle-seconds", type=float, default=2.0,
                    help="after a drain, keep sending cached blocks to peers until none has fetched for this long "
@@ -154,6 +161,9 @@ def engine_config(args: argparse.Namespace, record: ModelRecord | None = None) -
         max_num_waiting=args.max_num_waiting,
         max_prefill_chunk=args.max_prefill_chunk,
         itl_guard=args.itl_guard,
+        ttft_slo_ms=args.ttft_slo_ms,
+        ttft_slo_per_token_ms=args.ttft_slo_per_token_ms,
+        tpot_slo_ms=args.tpot_slo_ms,
         max_num_running=args.max_num_running,
         fair_queuing=not args.no_fair_queuing,
         kv_tier=args.kv_tier,

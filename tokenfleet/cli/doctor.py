@@ -49,17 +49,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def cpu_info() -> tuple[str, set[str]]:
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value:
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    return name, flags
+    from tokenfleet.models.auto_dtype import cpu_model_and_flags
+
+    name, flags = cpu_model_and_flags()
+    return name or platform.processor() or platform.machine(), set(flags)
 
 
 def machine() -> list[str]:
@@ -105,7 +98,8 @@ def kernel_sections(model: str | None, dtypes: list[str] | None) -> Iterator[tup
     yield "dtype", [f"auto picks {auto.dtype} on this {device.type} ({auto.source}): {auto.reason}",
                     *([f"measured GFLOP/s: {rates}"] if rates else []),
                     "a model record pins the first worker's choice for the whole fleet (its `numerics`); "
-                    "--dtype overrides"], 0
+                    "--dtype overrides",
+                    *_load_dependence()], 0
     for name in dict.fromkeys(chosen):
         _, _, checks = checked_kernels(config, parse_dtype(name), device)
         if device.type == "cpu":
@@ -117,6 +111,18 @@ def kernel_sections(model: str | None, dtypes: list[str] | None) -> Iterator[tup
         lines.append(f"checks took {sum(c.seconds for c in checks):.2f} s (tolerance: {checks[0].tolerance})")
         yield f"kernels ({name}, {folder.name}: {config.num_heads} heads, {config.num_kv_heads} KV heads, head_dim "\
               f"{config.head_dim})", lines, sum(not c.passed for c in checks)
+
+
+def _load_dependence() -> list[str]:
+    """Which paths keep greedy answers independent of how many requests share a step, and which setting does."""
+    int8 = envs.quant_activations() == "int8"
+    return ["greedy answers alone and beside other requests: the same but at near-ties on dense weights "
+            "(tests/model/test_batch_invariance.py)",
+            "gguf and int8 records: " + (
+                "decode steps of up to 4 rows multiply int8 activations (TOKENFLEET_QUANT_ACTIVATIONS=int8), longer "
+                "steps float ones, so their answers can change with the load; TOKENFLEET_QUANT_ACTIVATIONS=float with "
+                "--dtype float32 keeps them load-independent" if int8 else
+                "float activations (TOKENFLEET_QUANT_ACTIVATIONS=float): load-independent with --dtype float32")]
 
 
 def _quant_linear_checks(config, dtype):  # type: ignore[no-untyped-def]

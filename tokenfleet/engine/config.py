@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenfleet.engine.itl_guard import Objectives
 from tokenfleet.engine.scheduler import SchedulerConfig
 from tokenfleet.engine.spec_decode import SpecConfig
 
@@ -62,10 +63,21 @@ class EngineConfig:
     # A step beside decoding streams takes at most this times a decode-only step: prompt chunks get the rest
     # (engine.itl_guard); 0 = off (chunks up to max_num_batched_tokens whatever decodes); off with async_scheduling
     itl_guard: float = 1.5
+    # The objectives the replica serves (engine.itl_guard.Objectives): TTFT <= ttft_slo_ms + ttft_slo_per_token_ms
+    # x prompt tokens, TPOT <= tpot_slo_ms. With the ITL guard on, a long prompt whose TTFT deadline is at risk at
+    # itl_guard's pace may take steps of up to 0.8 x tpot_slo_ms beside decoding streams (their slack under the
+    # objective); tpot_slo_ms 0 = the factor alone
+    ttft_slo_ms: float = 500.0
+    ttft_slo_per_token_ms: float = 1.0
+    tpot_slo_ms: float = 100.0
+
+    def objectives(self) -> Objectives:
+        return Objectives(self.ttft_slo_ms / 1000, self.ttft_slo_per_token_ms / 1000, self.tpot_slo_ms / 1000)
 
     def __post_init__(self) -> None:
         if self.itl_guard and self.itl_guard <= 1:
             raise ValueError(f"itl_guard must be 0 (off) or above 1, got {self.itl_guard}")
+        self.objectives()  # ValueError: a negative or NaN objective
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:

@@ -8,6 +8,12 @@ prompt in line always advances (at least one token a step); the others advance o
 several long prompts at deep positions (each token of theirs an attention over the whole context) never add up beside
 the streams. Long prompts take full chunks whenever nothing decodes and no short prompt waits.
 
+With objectives (``Objectives``: the TTFT a prompt is promised, a base plus a share per prompt token, and the TPOT
+the streams are promised), decode's slack goes to a long prompt whose TTFT is at risk: when its chunks at the
+factor's pace would finish after its TTFT deadline, the step may grow to ``TPOT_HEADROOM`` of the TPOT objective
+for it (a stream's TPOT is its mean inter-token time, so a few longer steps spend slack the streams were not
+promised anyway), and the streams keep the factor's smoothness whenever no deadline needs it.
+
 Work is counted in token-equivalents: one token through the matmuls, and ``pair_cost`` for each attention (query,
 key) pair (attention FLOPs per pair over matmul FLOPs per token), so a chunk deep into a long context costs more than
 one at its start. Pure arithmetic over plain numbers; the core feeds it each step's shape and time.
@@ -26,6 +32,7 @@ EMA = 0.2  # weight of the newest step in the running estimates
 # the streams: every this many steps one is made (long prompts wait a step), so that a stale figure (a neighbour's
 # long-context decodes that have since finished, streams that came or went) is not what the next minutes are held to.
 REFRESH_STEPS = 25
+TPOT_HEADROOM = 0.8  # share of the TPOT objective one step beside decoding streams may take
 
 
 class Entry(Protocol):
@@ -66,6 +73,24 @@ def for_step(allowance: PrefillAllowance | None, running: Iterable[Pending], wai
     return None
 
 
+@dataclass(frozen=True)
+class Objectives:
+    """What the replica's requests are promised: TTFT <= ``ttft_base_s`` + ``ttft_per_token_s`` x prompt tokens, and
+    TPOT <= ``tpot_s`` (0: no TPOT objective, so no slack to spend)."""
+
+    ttft_base_s: float = 0.5
+    ttft_per_token_s: float = 0.001
+    tpot_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_base_s", "ttft_per_token_s", "tpot_s"):
+            if not getattr(self, name) >= 0:  # NaN too
+                raise ValueError(f"the objective {name} must be >= 0, got {getattr(self, name)}")
+
+    def ttft_deadline(self, arrival: float, num_prompt_tokens: int) -> float:
+        return arrival + self.ttft_base_s + self.ttft_per_token_s * num_prompt_tokens
+
+
 def is_prefill(entry: Entry) -> bool:
     """A prompt chunk (a single token of a prompt too), not a decode or a verification."""
     return not entry.draft and (entry.num_new_tokens > 1 or not entry.samples)
@@ -83,15 +108,36 @@ class PrefillAllowance:
     left: float  # token-equivalents
     pair_cost: float
     advanced: bool = False  # a long prompt has taken a chunk this step (the others then wait for what is left)
+    boost: float = 0.0  # more token-equivalents this step, for a long prompt whose TTFT deadline is at risk
+    step_s: float = 0.0  # a step's seconds at the factor's pace (the deadline check's clock)
+    per_step: float = 0.0  # the factor's allowance of one step (the deadline check's pace); 0: ``left``
+    objectives: Objectives | None = None  # the TTFT deadlines the boost is judged by (None: no deadline)
 
     @staticmethod
     def is_long(remaining: int) -> bool:
         """A prompt with this many tokens left is held to the allowance (a short one is computed whole)."""
         return remaining > SHORT_PROMPT
 
-    def tokens(self, start: int, limit: int) -> int:
+    def seconds_left(self, arrival: float, num_prompt_tokens: int, now: float) -> float:
+        """Seconds from ``now`` to a prompt's TTFT deadline (infinite without objectives)."""
+        if self.objectives is None:
+            return float("inf")
+        return self.objectives.ttft_deadline(arrival, num_prompt_tokens) - now
+
+    def at_risk(self, start: int, remaining: int, seconds_left: float) -> bool:
+        """Whether a long prompt at ``start`` with ``remaining`` tokens to compute would finish after its TTFT
+        deadline (``seconds_left`` from now) at the factor's pace."""
+        pace = self.per_step or self.left
+        if self.step_s <= 0 or pace <= 0:
+            return False
+        return chunk_work(start, remaining, self.pair_cost) / pace * self.step_s > seconds_left
+
+    def tokens(self, start: int, limit: int, remaining: int = 0, seconds_left: float = float("inf")) -> int:
         """The most tokens (0..``limit``) of a long prompt's chunk from ``start`` whose work fits what is left; at
-        least 1 for the step's first long prompt."""
+        least 1 for the step's first long prompt. A prompt whose TTFT deadline (``seconds_left``, ``remaining``
+        tokens to go) is at risk takes the step's boost too."""
+        if self.boost > 0 and self.at_risk(start, max(remaining, limit), seconds_left):
+            self.left, self.boost = self.left + self.boost, 0.0
         if chunk_work(start, 1, self.pair_cost) > self.left:
             return 0 if self.advanced else 1
         if chunk_work(start, limit, self.pair_cost) <= self.left:
@@ -115,6 +161,7 @@ class PrefillAllowance:
 class ItlGuard:
     factor: float  # a step beside decoding streams takes at most this times a decode-only step (> 1)
     pair_cost: float
+    objectives: Objectives = Objectives(tpot_s=0.0)  # without a TPOT objective the factor alone bounds a step
     decode_s: float | None = None  # recent decode-only steps' seconds
     work_s: float | None = None  # recent seconds per token-equivalent of prefill work
     since_decode: int = 0  # steps since the last decode-only one
@@ -133,7 +180,16 @@ class ItlGuard:
             return PrefillAllowance(PROBE_WORK, self.pair_cost)
         if self.since_decode >= REFRESH_STEPS:  # long prompts wait this step: it times the decodes afresh
             return PrefillAllowance(0.0, self.pair_cost, advanced=True)
-        return PrefillAllowance((self.factor - 1) * self.decode_s / self.work_s, self.pair_cost)
+        left = (self.factor - 1) * self.decode_s / self.work_s
+        return PrefillAllowance(left, self.pair_cost, boost=self.boost_s() / self.work_s,
+                                step_s=self.factor * self.decode_s, per_step=left, objectives=self.objectives)
+
+    def boost_s(self) -> float:
+        """Seconds of prefill work beyond the factor's that a step may add for a prompt whose TTFT is at risk: what
+        the TPOT objective leaves (its ``TPOT_HEADROOM`` share, less the decodes and the factor's share); 0 without
+        one, or where the factor already allows as much."""
+        decode_s = self.decode_s or 0.0
+        return max(0.0, TPOT_HEADROOM * self.objectives.tpot_s - self.factor * decode_s)
 
     def observe(self, scheduled: Sequence[Entry], seconds: float) -> None:
         """A step that ran: decode-only steps time decoding, the others prefill work (their decodes' share

@@ -296,6 +296,7 @@ class Scheduler:
     # the core before ``schedule``; applied only to a step that has either
     prefill_allowance: PrefillAllowance | None = None
     _allowance: PrefillAllowance | None = None  # this step's, when applied
+    _now: float = 0.0  # this step's ``now`` (schedule's argument)
 
     @property
     def decoding(self) -> bool:
@@ -306,6 +307,7 @@ class Scheduler:
         """The next step. ``now``: the caller's clock (the engine's monotonic time, the simulator's virtual one), when
         a request first scheduled now started (its queue wait ends)."""
         budget = self.config.max_num_batched_tokens
+        self._now = now
         scheduled: list[ScheduledRequest] = []
         copies: list[tuple[int, int]] = []
         preempted: list[str] = []
@@ -348,7 +350,8 @@ class Scheduler:
         if self.config.max_prefill_chunk:
             n = min(n, self.config.max_prefill_chunk)
         if n > 1 and self._allowance is not None and self._allowance.is_long(request.num_tokens - num_computed):
-            n = self._allowance.tokens(num_computed, n)
+            seconds_left = self._allowance.seconds_left(request.arrival_time, request.num_prompt_tokens, self._now)
+            n = self._allowance.tokens(num_computed, n, request.num_tokens - num_computed, seconds_left)
         return n
 
     def _spend(self, request: Request, start: int, n: int) -> None:

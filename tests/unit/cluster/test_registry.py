@@ -173,6 +173,8 @@ def test_a_workers_kv_pool_bytes_and_retention_flags_reach_its_engine():
     default = engine_config(parse_args(pool_args(0), "decode"), rec())  # 0: no flag, the engine's default pool
     assert default.kv_cache_bytes == 1 << 30 and default.kv_retention_max_s == 300.0
     assert default.kv_retention_tier_max_s == 86400.0
+    assert default.tpot_slo_ms == 100.0  # the ITL guard's TPOT objective (engine.itl_guard)
+    assert engine_config(parse_args(["--tpot-slo-ms", "40"], "decode"), rec()).tpot_slo_ms == 40.0
     assert engine_config(parse_args(["--kv-pool-bytes", "4096", "--num-blocks", "7"], "decode"), rec()
                          ).num_kv_blocks(1024) == 7  # --num-blocks wins
 

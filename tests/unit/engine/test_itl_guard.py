@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import make_request, make_scheduler
-from tokenfleet.engine.itl_guard import PROBE_WORK, ItlGuard, PrefillAllowance, chunk_work
+from tokenfleet.engine.itl_guard import PROBE_WORK, ItlGuard, Objectives, PrefillAllowance, chunk_work
 from tokenfleet.engine.scheduler import ScheduledRequest
 
 
@@ -77,6 +77,47 @@ def test_the_guard_learns_a_decode_step_and_prefill_speed_then_allows_factor_min
     assert guard.allowance().left == pytest.approx(0.5 * 0.1 / 0.001)  # 50 tokens' work
     with pytest.raises(ValueError):
         ItlGuard(1.0, 0.0)
+
+
+def test_a_tpot_objective_boosts_only_a_long_prompt_whose_ttft_is_at_risk():
+    """Decode steps of 0.04 s, 0.001 s a token of prefill, factor 1.5: 20 tokens a step at the factor's pace (0.06 s
+    steps). A 0.1 s TPOT objective lets a step grow to 0.08 s: 20 more tokens, for a prompt that would miss its TTFT
+    deadline at 20 a step, and for no other."""
+    guard = ItlGuard(1.5, pair_cost=0.0, objectives=Objectives(0.5, 0.001, 0.1))
+    guard.observe(_entries((10, 1), (12, 1)), seconds=0.04)
+    guard.observe(_entries((10, 1), (0, 100)), seconds=0.14)  # 100 tokens beside a decode: 0.1 s, 0.001 s a token
+    assert guard.boost_s() == pytest.approx(0.02)
+    calm = guard.allowance()
+    assert (calm.left, calm.boost) == (pytest.approx(20.0), pytest.approx(20.0))
+    # 1,000 tokens left at 20 a step: 50 steps of 0.06 s = 3 s; 5 s left of its deadline: no boost
+    assert calm.tokens(0, 1000, remaining=1000, seconds_left=5.0) == 20
+    urgent = guard.allowance()  # 2 s left: at risk, so it takes the boost too
+    assert urgent.tokens(0, 1000, remaining=1000, seconds_left=2.0) == 40 and urgent.boost == 0.0
+    assert ItlGuard(1.5, 0.0).boost_s() == 0.0  # no TPOT objective: nothing to spend
+    slow = ItlGuard(1.5, pair_cost=0.0, objectives=Objectives(tpot_s=0.1))
+    slow.observe(_entries((10, 1), (12, 1)), seconds=0.09)  # decodes near the objective already
+    assert slow.boost_s() == 0.0  # the factor's half a decode step is all there is
+    with pytest.raises(ValueError):
+        Objectives(tpot_s=float("nan"))
+
+
+def test_the_scheduler_judges_a_long_prompts_deadline_from_its_arrival():
+    sched = make_scheduler(num_blocks=512, block_size=4, max_num_batched_tokens=2048)
+    stream = make_request(num_prompt_tokens=5, max_tokens=50, request_id="stream")
+    sched.add_request(stream)
+    sched.update(out := sched.schedule(0.0), {s.request_id: 1 for s in out.scheduled if s.samples})
+    long = make_request(num_prompt_tokens=1000, max_tokens=2, request_id="long", arrival_time=0.0)  # deadline 1.5 s
+    sched.add_request(long)
+    objectives = Objectives(0.5, 0.001, 0.1)
+    sched.prefill_allowance = PrefillAllowance(40.0, 0.0, boost=40.0, step_s=0.06, per_step=40.0,
+                                               objectives=objectives)
+    out = sched.schedule(0.0)  # 1,000 tokens at 40 a step: 25 steps, 1.5 s: in time for 1.5 s
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("stream", 1), ("long", 40)]
+    sched.update(out, {s.request_id: 1 for s in out.scheduled if s.samples})
+    sched.prefill_allowance = PrefillAllowance(40.0, 0.0, boost=40.0, step_s=0.06, per_step=40.0,
+                                               objectives=objectives)
+    out = sched.schedule(0.6)  # 960 left: 24 steps, 1.44 s, with 0.9 s left: boosted
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("stream", 1), ("long", 80)]
 
 
 def test_beside_a_decoding_stream_a_long_prompt_is_cut_to_the_allowance_and_a_short_one_is_computed_whole():

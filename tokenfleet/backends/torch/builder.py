@@ -92,7 +92,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         blocks=runner, tier=tier, peer_blocks=single_group, speculation=spec,
         overlap=runner if config.async_scheduling else None, adapters=runner, costs=runner,
         # a queued step is scheduled before the last one's time is known: no guard with overlap
-        itl_guard=ItlGuard(config.itl_guard, runner.cost.pair_cost)
+        itl_guard=ItlGuard(config.itl_guard, runner.cost.pair_cost, config.objectives())
         if config.itl_guard and not config.async_scheduling else None)
     core = EngineCore(scheduler, runner, tokenizer, info, parts)
     runner.capture_graphs()  # CUDA only, and only where the model and attention allow (cuda_graphs.graphs_supported)
