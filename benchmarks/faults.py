@@ -283,9 +283,9 @@ def _ledger_duplicates(cluster: Cluster) -> int:
     return sum(1 for n in collections.Counter(r[0] for r in ledger_rows(cluster.ledger)).values() if n > 1)
 
 
-MAIN_CLUSTER = ("tokenfleet up --workers 3 --autoscale --max-workers 3 --auth on --gateways 2 --kv-tier disk:DIR "
+MAIN_CLUSTER = ("tokenfleet up --dtype float32 --workers 3 --autoscale --max-workers 3 --auth on --gateways 2 --kv-tier disk:DIR "
                 "--kv-tier-bytes 16777216 (tenants a, b and --internal ops)")
-NETWORK_CLUSTER = ("tokenfleet up --workers 1 --role decode --threads 1 --auth on, plus a decode worker and a "
+NETWORK_CLUSTER = ("tokenfleet up --dtype float32 --workers 1 --role decode --threads 1 --auth on, plus a decode worker and a "
                    "prefill worker each behind a fault proxy (their advertised address), prompts of ~200 tokens of "
                    "their own (prefilled on the prefill worker, their KV pulled through its proxy)")
 

@@ -61,7 +61,7 @@ def noisy_neighbour(model_dir: str, b_prompts: int, b_tokens: int = 0, a_alone_s
     from tokenfleet.models.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory(prefix="tokenfleet-noisy-") as tmp:
-        cluster = Cluster(["--auth", "on"], Path(tmp), model_dir)
+        cluster = Cluster(["--auth", "on", "--dtype", "auto"], Path(tmp), model_dir)  # the default path
         try:
             keys = {"a": cluster.add_tenant("a"), "b": cluster.add_tenant("b")}
             tokenizer = Tokenizer(model_dir)
@@ -127,7 +127,7 @@ def load_scenarios(model_dir: str, burst: int, loop_streams: int, loop_seconds: 
     """`up` on its defaults: ``burst`` concurrent streams (one request each, 64 tokens); ``loop_streams`` streams
     sending requests back to back for ``loop_seconds`` (48 tokens)."""
     with tempfile.TemporaryDirectory(prefix="tokenfleet-load-") as tmp:
-        cluster = Cluster([], Path(tmp), model_dir)
+        cluster = Cluster(["--dtype", "auto"], Path(tmp), model_dir)  # the default path
         try:
             url = cluster.gateways[0]
             start = time.monotonic()
