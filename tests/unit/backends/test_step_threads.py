@@ -1,5 +1,6 @@
 """CPU thread counts per step (backends.torch.device.small_step_threads): a step of a few tokens leaves a core to
-the service path when the worker's threads take every core; longer steps take them all."""
+the service path when a quantized record's worker's threads take every core; dense weights' and longer steps take
+them all."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tokenfleet.backends.torch import device
 def test_small_steps_leave_a_core_only_when_the_worker_takes_every_core(monkeypatch, threads, cores, want):
     monkeypatch.setattr(device, "usable_cores", lambda: cores)
     assert device.small_step_threads(threads) == want
+    assert device.small_step_threads(threads, quantized=False) == threads  # dense weights keep every thread
 
 
 def test_an_asked_count_is_kept_and_checked():

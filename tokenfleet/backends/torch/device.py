@@ -40,19 +40,21 @@ def configure_threads(requested: int | None) -> int:
 SMALL_STEP_TOKENS = 4  # steps of at most this many tokens take small_step_threads
 
 
-def small_step_threads(threads: int, requested: int | None = None) -> int:
+def small_step_threads(threads: int, requested: int | None = None, quantized: bool = True) -> int:
     """Threads for a step of a few tokens (one stream's decode, a few ms on a CPU): ``requested`` (at most
-    ``threads``), else one fewer
-    than ``threads`` when those are every usable core. Such a step is paced by the service path too (the worker's
-    gRPC stream, the gateway's SSE, the client), whose per-token work then preempts a thread mid-step and stalls
-    the step's barriers: served on 2 cores, the default model's GGUF at one stream took 14.7-15.7 ms a token with
-    2 threads a step and 12.6-13.1 with 1 for these steps (2 for the rest), the same 32-stream throughput.
+    ``threads``), else, for ``quantized`` weights, one fewer than ``threads`` when those are every usable core. Such a
+    step is paced by the service path too (the worker's gRPC stream, the gateway's SSE, the client), whose per-token
+    work then preempts a thread mid-step and stalls the step's barriers: served on 2 cores, the default model's GGUF
+    at one stream took 14.7-15.7 ms a token with 2 threads a step and 12.6-13.1 with 1 for these steps (2 for the
+    rest), the same 32-stream throughput. Dense weights keep every thread: their small steps read 2-4x the bytes, so
+    halving the threads costs more than the interruptions (bf16 on a 2-core Intel Xeon with AMX, in process: 45 ms
+    a one-stream step on 1 thread, 28 on 2; fp32 on the 2-core Zen 3, served: no difference measured).
     Longer steps keep every thread: their compute outweighs the service's interruptions."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"small_step_threads must be >= 1, got {requested}")
         return min(requested, threads)  # never more than the worker's threads
-    return threads - 1 if threads > 1 and threads >= usable_cores() else threads
+    return threads - 1 if quantized and threads > 1 and threads >= usable_cores() else threads
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
