@@ -303,13 +303,16 @@ class ModelRegistry:
         record whose dtype is not "auto" keeps its own dtype and gets no pin."""
         if not numerics:
             raise ValueError("numerics: a dtype choice's JSON is required")
+        key = (await self.load()).resolve(ref).key  # the alias or bare name resolved once; then only that key
         for _ in range(8):  # another writer (a status change) between the read and the write: read again
-            record = (await self.load()).resolve(ref)
+            raw = await self.etcd.get(key)
+            if raw is None:
+                raise UnknownModelError(f"model {ref!r} is not registered")
+            record = ModelRecord.from_json(raw)
             if record.dtype != "auto" or record.numerics:
                 return record
             pinned = dataclasses.replace(record, numerics=numerics)
-            raw = await self.etcd.get(record.key)
-            if raw is not None and await self.etcd.replace(record.key, raw, pinned.to_json()):
+            if await self.etcd.replace(key, raw, pinned.to_json()):
                 return pinned
         raise RegistryConflictError(f"{ref}: the record kept changing while its numerics were pinned")
 

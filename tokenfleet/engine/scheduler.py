@@ -296,7 +296,6 @@ class Scheduler:
     # the core before ``schedule``; applied only to a step that has either
     prefill_allowance: PrefillAllowance | None = None
     _allowance: PrefillAllowance | None = None  # this step's, when applied
-    _now: float = 0.0  # this step's ``now`` (schedule's argument)
 
     @property
     def decoding(self) -> bool:
@@ -307,13 +306,12 @@ class Scheduler:
         """The next step. ``now``: the caller's clock (the engine's monotonic time, the simulator's virtual one), when
         a request first scheduled now started (its queue wait ends)."""
         budget = self.config.max_num_batched_tokens
-        self._now = now
         scheduled: list[ScheduledRequest] = []
         copies: list[tuple[int, int]] = []
         preempted: list[str] = []
         restores: list[tuple[int, bytes]] = []
         self.running.sort(key=lambda r: self._order[r.request_id])
-        owed = self._owed_after() if any(r.draft_token_ids for r in self.running) else None
+        owed = self._owed_after(now) if any(r.draft_token_ids for r in self.running) else None
         # long prompts' chunks are held to the allowance while something waits on this step (itl_guard.for_step)
         self._allowance = None if self.prefill_allowance is None else for_step(
             self.prefill_allowance, self.running, self.waiting.requests(), self.decoding,
@@ -321,7 +319,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = self._chunk(request, request.num_computed_tokens, budget)
+            n = self._chunk(request, request.num_computed_tokens, budget, now)
             if n == 0:  # a long prompt held back this step (the ITL guard): it keeps its blocks
                 i += 1
                 continue
@@ -345,12 +343,12 @@ class Scheduler:
         self.num_block_copies += len(copies)
         return SchedulerOutput(tuple(scheduled), tuple(copies), tuple(preempted), tuple(restores))
 
-    def _chunk(self, request: Request, num_computed: int, budget: int) -> int:
+    def _chunk(self, request: Request, num_computed: int, budget: int, now: float) -> int:
         n = min(request.num_tokens - num_computed, budget)
         if self.config.max_prefill_chunk:
             n = min(n, self.config.max_prefill_chunk)
         if n > 1 and self._allowance is not None and self._allowance.is_long(request.num_tokens - num_computed):
-            seconds_left = self._allowance.seconds_left(request.arrival_time, request.num_prompt_tokens, self._now)
+            seconds_left = self._allowance.seconds_left(request.arrival_time, request.num_prompt_tokens, now)
             n = self._allowance.tokens(num_computed, n, request.num_tokens - num_computed, seconds_left)
         return n
 
@@ -361,7 +359,7 @@ class Scheduler:
             if n > 1 or long:
                 self._allowance.spend(start, n, long)
 
-    def _owed_after(self) -> list[int]:
+    def _owed_after(self, now: float) -> list[int]:
         """Per running request, the tokens the running requests after it need this step (their decode or prefill
         chunk): what speculation before them must leave in the budget."""
         owed = [0] * len(self.running)
@@ -369,7 +367,7 @@ class Scheduler:
         for i in range(len(self.running) - 1, -1, -1):
             owed[i] = total
             r = self.running[i]
-            total += self._chunk(r, r.num_computed_tokens, self.config.max_num_batched_tokens)
+            total += self._chunk(r, r.num_computed_tokens, self.config.max_num_batched_tokens, now)
         return owed
 
     def _allocate_draft(self, request: Request, budget: int, num_after: int):
@@ -420,7 +418,7 @@ class Scheduler:
                 if self.second_tier is not None and len(prefix) < limit:
                     held = self.second_tier.held_run(request.block_hashes[len(prefix): limit])
             computed = (len(prefix) + held) * bs
-            n = self._chunk(request, computed, budget)
+            n = self._chunk(request, computed, budget, now)
             if n == 0:
                 held_back.add(request.request_id)
                 continue
@@ -433,7 +431,7 @@ class Scheduler:
                 if len(tier) < held:  # a record failed verification: compute from there, within the slots held
                     slots = computed + n
                     computed = (len(prefix) + len(tier)) * bs
-                    n = min(self._chunk(request, computed, budget), slots - computed)
+                    n = min(self._chunk(request, computed, budget, now), slots - computed)
                 restores.extend(zip(bm.block_table(request.request_id)[len(prefix):], tier))
             self.waiting.remove(request)
             if request.num_preemptions == 0:
