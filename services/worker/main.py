@@ -61,9 +61,7 @@ def parse_args(argv: Sequence[str] | None, default_role: str) -> argparse.Namesp
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, help="torch CPU threads (leave cores for other processes)")
     p.add_argument("--small-step-threads", type=int,
-                   help="torch CPU threads of steps of up to 4 tokens (one stream's decode); default: for gguf and "
-                   "int8 records one fewer than --threads when those are every core, so the service path's per-token "
-                   "work does not stall them; --threads for dense weights")
+                   help="torch CPU threads of steps of up to 4 tokens (one stream's decode); default: --threads")
     p.add_argument("--num-blocks", type=int, help="KV pool size in blocks (wins over --kv-pool-bytes)")
     p.add_argument("--kv-pool-bytes", type=int, help="KV pool size in bytes: as many blocks as it holds at the "
                    "model's KV bytes per block (default 1 GiB)")

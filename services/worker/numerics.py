@@ -8,14 +8,13 @@ its replica record (``ReplicaRecord.numerics``), and serves the pin anyway."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import grpc
 import structlog
 from tokenfleet.services.registry.client import pin_numerics
 
-from tokenfleet.backends.torch.device import configure_threads, resolve_device
+from tokenfleet.backends.torch.device import configure_threads, in_passing_thread, resolve_device
 from tokenfleet.cluster.registry import ModelRecord
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.models.auto_dtype import DtypeChoice
@@ -38,7 +37,8 @@ async def settle_dtype(registry: str, record: ModelRecord, config: EngineConfig,
     returned as it is."""
     if config.dtype != "auto":
         return config, ""
-    here = await asyncio.to_thread(local_choice, config)  # torch work: never on the event loop
+    # torch work: never on the event loop, nor on a thread that outlives it (in_passing_thread says why)
+    here = await in_passing_thread(lambda: local_choice(config))
     try:
         stored = await pin_numerics(registry, record.ref, here.to_json(), plane)
     except grpc.aio.AioRpcError as e:  # a registry without the pin (older) or unreachable: this machine's choice

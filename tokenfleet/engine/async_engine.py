@@ -135,7 +135,9 @@ class AsyncEngine:
 
     async def device_peaks(self) -> tuple[float, float, str] | None:
         costs = self.core.costs  # a known card's figures, else measured now (~0.1 s)
-        return await asyncio.to_thread(costs.peaks) if costs is not None else None
+        # on the engine thread: a measurement on an executor thread would leave a second OpenMP pool in the process,
+        # which slows every later step (backends.torch.device.in_passing_thread says how)
+        return await self.call(lambda core: costs.peaks()) if costs is not None else None
 
     def cached_block_hashes(self) -> frozenset[bytes]:
         return self._held[0]

@@ -31,7 +31,7 @@ class EngineConfig:
     fair_output_weight: float = 2.0  # counter cost of one generated token
     num_threads: int | None = None  # CPU torch threads; None = TOKENFLEET_NUM_THREADS or all usable cores
     # CPU torch threads of steps of at most backends.torch.device.SMALL_STEP_TOKENS tokens (one stream's decode);
-    # None: one fewer than num_threads when those take every usable core (device.small_step_threads)
+    # None: num_threads (device.small_step_threads)
     small_step_threads: int | None = None
     # Second KV tier (engine.kv_tier): "" (none), "memory" or "disk:DIR"; its byte budget, a per-tenant
     # quota (0: none) and an optional AES key file (16, 24 or 32 bytes, or 32-64 hex digits) sealing its records

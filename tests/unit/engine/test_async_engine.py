@@ -133,6 +133,26 @@ def test_a_forgotten_prefill_rate_is_unknown_in_the_next_stats(engine, tokenizer
     assert engine.stats().predicted_wait(1000) == 0.0
 
 
+def test_device_peaks_are_measured_on_the_engine_thread(engine, monkeypatch):
+    """Torch work off the engine thread leaves an OpenMP pool on that thread, which slows every later step
+    (backends.torch.device.in_passing_thread): the peaks' measurement runs where the steps do."""
+    import threading
+
+    costs = engine.core.costs
+    assert costs is not None
+    seen: list[str] = []
+    real = costs.peaks
+
+    def peaks():  # type: ignore[no-untyped-def]
+        seen.append(threading.current_thread().name)
+        return real()
+
+    monkeypatch.setattr(costs, "peaks", peaks)
+    flops, read, _ = asyncio.run(engine.device_peaks())
+    assert flops > 0 and read > 0
+    assert seen == ["tokenfleet-engine"]
+
+
 def test_length_limit_is_reported(engine, tokenizer):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     outs = asyncio.run(collect(engine, chat_ids(tokenizer, "Count to ten."), params, "len-4"))

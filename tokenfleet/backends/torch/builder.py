@@ -56,8 +56,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     runner = TorchModelRunner(model, num_blocks, config.block_size, cuda_graph_batch=graph_batch,
                               max_model_len=max_model_len, mixed_graph_tokens=config.max_num_batched_tokens)
     if device.type == "cpu":
-        quantized = config.quantization in ("gguf", "int8")
-        runner.step_threads = (small_step_threads(threads, config.small_step_threads, quantized), threads)
+        runner.step_threads = (small_step_threads(threads, config.small_step_threads), threads)
     if draft is not None:
         from tokenfleet.backends.torch.draft import DraftModel
 

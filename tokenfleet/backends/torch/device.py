@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from tokenfleet import envs
+
+
+T = TypeVar("T")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -40,21 +47,18 @@ def configure_threads(requested: int | None) -> int:
 SMALL_STEP_TOKENS = 4  # steps of at most this many tokens take small_step_threads
 
 
-def small_step_threads(threads: int, requested: int | None = None, quantized: bool = True) -> int:
+def small_step_threads(threads: int, requested: int | None = None) -> int:
     """Threads for a step of a few tokens (one stream's decode, a few ms on a CPU): ``requested`` (at most
-    ``threads``), else, for ``quantized`` weights, one fewer than ``threads`` when those are every usable core. Such a
-    step is paced by the service path too (the worker's gRPC stream, the gateway's SSE, the client), whose per-token
-    work then preempts a thread mid-step and stalls the step's barriers: served on 2 cores, the default model's GGUF
-    at one stream took 14.7-15.7 ms a token with 2 threads a step and 12.6-13.1 with 1 for these steps (2 for the
-    rest), the same 32-stream throughput. Dense weights keep every thread: their small steps read 2-4x the bytes, so
-    halving the threads costs more than the interruptions (bf16 on a 2-core Intel Xeon with AMX, in process: 45 ms
-    a one-stream step on 1 thread, 28 on 2; fp32 on the 2-core Zen 3, served: no difference measured).
-    Longer steps keep every thread: their compute outweighs the service's interruptions."""
+    ``threads``), else every thread. Leaving a core to the service path (the worker's gRPC stream, the gateway's SSE,
+    the client) looked faster for quantized weights once, but only because a second OpenMP pool in the worker made
+    every parallel region sleep and wake (``in_passing_thread`` says why); without it, served on a 2-core Intel Xeon
+    with AMX at one stream, the default model's GGUF took 17-18 ms a token with 2 threads a step against 25 with 1,
+    and bf16 28 against 45 in process."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"small_step_threads must be >= 1, got {requested}")
         return min(requested, threads)  # never more than the worker's threads
-    return threads - 1 if quantized and threads > 1 and threads >= usable_cores() else threads
+    return threads
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -65,3 +69,40 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+async def in_passing_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` on a thread of its own that ends when ``fn`` returns, awaited without blocking the event loop: for
+    torch work in a serving process before its engine thread exists (afterwards, run it on the engine thread).
+
+    Not ``asyncio.to_thread``: every thread that runs a parallel torch op keeps an OpenMP pool for as long as it
+    lives, and libgomp counts every pool's threads. Once they outnumber the cores (an executor thread's pool of 2
+    beside the engine thread's pool of 2, on 2 cores), it stops spinning between parallel regions and sleeps on a
+    futex at each: a one-stream decode step of the default model in bf16 on a 2-core Intel Xeon with AMX took
+    38-41 ms instead of 25-26 in process, and served at 38-48 ms a token (28 without the second pool). A thread
+    that ends frees its pool."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(settle, None, e)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    thread = threading.Thread(target=run, name="tokenfleet-torch-once", daemon=True)
+    thread.start()
+    try:
+        return await done
+    finally:
+        thread.join(timeout=1.0)  # fn has returned: the thread is only ending now
