@@ -20,9 +20,10 @@ head, zero padding; models.kv_fp8), which every implementation below reads (the 
     accumulation (upcasting the gathered copy, never the cache).
   Rounding scores to bf16 before the softmax (what a bf16 matmul does) moved greedy decoding
   off the fp32 path within a few tokens on short chats; both implementations avoid it.
-- prefill chunks: with the native kernel, in the same call from the cache (1.6-3.3x faster per
-  layer than SDPA here at 256 to 4,096 tokens of context, and no larger error per layer:
-  benchmarks/prefill_attention.py); with the torch reference, one SDPA per request (a chunk with
+- prefill chunks: with the native kernel in bf16, in the same call from the cache where this machine runs that
+  faster, else one SDPA per chunk (models.prefill_attention measures which: the kernel was 1.6-3.3x SDPA on the
+  2-core AMD EPYCs at 256 to 4,096 tokens of context, SDPA 1.3-3.2x the kernel on a 2-core Intel Xeon with AMX;
+  benchmarks/prefill_attention.py); with the torch reference and in fp32, one SDPA per request (a chunk with
   no earlier context attends to its own fresh K/V, skipping the gather). Either way greedy bf16
   output can differ from HF's bf16 run at near-ties (fp32 top-2 margins under bf16's logit
   resolution): benchmarks/chat_parity.py reports them.
@@ -167,6 +168,9 @@ class NativePagedAttention:
         # fp32 prefill spans go to SDPA (MKL's fp32 GEMMs), 1.4x faster at a 1,024-token prompt on the Zen 3 than
         # this kernel's portable code (benchmarks/cpu_kernels.py); bf16 ones stay here (faster than SDPA in bf16)
         self.handles_prefill = dtype == torch.bfloat16
+        # bf16: loader.checked_kernels keeps the prefill chunks here or sends them to SDPA, whichever this machine
+        # runs faster (models.prefill_attention), and says why here
+        self.prefill_reason = ""
         self._fn = lib.tf_paged_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, i64, ctypes.c_int, ctypes.c_int, ptr]
@@ -179,7 +183,8 @@ class NativePagedAttention:
     def name(self) -> str:
         if self.dtype == torch.float32:
             return "native paged attention (portable C, fp32)"
-        return f"native paged attention ({self.build}{', FP8 KV' if self.fp8 else ''})"
+        spans = "" if self.handles_prefill or self.fp8 else "; prefill chunks in SDPA"
+        return f"native paged attention ({self.build}{', FP8 KV' if self.fp8 else ''}{spans})"
 
     def path_counts(self) -> dict[str, int]:
         """Work items each code path has run since this object was made (the kernel counts them)."""

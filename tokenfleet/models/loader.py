@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from tokenfleet import envs
 from tokenfleet.engine.runner import KernelCheck
-from tokenfleet.models import auto_dtype, native
+from tokenfleet.models import auto_dtype, native, prefill_attention
 from tokenfleet.models.attention import (
     NativePagedAttention,
     PagedAttention,
@@ -140,6 +140,12 @@ def checked_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.devic
     selected = select_attention(dtype, device, kv_cache_dtype)
     candidates = () if isinstance(selected, TorchPagedAttention) else itertools.chain([selected], fallbacks(selected))
     attention, attention_checks = checked_attention(candidates, config, dtype, device, kv_cache_dtype, block_size)
+    if isinstance(attention, NativePagedAttention) and attention.dtype == torch.bfloat16 and not attention.fp8:
+        # whether prefill chunks stay in the kernel or go to SDPA: this machine's faster (models.prefill_attention)
+        choice = prefill_attention.choose(attention, config.num_heads, config.num_kv_heads, config.head_dim,
+                                          block_size)
+        attention.handles_prefill = choice.in_kernel
+        attention.prefill_reason = choice.reason
     if config.is_gemma3:
         return attention, TorchLayerOps(config), attention_checks
     ops, ops_checks = checked_layer_ops(select_layer_ops(config, dtype, device), TorchLayerOps(config), config, dtype,
