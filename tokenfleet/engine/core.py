@@ -18,7 +18,7 @@ import structlog
 
 from tokenfleet.engine.detokenizer import Decoder
 from tokenfleet.engine.guided import GuideCompiler
-from tokenfleet.engine.itl_guard import ItlGuard
+from tokenfleet.engine.itl_guard import ItlGuard, banked_slack
 from tokenfleet.engine.kv_connector import KVConnector
 from tokenfleet.engine.kv_tier import SecondTier, StagedBlocks, TierChain
 from tokenfleet.engine.lookahead import lookahead, queueable
@@ -381,9 +381,15 @@ class EngineCore:
         if self.spec is not None:
             self.spec.cost.prefill_per_token = 1.0 / self.stats.prefill_tokens_per_s if self.stats.prefill_tokens_per_s else 0.0
             self.spec.propose(self.scheduler.running, self.scheduler.config.max_num_batched_tokens)
-        if self.itl_guard is not None:
-            self.scheduler.prefill_allowance = self.itl_guard.allowance()
         now = time.monotonic()
+        if self.itl_guard is not None:
+            guard = self.itl_guard
+            streams = [(r.first_token_time, len(r.output_token_ids), guard.expected_more(len(r.output_token_ids),
+                                                                                           r.max_tokens))
+                       for r in self.scheduler.running
+                       if r.first_token_time is not None and r.num_tokens - r.num_computed_tokens == 1]
+            slack = banked_slack(streams, now, guard.objectives.tpot_s, guard.decode_s or 0.0)
+            self.scheduler.prefill_allowance = guard.allowance(slack)
         self.stats.num_retention_expiries += self.scheduler.block_manager.expire(now)
         output = self.scheduler.schedule(now)
         self.offload_evicted()  # before the restores and the forward overwrite those blocks
@@ -444,6 +450,14 @@ class EngineCore:
         if self.spec is not None:
             self._observe_speculation(output, result)
         finished = {r.request_id: r for r in self.scheduler.update(output, result.sampled, result.accepted)}
+        sampled_at = time.monotonic()
+        for request_id in result.sampled:  # the TPOT clock of a request's stream starts at its first token
+            request = requests.get(request_id) or finished.get(request_id)
+            if request is not None and request.first_token_time is None:
+                request.first_token_time = sampled_at
+        if self.itl_guard is not None:
+            for request in finished.values():
+                self.itl_guard.finished(len(request.output_token_ids))
         outputs = []
         for entry in output.scheduled:
             if entry.samples and entry.request_id in result.sampled:

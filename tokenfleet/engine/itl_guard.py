@@ -9,10 +9,12 @@ several long prompts at deep positions (each token of theirs an attention over t
 the streams. Long prompts take full chunks whenever nothing decodes and no short prompt waits.
 
 With objectives (``Objectives``: the TTFT a prompt is promised, a base plus a share per prompt token, and the TPOT
-the streams are promised), decode's slack goes to a long prompt whose TTFT is at risk: when its chunks at the
-factor's pace would finish after its TTFT deadline, the step may grow to ``TPOT_HEADROOM`` of the TPOT objective
-for it (a stream's TPOT is its mean inter-token time, so a few longer steps spend slack the streams were not
-promised anyway), and the streams keep the factor's smoothness whenever no deadline needs it.
+the streams are promised), the streams' slack goes to prefill. A stream's TPOT is its mean inter-token time over its whole output, so one
+running under the objective banks time (``banked_slack``: the longest next step after which it still meets
+``TPOT_HEADROOM`` of the objective, were it to produce as many tokens as recent requests did, at the decode pace);
+a step beside decoding streams may take the least of their banked slack for long prompts' chunks, and the factor's
+pace is only its floor, for streams with nothing banked. A long prompt whose chunks at the factor's pace would finish
+after its TTFT deadline may also grow its step to ``TPOT_HEADROOM`` of the TPOT objective. Without a TPOT objective the factor alone sizes the steps, for smooth streams.
 
 Work is counted in token-equivalents: one token through the matmuls, and ``pair_cost`` for each attention (query,
 key) pair (attention FLOPs per pair over matmul FLOPs per token), so a chunk deep into a long context costs more than
@@ -91,6 +93,19 @@ class Objectives:
         return arrival + self.ttft_base_s + self.ttft_per_token_s * num_prompt_tokens
 
 
+def banked_slack(streams: Iterable[tuple[float, int, int]], now: float, tpot_s: float, decode_s: float) -> float | None:
+    """The longest next step (seconds from ``now``) after which every decoding stream still meets ``TPOT_HEADROOM`` x
+    ``tpot_s`` over the tokens it is expected to produce: the least over ``streams`` of (first token's time, output
+    tokens so far, more tokens expected) of headroom x tpot x (n + more) - (now - first) - more x ``decode_s`` (its
+    later tokens at the decode pace). None without streams or a TPOT objective; negative when a stream cannot meet
+    it any more."""
+    if tpot_s <= 0:
+        return None
+    slack = [TPOT_HEADROOM * tpot_s * (n + more) - (now - first) - more * decode_s for first, n, more in streams
+             if n > 0]
+    return min(slack) if slack else None
+
+
 def is_prefill(entry: Entry) -> bool:
     """A prompt chunk (a single token of a prompt too), not a decode or a verification."""
     return not entry.draft and (entry.num_new_tokens > 1 or not entry.samples)
@@ -163,6 +178,7 @@ class ItlGuard:
     pair_cost: float
     objectives: Objectives = Objectives(tpot_s=0.0)  # without a TPOT objective the factor alone bounds a step
     decode_s: float | None = None  # recent decode-only steps' seconds
+    output_len: float | None = None  # recent finished requests' output tokens (how long a stream is expected to run)
     work_s: float | None = None  # recent seconds per token-equivalent of prefill work
     since_decode: int = 0  # steps since the last decode-only one
 
@@ -170,19 +186,35 @@ class ItlGuard:
         if self.factor <= 1:
             raise ValueError(f"the ITL guard's factor must be above 1, got {self.factor}")
 
-    def allowance(self) -> PrefillAllowance:
+    def allowance(self, slack_s: float | None = None) -> PrefillAllowance:
         """The next step's prefill allowance, for the scheduler to apply when the step has streams decoding or a
         short prompt waiting: while a decode-only step has not been timed, nothing beyond one token per prompt
-        (that step times it); while prefill speed is unknown, a small probe."""
+        (that step times it); while prefill speed is unknown, a small probe. ``slack_s``: the decoding streams'
+        ``banked_slack`` (with a TPOT objective: the step may take it, less its decodes, where that is more than the
+        factor's)."""
         if self.decode_s is None:
             return PrefillAllowance(0.0, self.pair_cost)
         if self.work_s is None:
             return PrefillAllowance(PROBE_WORK, self.pair_cost)
         if self.since_decode >= REFRESH_STEPS:  # long prompts wait this step: it times the decodes afresh
             return PrefillAllowance(0.0, self.pair_cost, advanced=True)
-        left = (self.factor - 1) * self.decode_s / self.work_s
-        return PrefillAllowance(left, self.pair_cost, boost=self.boost_s() / self.work_s,
-                                step_s=self.factor * self.decode_s, per_step=left, objectives=self.objectives)
+        paced = (self.factor - 1) * self.decode_s / self.work_s
+        left, boost = paced, self.boost_s() / self.work_s
+        if slack_s is not None and self.objectives.tpot_s > 0:
+            left = max(paced, (slack_s - self.decode_s) / self.work_s)
+            boost = max(0.0, paced + boost - left)  # an at-risk prompt gets at least the boosted step
+        return PrefillAllowance(left, self.pair_cost, boost=boost, step_s=self.factor * self.decode_s, per_step=paced,
+                                objectives=self.objectives)
+
+    def expected_more(self, num_output_tokens: int, max_tokens: int) -> int:
+        """Tokens a stream with ``num_output_tokens`` so far is expected to produce still: as many as recent requests
+        produced in all (at least one more), within its ``max_tokens``."""
+        total = max(num_output_tokens + 1, round(self.output_len or 0.0))
+        return max(0, min(max_tokens, total) - num_output_tokens)
+
+    def finished(self, num_output_tokens: int) -> None:
+        """A request ended with this many output tokens."""
+        self.output_len = _ema(self.output_len, float(num_output_tokens))
 
     def boost_s(self) -> float:
         """Seconds of prefill work beyond the factor's that a step may add for a prompt whose TTFT is at risk: what

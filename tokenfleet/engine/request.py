@@ -51,6 +51,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # when its first chunk was scheduled (arrival -> this: its queue wait)
+    first_token_time: float | None = None  # when its first output token was sampled (its TPOT's clock starts)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of all_token_ids

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import make_request, make_scheduler
-from tokenfleet.engine.itl_guard import PROBE_WORK, ItlGuard, Objectives, PrefillAllowance, chunk_work
+from tokenfleet.engine.itl_guard import PROBE_WORK, ItlGuard, Objectives, PrefillAllowance, banked_slack, chunk_work
 from tokenfleet.engine.scheduler import ScheduledRequest
 
 
@@ -99,6 +99,35 @@ def test_a_tpot_objective_boosts_only_a_long_prompt_whose_ttft_is_at_risk():
     assert slow.boost_s() == 0.0  # the factor's half a decode step is all there is
     with pytest.raises(ValueError):
         Objectives(tpot_s=float("nan"))
+
+
+def test_streams_bank_the_slack_their_tpot_objective_leaves_and_a_step_may_spend_the_least_of_it():
+    """0.1 s TPOT objective, headroom 0.8: a stream 20 tokens in after 1 s, with no more expected, may wait
+    0.8 x 0.1 x 20 - 1 = 0.6 s for its next token; with 10 more expected at 0.04 s each, 0.8 x 3 - 1 - 0.4 = 1.0 s;
+    one just started, 0.08 s; one already over its objective, none."""
+    assert banked_slack([(9.0, 20, 0)], now=10.0, tpot_s=0.1, decode_s=0.04) == pytest.approx(0.6)
+    assert banked_slack([(9.0, 20, 10)], now=10.0, tpot_s=0.1, decode_s=0.04) == pytest.approx(1.0)
+    assert banked_slack([(9.0, 20, 0), (10.0, 1, 0)], now=10.0, tpot_s=0.1, decode_s=0.04) == pytest.approx(0.08)
+    assert banked_slack([(0.0, 20, 0)], now=10.0, tpot_s=0.1, decode_s=0.04) < 0
+    assert banked_slack([], now=10.0, tpot_s=0.1, decode_s=0.04) is None
+    assert banked_slack([(9.0, 20, 0)], now=10.0, tpot_s=0.0, decode_s=0.04) is None  # no TPOT objective
+    guard = ItlGuard(1.5, pair_cost=0.0, objectives=Objectives(0.5, 0.001, 0.1))
+    guard.observe(_entries((10, 1), (12, 1)), seconds=0.04)
+    guard.observe(_entries((10, 1), (0, 100)), seconds=0.14)  # 0.001 s a token of prefill
+    assert guard.allowance(0.6).left == pytest.approx(560.0)  # 0.6 s less the step's 0.04 s of decodes
+    assert guard.allowance(0.6).boost == 0.0  # more than an at-risk prompt's boost already
+    assert guard.allowance(0.05).left == pytest.approx(20.0)  # under the factor's pace: the factor's
+    assert guard.allowance(-1.0).left == pytest.approx(20.0)
+    assert guard.allowance(0.07).boost == pytest.approx(10.0)  # at risk: up to the boosted 40 tokens
+    assert guard.expected_more(5, 100) == 1  # nothing finished yet: one more token at least
+    for n in (30, 50):
+        guard.finished(n)
+    assert guard.output_len == pytest.approx(34.0)  # the running estimate
+    assert (guard.expected_more(5, 100), guard.expected_more(5, 20), guard.expected_more(40, 100)) == (29, 15, 1)
+    smooth = ItlGuard(1.5, pair_cost=0.0)
+    smooth.observe(_entries((10, 1), (12, 1)), seconds=0.04)
+    smooth.observe(_entries((10, 1), (0, 100)), seconds=0.14)
+    assert smooth.allowance(0.6).left == pytest.approx(20.0)  # without a TPOT objective slack is not spent
 
 
 def test_the_scheduler_judges_a_long_prompts_deadline_from_its_arrival():
