@@ -18,7 +18,7 @@ import structlog
 
 from tokenfleet.engine.detokenizer import Decoder
 from tokenfleet.engine.guided import GuideCompiler
-from tokenfleet.engine.itl_guard import ItlGuard, banked_slack
+from tokenfleet.engine.itl_guard import ItlGuard
 from tokenfleet.engine.kv_connector import KVConnector
 from tokenfleet.engine.kv_tier import SecondTier, StagedBlocks, TierChain
 from tokenfleet.engine.lookahead import lookahead, queueable
@@ -383,13 +383,7 @@ class EngineCore:
             self.spec.propose(self.scheduler.running, self.scheduler.config.max_num_batched_tokens)
         now = time.monotonic()
         if self.itl_guard is not None:
-            guard = self.itl_guard
-            streams = [(r.first_token_time, len(r.output_token_ids), guard.expected_more(len(r.output_token_ids),
-                                                                                           r.max_tokens))
-                       for r in self.scheduler.running
-                       if r.first_token_time is not None and r.num_tokens - r.num_computed_tokens == 1]
-            slack = banked_slack(streams, now, guard.objectives.tpot_s, guard.decode_s or 0.0)
-            self.scheduler.prefill_allowance = guard.allowance(slack)
+            self.scheduler.prefill_allowance = self.itl_guard.step_allowance(self.scheduler.running, now)
         self.stats.num_retention_expiries += self.scheduler.block_manager.expire(now)
         output = self.scheduler.schedule(now)
         self.offload_evicted()  # before the restores and the forward overwrite those blocks

@@ -9,12 +9,13 @@ several long prompts at deep positions (each token of theirs an attention over t
 the streams. Long prompts take full chunks whenever nothing decodes and no short prompt waits.
 
 With objectives (``Objectives``: the TTFT a prompt is promised, a base plus a share per prompt token, and the TPOT
-the streams are promised), the streams' slack goes to prefill. A stream's TPOT is its mean inter-token time over its whole output, so one
-running under the objective banks time (``banked_slack``: the longest next step after which it still meets
-``TPOT_HEADROOM`` of the objective, were it to produce as many tokens as recent requests did, at the decode pace);
-a step beside decoding streams may take the least of their banked slack for long prompts' chunks, and the factor's
-pace is only its floor, for streams with nothing banked. A long prompt whose chunks at the factor's pace would finish
-after its TTFT deadline may also grow its step to ``TPOT_HEADROOM`` of the TPOT objective. Without a TPOT objective the factor alone sizes the steps, for smooth streams.
+the streams are promised), the streams' slack goes to prefill. A stream's TPOT is its mean inter-token time over its
+whole output, so one running under the objective banks time (``banked_slack``: the longest next step after which it
+still meets ``TPOT_HEADROOM`` of the objective, were it to produce as many tokens as recent requests did, at the
+decode pace); a step beside decoding streams may take the least of their banked slack for long prompts' chunks, and
+the factor's pace is only its floor, for streams with nothing banked. A long prompt whose chunks at the factor's
+pace would finish after its TTFT deadline may also grow its step to ``TPOT_HEADROOM`` of the TPOT objective. Without
+a TPOT objective the factor alone sizes the steps, for smooth streams.
 
 Work is counted in token-equivalents: one token through the matmuls, and ``pair_cost`` for each attention (query,
 key) pair (attention FLOPs per pair over matmul FLOPs per token), so a chunk deep into a long context costs more than
@@ -57,6 +58,21 @@ class Pending(Protocol):
     def num_tokens(self) -> int: ...
     @property
     def num_computed_tokens(self) -> int: ...
+
+
+class Stream(Protocol):
+    """What the guard reads of a running request to judge its stream's slack (request.Request)."""
+
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def first_token_time(self) -> float | None: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def max_tokens(self) -> int: ...
 
 
 def for_step(allowance: PrefillAllowance | None, running: Iterable[Pending], waiting: Iterable[Pending],
@@ -205,6 +221,13 @@ class ItlGuard:
             boost = max(0.0, paced + boost - left)  # an at-risk prompt gets at least the boosted step
         return PrefillAllowance(left, self.pair_cost, boost=boost, step_s=self.factor * self.decode_s, per_step=paced,
                                 objectives=self.objectives)
+
+    def step_allowance(self, running: Iterable[Stream], now: float) -> PrefillAllowance:
+        """``allowance`` with the ``banked_slack`` of the decoding streams among ``running``."""
+        streams = [(r.first_token_time, len(r.output_token_ids), self.expected_more(len(r.output_token_ids),
+                                                                                     r.max_tokens))
+                   for r in running if r.first_token_time is not None and r.num_tokens - r.num_computed_tokens == 1]
+        return self.allowance(banked_slack(streams, now, self.objectives.tpot_s, self.decode_s or 0.0))
 
     def expected_more(self, num_output_tokens: int, max_tokens: int) -> int:
         """Tokens a stream with ``num_output_tokens`` so far is expected to produce still: as many as recent requests

@@ -166,10 +166,9 @@ class NativePagedAttention:
         self.fp8 = fp8
         self.dtype = dtype
         # fp32 prefill spans go to SDPA (MKL's fp32 GEMMs), 1.4x faster at a 1,024-token prompt on the Zen 3 than
-        # this kernel's portable code (benchmarks/cpu_kernels.py); bf16 ones stay here (faster than SDPA in bf16)
+        # this kernel's portable code (benchmarks/cpu_kernels.py); bf16 ones stay here unless loader.checked_kernels
+        # finds SDPA faster on this machine (models.prefill_attention), which it says in prefill_reason
         self.handles_prefill = dtype == torch.bfloat16
-        # bf16: loader.checked_kernels keeps the prefill chunks here or sends them to SDPA, whichever this machine
-        # runs faster (models.prefill_attention), and says why here
         self.prefill_reason = ""
         self._fn = lib.tf_paged_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p

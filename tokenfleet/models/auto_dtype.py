@@ -134,7 +134,7 @@ def choose_dtype(requested: str, device: torch.device, quantization: str = "", h
                            "the native quantized matmul has no bf16 path here", "kernel", machine=name)
     path = cache or envs.cache_dir() / "auto-dtype.json"
     key = _cache_key(name, flags, hidden, intermediate)
-    cached = _read_cache(path).get(key)
+    cached = read_cache(path).get(key)
     if cached is not None:
         return dataclasses.replace(DtypeChoice.from_json(cached), source="cached")
     rates = measure(hidden, intermediate)
@@ -146,7 +146,7 @@ def choose_dtype(requested: str, device: torch.device, quantization: str = "", h
                          f"{flags_named}: bf16 matmul {shown} fp32's" +
                          ("" if fast else f" (bf16 needs >= {FAST_RATIO}x at every size)"),
                          "measured", rates, name)
-    _write_cache(path, key, choice)
+    write_cache(path, key, choice.to_json())
     return choice
 
 
@@ -161,13 +161,19 @@ def _native_quant_bf16() -> bool:
     return kernel is not None and kernel.has_bf16
 
 
+def machine_key(*parts: str) -> str:
+    """A cache key for a choice measured on this machine: ``parts`` (the CPU's model and flags, the model's geometry...)
+    with torch's threads and version."""
+    text = "\x00".join([*parts, str(torch.get_num_threads()), torch.__version__])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
 def _cache_key(name: str, flags: frozenset[str], hidden: int, intermediate: int) -> str:
-    parts = [name, " ".join(sorted(flags)), str(torch.get_num_threads()), torch.__version__,
-             f"{hidden}x{intermediate}"]
-    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:24]
+    return machine_key(name, " ".join(sorted(flags)), f"{hidden}x{intermediate}")
 
 
-def _read_cache(path: Path) -> dict[str, str]:
+def read_cache(path: Path) -> dict:
+    """A choices cache file's entries ({} when missing or unreadable: the choice is measured again)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -175,10 +181,12 @@ def _read_cache(path: Path) -> dict[str, str]:
     return data if isinstance(data, dict) else {}
 
 
-def _write_cache(path: Path, key: str, choice: DtypeChoice) -> None:
+def write_cache(path: Path, key: str, value: object) -> None:
+    """Add ``key``: ``value`` to a choices cache file (atomically; a read-only cache is skipped: the next start
+    measures again)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = {**_read_cache(path), key: choice.to_json()}
+        data = {**read_cache(path), key: value}
         write_atomically(path, json.dumps(data, sort_keys=True, indent=1).encode(), 0o644)
-    except OSError:  # a read-only cache: the next start measures again; this choice stands
+    except OSError:
         return

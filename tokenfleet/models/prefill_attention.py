@@ -14,8 +14,6 @@ machine (CPU model, flags, threads, torch) and geometry in ``<cache>/prefill-att
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,9 +23,8 @@ import structlog
 import torch
 
 from tokenfleet import envs
-from tokenfleet.files import write_atomically
 from tokenfleet.models.attention import NativePagedAttention, PagedQueries, _gather, _prefill_attention
-from tokenfleet.models.auto_dtype import cpu_model_and_flags
+from tokenfleet.models.auto_dtype import cpu_model_and_flags, machine_key, read_cache, write_cache
 
 FAST_RATIO = 1.1  # SDPA must beat the kernel by this much to take the prefill chunks
 CASES = ((0, 512), (768, 256))  # (context before the chunk, chunk tokens)
@@ -54,32 +51,39 @@ def measure(attend: NativePagedAttention, num_heads: int, num_kv_heads: int, hea
             block_size: int) -> tuple[float, float]:
     """(kernel ms, SDPA ms) over CASES, each case's best of REPEATS, the two alternating."""
     g = torch.Generator().manual_seed(7)
-    longest = max(context + rows for context, rows in CASES)
-    blocks = -(-longest // block_size)
+    blocks = -(-max(context + rows for context, rows in CASES) // block_size)
     k_cache = torch.randn(num_kv_heads, blocks, block_size, head_dim, generator=g).to(torch.bfloat16)
     v_cache = torch.randn(num_kv_heads, blocks, block_size, head_dim, generator=g).to(torch.bfloat16)
-    table = torch.arange(blocks)
     kernel_ms = sdpa_ms = 0.0
     for context, rows in CASES:
-        length = context + rows
         q = torch.randn(rows, num_heads, head_dim, generator=g).to(torch.bfloat16)
-        meta = PagedQueries(block_table=table[None, : -(-length // block_size)], context_lens=torch.tensor([length]),
-                            query_start=torch.tensor([0, rows]), num_tokens=rows, max_query_len=rows)
-
-        def sdpa() -> None:
-            keys = _gather(k_cache, table[: -(-length // block_size)], q.dtype)[:, :length]
-            values = _gather(v_cache, table[: -(-length // block_size)], q.dtype)[:, :length]
-            _prefill_attention(q, keys, values, context)
-
-        best = [float("inf"), float("inf")]
-        for _ in range(REPEATS + 1):  # the first round warms both up
-            for i, fn in enumerate((lambda: attend(q, k_cache, v_cache, meta), sdpa)):
-                start = time.perf_counter()
-                fn()
-                best[i] = min(best[i], time.perf_counter() - start)
-        kernel_ms += best[0] * 1e3
-        sdpa_ms += best[1] * 1e3
+        kernel_s, sdpa_s = _time_case(attend, q, k_cache, v_cache, context, block_size)
+        kernel_ms += kernel_s * 1e3
+        sdpa_ms += sdpa_s * 1e3
     return kernel_ms, sdpa_ms
+
+
+def _time_case(attend: NativePagedAttention, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               context: int, block_size: int) -> tuple[float, float]:
+    """Best seconds of the kernel and of SDPA for the chunk ``q`` after ``context`` tokens (blocks 0, 1, ...)."""
+    rows = q.shape[0]
+    length = context + rows
+    ids = torch.arange(-(-length // block_size))
+    meta = PagedQueries(block_table=ids[None], context_lens=torch.tensor([length]),
+                        query_start=torch.tensor([0, rows]), num_tokens=rows, max_query_len=rows)
+
+    def sdpa() -> None:
+        keys = _gather(k_cache, ids, q.dtype)[:, :length]
+        values = _gather(v_cache, ids, q.dtype)[:, :length]
+        _prefill_attention(q, keys, values, context)
+
+    best = [float("inf"), float("inf")]
+    for _ in range(REPEATS + 1):  # the first round warms both up
+        for i, fn in enumerate((lambda: attend(q, k_cache, v_cache, meta), sdpa)):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
 
 
 def choose(attend: NativePagedAttention, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, *,
@@ -87,10 +91,8 @@ def choose(attend: NativePagedAttention, num_heads: int, num_kv_heads: int, head
     """Whether ``attend`` keeps the prefill chunks (the module docstring's rule), measured or cached."""
     name, flags = cpu_model_and_flags()
     path = cache or envs.cache_dir() / "prefill-attention.json"
-    parts = [name, " ".join(sorted(flags)), str(torch.get_num_threads()), torch.__version__, attend.build,
-             f"{num_heads}/{num_kv_heads}x{head_dim}/{block_size}"]
-    key = hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:24]
-    stored = _read(path).get(key)
+    key = machine_key(name, " ".join(sorted(flags)), attend.build, f"{num_heads}/{num_kv_heads}x{head_dim}/{block_size}")
+    stored = read_cache(path).get(key)
     if isinstance(stored, dict):
         try:
             choice = dataclasses.replace(PrefillChoice(**stored), source="cached")
@@ -102,12 +104,7 @@ def choose(attend: NativePagedAttention, num_heads: int, num_kv_heads: int, head
     kernel_ms, sdpa_ms = timer(attend, num_heads, num_kv_heads, head_dim, block_size)
     choice = PrefillChoice(in_kernel=not sdpa_ms * FAST_RATIO <= kernel_ms, kernel_ms=round(kernel_ms, 3),
                            sdpa_ms=round(sdpa_ms, 3))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        record = {f.name: getattr(choice, f.name) for f in dataclasses.fields(choice) if f.name != "source"}
-        write_atomically(path, json.dumps({**_read(path), key: record}, sort_keys=True, indent=1).encode(), 0o644)
-    except OSError:  # a read-only cache: the next load measures again; this choice stands
-        pass
+    write_cache(path, key, {f.name: getattr(choice, f.name) for f in dataclasses.fields(choice) if f.name != "source"})
     _log(choice)
     return choice
 
@@ -116,10 +113,3 @@ def _log(choice: PrefillChoice) -> None:
     log.info("prefill_attention", where="kernel" if choice.in_kernel else "sdpa", kernel_ms=choice.kernel_ms,
              sdpa_ms=choice.sdpa_ms, source=choice.source)
 
-
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -12,7 +12,6 @@ import torch
 
 from tokenfleet import envs
 
-
 T = TypeVar("T")
 
 
