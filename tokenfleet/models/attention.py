@@ -182,8 +182,7 @@ class NativePagedAttention:
     def name(self) -> str:
         if self.dtype == torch.float32:
             return "native paged attention (portable C, fp32)"
-        spans = "" if self.handles_prefill or self.fp8 else "; prefill chunks in SDPA"
-        return f"native paged attention ({self.build}{', FP8 KV' if self.fp8 else ''}{spans})"
+        return f"native paged attention ({self.build}{', FP8 KV' if self.fp8 else ''})"
 
     def path_counts(self) -> dict[str, int]:
         """Work items each code path has run since this object was made (the kernel counts them)."""

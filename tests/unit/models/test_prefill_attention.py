@@ -62,8 +62,8 @@ def test_the_loader_applies_the_choice(default_model_dir, monkeypatch, in_kernel
     from tokenfleet.models.config import ModelConfig
     from tokenfleet.models.loader import checked_kernels
 
-    monkeypatch.setattr(prefill_attention, "choose", lambda *a, **k: prefill_attention.PrefillChoice(in_kernel, 2, 1))
+    monkeypatch.setattr(prefill_attention, "choose", lambda *a, **k: prefill_attention.PrefillChoice(in_kernel, 2.0, 1.0))
     attention, _, _ = checked_kernels(ModelConfig.from_dir(default_model_dir), torch.bfloat16, torch.device("cpu"))
     assert isinstance(attention, NativePagedAttention)
     assert attention.handles_prefill is in_kernel
-    assert attention.prefill_reason and ("SDPA" in attention.name) is not in_kernel
+    assert ("in the SDPA" in attention.prefill_reason) is not in_kernel
